@@ -1,0 +1,79 @@
+// Package engine holds the types the scheduler and the engine adapters
+// exchange: one normalized generation request and the stream of events it
+// produces, whatever engine serves it (a baton worker over gRPC, or an
+// OpenAI-compatible HTTP engine such as vLLM).
+package engine
+
+import (
+	"context"
+	"errors"
+)
+
+// Request is one generation request, validated and normalized by the
+// scheduler's front end.
+type Request struct {
+	// ID is the scheduler's request id, for logs.
+	ID string
+	// Model is the model name the client asked for.
+	Model string
+	// Tenant salts every block key (prompt_cache_key or X-Prefix-Aware-Id).
+	Tenant string
+	// Prompt is the routing text: chat messages rendered in order, or the
+	// completion prompt.
+	Prompt string
+	// MaxTokens bounds the completion; 0 means the engine's default.
+	MaxTokens int
+	// Stop sequences end generation before their first occurrence.
+	Stop []string
+
+	// Path and Body are the client's original HTTP request, which
+	// OpenAI-compatible HTTP engines receive unchanged.
+	Path string
+	Body []byte
+	// Stream reports whether the client asked for a streamed response.
+	Stream bool
+}
+
+// Event is one event of a generation stream: either new text (the first
+// one marks the first token) or, last, the final usage.
+type Event struct {
+	// Text is newly generated text; Tokens the number of tokens it holds.
+	Text   string
+	Tokens int
+	// Final is set on the last event only.
+	Final *Final
+}
+
+// Final is how a generation ended and what it used.
+type Final struct {
+	// FinishReason is "stop" or "length".
+	FinishReason     string
+	PromptTokens     int
+	CachedTokens     int
+	CompletionTokens int
+}
+
+// Stream is a generation in progress. Recv is called from one goroutine;
+// it returns io.EOF after the event carrying Final. Close releases the
+// stream and cancels the generation if it has not ended; it is idempotent.
+type Stream interface {
+	Recv() (Event, error)
+	Close() error
+}
+
+// Client drives one engine. Its methods are safe for concurrent use.
+type Client interface {
+	// Generate starts req and returns its stream. An error returned here
+	// means nothing was generated, so the caller may retry elsewhere.
+	// Cancelling ctx cancels the generation.
+	Generate(ctx context.Context, req *Request) (Stream, error)
+	// Check reports the engine's health: nil when it can serve.
+	Check(ctx context.Context) error
+	// Close releases the client's connections.
+	Close() error
+}
+
+// ErrUnavailable is returned (wrapped) by clients when the engine cannot be
+// reached or refused the request for lack of capacity; callers may retry the
+// request on another engine.
+var ErrUnavailable = errors.New("engine unavailable")
