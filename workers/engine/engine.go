@@ -7,6 +7,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"net/http"
 )
 
 // Request is one generation request, validated and normalized by the
@@ -77,3 +78,31 @@ type Client interface {
 // reached or refused the request for lack of capacity; callers may retry the
 // request on another engine.
 var ErrUnavailable = errors.New("engine unavailable")
+
+// Proxier is implemented by clients of engines that speak the OpenAI HTTP
+// API themselves (vLLM, SGLang, llama.cpp's llama-server). The scheduler
+// relays such an engine's response to its client as it comes, rather than
+// re-rendering it from events.
+type Proxier interface {
+	// Proxy sends req.Body to req.Path on the engine and copies the
+	// response to w (status, content type, body), flushing after each
+	// server-sent event. onFirstToken, if not nil, is called once when the
+	// first event carrying generated text is relayed. The caller sets its
+	// own response headers on w before calling Proxy.
+	//
+	// If Proxy returns an error with ProxyResult.Written false, nothing was
+	// written to w and the caller may retry elsewhere or write its own
+	// error; an error after writing means the relayed response was cut
+	// short.
+	Proxy(ctx context.Context, req *Request, w http.ResponseWriter, onFirstToken func()) (ProxyResult, error)
+}
+
+// ProxyResult is what the scheduler learns from a relayed response.
+type ProxyResult struct {
+	// Status is the engine's HTTP status.
+	Status int
+	// Written reports whether anything was written to the client.
+	Written bool
+	// Usage is the engine's reported usage, if its response carried one.
+	Usage *Final
+}
