@@ -1,0 +1,588 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/sony/gobreaker/v2"
+	"go.uber.org/goleak"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// fakeClient is an engine.Client whose Check returns a settable error.
+type fakeClient struct {
+	mu       sync.Mutex
+	checkErr error
+	checks   int
+}
+
+func (c *fakeClient) setCheckErr(err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.checkErr = err
+}
+
+func (c *fakeClient) Check(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.checks++
+	return c.checkErr
+}
+
+func (c *fakeClient) Generate(context.Context, *engine.Request) (engine.Stream, error) {
+	return nil, io.EOF
+}
+
+func (c *fakeClient) Close() error { return nil }
+
+var _ engine.Client = (*fakeClient)(nil)
+
+func newWorker(name string) *Worker {
+	return &Worker{Name: name, Addr: name + ":9000", Client: &fakeClient{}}
+}
+
+// newPool returns a pool that checks health rarely (tests call CheckNow)
+// and is closed when the test ends.
+func newPool(t *testing.T, cfg Config, opts ...Option) *Pool {
+	t.Helper()
+	if cfg.HealthInterval == 0 {
+		cfg.HealthInterval = time.Hour
+	}
+	p, err := New(cfg, opts...)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func names(s *Snapshot) []string {
+	var out []string
+	for _, w := range s.Workers {
+		out = append(out, w.Name)
+	}
+	return out
+}
+
+func TestConfigValidate(t *testing.T) {
+	tests := []struct {
+		name    string
+		cfg     Config
+		wantErr string
+	}{
+		{"zero means defaults", Config{}, ""},
+		{"defaults", Default(), ""},
+		{"timeout equal to interval", Config{HealthInterval: time.Second, HealthTimeout: time.Second}, ""},
+		{"negative open timeout", Config{BreakerOpenTimeout: -1}, "breaker_open_timeout: must be positive, got -1ns"},
+		{"negative interval", Config{HealthInterval: -time.Second}, "health_interval: must be positive, got -1s"},
+		{"negative timeout", Config{HealthTimeout: -time.Second}, "health_timeout: must be positive, got -1s"},
+		{"timeout over interval", Config{HealthInterval: time.Second, HealthTimeout: 3 * time.Second}, "health_timeout: must not exceed health_interval (1s), got 3s"},
+		{"timeout over default interval", Config{HealthTimeout: 3 * time.Second}, "health_timeout: must not exceed health_interval (2s), got 3s"},
+		{"negative unhealthy_after", Config{UnhealthyAfter: -1}, "unhealthy_after: must be at least 1, got -1"},
+		{"negative concurrency", Config{HealthConcurrency: -2}, "health_concurrency: must be at least 1, got -2"},
+		{"negative vnodes", Config{VirtualNodes: -2}, "virtual_nodes: must be at least 1, got -2"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.cfg.Validate()
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tt.wantErr {
+				t.Errorf("Validate() = %q, want %q", got, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestNewRejectsInvalidConfig(t *testing.T) {
+	if _, err := New(Config{UnhealthyAfter: -1}); err == nil {
+		t.Fatal("New with unhealthy_after -1 succeeded, want error")
+	}
+}
+
+func TestDefaultsFillZeroFields(t *testing.T) {
+	if diff := cmp.Diff(Default(), Config{}.withDefaults()); diff != "" {
+		t.Errorf("zero config with defaults (-want +got):\n%s", diff)
+	}
+}
+
+func TestMembership(t *testing.T) {
+	p := newPool(t, Config{})
+	if got := len(p.Snapshot().Workers); got != 0 {
+		t.Fatalf("new pool has %d workers, want 0", got)
+	}
+	if got := p.Snapshot().Ring.Len(); got != 0 {
+		t.Fatalf("new pool's ring has %d members, want 0", got)
+	}
+
+	b, a, c := newWorker("b"), newWorker("a"), newWorker("c")
+	for _, w := range []*Worker{b, a, c} {
+		if err := p.Add(w); err != nil {
+			t.Fatalf("Add(%s): %v", w.Name, err)
+		}
+	}
+	s1 := p.Snapshot()
+	if diff := cmp.Diff([]string{"a", "b", "c"}, names(s1)); diff != "" {
+		t.Errorf("workers after Add (-want +got):\n%s", diff)
+	}
+	for i, w := range s1.Workers {
+		if got := s1.Ring.Member(i); got != w.Name {
+			t.Errorf("ring member %d = %s, want %s", i, got, w.Name)
+		}
+	}
+	if got := s1.Worker("b"); got != b {
+		t.Errorf("Snapshot.Worker(b) = %v, want worker b", got)
+	}
+	if got := s1.Worker("zz"); got != nil {
+		t.Errorf("Snapshot.Worker(zz) = %v, want nil", got)
+	}
+
+	if got := p.Remove("b"); got != b {
+		t.Errorf("Remove(b) = %v, want worker b", got)
+	}
+	if got := p.Remove("b"); got != nil {
+		t.Errorf("second Remove(b) = %v, want nil", got)
+	}
+	s2 := p.Snapshot()
+	if diff := cmp.Diff([]string{"a", "c"}, names(s2)); diff != "" {
+		t.Errorf("workers after Remove (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]string{"a", "b", "c"}, names(s1)); diff != "" {
+		t.Errorf("earlier snapshot changed (-want +got):\n%s", diff)
+	}
+
+	// Set keeps the same *Worker, with its in-flight count.
+	done, err := a.Acquire()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newWorker("d")
+	if err := p.Set([]*Worker{d, a}); err != nil {
+		t.Fatalf("Set: %v", err)
+	}
+	s3 := p.Snapshot()
+	if diff := cmp.Diff([]string{"a", "d"}, names(s3)); diff != "" {
+		t.Errorf("workers after Set (-want +got):\n%s", diff)
+	}
+	if got := s3.Worker("a").InFlight(); got != 1 {
+		t.Errorf("a's in-flight after Set = %d, want 1 (shared across snapshots)", got)
+	}
+	done(nil)
+	if got := s1.Worker("a").InFlight(); got != 0 {
+		t.Errorf("a's in-flight in first snapshot after done = %d, want 0", got)
+	}
+}
+
+func TestAddReplacesSameName(t *testing.T) {
+	p := newPool(t, Config{})
+	old, repl := newWorker("a"), newWorker("a")
+	if err := p.Add(old); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Add(repl); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.Snapshot().Workers; len(got) != 1 || got[0] != repl {
+		t.Errorf("workers after replacing a = %v, want the replacement only", names(p.Snapshot()))
+	}
+}
+
+func TestInvalidMembership(t *testing.T) {
+	p := newPool(t, Config{})
+	other := newPool(t, Config{})
+	taken := newWorker("taken")
+	if err := other.Add(taken); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Add(newWorker("keep")); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name    string
+		change  func() error
+		wantErr string
+	}{
+		{"add nil", func() error { return p.Add(nil) }, "nil worker"},
+		{"add empty name", func() error { return p.Add(&Worker{Client: &fakeClient{}}) }, "worker with empty name"},
+		{"add nil client", func() error { return p.Add(&Worker{Name: "x"}) }, `worker "x": nil client`},
+		{"add other pool's worker", func() error { return p.Add(taken) }, `worker "taken": belongs to another pool`},
+		{"set duplicate", func() error { return p.Set([]*Worker{newWorker("x"), newWorker("x")}) }, `worker "x": name given twice`},
+		{"set nil", func() error { return p.Set([]*Worker{newWorker("x"), nil}) }, "nil worker"},
+		{"set other pool's worker", func() error { return p.Set([]*Worker{newWorker("x"), taken}) }, `worker "taken": belongs to another pool`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.change()
+			if err == nil || err.Error() != tt.wantErr {
+				t.Fatalf("error = %v, want %q", err, tt.wantErr)
+			}
+			if diff := cmp.Diff([]string{"keep"}, names(p.Snapshot())); diff != "" {
+				t.Errorf("membership changed by a failed change (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestServes(t *testing.T) {
+	tests := []struct {
+		models []string
+		model  string
+		want   bool
+	}{
+		{nil, "llama", true},
+		{[]string{"llama", "qwen"}, "qwen", true},
+		{[]string{"llama"}, "qwen", false},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprintf("%v/%s", tt.models, tt.model), func(t *testing.T) {
+			w := &Worker{Models: tt.models}
+			if got := w.Serves(tt.model); got != tt.want {
+				t.Errorf("Serves(%q) = %t, want %t", tt.model, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestInFlight(t *testing.T) {
+	p := newPool(t, Config{})
+	w := newWorker("a")
+	if err := p.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	var dones []func(error)
+	for i := 1; i <= 3; i++ {
+		done, err := w.Acquire()
+		if err != nil {
+			t.Fatalf("Acquire %d: %v", i, err)
+		}
+		dones = append(dones, done)
+		if got := w.InFlight(); got != i {
+			t.Errorf("in-flight after %d acquires = %d, want %d", i, got, i)
+		}
+	}
+	dones[0](nil)
+	dones[0](nil) // ignored
+	if got := w.InFlight(); got != 2 {
+		t.Errorf("in-flight after one done called twice = %d, want 2", got)
+	}
+	dones[1](nil)
+	dones[2](errors.New("boom"))
+	if got := w.InFlight(); got != 0 {
+		t.Errorf("in-flight after every done = %d, want 0", got)
+	}
+}
+
+func TestIsWorkerFault(t *testing.T) {
+	tests := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"nil", nil, false},
+		{"canceled", context.Canceled, false},
+		{"wrapped canceled", fmt.Errorf("stream: %w", context.Canceled), false},
+		{"client error", ClientError(errors.New("bad request")), false},
+		{"wrapped client error", fmt.Errorf("generate: %w", ClientError(errors.New("bad request"))), false},
+		{"deadline", context.DeadlineExceeded, true},
+		{"unavailable", fmt.Errorf("dial: %w", engine.ErrUnavailable), true},
+		{"other", errors.New("boom"), true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := IsWorkerFault(tt.err); got != tt.want {
+				t.Errorf("IsWorkerFault(%v) = %t, want %t", tt.err, got, tt.want)
+			}
+		})
+	}
+	if ClientError(nil) != nil {
+		t.Error("ClientError(nil) != nil")
+	}
+}
+
+type transition struct {
+	Worker   string
+	From, To gobreaker.State
+}
+
+type recorder struct {
+	mu     sync.Mutex
+	events []transition
+	health []string
+}
+
+func (r *recorder) breaker(worker string, from, to gobreaker.State) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, transition{worker, from, to})
+}
+
+func (r *recorder) healthChange(worker string, healthy bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.health = append(r.health, fmt.Sprintf("%s healthy=%t", worker, healthy))
+}
+
+func (r *recorder) transitions() []transition {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]transition(nil), r.events...)
+}
+
+func (r *recorder) healthChanges() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.health...)
+}
+
+func fail(t *testing.T, w *Worker, err error) {
+	t.Helper()
+	done, aerr := w.Acquire()
+	if aerr != nil {
+		t.Fatalf("Acquire: %v", aerr)
+	}
+	done(err)
+}
+
+func TestBreaker(t *testing.T) {
+	const timeout = 50 * time.Millisecond
+	rec := &recorder{}
+	p := newPool(t, Config{BreakerFailures: 3, BreakerOpenTimeout: timeout}, OnBreakerChange(rec.breaker))
+	w := newWorker("a")
+	if err := p.Add(w); err != nil {
+		t.Fatal(err)
+	}
+
+	// Errors that are not the worker's fault never trip it, and a success
+	// resets the run of failures.
+	for range 5 {
+		fail(t, w, context.Canceled)
+		fail(t, w, ClientError(errors.New("bad request")))
+	}
+	fail(t, w, errors.New("boom"))
+	fail(t, w, errors.New("boom"))
+	fail(t, w, nil)
+	fail(t, w, errors.New("boom"))
+	fail(t, w, errors.New("boom"))
+	if got := w.BreakerState(); got != gobreaker.StateClosed {
+		t.Fatalf("state after two runs of 2 failures = %v, want closed", got)
+	}
+
+	fail(t, w, errors.New("boom")) // third consecutive failure
+	if got := w.BreakerState(); got != gobreaker.StateOpen {
+		t.Fatalf("state after 3 consecutive failures = %v, want open", got)
+	}
+	if w.Available() {
+		t.Error("Available() with open breaker = true, want false")
+	}
+	if _, err := w.Acquire(); !errors.Is(err, ErrBreakerOpen) || !errors.Is(err, gobreaker.ErrOpenState) {
+		t.Errorf("Acquire on open breaker: error %v, want ErrBreakerOpen and gobreaker.ErrOpenState", err)
+	}
+	if got := w.InFlight(); got != 0 {
+		t.Errorf("in-flight after refused Acquire = %d, want 0", got)
+	}
+
+	time.Sleep(timeout + 10*time.Millisecond)
+	if !w.Available() {
+		t.Error("Available() after the open timeout = false, want true (half-open)")
+	}
+	probe, err := w.Acquire()
+	if err != nil {
+		t.Fatalf("Acquire on half-open breaker: %v", err)
+	}
+	if got := w.BreakerState(); got != gobreaker.StateHalfOpen {
+		t.Errorf("state during probe = %v, want half-open", got)
+	}
+	if _, err := w.Acquire(); !errors.Is(err, ErrBreakerOpen) || !errors.Is(err, gobreaker.ErrTooManyRequests) {
+		t.Errorf("second Acquire on half-open breaker: error %v, want ErrBreakerOpen and gobreaker.ErrTooManyRequests", err)
+	}
+	probe(nil)
+	if got := w.BreakerState(); got != gobreaker.StateClosed {
+		t.Errorf("state after successful probe = %v, want closed", got)
+	}
+
+	// A failed probe reopens it.
+	for range 3 {
+		fail(t, w, errors.New("boom"))
+	}
+	time.Sleep(timeout + 10*time.Millisecond)
+	fail(t, w, errors.New("boom"))
+	if got := w.BreakerState(); got != gobreaker.StateOpen {
+		t.Errorf("state after failed probe = %v, want open", got)
+	}
+	if w.Available() {
+		t.Error("Available() after failed probe = true, want false")
+	}
+
+	closed, half, open := gobreaker.StateClosed, gobreaker.StateHalfOpen, gobreaker.StateOpen
+	want := []transition{
+		{"a", closed, open}, {"a", open, half}, {"a", half, closed},
+		{"a", closed, open}, {"a", open, half}, {"a", half, open},
+	}
+	if diff := cmp.Diff(want, rec.transitions()); diff != "" {
+		t.Errorf("breaker transitions (-want +got):\n%s", diff)
+	}
+}
+
+func TestHealthChecks(t *testing.T) {
+	rec := &recorder{}
+	p := newPool(t, Config{UnhealthyAfter: 2}, OnHealthChange(rec.healthChange))
+	w, other := newWorker("a"), newWorker("b")
+	if err := p.Set([]*Worker{w, other}); err != nil {
+		t.Fatal(err)
+	}
+	c := w.Client.(*fakeClient)
+	ctx := context.Background()
+
+	steps := []struct {
+		checkErr    error
+		wantHealthy bool
+	}{
+		{nil, true},
+		{errors.New("down"), true}, // one failure is not enough
+		{errors.New("down"), false},
+		{errors.New("down"), false},
+		{nil, true}, // one success is
+		{errors.New("down"), true},
+		{nil, true}, // and resets the count
+		{errors.New("down"), true},
+	}
+	for i, s := range steps {
+		c.setCheckErr(s.checkErr)
+		p.CheckNow(ctx)
+		if got := w.Healthy(); got != s.wantHealthy {
+			t.Fatalf("step %d (check error %v): Healthy() = %t, want %t", i, s.checkErr, got, s.wantHealthy)
+		}
+		if got := w.Available(); got != s.wantHealthy {
+			t.Errorf("step %d: Available() = %t, want %t", i, got, s.wantHealthy)
+		}
+		if !other.Healthy() {
+			t.Errorf("step %d: other worker unhealthy", i)
+		}
+	}
+	want := []string{"a healthy=false", "a healthy=true"}
+	if diff := cmp.Diff(want, rec.healthChanges()); diff != "" {
+		t.Errorf("health changes (-want +got):\n%s", diff)
+	}
+}
+
+func TestHealthCheckTimeout(t *testing.T) {
+	p := newPool(t, Config{UnhealthyAfter: 1, HealthTimeout: 10 * time.Millisecond})
+	w := &Worker{Name: "slow", Client: &blockingClient{}}
+	if err := p.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	p.CheckNow(context.Background())
+	if w.Healthy() {
+		t.Error("worker whose check outlives health_timeout is healthy, want unhealthy")
+	}
+}
+
+// blockingClient's Check waits for its context.
+type blockingClient struct{ fakeClient }
+
+func (*blockingClient) Check(ctx context.Context) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func TestHealthLoop(t *testing.T) {
+	p := newPool(t, Config{HealthInterval: 5 * time.Millisecond, HealthTimeout: 5 * time.Millisecond, UnhealthyAfter: 2})
+	w := newWorker("a")
+	if err := p.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	c := w.Client.(*fakeClient)
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	c.setCheckErr(errors.New("down"))
+	waitFor("worker to turn unhealthy", func() bool { return !w.Healthy() })
+	c.setCheckErr(nil)
+	waitFor("worker to turn healthy", w.Healthy)
+}
+
+func TestCloseIdempotent(t *testing.T) {
+	p, err := New(Config{HealthInterval: time.Millisecond, HealthTimeout: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Add(&Worker{Name: "slow", Client: &blockingClient{}}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond)
+	for range 3 {
+		if err := p.Close(); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	}
+}
+
+// TestConcurrentUse runs membership changes, health rounds, snapshots and
+// calls at once; run it with -race.
+func TestConcurrentUse(t *testing.T) {
+	p := newPool(t, Config{BreakerFailures: 2, BreakerOpenTimeout: time.Millisecond})
+	ws := []*Worker{newWorker("a"), newWorker("b"), newWorker("c")}
+	if err := p.Set(ws); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 500 {
+				s := p.Snapshot()
+				if len(s.Workers) == 0 {
+					continue
+				}
+				w := s.Workers[s.Ring.Lookup(uint64(i*7919+g))]
+				_ = w.Available()
+				done, err := w.Acquire()
+				if err != nil {
+					continue
+				}
+				if i%3 == 0 {
+					done(errors.New("boom"))
+				} else {
+					done(nil)
+				}
+			}
+		})
+	}
+	wg.Go(func() {
+		for i := range 100 {
+			if i%2 == 0 {
+				p.Remove("b")
+			} else if err := p.Add(ws[1]); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	wg.Go(func() {
+		for range 20 {
+			p.CheckNow(context.Background())
+		}
+	})
+	wg.Wait()
+	for _, w := range ws {
+		if got := w.InFlight(); got != 0 {
+			t.Errorf("%s in-flight after all calls ended = %d, want 0", w.Name, got)
+		}
+	}
+}

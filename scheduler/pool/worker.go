@@ -1,0 +1,156 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// ErrBreakerOpen is returned (wrapped) by Worker.Acquire when the worker's
+// breaker refuses the call: it is open, or half-open with its probe calls
+// all taken. The caller should pick another worker.
+var ErrBreakerOpen = errors.New("breaker open")
+
+// Worker is one engine the scheduler routes to. Set the exported fields,
+// then hand the Worker to Pool.Add or Pool.Set, which give it its breaker;
+// do not change the fields afterwards. A Worker belongs to one Pool. Its
+// in-flight count, health and breaker are shared by every Snapshot that
+// holds it, and its methods are safe for concurrent use.
+type Worker struct {
+	// Name identifies the worker: unique in its pool, the ring member, the
+	// metrics label and the X-Baton-Worker header.
+	Name string
+	// Addr is the engine's address, for logs.
+	Addr string
+	// Models lists the models the engine serves; empty means any model.
+	Models []string
+	// Client drives the engine. The pool calls Check on it; it does not
+	// Close it: whoever created the client closes it once the worker is
+	// removed and its calls have ended.
+	Client engine.Client
+
+	pool     *Pool // set once by Pool.Add or Pool.Set
+	breaker  *gobreaker.TwoStepCircuitBreaker[struct{}]
+	inFlight atomic.Int64
+	healthy  atomic.Bool
+	// state mirrors the breaker's state, so Available reads atomics only;
+	// openUntil is when an open breaker turns half-open, in Unix
+	// nanoseconds (the breaker only changes state when next asked).
+	state     atomic.Int32
+	openUntil atomic.Int64
+	// failedChecks counts consecutive failed health checks; only the
+	// pool's health round, which is serialized, touches it.
+	failedChecks int
+}
+
+// InFlight returns the number of calls acquired and not yet done.
+func (w *Worker) InFlight() int { return int(w.inFlight.Load()) }
+
+// Healthy reports whether the worker passed its latest health checks. A
+// worker starts healthy, so a new pool routes at once.
+func (w *Worker) Healthy() bool { return w.healthy.Load() }
+
+// BreakerState returns the state of the worker's breaker. It moves an open
+// breaker whose timeout has passed to half-open, so it must not be called
+// from the pool's OnBreakerChange hook.
+func (w *Worker) BreakerState() gobreaker.State {
+	if w.breaker == nil {
+		return gobreaker.StateClosed
+	}
+	return w.breaker.State()
+}
+
+// Serves reports whether the worker serves model.
+func (w *Worker) Serves(model string) bool {
+	return len(w.Models) == 0 || slices.Contains(w.Models, model)
+}
+
+// Available reports whether the worker may be routed to: healthy and its
+// breaker closed or half-open (an open breaker past its timeout counts as
+// half-open). It reads atomics only and does not allocate. Whether the
+// worker is too busy is a strategy's concern.
+func (w *Worker) Available() bool {
+	if !w.healthy.Load() {
+		return false
+	}
+	if gobreaker.State(w.state.Load()) != gobreaker.StateOpen {
+		return true
+	}
+	return time.Now().UnixNano() >= w.openUntil.Load()
+}
+
+// Acquire asks the worker's breaker for a call and counts it in flight. On
+// success the caller must call done exactly once when the call ends (for a
+// stream, when the stream ends); done releases the in-flight slot and
+// reports the outcome to the breaker: IsWorkerFault(err) counts as a
+// failure, anything else (nil, context.Canceled, an error wrapped with
+// ClientError) as a success. Extra calls of done are ignored.
+//
+// When the breaker refuses the call, Acquire returns an error wrapping
+// ErrBreakerOpen and the gobreaker error (gobreaker.ErrOpenState or
+// gobreaker.ErrTooManyRequests), and counts nothing.
+func (w *Worker) Acquire() (done func(err error), err error) {
+	report := func(error) {}
+	if w.breaker != nil {
+		report, err = w.breaker.Allow()
+		if err != nil {
+			return nil, fmt.Errorf("worker %s: %w: %w", w.Name, ErrBreakerOpen, err)
+		}
+	}
+	w.inFlight.Add(1)
+	var once atomic.Bool
+	return func(err error) {
+		if !once.CompareAndSwap(false, true) {
+			return
+		}
+		w.inFlight.Add(-1)
+		report(err)
+	}, nil
+}
+
+// onBreakerChange is the breaker's OnStateChange hook. The breaker calls
+// it with its lock held.
+func (w *Worker) onBreakerChange(from, to gobreaker.State, timeout time.Duration) {
+	if to == gobreaker.StateOpen {
+		w.openUntil.Store(time.Now().Add(timeout).UnixNano())
+	}
+	w.state.Store(int32(to))
+	if h := w.pool.onBreakerChange; h != nil {
+		h(w.Name, from, to)
+	}
+}
+
+// clientError marks an error as the client's doing.
+type clientError struct{ err error }
+
+func (e clientError) Error() string { return e.err.Error() }
+func (e clientError) Unwrap() error { return e.err }
+
+// ClientError marks err as caused by the client's request (a request the
+// engine rejected as invalid, say), so that it does not count against the
+// worker's breaker. It returns nil if err is nil.
+func ClientError(err error) error {
+	if err == nil {
+		return nil
+	}
+	return clientError{err}
+}
+
+// IsWorkerFault reports whether err, as passed to Acquire's done, counts as
+// the worker's failure. nil, context.Canceled (the client went away) and
+// errors marked with ClientError do not; everything else does, including
+// context.DeadlineExceeded (the worker was too slow).
+func IsWorkerFault(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	var ce clientError
+	return !errors.As(err, &ce)
+}
