@@ -1,0 +1,295 @@
+// Package grpcworker is the scheduler's client of a baton worker: it drives
+// the worker's gRPC API (proto/worker.proto) as an engine.Client.
+package grpcworker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// ServiceName is the name under which a worker reports its health through
+// the standard gRPC health service.
+var ServiceName = workerpb.Worker_ServiceDesc.ServiceName
+
+var (
+	// ErrUnknownModel is returned (wrapped) when the worker does not serve
+	// the requested model (gRPC NotFound). Another worker may serve it.
+	ErrUnknownModel = errors.New("unknown model")
+	// ErrInvalid is returned (wrapped) when the worker rejected the request
+	// as malformed (gRPC InvalidArgument). Retrying elsewhere will not help.
+	ErrInvalid = errors.New("invalid request")
+)
+
+// DefaultKeepalive is the client keepalive used unless WithKeepalive says
+// otherwise. A ping every 30 s without traffic keeps long, quiet streams
+// (a sequence waiting in a worker's queue) alive through NATs and load
+// balancers, and detects a dead worker within Time+Timeout.
+//
+// A gRPC server's default enforcement policy rejects pings more often than
+// every 5 minutes, so workers must allow them: see KeepaliveEnforcement.
+var DefaultKeepalive = keepalive.ClientParameters{
+	Time:                30 * time.Second,
+	Timeout:             10 * time.Second,
+	PermitWithoutStream: false,
+}
+
+// KeepaliveEnforcement is the server-side policy a worker must install
+// (grpc.KeepaliveEnforcementPolicy) to accept DefaultKeepalive's pings.
+var KeepaliveEnforcement = keepalive.EnforcementPolicy{
+	MinTime:             20 * time.Second,
+	PermitWithoutStream: false,
+}
+
+// Option configures Dial.
+type Option func(*options)
+
+type options struct {
+	creds     credentials.TransportCredentials
+	keepalive keepalive.ClientParameters
+	extra     []grpc.DialOption
+}
+
+// WithTransportCredentials sets the transport credentials, for TLS
+// (credentials.NewTLS). The default is insecure: workers sit on loopback or
+// on the cluster's internal network.
+func WithTransportCredentials(c credentials.TransportCredentials) Option {
+	return func(o *options) { o.creds = c }
+}
+
+// WithKeepalive replaces DefaultKeepalive.
+func WithKeepalive(p keepalive.ClientParameters) Option {
+	return func(o *options) { o.keepalive = p }
+}
+
+// WithDialOptions appends raw gRPC dial options (interceptors, stats
+// handlers), applied after the ones this package sets.
+func WithDialOptions(opts ...grpc.DialOption) Option {
+	return func(o *options) { o.extra = append(o.extra, opts...) }
+}
+
+// Client drives one baton worker. Its methods are safe for concurrent use.
+type Client struct {
+	conn   *grpc.ClientConn
+	worker workerpb.WorkerClient
+	health healthpb.HealthClient
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Dial returns a client of the worker at addr ("host:port", or any target
+// grpc.NewClient accepts). It does not connect: the connection is made on
+// the first call and re-made as needed.
+func Dial(addr string, opts ...Option) (*Client, error) {
+	o := options{
+		creds:     insecure.NewCredentials(),
+		keepalive: DefaultKeepalive,
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	dialOpts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(o.creds),
+		grpc.WithKeepaliveParams(o.keepalive),
+	}, o.extra...)
+	conn, err := grpc.NewClient(addr, dialOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("dialing worker %s: %w", addr, err)
+	}
+	return &Client{
+		conn:   conn,
+		worker: workerpb.NewWorkerClient(conn),
+		health: healthpb.NewHealthClient(conn),
+	}, nil
+}
+
+// Generate starts req on the worker. It waits for the worker's first event,
+// so that a worker that cannot serve the request (unreachable, unknown
+// model, invalid request) fails here, with nothing generated, and the
+// caller may retry elsewhere. Cancelling ctx, or closing the stream,
+// cancels the generation on the worker.
+func (c *Client) Generate(ctx context.Context, req *engine.Request) (engine.Stream, error) {
+	if req == nil {
+		return nil, fmt.Errorf("generate: %w: nil request", ErrInvalid)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	st, err := c.worker.Generate(ctx, &workerpb.GenerateRequest{
+		RequestId: req.ID,
+		Model:     req.Model,
+		Tenant:    req.Tenant,
+		Prompt:    req.Prompt,
+		MaxTokens: clampInt32(req.MaxTokens),
+		Stop:      req.Stop,
+	})
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("generate: %w", mapError(err))
+	}
+	first, err := st.Recv()
+	if err != nil {
+		cancel()
+		if errors.Is(err, io.EOF) {
+			// The worker ended the stream without a single event: nothing
+			// was generated, so another worker may do better.
+			return nil, fmt.Errorf("generate: %w: stream ended before its first event: %w", engine.ErrUnavailable, io.ErrUnexpectedEOF)
+		}
+		return nil, fmt.Errorf("generate: %w", mapError(err))
+	}
+	return &stream{st: st, cancel: cancel, first: first}, nil
+}
+
+// Check asks the worker's gRPC health service about ServiceName. It returns
+// nil when the worker is SERVING; otherwise an error wrapping
+// engine.ErrUnavailable (or ctx's error when ctx ended).
+func (c *Client) Check(ctx context.Context) error {
+	resp, err := c.health.Check(ctx, &healthpb.HealthCheckRequest{Service: ServiceName})
+	if err != nil {
+		switch status.Code(err) {
+		case codes.Canceled, codes.DeadlineExceeded:
+			return fmt.Errorf("health check: %w", mapError(err))
+		}
+		return fmt.Errorf("health check: %w: %w", engine.ErrUnavailable, err)
+	}
+	if s := resp.GetStatus(); s != healthpb.HealthCheckResponse_SERVING {
+		return fmt.Errorf("health check: %w: worker is %s", engine.ErrUnavailable, s)
+	}
+	return nil
+}
+
+// Info returns the worker's description. Errors are mapped as Generate's.
+func (c *Client) Info(ctx context.Context) (*workerpb.InfoResponse, error) {
+	resp, err := c.worker.Info(ctx, &workerpb.InfoRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("info: %w", mapError(err))
+	}
+	return resp, nil
+}
+
+// Watch subscribes to the worker's load reports and cache events. The
+// stream lives until ctx is cancelled or the worker ends it; the caller
+// must cancel ctx when done with it.
+func (c *Client) Watch(ctx context.Context) (workerpb.Worker_WatchClient, error) {
+	st, err := c.worker.Watch(ctx, &workerpb.WatchRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("watch: %w", mapError(err))
+	}
+	return st, nil
+}
+
+// Close closes the connection; calls in flight fail. It is idempotent.
+func (c *Client) Close() error {
+	c.closeOnce.Do(func() { c.closeErr = c.conn.Close() })
+	return c.closeErr
+}
+
+// stream is a Generate call in progress.
+type stream struct {
+	st     workerpb.Worker_GenerateClient
+	cancel context.CancelFunc
+
+	first    *workerpb.GenerateEvent // buffered by Generate, returned by the first Recv
+	finished bool                    // Final returned: Recv returns io.EOF
+
+	closeOnce sync.Once
+}
+
+// Recv returns the next event: io.EOF after the one carrying Final.
+func (s *stream) Recv() (engine.Event, error) {
+	if s.finished {
+		return engine.Event{}, io.EOF
+	}
+	ev := s.first
+	s.first = nil
+	if ev == nil {
+		var err error
+		ev, err = s.st.Recv()
+		if err != nil {
+			s.cancel()
+			if errors.Is(err, io.EOF) {
+				return engine.Event{}, fmt.Errorf("generate: stream ended without a final event: %w", io.ErrUnexpectedEOF)
+			}
+			return engine.Event{}, fmt.Errorf("generate: %w", mapError(err))
+		}
+	}
+	switch e := ev.GetEvent().(type) {
+	case *workerpb.GenerateEvent_Tokens:
+		return engine.Event{Text: e.Tokens.GetText(), Tokens: int(e.Tokens.GetCount())}, nil
+	case *workerpb.GenerateEvent_Final:
+		// The worker ends the call after Final; releasing our side now
+		// frees the stream even if the caller never calls Close.
+		s.finished = true
+		s.cancel()
+		f := e.Final
+		return engine.Event{Final: &engine.Final{
+			FinishReason:     f.GetFinishReason(),
+			PromptTokens:     int(f.GetPromptTokens()),
+			CachedTokens:     int(f.GetCachedTokens()),
+			CompletionTokens: int(f.GetCompletionTokens()),
+		}}, nil
+	default:
+		s.cancel()
+		return engine.Event{}, fmt.Errorf("generate: unknown event %T", e)
+	}
+}
+
+// Close cancels the call if it is still running. It is idempotent and may
+// be called from another goroutine than Recv's.
+func (s *stream) Close() error {
+	s.closeOnce.Do(s.cancel)
+	return nil
+}
+
+// mapError maps a gRPC error to the errors callers branch on. The gRPC
+// status stays in the chain, so status.Code still works on the result.
+func mapError(err error) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		// Not a gRPC status: the context's own error, or a transport one.
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
+	}
+	switch st.Code() {
+	case codes.Unavailable, codes.ResourceExhausted:
+		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
+	case codes.NotFound:
+		return fmt.Errorf("%w: %w", ErrUnknownModel, err)
+	case codes.InvalidArgument:
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	case codes.DeadlineExceeded:
+		return fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+	case codes.Canceled:
+		return fmt.Errorf("%w: %w", context.Canceled, err)
+	}
+	return err
+}
+
+func clampInt32(n int) int32 {
+	switch {
+	case n > math.MaxInt32:
+		return math.MaxInt32
+	case n < 0:
+		return 0
+	}
+	return int32(n)
+}
+
+var _ engine.Client = (*Client)(nil)
+var _ engine.Stream = (*stream)(nil)
