@@ -1,0 +1,392 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// Errors of Generate; match them with errors.Is.
+var (
+	// ErrClosed: the engine is closed. It wraps engine.ErrUnavailable.
+	ErrClosed = fmt.Errorf("sim engine closed: %w", engine.ErrUnavailable)
+	// ErrUnknownModel: the engine does not serve the requested model.
+	ErrUnknownModel = errors.New("unknown model")
+	// ErrInvalid: the request can never be served (empty prompt, negative
+	// max tokens, more blocks than the cache holds).
+	ErrInvalid = errors.New("invalid request")
+)
+
+// Load is the engine's instantaneous load.
+type Load struct {
+	Running, Waiting int
+	// BlocksUsed counts blocks referenced or reserved by sequences;
+	// unreferenced cached blocks are free for reuse.
+	BlocksUsed, BlocksTotal int64
+}
+
+// Stats are cumulative counters of the step loop.
+type Stats struct {
+	Steps uint64
+	// ModelledSeconds is the modelled time of all steps.
+	ModelledSeconds float64
+	// MaxBatch is the largest number of sequences run in one step.
+	MaxBatch int
+}
+
+// Engine is a simulated LLM engine: vLLM-style continuous batching with
+// chunked prefill and a paged prefix cache, timed by a CostModel. New
+// starts its step loop; Close stops it. Its methods are safe for
+// concurrent use.
+type Engine struct {
+	cfg    Config
+	cost   CostModel
+	cache  *Cache
+	hub    hub
+	models map[string]bool
+
+	mu       sync.Mutex
+	closed   bool
+	incoming []*seq // Generate → step loop
+
+	wakeCh chan struct{} // capacity 1
+	quit   chan struct{}
+	wg     sync.WaitGroup
+
+	running, waiting atomic.Int64
+	statsMu          sync.Mutex
+	stats            Stats
+
+	// Step loop only.
+	queue []*seq // admitted order: FCFS
+	run   []*seq
+}
+
+// New validates cfg and starts an engine.
+func New(cfg Config) (*Engine, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("sim config: %w", err)
+	}
+	cost, err := cfg.costModel()
+	if err != nil {
+		return nil, fmt.Errorf("sim config: %w", err)
+	}
+	capacity := cfg.BlockCapacity
+	if capacity == 0 {
+		capacity = cost.BlockCapacity(BlockTokens)
+	}
+	e := &Engine{
+		cfg:    cfg,
+		cost:   cost,
+		models: make(map[string]bool, len(cfg.Models)),
+		wakeCh: make(chan struct{}, 1),
+		quit:   make(chan struct{}),
+	}
+	e.hub.init(cfg.WatchBuffer)
+	e.cache = NewCache(capacity, e.hub.publishCache)
+	for _, m := range cfg.Models {
+		e.models[m] = true
+	}
+	e.wg.Add(2)
+	go e.loop()
+	go e.reportLoad()
+	return e, nil
+}
+
+// Config returns the engine's configuration, defaults applied.
+func (e *Engine) Config() Config { return e.cfg }
+
+// CostModel returns the engine's cost model.
+func (e *Engine) CostModel() CostModel { return e.cost }
+
+// Cache returns the engine's prefix cache, for inspection.
+func (e *Engine) Cache() *Cache { return e.cache }
+
+// Load returns the current load.
+func (e *Engine) Load() Load {
+	return Load{
+		Running:     int(e.running.Load()),
+		Waiting:     int(e.waiting.Load()),
+		BlocksUsed:  e.cache.Used(),
+		BlocksTotal: e.cache.Capacity(),
+	}
+}
+
+// Stats returns the step loop's counters.
+func (e *Engine) Stats() Stats {
+	e.statsMu.Lock()
+	defer e.statsMu.Unlock()
+	return e.stats
+}
+
+// Close stops the step loop, fails every outstanding sequence with
+// ErrClosed and ends every Watch subscription. It is idempotent.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	if !e.closed {
+		e.closed = true
+		close(e.quit)
+	}
+	e.mu.Unlock()
+	e.wg.Wait()
+	return nil
+}
+
+// Generate queues req and returns its stream. It fails with
+// ErrUnknownModel, ErrInvalid or ErrClosed (wrapped) without generating
+// anything. Cancelling ctx, or closing the stream, removes the sequence
+// and releases its blocks; Recv then returns ctx's error.
+func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stream, error) {
+	if !e.models[req.Model] {
+		return nil, fmt.Errorf("model %q: %w", req.Model, ErrUnknownModel)
+	}
+	if req.Prompt == "" {
+		return nil, fmt.Errorf("empty prompt: %w", ErrInvalid)
+	}
+	if req.MaxTokens < 0 {
+		return nil, fmt.Errorf("max tokens %d: %w", req.MaxTokens, ErrInvalid)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	s := &seq{
+		id:     req.ID,
+		keys:   blockkey.Append(nil, blockkey.Seed(req.Model, req.Tenant), req.Prompt, blockkey.DefaultBlockChars),
+		prompt: blockkey.Tokens(blockkey.Chars(req.Prompt)),
+		limit:  req.MaxTokens,
+		hash:   promptHash(req.Prompt),
+		wake:   e.wake,
+	}
+	if s.limit == 0 {
+		s.limit = e.cfg.DefaultMaxTokens
+	}
+	s.nat = naturalLength(s.hash)
+	for _, st := range req.Stop {
+		if st != "" {
+			s.stopper.stop = append(s.stopper.stop, st)
+		}
+	}
+	gen := min(s.limit, s.nat)
+	s.blocks = int64((s.prompt + gen + BlockTokens - 1) / BlockTokens)
+	if s.blocks > e.cache.Capacity() {
+		return nil, fmt.Errorf("%d prompt and %d completion tokens need %d blocks, capacity %d: %w",
+			s.prompt, gen, s.blocks, e.cache.Capacity(), ErrInvalid)
+	}
+	st := newStream(s)
+	s.st = st
+
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil, ErrClosed
+	}
+	e.incoming = append(e.incoming, s)
+	e.waiting.Add(1)
+	e.mu.Unlock()
+
+	st.stop = context.AfterFunc(ctx, func() {
+		st.fail(ctx.Err())
+		s.cancel()
+	})
+	e.wake()
+	return st, nil
+}
+
+func (e *Engine) wake() {
+	select {
+	case e.wakeCh <- struct{}{}:
+	default:
+	}
+}
+
+// loop is the step loop: admit, schedule, sleep the modelled step time,
+// emit. It runs until Close.
+func (e *Engine) loop() {
+	defer e.wg.Done()
+	defer e.shutdown()
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	var deadline time.Time // when the previous step ends in real time
+	for {
+		e.mu.Lock()
+		e.queue = append(e.queue, e.incoming...)
+		clear(e.incoming)
+		e.incoming = e.incoming[:0]
+		e.mu.Unlock()
+		e.dropCancelled()
+
+		dt, batch := e.schedule()
+		if batch == 0 {
+			select {
+			case <-e.wakeCh:
+				continue
+			case <-e.quit:
+				return
+			}
+		}
+		// Sleep until the step's modelled end; steps run back to back, so
+		// timer lateness is absorbed by the next step rather than adding up.
+		now := time.Now()
+		if deadline.Before(now) {
+			deadline = now
+		}
+		deadline = deadline.Add(time.Duration(dt / e.cfg.TimeScale * float64(time.Second)))
+		if d := time.Until(deadline); d > 0 {
+			timer.Reset(d)
+			select {
+			case <-timer.C:
+			case <-e.quit:
+				timer.Stop()
+				return
+			}
+		}
+		e.complete()
+		e.statsMu.Lock()
+		e.stats.Steps++
+		e.stats.ModelledSeconds += dt
+		e.stats.MaxBatch = max(e.stats.MaxBatch, batch)
+		e.statsMu.Unlock()
+	}
+}
+
+// dropCancelled removes cancelled sequences and releases their blocks.
+func (e *Engine) dropCancelled() {
+	e.queue = slices.DeleteFunc(e.queue, func(s *seq) bool {
+		if s.cancelled.Load() {
+			e.waiting.Add(-1)
+			return true
+		}
+		return false
+	})
+	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
+		if s.cancelled.Load() {
+			e.release(s)
+			return true
+		}
+		return false
+	})
+}
+
+func (e *Engine) release(s *seq) {
+	e.cache.Release(s.keys[:s.held], s.reserved)
+	s.held, s.reserved = 0, 0
+	e.running.Add(-1)
+}
+
+// schedule plans one step like vLLM's scheduler: running sequences first
+// (one decode token each, or their next prefill chunk), then waiting ones
+// in arrival order while they fit in MaxRunning, the cache and the token
+// budget. It returns the step's modelled seconds and how many sequences
+// take part.
+func (e *Engine) schedule() (seconds float64, batch int) {
+	budget := e.cfg.MaxBatchedTokens
+	decodes, decodeCtx := 0, 0
+	prefill := 0.0
+	for _, s := range e.run {
+		s.chunk, s.decode = 0, false
+		if budget == 0 {
+			continue
+		}
+		if s.prefilled() {
+			s.decode = true
+			decodes++
+			decodeCtx += s.context()
+			budget--
+			continue
+		}
+		s.chunk = min(s.prompt-s.computed, budget)
+		budget -= s.chunk
+		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
+	}
+	admitted := 0
+	for _, s := range e.queue {
+		if budget == 0 || len(e.run) >= e.cfg.MaxRunning {
+			break
+		}
+		hits, ok := e.cache.Acquire(s.keys, s.blocks-int64(len(s.keys)))
+		if !ok {
+			break // first come, first served: no overtaking
+		}
+		s.hits, s.held = hits, hits
+		s.reserved = s.blocks - int64(hits)
+		s.cached = min(hits*BlockTokens, s.prompt-1)
+		s.computed = s.cached
+		s.chunk, s.decode = min(s.prompt-s.computed, budget), false
+		budget -= s.chunk
+		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
+		e.run = append(e.run, s)
+		admitted++
+	}
+	if admitted > 0 {
+		clear(e.queue[:admitted])
+		e.queue = e.queue[admitted:]
+		e.waiting.Add(-int64(admitted))
+		e.running.Add(int64(admitted))
+	}
+	for _, s := range e.run {
+		if s.chunk > 0 || s.decode {
+			batch++
+		}
+	}
+	if batch == 0 {
+		return 0, 0
+	}
+	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill, batch
+}
+
+// complete applies the step: prefill chunks enter the cache (full blocks
+// are committed and announced), and every sequence that finished its
+// prefill or decoded emits a token.
+func (e *Engine) complete() {
+	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
+		if s.cancelled.Load() {
+			e.release(s)
+			return true
+		}
+		if s.chunk > 0 {
+			s.computed += s.chunk
+			if full := min(len(s.keys), s.computed/BlockTokens); full > s.held {
+				e.cache.Commit(s.keys[s.held:full])
+				s.reserved -= int64(full - s.held)
+				s.held = full
+			}
+			if !s.prefilled() {
+				return false
+			}
+		} else if !s.decode {
+			return false
+		}
+		if s.emit() {
+			e.release(s)
+			return true
+		}
+		return false
+	})
+}
+
+// shutdown fails every outstanding sequence and subscription. Step loop,
+// on exit.
+func (e *Engine) shutdown() {
+	e.mu.Lock()
+	e.queue = append(e.queue, e.incoming...)
+	e.incoming = nil
+	e.mu.Unlock()
+	for _, s := range e.queue {
+		s.st.fail(ErrClosed)
+		e.waiting.Add(-1)
+	}
+	for _, s := range e.run {
+		s.st.fail(ErrClosed)
+		e.release(s)
+	}
+	e.queue, e.run = nil, nil
+	e.hub.close(ErrClosed)
+}

@@ -1,0 +1,82 @@
+package sim
+
+import (
+	"sync/atomic"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// seq is one sequence. The step loop owns every field but cancelled and
+// the stream's own state.
+type seq struct {
+	id     string
+	keys   []uint64 // full prompt blocks' chained keys
+	prompt int      // prompt tokens
+	limit  int      // max tokens
+	hash   uint64   // prompt hash: seeds the completion
+	nat    int      // natural completion length
+	blocks int64    // blocks the sequence needs in all
+
+	// Set on admission.
+	hits     int   // leading keys found cached
+	cached   int   // prompt tokens reported cached
+	held     int   // keys[:held] are referenced in the cache
+	reserved int64 // reserved blocks not yet committed or freed
+
+	computed  int // prompt tokens in the KV cache (cached or prefilled)
+	chunk     int // prefill tokens scheduled this step
+	decode    bool
+	generated int
+	unsent    int // tokens generated but held back from the stream
+	stopper   stopper
+
+	st        *stream
+	wake      func()
+	cancelled atomic.Bool
+}
+
+// cancel marks the sequence for removal by the step loop and wakes it.
+// Safe from any goroutine, idempotent.
+func (s *seq) cancel() {
+	if s.cancelled.CompareAndSwap(false, true) {
+		s.wake()
+	}
+}
+
+// prefilled reports whether the whole prompt is in the KV cache.
+func (s *seq) prefilled() bool { return s.computed >= s.prompt }
+
+// context is the number of tokens the sequence attends to when decoding.
+func (s *seq) context() int { return s.prompt + s.generated }
+
+// emit generates the next token and reports whether the sequence ended.
+func (s *seq) emit() (done bool) {
+	s.generated++
+	s.unsent++
+	out, stopped := s.stopper.add(word(s.hash, s.generated-1))
+	if out != "" {
+		s.st.push(out, s.unsent)
+		s.unsent = 0
+	}
+	reason := ""
+	switch {
+	case stopped || s.generated == s.nat:
+		reason = "stop"
+	case s.generated >= s.limit:
+		reason = "length"
+	default:
+		return false
+	}
+	if !stopped {
+		if out := s.stopper.flush(); out != "" || s.unsent > 0 {
+			s.st.push(out, s.unsent)
+		}
+	}
+	s.st.finish(engine.Final{
+		FinishReason:     reason,
+		PromptTokens:     s.prompt,
+		CachedTokens:     s.cached,
+		CompletionTokens: s.generated,
+	})
+	return true
+}

@@ -1,0 +1,185 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"io"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// Server serves an Engine as a baton worker: the Worker gRPC service and
+// the standard health service.
+type Server struct {
+	workerpb.UnimplementedWorkerServer
+	e      *Engine
+	health *health.Server
+}
+
+// NewServer returns a server of e, reporting SERVING for the whole server
+// ("") and for baton.worker.v1.Worker.
+func NewServer(e *Engine) *Server {
+	s := &Server{e: e, health: health.NewServer()}
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	s.health.SetServingStatus(workerpb.Worker_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	return s
+}
+
+// Register registers the Worker and health services on g.
+func (s *Server) Register(g *grpc.Server) {
+	workerpb.RegisterWorkerServer(g, s)
+	healthpb.RegisterHealthServer(g, s.health)
+}
+
+// Shutdown reports NOT_SERVING on every service, so schedulers drain the
+// worker before it stops.
+func (s *Server) Shutdown() { s.health.Shutdown() }
+
+// Info describes the worker.
+func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoResponse, error) {
+	cfg := s.e.Config()
+	return &workerpb.InfoResponse{
+		Name:       cfg.Name,
+		Models:     append([]string(nil), cfg.Models...),
+		Role:       workerpb.Role_ROLE_BOTH,
+		BlockChars: blockkey.DefaultBlockChars,
+		GpuBlocks:  s.e.Cache().Capacity(),
+		MaxRunning: int32(cfg.MaxRunning),
+	}, nil
+}
+
+// Generate runs one sequence and streams its tokens, then its final usage.
+func (s *Server) Generate(req *workerpb.GenerateRequest, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
+	ctx := out.Context()
+	st, err := s.e.Generate(ctx, &engine.Request{
+		ID:        req.GetRequestId(),
+		Model:     req.GetModel(),
+		Tenant:    req.GetTenant(),
+		Prompt:    req.GetPrompt(),
+		MaxTokens: int(req.GetMaxTokens()),
+		Stop:      req.GetStop(),
+	})
+	if err != nil {
+		return toStatus(err)
+	}
+	defer st.Close()
+	for {
+		ev, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return toStatus(err)
+		}
+		var msg workerpb.GenerateEvent
+		if ev.Final != nil {
+			msg.Event = &workerpb.GenerateEvent_Final{Final: &workerpb.Final{
+				FinishReason:     ev.Final.FinishReason,
+				PromptTokens:     int32(ev.Final.PromptTokens),
+				CachedTokens:     int32(ev.Final.CachedTokens),
+				CompletionTokens: int32(ev.Final.CompletionTokens),
+			}}
+		} else {
+			msg.Event = &workerpb.GenerateEvent_Tokens{Tokens: &workerpb.Tokens{
+				Text: ev.Text, Count: int32(ev.Tokens),
+			}}
+		}
+		if err := out.Send(&msg); err != nil {
+			return err
+		}
+	}
+}
+
+// Watch streams a snapshot, then load reports and cache events, with
+// sequence numbers from 1. A subscriber too slow to keep up gets Aborted
+// and should call Watch again.
+func (s *Server) Watch(_ *workerpb.WatchRequest, out grpc.ServerStreamingServer[workerpb.WatchEvent]) error {
+	sub, err := s.e.Subscribe()
+	if err != nil {
+		return toStatus(err)
+	}
+	defer sub.Close()
+	ctx := out.Context()
+	for {
+		select {
+		case ev, ok := <-sub.C:
+			if !ok {
+				return toStatus(sub.Err())
+			}
+			if err := out.Send(watchEvent(ev)); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return toStatus(ctx.Err())
+		}
+	}
+}
+
+func watchEvent(ev WatchEvent) *workerpb.WatchEvent {
+	msg := &workerpb.WatchEvent{Seq: ev.Seq}
+	switch {
+	case ev.Snapshot != nil:
+		snap := &workerpb.Snapshot{Load: loadReport(ev.Snapshot.Load)}
+		if len(ev.Snapshot.Keys) > 0 {
+			snap.Blocks = []*workerpb.CacheEvent{{
+				Kind: workerpb.CacheEvent_KIND_STORED,
+				Tier: workerpb.Tier_TIER_GPU,
+				Keys: ev.Snapshot.Keys,
+			}}
+		}
+		msg.Event = &workerpb.WatchEvent_Snapshot{Snapshot: snap}
+	case ev.Load != nil:
+		msg.Event = &workerpb.WatchEvent_Load{Load: loadReport(*ev.Load)}
+	case ev.Cache != nil:
+		kind := workerpb.CacheEvent_KIND_STORED
+		if ev.Cache.Kind == BlockRemoved {
+			kind = workerpb.CacheEvent_KIND_REMOVED
+		}
+		msg.Event = &workerpb.WatchEvent_Cache{Cache: &workerpb.CacheEvent{
+			Kind: kind, Tier: workerpb.Tier_TIER_GPU, Keys: ev.Cache.Keys,
+		}}
+	}
+	return msg
+}
+
+func loadReport(l Load) *workerpb.LoadReport {
+	return &workerpb.LoadReport{
+		Running:        int32(l.Running),
+		Waiting:        int32(l.Waiting),
+		GpuBlocksUsed:  l.BlocksUsed,
+		GpuBlocksTotal: l.BlocksTotal,
+	}
+}
+
+// toStatus maps engine errors to gRPC status errors.
+func toStatus(err error) error {
+	if err == nil {
+		return status.Error(codes.Canceled, "watch closed")
+	}
+	code := codes.Internal
+	switch {
+	case errors.Is(err, ErrUnknownModel):
+		code = codes.NotFound
+	case errors.Is(err, ErrInvalid):
+		code = codes.InvalidArgument
+	case errors.Is(err, ErrClosed):
+		code = codes.Unavailable
+	case errors.Is(err, ErrSlowSubscriber):
+		code = codes.Aborted
+	case errors.Is(err, context.Canceled), errors.Is(err, errStreamClosed):
+		code = codes.Canceled
+	case errors.Is(err, context.DeadlineExceeded):
+		code = codes.DeadlineExceeded
+	}
+	return status.Error(code, err.Error())
+}
+
+var _ workerpb.WorkerServer = (*Server)(nil)
