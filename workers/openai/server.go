@@ -1,0 +1,143 @@
+package openai
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// DefaultMaxBodyBytes is the default request body limit: 6 MiB, as
+// SageMaker's invocation payload limit.
+const DefaultMaxBodyBytes = 6 << 20
+
+// ReadBody reads r's body, at most limit bytes; a larger body is a 413
+// *Error.
+func ReadBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
+	if r.ContentLength > limit {
+		return nil, TooLarge(limit)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, TooLarge(limit)
+		}
+		return nil, Invalid("", "invalid_body", "reading the request body: "+err.Error())
+	}
+	return body, nil
+}
+
+// WriteModels writes the /v1/models list.
+func WriteModels(w http.ResponseWriter, models []string, created int64) {
+	type model struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Created int64  `json:"created"`
+		OwnedBy string `json:"owned_by"`
+	}
+	list := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	for _, m := range models {
+		list.Data = append(list.Data, model{ID: m, Object: "model", Created: created, OwnedBy: "baton"})
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(list)
+}
+
+// Generator starts one generation; engines and engine clients provide it.
+type Generator func(ctx context.Context, req *engine.Request) (engine.Stream, error)
+
+// Server serves the OpenAI API in front of one engine: chat and text
+// completions, /v1/models and /health (vLLM's health route). It lets a
+// simulated worker stand in for vLLM behind any OpenAI-speaking router.
+type Server struct {
+	models  []string
+	gen     Generator
+	maxBody int64
+	log     *slog.Logger
+	created int64
+	mux     *http.ServeMux
+}
+
+// NewServer returns a Server for models backed by gen. maxBody ≤ 0 means
+// DefaultMaxBodyBytes; a nil log discards.
+func NewServer(models []string, gen Generator, maxBody int64, log *slog.Logger) *Server {
+	if maxBody <= 0 {
+		maxBody = DefaultMaxBodyBytes
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{models: models, gen: gen, maxBody: maxBody, log: log, created: time.Now().Unix(), mux: http.NewServeMux()}
+	s.mux.HandleFunc("POST "+ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, Chat) })
+	s.mux.HandleFunc("POST "+CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, Completion) })
+	s.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) { WriteModels(w, s.models, s.created) })
+	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	return s
+}
+
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, k Kind) {
+	body, err := ReadBody(w, r, s.maxBody)
+	if err != nil {
+		WriteError(w, err)
+		return
+	}
+	req, err := Parse(k, body)
+	if err != nil {
+		WriteError(w, err)
+		return
+	}
+	if !slices.Contains(s.models, req.Model) {
+		WriteError(w, ModelNotFound(req.Model))
+		return
+	}
+	if t := r.Header.Get("X-Prefix-Aware-Id"); t != "" && req.Tenant == "" {
+		if err := ValidTenant(t); err != nil {
+			WriteError(w, Invalid("X-Prefix-Aware-Id", "invalid_value", "X-Prefix-Aware-Id "+err.Error()))
+			return
+		}
+		req.Tenant = t
+	}
+	ctx := r.Context()
+	stream, err := s.gen(ctx, &req.Request)
+	if err != nil {
+		WriteError(w, engineError(ctx, err))
+		return
+	}
+	defer stream.Close()
+	if _, written, err := Write(w, req, NewID(k), stream, nil); err != nil {
+		if !written {
+			WriteError(w, engineError(ctx, err))
+		}
+		s.log.Debug("generation ended early", "err", err)
+	}
+}
+
+// engineError maps a generation error to the API error the client sees.
+func engineError(ctx context.Context, err error) *Error {
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return Timeout()
+	case errors.Is(err, engine.ErrUnavailable):
+		return NoWorker("the engine is unavailable: " + err.Error())
+	case ctx.Err() != nil:
+		// The client went away; nobody reads this.
+		return Internal(499, "client closed request")
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	return Internal(http.StatusInternalServerError, err.Error())
+}
