@@ -1,0 +1,90 @@
+package routing
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+)
+
+// Names of the built-in strategies.
+const (
+	Random           = "random"
+	RoundRobin       = "round_robin"
+	LeastOutstanding = "least_outstanding"
+	PrefixAware      = "prefix_aware"
+	// Default is the strategy used when none is configured, as in
+	// SageMaker.
+	Default = Random
+)
+
+// Factory builds a strategy from params, which Registry.New has validated.
+type Factory func(params Params) (Strategy, error)
+
+// Registry maps strategy names to factories. The zero value is an empty
+// registry ready for use; it is safe for concurrent use. cmd/ builds one
+// and calls RegisterBuiltins; tests build their own.
+type Registry struct {
+	mu        sync.RWMutex
+	factories map[string]Factory
+}
+
+// Register adds a factory under name. It panics if name is empty, f is nil
+// or name is taken: registration is wiring done once at start.
+func (r *Registry) Register(name string, f Factory) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch {
+	case name == "":
+		panic("routing: Register with empty name")
+	case f == nil:
+		panic(fmt.Sprintf("routing: Register %q with nil factory", name))
+	}
+	if _, dup := r.factories[name]; dup {
+		panic(fmt.Sprintf("routing: strategy %q registered twice", name))
+	}
+	if r.factories == nil {
+		r.factories = make(map[string]Factory)
+	}
+	r.factories[name] = f
+}
+
+// New validates params, fills their defaults and builds the strategy
+// registered as name.
+func (r *Registry) New(name string, params Params) (Strategy, error) {
+	r.mu.RLock()
+	f, ok := r.factories[name]
+	r.mu.RUnlock()
+	if !ok {
+		return nil, fmt.Errorf("strategy: unknown %q (known: %s)", name, strings.Join(r.Names(), ", "))
+	}
+	if err := params.Validate(); err != nil {
+		return nil, fmt.Errorf("strategy %s: %w", name, err)
+	}
+	s, err := f(params.withDefaults())
+	if err != nil {
+		return nil, fmt.Errorf("strategy %s: %w", name, err)
+	}
+	return s, nil
+}
+
+// Names returns the registered names, sorted.
+func (r *Registry) Names() []string {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	names := make([]string, 0, len(r.factories))
+	for n := range r.factories {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// RegisterBuiltins registers random, round_robin, least_outstanding and
+// prefix_aware in r.
+func RegisterBuiltins(r *Registry) {
+	r.Register(Random, NewRandom)
+	r.Register(RoundRobin, NewRoundRobin)
+	r.Register(LeastOutstanding, NewLeastOutstanding)
+	r.Register(PrefixAware, NewPrefixAware)
+}

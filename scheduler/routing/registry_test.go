@@ -1,0 +1,115 @@
+package routing
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestParamsValidate(t *testing.T) {
+	tests := []struct {
+		threshold int
+		wantErr   string
+	}{
+		{0, ""}, // default
+		{1, ""},
+		{16, ""},
+		{1024, ""},
+		{1025, "concurrency_threshold: must be 1–1024, got 1025"},
+		{-1, "concurrency_threshold: must be 1–1024, got -1"},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprint(tt.threshold), func(t *testing.T) {
+			err := Params{ConcurrencyThreshold: tt.threshold}.Validate()
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tt.wantErr {
+				t.Errorf("Validate() = %q, want %q", got, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestRegistry(t *testing.T) {
+	var r Registry
+	RegisterBuiltins(&r)
+	want := []string{LeastOutstanding, PrefixAware, Random, RoundRobin}
+	if diff := cmp.Diff(want, r.Names()); diff != "" {
+		t.Errorf("Names() (-want +got):\n%s", diff)
+	}
+	for _, name := range want {
+		t.Run(name, func(t *testing.T) {
+			s, err := r.New(name, Params{})
+			if err != nil {
+				t.Fatalf("New(%s): %v", name, err)
+			}
+			if got := s.Name(); got != name {
+				t.Errorf("Name() = %q, want %q", got, name)
+			}
+		})
+	}
+	if Default != Random {
+		t.Errorf("Default = %q, want %q as in SageMaker", Default, Random)
+	}
+}
+
+func TestRegistryErrors(t *testing.T) {
+	var r Registry
+	RegisterBuiltins(&r)
+	boom := errors.New("boom")
+	r.Register("broken", func(Params) (Strategy, error) { return nil, boom })
+	tests := []struct {
+		name    string
+		params  Params
+		wantErr string
+	}{
+		{"kv_magic", Params{}, `strategy: unknown "kv_magic" (known: broken, least_outstanding, prefix_aware, random, round_robin)`},
+		{PrefixAware, Params{ConcurrencyThreshold: 2000}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
+		{Random, Params{ConcurrencyThreshold: -5}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
+		{"broken", Params{}, "strategy broken: boom"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, err := r.New(tt.name, tt.params)
+			if err == nil || err.Error() != tt.wantErr {
+				t.Fatalf("New(%s) = %v, %v; want error %q", tt.name, s, err, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestFactoriesValidate(t *testing.T) {
+	for _, f := range []Factory{NewRandom, NewRoundRobin, NewLeastOutstanding, NewPrefixAware} {
+		if s, err := f(Params{ConcurrencyThreshold: 4096}); err == nil {
+			t.Errorf("%s built with concurrency_threshold 4096, want error", s.Name())
+		}
+	}
+}
+
+func TestRegisterPanics(t *testing.T) {
+	ok := func(Params) (Strategy, error) { return NewRandom(Params{}) }
+	tests := []struct {
+		name     string
+		register func(r *Registry)
+	}{
+		{"empty name", func(r *Registry) { r.Register("", ok) }},
+		{"nil factory", func(r *Registry) { r.Register("x", nil) }},
+		{"twice", func(r *Registry) { r.Register("x", ok); r.Register("x", ok) }},
+		{"builtins twice", func(r *Registry) { RegisterBuiltins(r); RegisterBuiltins(r) }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			defer func() {
+				if recover() == nil {
+					t.Error("Register did not panic")
+				}
+			}()
+			var r Registry
+			tt.register(&r)
+		})
+	}
+}

@@ -1,0 +1,147 @@
+// Package routing chooses the worker that serves a request. Strategies are
+// built by name from a Registry, each from its own validated Params; every
+// strategy reads the pool's immutable Snapshot and sees only the workers
+// that are available for the request.
+package routing
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+
+	"github.com/batonllm/baton/scheduler/pool"
+)
+
+// ErrNoWorker is returned by Strategy.Pick when no worker is available for
+// the request: none is healthy with its breaker closed or half-open and
+// serving the model. The front end answers 503.
+var ErrNoWorker = errors.New("no worker available")
+
+// Request is what a strategy knows of a request.
+type Request struct {
+	// Model is the model the client asked for.
+	Model string
+	// Tenant is the request's tenant id (prompt_cache_key or
+	// X-Prefix-Aware-Id), empty if none.
+	Tenant string
+	// PrefixKey is blockkey.Prefix (or PrefixBytes) of the routing text,
+	// seeded with blockkey.Seed(Model, Tenant), computed by the front end.
+	PrefixKey uint64
+}
+
+// Decision is a strategy's choice.
+type Decision struct {
+	// Worker serves the request.
+	Worker *pool.Worker
+	// Spill reports that the request left the worker its prefix maps to
+	// because that worker was at the concurrency threshold.
+	Spill bool
+	// Reason says briefly why Worker was chosen, for logs and metrics
+	// labels: one of the Reason constants.
+	Reason string
+}
+
+// Reasons for a Decision.
+const (
+	ReasonRandom           = "random"
+	ReasonRoundRobin       = "round_robin"
+	ReasonLeastOutstanding = "least_outstanding"
+	// ReasonHome: the worker the prefix maps to, under the threshold.
+	ReasonHome = "home"
+	// ReasonSpill: the home was at the threshold; the least-loaded worker
+	// was under it.
+	ReasonSpill = "spill"
+	// ReasonAllFull: every available worker was at the threshold; the
+	// least loaded was chosen anyway and the front end may queue.
+	ReasonAllFull = "all_full"
+)
+
+// Route renders the X-Baton-Route header value of the decision made by the
+// named strategy, such as "prefix_aware; spill=false". It allocates, so call
+// it after the decision, not within Pick.
+func (d Decision) Route(strategy string) string {
+	return strategy + "; spill=" + strconv.FormatBool(d.Spill)
+}
+
+// Strategy chooses a worker for each request.
+//
+// Pick is called concurrently from request goroutines, on the hot path of
+// every request: it must not block, must not allocate, and reads only snap
+// (immutable) and the workers' atomic state (health, breaker, in-flight).
+// It considers only workers that are Available and Serve req.Model; a
+// strategy with a concurrency threshold also prefers workers under it. It
+// returns ErrNoWorker when no worker is available for the request, and no
+// other error. Pick does not acquire the worker: the caller calls
+// Worker.Acquire, and picks again (or fails) if the breaker refuses.
+type Strategy interface {
+	// Name is the strategy's registered name, as rendered in
+	// X-Baton-Route.
+	Name() string
+	Pick(req *Request, snap *pool.Snapshot) (Decision, error)
+}
+
+// Limits and default of Params.ConcurrencyThreshold.
+const (
+	MinConcurrencyThreshold = 1
+	MaxConcurrencyThreshold = 1024
+	// DefaultConcurrencyThreshold is 16 requests in flight per worker:
+	// about the batch at which a single-GPU engine's decode throughput
+	// stops growing for 7–8B models, so below it a request loses little by
+	// sharing its cached prefix's worker, and above it the queue costs more
+	// than recomputing the prefix elsewhere.
+	DefaultConcurrencyThreshold = 16
+)
+
+// Params are the parameters strategies are built from; each strategy uses
+// those it needs. The zero value means every default.
+type Params struct {
+	// ConcurrencyThreshold is the number of requests in flight at which
+	// prefix_aware spills a request away from its home worker. 1–1,024;
+	// 0 means DefaultConcurrencyThreshold.
+	ConcurrencyThreshold int `yaml:"concurrency_threshold"`
+	// Rand returns a uniformly random number in [0, n); n > 0. It must be
+	// safe for concurrent use and not allocate. nil means
+	// math/rand/v2.Uint64N; tests pass SeededRand.
+	Rand func(n uint64) uint64 `yaml:"-"`
+}
+
+// withDefaults returns p with its zero fields set to their defaults.
+func (p Params) withDefaults() Params {
+	if p.ConcurrencyThreshold == 0 {
+		p.ConcurrencyThreshold = DefaultConcurrencyThreshold
+	}
+	if p.Rand == nil {
+		p.Rand = rand.Uint64N
+	}
+	return p
+}
+
+// Validate reports the first invalid field of p, after defaults are
+// applied, naming the field as it is spelled in configuration.
+func (p Params) Validate() error {
+	p = p.withDefaults()
+	if t := p.ConcurrencyThreshold; t < MinConcurrencyThreshold || t > MaxConcurrencyThreshold {
+		return fmt.Errorf("concurrency_threshold: must be %d–%d, got %d", MinConcurrencyThreshold, MaxConcurrencyThreshold, t)
+	}
+	return nil
+}
+
+// SeededRand returns a Params.Rand drawing from a PCG source seeded with
+// seed, guarded by a mutex since a rand.Rand is not safe for concurrent use.
+// Use it in tests and benchmarks that must be reproducible.
+func SeededRand(seed uint64) func(n uint64) uint64 {
+	var mu sync.Mutex
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	return func(n uint64) uint64 {
+		mu.Lock()
+		defer mu.Unlock()
+		return r.Uint64N(n)
+	}
+}
+
+// eligible reports whether w may serve a request for model.
+func eligible(w *pool.Worker, model string) bool {
+	return w.Available() && w.Serves(model)
+}
