@@ -106,3 +106,11 @@ type ProxyResult struct {
 	// Usage is the engine's reported usage, if its response carried one.
 	Usage *Final
 }
+
+// ErrUnknownModel is returned (wrapped) when the engine does not serve the
+// requested model. It is the request's fault, not the engine's.
+var ErrUnknownModel = errors.New("unknown model")
+
+// ErrInvalid is returned (wrapped) when the engine rejects the request as
+// invalid. It is the request's fault, not the engine's.
+var ErrInvalid = errors.New("invalid request")

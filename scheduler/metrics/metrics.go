@@ -1,0 +1,177 @@
+// Package metrics defines the scheduler's Prometheus metrics, all named
+// baton_*. Per-worker gauges (in-flight, health, breaker state) are read
+// from the pool's snapshot at scrape time, so they can never drift from
+// the pool's own counts.
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/batonllm/baton/scheduler/pool"
+)
+
+// Request outcomes, the values of the outcome label.
+const (
+	OutcomeOK          = "ok"
+	OutcomeInvalid     = "invalid"      // 4xx: the client's request was at fault
+	OutcomeNoWorker    = "no_worker"    // 503: no worker could take it
+	OutcomeWorkerError = "worker_error" // the worker failed it
+	OutcomeCanceled    = "canceled"     // the client went away
+	OutcomeTimeout     = "timeout"      // the request deadline passed
+)
+
+// Metrics holds the scheduler's metrics and the registry that serves them.
+type Metrics struct {
+	Registry *prometheus.Registry
+
+	// Accepted counts requests that passed validation; every accepted
+	// request ends as exactly one Completed or Failed.
+	Accepted  prometheus.Counter
+	Completed prometheus.Counter
+	Failed    *prometheus.CounterVec // outcome
+
+	Requests   *prometheus.CounterVec   // strategy, worker, outcome
+	TTFT       *prometheus.HistogramVec // strategy
+	InterToken *prometheus.HistogramVec // strategy
+	Duration   *prometheus.HistogramVec // strategy, outcome
+	Decision   *prometheus.HistogramVec // strategy
+	Spills     *prometheus.CounterVec   // strategy, worker (the worker spilled from)
+	Retries    *prometheus.CounterVec   // reason
+
+	BreakerTransitions *prometheus.CounterVec // worker, to
+
+	PromptTokens *prometheus.CounterVec // worker
+	CachedTokens *prometheus.CounterVec // worker
+}
+
+// Histogram buckets, in seconds.
+var (
+	// Time to first token and end to end: 5 ms to about 80 s.
+	latencyBuckets = prometheus.ExponentialBuckets(0.005, 2, 15)
+	// Inter-token latency: 0.5 ms to about 1 s.
+	tokenBuckets = prometheus.ExponentialBuckets(0.0005, 2, 12)
+	// Routing decisions: 100 ns to about 0.8 ms.
+	decisionBuckets = prometheus.ExponentialBuckets(1e-7, 2, 14)
+)
+
+// New registers every metric on a fresh registry, with the Go runtime and
+// process collectors. snapshot, if not nil, is read at each scrape for the
+// per-worker gauges.
+func New(snapshot func() *pool.Snapshot) *Metrics {
+	r := prometheus.NewRegistry()
+	f := func(c prometheus.Collector) { r.MustRegister(c) }
+	m := &Metrics{
+		Registry: r,
+		Accepted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_requests_accepted_total", Help: "Requests that passed validation and were routed.",
+		}),
+		Completed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_requests_completed_total", Help: "Accepted requests that ended in a completion.",
+		}),
+		Failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_requests_failed_total", Help: "Accepted requests that ended in an error the client saw, by outcome.",
+		}, []string{"outcome"}),
+		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_requests_total", Help: "Generation requests by strategy, worker and outcome (worker is empty when none was chosen).",
+		}, []string{"strategy", "worker", "outcome"}),
+		TTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_time_to_first_token_seconds", Help: "From the request's arrival to its first generated token.", Buckets: latencyBuckets,
+		}, []string{"strategy"}),
+		InterToken: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_inter_token_latency_seconds", Help: "Time between two generated chunks, per token.", Buckets: tokenBuckets,
+		}, []string{"strategy"}),
+		Duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_request_duration_seconds", Help: "From the request's arrival to its last byte.", Buckets: latencyBuckets,
+		}, []string{"strategy", "outcome"}),
+		Decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_routing_decision_seconds", Help: "Time a strategy took to pick a worker.", Buckets: decisionBuckets,
+		}, []string{"strategy"}),
+		Spills: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_overflow_spills_total", Help: "Requests that left their prefix's worker because it was at the concurrency threshold.",
+		}, []string{"strategy", "worker"}),
+		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_retries_total", Help: "Requests sent to another worker after one failed before the first token, by reason.",
+		}, []string{"reason"}),
+		BreakerTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_breaker_transitions_total", Help: "Worker breaker state changes, by the state entered.",
+		}, []string{"worker", "to"}),
+		PromptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_prompt_tokens_total", Help: "Prompt tokens of completed requests, by worker.",
+		}, []string{"worker"}),
+		CachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_cached_tokens_total", Help: "Prompt tokens served from the worker's KV cache, by worker (hit rate = cached / prompt).",
+		}, []string{"worker"}),
+	}
+	for _, c := range []prometheus.Collector{
+		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
+		m.Spills, m.Retries, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	} {
+		f(c)
+	}
+	if snapshot != nil {
+		f(&workerCollector{snapshot: snapshot})
+	}
+	return m
+}
+
+// BreakerChanged records a breaker transition; give it to
+// pool.OnBreakerChange.
+func (m *Metrics) BreakerChanged(worker string, _, to gobreaker.State) {
+	m.BreakerTransitions.WithLabelValues(worker, to.String()).Inc()
+}
+
+var (
+	inFlightDesc = prometheus.NewDesc("baton_worker_in_flight", "Requests in flight on each worker.", []string{"worker"}, nil)
+	healthyDesc  = prometheus.NewDesc("baton_worker_healthy", "1 if the worker passes its health checks, else 0.", []string{"worker"}, nil)
+	breakerDesc  = prometheus.NewDesc("baton_worker_breaker_state", "State of the worker's breaker: 0 closed, 1 half-open, 2 open.", []string{"worker"}, nil)
+	workersDesc  = prometheus.NewDesc("baton_workers_available", "Workers that are healthy with their breaker not open.", nil, nil)
+)
+
+// workerCollector reads per-worker gauges from the pool at scrape time.
+type workerCollector struct {
+	snapshot func() *pool.Snapshot
+}
+
+func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- inFlightDesc
+	ch <- healthyDesc
+	ch <- breakerDesc
+	ch <- workersDesc
+}
+
+func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
+	snap := c.snapshot()
+	if snap == nil {
+		return
+	}
+	available := 0
+	for _, w := range snap.Workers {
+		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(w.InFlight()), w.Name)
+		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, b2f(w.Healthy()), w.Name)
+		ch <- prometheus.MustNewConstMetric(breakerDesc, prometheus.GaugeValue, float64(breakerValue(w.BreakerState())), w.Name)
+		if w.Available() {
+			available++
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(workersDesc, prometheus.GaugeValue, float64(available))
+}
+
+func breakerValue(s gobreaker.State) int {
+	switch s {
+	case gobreaker.StateHalfOpen:
+		return 1
+	case gobreaker.StateOpen:
+		return 2
+	}
+	return 0
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
