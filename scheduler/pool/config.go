@@ -24,7 +24,7 @@ type Config struct {
 	// Default 2s.
 	HealthInterval time.Duration `yaml:"health_interval"`
 	// HealthTimeout bounds one worker's check; it may not exceed
-	// HealthInterval. Default 1s.
+	// HealthInterval. Default 1s, or HealthInterval if that is shorter.
 	HealthTimeout time.Duration `yaml:"health_timeout"`
 	// UnhealthyAfter is how many consecutive failed checks mark a worker
 	// unhealthy; one passing check marks it healthy again. Default 2, so a
@@ -68,7 +68,7 @@ func (c Config) withDefaults() Config {
 		c.HealthInterval = d.HealthInterval
 	}
 	if c.HealthTimeout == 0 {
-		c.HealthTimeout = d.HealthTimeout
+		c.HealthTimeout = min(d.HealthTimeout, c.HealthInterval)
 	}
 	if c.UnhealthyAfter == 0 {
 		c.UnhealthyAfter = d.UnhealthyAfter

@@ -82,6 +82,7 @@ func TestConfigValidate(t *testing.T) {
 		{"zero means defaults", Config{}, ""},
 		{"defaults", Default(), ""},
 		{"timeout equal to interval", Config{HealthInterval: time.Second, HealthTimeout: time.Second}, ""},
+		{"short interval shortens default timeout", Config{HealthInterval: 100 * time.Millisecond}, ""},
 		{"negative open timeout", Config{BreakerOpenTimeout: -1}, "breaker_open_timeout: must be positive, got -1ns"},
 		{"negative interval", Config{HealthInterval: -time.Second}, "health_interval: must be positive, got -1s"},
 		{"negative timeout", Config{HealthTimeout: -time.Second}, "health_timeout: must be positive, got -1s"},
