@@ -295,6 +295,8 @@ func TestIsWorkerFault(t *testing.T) {
 		{"wrapped canceled", fmt.Errorf("stream: %w", context.Canceled), false},
 		{"client error", ClientError(errors.New("bad request")), false},
 		{"wrapped client error", fmt.Errorf("generate: %w", ClientError(errors.New("bad request"))), false},
+		{"invalid request", fmt.Errorf("generate: %w", engine.ErrInvalid), false},
+		{"unknown model", fmt.Errorf("generate: %w", engine.ErrUnknownModel), false},
 		{"deadline", context.DeadlineExceeded, true},
 		{"unavailable", fmt.Errorf("dial: %w", engine.ErrUnavailable), true},
 		{"other", errors.New("boom"), true},

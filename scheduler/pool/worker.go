@@ -90,8 +90,8 @@ func (w *Worker) Available() bool {
 // success the caller must call done exactly once when the call ends (for a
 // stream, when the stream ends); done releases the in-flight slot and
 // reports the outcome to the breaker: IsWorkerFault(err) counts as a
-// failure, anything else (nil, context.Canceled, an error wrapped with
-// ClientError) as a success. Extra calls of done are ignored.
+// failure, anything else (nil, context.Canceled, a request fault, an error
+// wrapped with ClientError) as a success. Extra calls of done are ignored.
 //
 // When the breaker refuses the call, Acquire returns an error wrapping
 // ErrBreakerOpen and the gobreaker error (gobreaker.ErrOpenState or
@@ -144,11 +144,13 @@ func ClientError(err error) error {
 }
 
 // IsWorkerFault reports whether err, as passed to Acquire's done, counts as
-// the worker's failure. nil, context.Canceled (the client went away) and
-// errors marked with ClientError do not; everything else does, including
+// the worker's failure. nil, context.Canceled (the client went away), the
+// request faults engine.ErrInvalid and engine.ErrUnknownModel, and errors
+// marked with ClientError do not; everything else does, including
 // context.DeadlineExceeded (the worker was too slow).
 func IsWorkerFault(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) {
+	if err == nil || errors.Is(err, context.Canceled) ||
+		errors.Is(err, engine.ErrInvalid) || errors.Is(err, engine.ErrUnknownModel) {
 		return false
 	}
 	var ce clientError
