@@ -39,6 +39,10 @@ type Stats struct {
 	ModelledSeconds float64
 	// MaxBatch is the largest number of sequences run in one step.
 	MaxBatch int
+	// DecodeSteps and DecodeSeconds count the steps that only decoded
+	// (no prefill chunk) and their modelled time.
+	DecodeSteps   uint64
+	DecodeSeconds float64
 }
 
 // Engine is a simulated LLM engine: vLLM-style continuous batching with
@@ -223,7 +227,7 @@ func (e *Engine) loop() {
 		e.mu.Unlock()
 		e.dropCancelled()
 
-		dt, batch := e.schedule()
+		dt, batch, decodeOnly := e.schedule()
 		if batch == 0 {
 			select {
 			case <-e.wakeCh:
@@ -253,6 +257,10 @@ func (e *Engine) loop() {
 		e.stats.Steps++
 		e.stats.ModelledSeconds += dt
 		e.stats.MaxBatch = max(e.stats.MaxBatch, batch)
+		if decodeOnly {
+			e.stats.DecodeSteps++
+			e.stats.DecodeSeconds += dt
+		}
 		e.statsMu.Unlock()
 	}
 }
@@ -284,9 +292,9 @@ func (e *Engine) release(s *seq) {
 // schedule plans one step like vLLM's scheduler: running sequences first
 // (one decode token each, or their next prefill chunk), then waiting ones
 // in arrival order while they fit in MaxRunning, the cache and the token
-// budget. It returns the step's modelled seconds and how many sequences
-// take part.
-func (e *Engine) schedule() (seconds float64, batch int) {
+// budget. It returns the step's modelled seconds, how many sequences take
+// part, and whether none of them prefills.
+func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 	budget := e.cfg.MaxBatchedTokens
 	decodes, decodeCtx := 0, 0
 	prefill := 0.0
@@ -337,9 +345,9 @@ func (e *Engine) schedule() (seconds float64, batch int) {
 		}
 	}
 	if batch == 0 {
-		return 0, 0
+		return 0, 0, false
 	}
-	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill, batch
+	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill, batch, decodes == batch
 }
 
 // complete applies the step: prefill chunks enter the cache (full blocks
