@@ -1,0 +1,217 @@
+// Package httpengine is the scheduler's client of an engine that speaks the
+// OpenAI HTTP API itself: vLLM, SGLang, llama.cpp's llama-server. It relays
+// such an engine's responses byte for byte (Proxy), or turns its
+// server-sent events into engine events (Generate).
+//
+// Status codes: a 2xx response is relayed. A 4xx response other than 429 is
+// the client's own error (bad request, unknown model, context too long) and
+// is relayed unchanged too: Proxy returns no error and Written is true. Any
+// other status (429, 5xx, unfollowed 3xx) is answered by a *StatusError
+// before anything is written, so the caller may retry elsewhere or write
+// its own error; it wraps engine.ErrUnavailable for 429, 502, 503 and 504
+// (the engine is overloaded, starting or behind a failing proxy), not for
+// 500 and the rest (the engine failed on this very request).
+package httpengine
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// ErrInvalid is returned (wrapped) for a request this package cannot send:
+// no path, or a body that is not a JSON object.
+var ErrInvalid = errors.New("invalid request")
+
+// StatusError is an engine response that was not relayed: its status and
+// the start of its body, for logs.
+type StatusError struct {
+	Status  int
+	Message string
+}
+
+func (e *StatusError) Error() string {
+	if e.Message == "" {
+		return fmt.Sprintf("engine answered %d %s", e.Status, http.StatusText(e.Status))
+	}
+	return fmt.Sprintf("engine answered %d %s: %s", e.Status, http.StatusText(e.Status), e.Message)
+}
+
+// Unwrap returns engine.ErrUnavailable for the statuses by which an engine
+// refuses work it could do elsewhere or later (429, 502, 503, 504).
+func (e *StatusError) Unwrap() error {
+	switch e.Status {
+	case http.StatusTooManyRequests, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return engine.ErrUnavailable
+	}
+	return nil
+}
+
+// maxErrorBody bounds how much of a refused response's body StatusError keeps.
+const maxErrorBody = 1 << 10
+
+// Option configures New.
+type Option func(*Client)
+
+// WithHTTPClient replaces the tuned default client (tests, custom TLS).
+func WithHTTPClient(hc *http.Client) Option {
+	return func(c *Client) { c.hc = hc }
+}
+
+// WithResponseHeaderTimeout bounds the wait for the engine's response
+// headers on the default transport. The default, 0, waits as long as the
+// request's context allows: a non-streamed completion sends its headers
+// only when generation ends.
+func WithResponseHeaderTimeout(d time.Duration) Option {
+	return func(c *Client) { c.headerTimeout = d }
+}
+
+// WithAPIKey sends "Authorization: Bearer key" with every request (vLLM's
+// and llama-server's --api-key).
+func WithAPIKey(key string) Option {
+	return func(c *Client) { c.apiKey = key }
+}
+
+// Client drives one OpenAI-compatible engine. Its methods are safe for
+// concurrent use.
+type Client struct {
+	base          string // scheme://host[/prefix], no trailing slash
+	hc            *http.Client
+	headerTimeout time.Duration
+	apiKey        string
+}
+
+// New returns a client of the engine at baseURL (for instance
+// "http://10.0.0.7:8000"); request paths such as "/v1/chat/completions"
+// are appended to it.
+func New(baseURL string, opts ...Option) (*Client, error) {
+	u, err := url.Parse(baseURL)
+	if err != nil {
+		return nil, fmt.Errorf("engine url %q: %w", baseURL, err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return nil, fmt.Errorf("engine url %q: scheme must be http or https", baseURL)
+	}
+	if u.Host == "" {
+		return nil, fmt.Errorf("engine url %q: no host", baseURL)
+	}
+	if u.RawQuery != "" || u.Fragment != "" || u.User != nil {
+		return nil, fmt.Errorf("engine url %q: must not have a query, fragment or user info", baseURL)
+	}
+	c := &Client{base: strings.TrimRight(u.String(), "/")}
+	for _, opt := range opts {
+		opt(c)
+	}
+	if c.hc == nil {
+		c.hc = &http.Client{Transport: newTransport(c.headerTimeout)}
+	}
+	return c, nil
+}
+
+// newTransport returns a transport for many long, concurrent streams to one
+// host. It has no overall timeout: deadlines come from each request's
+// context. It ignores HTTP_PROXY: engines sit on the cluster network.
+func newTransport(headerTimeout time.Duration) *http.Transport {
+	return &http.Transport{
+		DialContext: (&net.Dialer{
+			Timeout:   5 * time.Second,
+			KeepAlive: 30 * time.Second,
+		}).DialContext,
+		// One connection per concurrent HTTP/1.1 stream; keep as many idle
+		// as a busy engine runs sequences, so bursts do not reconnect.
+		MaxIdleConns:          0, // no overall limit
+		MaxIdleConnsPerHost:   256,
+		IdleConnTimeout:       90 * time.Second,
+		TLSHandshakeTimeout:   10 * time.Second,
+		ExpectContinueTimeout: time.Second,
+		ResponseHeaderTimeout: headerTimeout,
+		// Compressed event streams would be buffered; relay bytes as sent.
+		DisableCompression: true,
+	}
+}
+
+// Check reports the engine's health: GET /health answering 200. Anything
+// else is an error wrapping engine.ErrUnavailable (or ctx's error).
+func (c *Client) Check(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+"/health", nil)
+	if err != nil {
+		return fmt.Errorf("health check: %w", err)
+	}
+	c.setAuth(req)
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("health check: %w", transportError(ctx, err))
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("health check: %w: status %d", engine.ErrUnavailable, resp.StatusCode)
+	}
+	return nil
+}
+
+// Close releases idle connections. It is idempotent; calls in flight go on.
+func (c *Client) Close() error {
+	c.hc.CloseIdleConnections()
+	return nil
+}
+
+// post sends body to path as JSON and returns the engine's response, or an
+// error when none came: ErrUnavailable when the engine cannot be reached,
+// ctx's error when ctx ended first.
+func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*http.Response, error) {
+	if !strings.HasPrefix(r.Path, "/") {
+		return nil, fmt.Errorf("%w: path %q", ErrInvalid, r.Path)
+	}
+	// A *bytes.Reader body also lets the transport replay it (GetBody) on a
+	// stale pooled connection or a 307/308 redirect.
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+r.Path, bytes.NewReader(body))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if r.ID != "" {
+		req.Header.Set("X-Request-Id", r.ID)
+	}
+	c.setAuth(req)
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return nil, transportError(ctx, err)
+	}
+	return resp, nil
+}
+
+func (c *Client) setAuth(req *http.Request) {
+	if c.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
+}
+
+// transportError maps an error of http.Client.Do: ctx's own error if ctx
+// ended, otherwise the engine could not be reached.
+func transportError(ctx context.Context, err error) error {
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return fmt.Errorf("%w: %w", ctxErr, err)
+	}
+	return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
+}
+
+// refused reports whether resp must not be relayed, and if so consumes it
+// into a *StatusError.
+func refused(resp *http.Response) *StatusError {
+	s := resp.StatusCode
+	if s/100 == 2 || (s/100 == 4 && s != http.StatusTooManyRequests) {
+		return nil
+	}
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	return &StatusError{Status: s, Message: strings.TrimSpace(string(msg))}
+}

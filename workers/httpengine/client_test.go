@@ -1,0 +1,663 @@
+package httpengine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"go.uber.org/goleak"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// The events of a streamed chat completion exactly as vLLM sends them with
+// stream_options.include_usage: a role chunk with empty content, content
+// chunks, a chunk with the finish reason, a usage chunk without choices,
+// then [DONE].
+var vllmChatEvents = []string{
+	`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}` + "\n\n",
+	`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}]}` + "\n\n",
+	`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":" world"},"logprobs":null,"finish_reason":null}]}` + "\n\n",
+	`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}` + "\n\n",
+	`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[],"usage":{"prompt_tokens":40,"total_tokens":43,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":32}}}` + "\n\n",
+	"data: [DONE]\n\n",
+}
+
+// The same for the completions API (choices[].text).
+var vllmCompletionEvents = []string{
+	`data: {"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hi","logprobs":null,"finish_reason":null,"stop_reason":null}]}` + "\n\n",
+	`data: {"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"!","logprobs":null,"finish_reason":"length","stop_reason":null}]}` + "\n\n",
+	`data: {"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"m","choices":[],"usage":{"prompt_tokens":5,"total_tokens":7,"completion_tokens":2}}` + "\n\n",
+	"data: [DONE]\n\n",
+}
+
+const vllmChatJSON = `{"id":"chatcmpl-2","object":"chat.completion","created":1700000000,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hello world","tool_calls":[]},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":40,"total_tokens":50,"completion_tokens":10,"prompt_tokens_details":{"cached_tokens":16}},"prompt_logprobs":null}`
+
+// fakeEngine is an OpenAI-compatible engine that answers every request
+// with status, contentType and events, flushing after each event.
+type fakeEngine struct {
+	status      int
+	contentType string
+	events      []string
+	// hold, if set, keeps the response open after the events until the
+	// request's context is done, and reports that on done.
+	hold bool
+	done chan struct{}
+
+	gotBody   atomic.Pointer[[]byte]
+	gotHeader atomic.Pointer[http.Header]
+}
+
+func (f *fakeEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	f.gotBody.Store(&body)
+	h := r.Header.Clone()
+	f.gotHeader.Store(&h)
+	if f.contentType != "" {
+		w.Header().Set("Content-Type", f.contentType)
+	}
+	w.Header().Set("X-Engine", "fake")
+	status := f.status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	w.WriteHeader(status)
+	for _, ev := range f.events {
+		if _, err := io.WriteString(w, ev); err != nil {
+			return
+		}
+		w.(http.Flusher).Flush()
+	}
+	if f.hold {
+		select {
+		case <-r.Context().Done():
+			close(f.done)
+		case <-time.After(5 * time.Second):
+		}
+	}
+}
+
+func startEngine(t *testing.T, h http.Handler) *Client {
+	t.Helper()
+	srv := httptest.NewServer(h)
+	c, err := New(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.Close()
+		srv.Close()
+	})
+	return c
+}
+
+// closedURL returns the URL of a port nothing listens on.
+func closedURL(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	return "http://" + addr
+}
+
+// flushRecorder records where in the body each Flush happened.
+type flushRecorder struct {
+	*httptest.ResponseRecorder
+	flushes []int
+}
+
+func (r *flushRecorder) Flush() {
+	r.flushes = append(r.flushes, r.Body.Len())
+	r.ResponseRecorder.Flush()
+}
+
+func newRecorder() *flushRecorder { return &flushRecorder{ResponseRecorder: httptest.NewRecorder()} }
+
+func testContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+const chatBody = `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`
+
+func TestProxyRelaysEventStream(t *testing.T) {
+	fe := &fakeEngine{contentType: "text/event-stream; charset=utf-8", events: vllmChatEvents}
+	c := startEngine(t, fe)
+	rec := newRecorder()
+
+	var firstCalls int
+	var atFirst string
+	res, err := c.Proxy(testContext(t), &engine.Request{ID: "req-1", Path: "/v1/chat/completions", Body: []byte(chatBody), Stream: true}, rec, func() {
+		firstCalls++
+		atFirst = rec.Body.String()
+	})
+	if err != nil {
+		t.Fatalf("Proxy: %v", err)
+	}
+
+	want := engine.ProxyResult{Status: 200, Written: true, Usage: &engine.Final{
+		FinishReason: "stop", PromptTokens: 40, CachedTokens: 32, CompletionTokens: 3,
+	}}
+	if diff := cmp.Diff(want, res); diff != "" {
+		t.Errorf("result (-want +got):\n%s", diff)
+	}
+	if got, want := rec.Body.String(), strings.Join(vllmChatEvents, ""); got != want {
+		t.Errorf("relayed body differs:\n got %q\nwant %q", got, want)
+	}
+	if got := rec.Header().Get("Content-Type"); got != "text/event-stream; charset=utf-8" {
+		t.Errorf("Content-Type = %q", got)
+	}
+	if got := rec.Header().Get("X-Engine"); got != "" {
+		t.Errorf("engine header X-Engine relayed: %q", got)
+	}
+	if firstCalls != 1 {
+		t.Errorf("onFirstToken called %d times, want 1", firstCalls)
+	}
+	if want := vllmChatEvents[0] + vllmChatEvents[1]; atFirst != want {
+		t.Errorf("at onFirstToken the client had %q, want the role and first content events %q", atFirst, want)
+	}
+	// A flush once the headers are written, then after every event.
+	wantFlushes := []int{0}
+	n := 0
+	for _, ev := range vllmChatEvents {
+		n += len(ev)
+		wantFlushes = append(wantFlushes, n)
+	}
+	wantFlushes = append(wantFlushes, n) // at the end of the stream
+	if diff := cmp.Diff(wantFlushes, rec.flushes); diff != "" {
+		t.Errorf("flush points (-want +got):\n%s", diff)
+	}
+
+	if got := string(*fe.gotBody.Load()); got != chatBody {
+		t.Errorf("engine got body %q, want the client's %q", got, chatBody)
+	}
+	h := *fe.gotHeader.Load()
+	if got := h.Get("Content-Type"); got != "application/json" {
+		t.Errorf("engine got Content-Type %q", got)
+	}
+	if got := h.Get("X-Request-Id"); got != "req-1" {
+		t.Errorf("engine got X-Request-Id %q", got)
+	}
+}
+
+func TestProxyCompletionStream(t *testing.T) {
+	c := startEngine(t, &fakeEngine{contentType: "text/event-stream", events: vllmCompletionEvents})
+	rec := newRecorder()
+	var atFirst string
+	res, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, rec, func() { atFirst = rec.Body.String() })
+	if err != nil {
+		t.Fatalf("Proxy: %v", err)
+	}
+	if atFirst != vllmCompletionEvents[0] {
+		t.Errorf("at onFirstToken the client had %q, want the first event", atFirst)
+	}
+	want := &engine.Final{FinishReason: "length", PromptTokens: 5, CompletionTokens: 2}
+	if diff := cmp.Diff(want, res.Usage); diff != "" {
+		t.Errorf("usage (-want +got):\n%s", diff)
+	}
+	if got, want := rec.Body.String(), strings.Join(vllmCompletionEvents, ""); got != want {
+		t.Errorf("relayed body differs:\n got %q\nwant %q", got, want)
+	}
+}
+
+func TestProxyLongLineAndCRLF(t *testing.T) {
+	long := strings.Repeat("x", 3*readBufSize)
+	events := []string{
+		": keep-alive comment\r\n\r\n",
+		`data: {"choices":[{"index":0,"delta":{"content":"` + long + `"}}]}` + "\r\n\r\n",
+		"data: [DONE]\r\n\r\n",
+		"trailing bytes without newline",
+	}
+	c := startEngine(t, &fakeEngine{contentType: "text/event-stream", events: events})
+	rec := newRecorder()
+	calls := 0
+	if _, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}, rec, func() { calls++ }); err != nil {
+		t.Fatalf("Proxy: %v", err)
+	}
+	if got, want := rec.Body.String(), strings.Join(events, ""); got != want {
+		t.Errorf("relayed body differs (len %d, want %d)", len(got), len(want))
+	}
+	if calls != 1 {
+		t.Errorf("onFirstToken called %d times, want 1", calls)
+	}
+}
+
+func TestProxyNonStreamJSON(t *testing.T) {
+	c := startEngine(t, &fakeEngine{contentType: "application/json", events: []string{vllmChatJSON[:50], vllmChatJSON[50:]}})
+	rec := newRecorder()
+	calls := 0
+	res, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{"model":"m"}`)}, rec, func() { calls++ })
+	if err != nil {
+		t.Fatalf("Proxy: %v", err)
+	}
+	want := engine.ProxyResult{Status: 200, Written: true, Usage: &engine.Final{
+		FinishReason: "length", PromptTokens: 40, CachedTokens: 16, CompletionTokens: 10,
+	}}
+	if diff := cmp.Diff(want, res); diff != "" {
+		t.Errorf("result (-want +got):\n%s", diff)
+	}
+	if rec.Body.String() != vllmChatJSON {
+		t.Errorf("relayed body = %q, want %q", rec.Body.String(), vllmChatJSON)
+	}
+	if got := rec.Header().Get("Content-Type"); got != "application/json" {
+		t.Errorf("Content-Type = %q", got)
+	}
+	if calls != 1 {
+		t.Errorf("onFirstToken called %d times, want 1", calls)
+	}
+}
+
+func TestProxyRelaysClientErrors(t *testing.T) {
+	const body = `{"object":"error","message":"The model ` + "`x`" + ` does not exist.","type":"NotFoundError","param":null,"code":404}`
+	for _, status := range []int{400, 404, 413} {
+		c := startEngine(t, &fakeEngine{status: status, contentType: "application/json", events: []string{body}})
+		rec := newRecorder()
+		res, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}, rec, func() {
+			t.Errorf("onFirstToken called for a %d", status)
+		})
+		if err != nil {
+			t.Errorf("%d: Proxy error %v, want the response relayed", status, err)
+		}
+		if diff := cmp.Diff(engine.ProxyResult{Status: status, Written: true}, res); diff != "" {
+			t.Errorf("%d: result (-want +got):\n%s", status, diff)
+		}
+		if rec.Code != status || rec.Body.String() != body {
+			t.Errorf("%d: client got %d %q", status, rec.Code, rec.Body.String())
+		}
+	}
+}
+
+func TestProxyRefusedStatuses(t *testing.T) {
+	tests := []struct {
+		status      int
+		unavailable bool
+	}{
+		{429, true}, {502, true}, {503, true}, {504, true},
+		{500, false}, {501, false},
+	}
+	for _, tt := range tests {
+		t.Run(http.StatusText(tt.status), func(t *testing.T) {
+			c := startEngine(t, &fakeEngine{status: tt.status, contentType: "application/json", events: []string{`{"error":"busy"}`}})
+			rec := newRecorder()
+			res, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, rec, nil)
+			if err == nil {
+				t.Fatal("Proxy succeeded, want an error")
+			}
+			if got := errors.Is(err, engine.ErrUnavailable); got != tt.unavailable {
+				t.Errorf("errors.Is(%v, ErrUnavailable) = %v, want %v", err, got, tt.unavailable)
+			}
+			var se *StatusError
+			if !errors.As(err, &se) || se.Status != tt.status || se.Message != `{"error":"busy"}` {
+				t.Errorf("error %v: want a *StatusError with status %d and the body", err, tt.status)
+			}
+			if diff := cmp.Diff(engine.ProxyResult{Status: tt.status}, res); diff != "" {
+				t.Errorf("result (-want +got):\n%s", diff)
+			}
+			if rec.Body.Len() != 0 || len(rec.Header()) != 0 || rec.flushes != nil {
+				t.Errorf("something was written to the client: %d %v %q", rec.Code, rec.Header(), rec.Body.String())
+			}
+		})
+	}
+}
+
+func TestProxyConnectionRefused(t *testing.T) {
+	c, err := New(closedURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rec := newRecorder()
+	res, err := c.Proxy(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, rec, nil)
+	if !errors.Is(err, engine.ErrUnavailable) {
+		t.Errorf("Proxy error = %v, want ErrUnavailable", err)
+	}
+	if res.Written || rec.Body.Len() != 0 {
+		t.Errorf("Written = %v, body %q; want nothing written", res.Written, rec.Body.String())
+	}
+}
+
+func TestProxyClientCancelCancelsEngine(t *testing.T) {
+	fe := &fakeEngine{contentType: "text/event-stream", events: vllmChatEvents[:2], hold: true, done: make(chan struct{})}
+	c := startEngine(t, fe)
+	ctx, cancel := context.WithCancel(testContext(t))
+	defer cancel()
+	rec := newRecorder()
+	// The client goes away as soon as it has its first token.
+	res, err := c.Proxy(ctx, &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}, rec, cancel)
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("Proxy error = %v, want context.Canceled", err)
+	}
+	if !res.Written {
+		t.Error("Written = false after relaying events")
+	}
+	select {
+	case <-fe.done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the engine's request context was never done")
+	}
+}
+
+func TestGenerateEvents(t *testing.T) {
+	fe := &fakeEngine{contentType: "text/event-stream", events: vllmChatEvents}
+	c := startEngine(t, fe)
+	body := `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"stream_options":{"continuous_usage_stats":false}}`
+	s, err := c.Generate(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(body)})
+	if err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	defer s.Close()
+	got := recvAll(t, s)
+	want := []engine.Event{
+		{Text: "Hello", Tokens: 1},
+		{Text: " world", Tokens: 1},
+		{Final: &engine.Final{FinishReason: "stop", PromptTokens: 40, CachedTokens: 32, CompletionTokens: 3}},
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("events (-want +got):\n%s", diff)
+	}
+
+	var sent map[string]any
+	if err := json.Unmarshal(*fe.gotBody.Load(), &sent); err != nil {
+		t.Fatalf("engine got invalid JSON: %v", err)
+	}
+	wantSent := map[string]any{
+		"model":          "m",
+		"messages":       []any{map[string]any{"role": "user", "content": "hi"}},
+		"stream":         true,
+		"stream_options": map[string]any{"continuous_usage_stats": false, "include_usage": true},
+	}
+	if diff := cmp.Diff(wantSent, sent); diff != "" {
+		t.Errorf("body sent (-want +got):\n%s", diff)
+	}
+}
+
+func TestGenerateFromPrompt(t *testing.T) {
+	fe := &fakeEngine{contentType: "text/event-stream", events: vllmCompletionEvents}
+	c := startEngine(t, fe)
+	s, err := c.Generate(testContext(t), &engine.Request{Model: "m", Prompt: "say hi", MaxTokens: 2, Stop: []string{"\n"}})
+	if err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	defer s.Close()
+	got := recvAll(t, s)
+	want := []engine.Event{
+		{Text: "Hi", Tokens: 1},
+		{Text: "!", Tokens: 1},
+		{Final: &engine.Final{FinishReason: "length", PromptTokens: 5, CompletionTokens: 2}},
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("events (-want +got):\n%s", diff)
+	}
+	var sent map[string]any
+	if err := json.Unmarshal(*fe.gotBody.Load(), &sent); err != nil {
+		t.Fatal(err)
+	}
+	wantSent := map[string]any{
+		"model": "m", "prompt": "say hi", "max_tokens": 2.0, "stop": []any{"\n"},
+		"stream": true, "stream_options": map[string]any{"include_usage": true},
+	}
+	if diff := cmp.Diff(wantSent, sent); diff != "" {
+		t.Errorf("body sent (-want +got):\n%s", diff)
+	}
+}
+
+func recvAll(t *testing.T, s engine.Stream) []engine.Event {
+	t.Helper()
+	var got []engine.Event
+	for {
+		ev, err := s.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("Recv: %v", err)
+		}
+		got = append(got, ev)
+	}
+	if _, err := s.Recv(); err != io.EOF {
+		t.Errorf("Recv after EOF = %v, want io.EOF", err)
+	}
+	return got
+}
+
+func TestGenerateErrors(t *testing.T) {
+	tests := []struct {
+		name   string
+		engine *fakeEngine // nil: nothing listens
+		req    engine.Request
+		want   error
+		status int
+	}{
+		{"unavailable", &fakeEngine{status: 503}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrUnavailable, 503},
+		{"bad request", &fakeEngine{status: 400}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, nil, 400},
+		{"connection refused", nil, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrUnavailable, 0},
+		{"body not an object", &fakeEngine{}, engine.Request{Path: "/v1/completions", Body: []byte(`[1]`)}, ErrInvalid, 0},
+		{"stream_options not an object", &fakeEngine{}, engine.Request{Path: "/v1/completions", Body: []byte(`{"stream_options":1}`)}, ErrInvalid, 0},
+		{"no path", &fakeEngine{}, engine.Request{Body: []byte(`{}`)}, ErrInvalid, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var c *Client
+			if tt.engine != nil {
+				c = startEngine(t, tt.engine)
+			} else {
+				var err error
+				if c, err = New(closedURL(t)); err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+			}
+			s, err := c.Generate(testContext(t), &tt.req)
+			if err == nil {
+				s.Close()
+				t.Fatal("Generate succeeded, want an error")
+			}
+			if tt.want != nil && !errors.Is(err, tt.want) {
+				t.Errorf("Generate error = %v, want it to wrap %v", err, tt.want)
+			}
+			if tt.want == nil && errors.Is(err, engine.ErrUnavailable) {
+				t.Errorf("Generate error = %v wraps ErrUnavailable", err)
+			}
+			var se *StatusError
+			if tt.status != 0 && (!errors.As(err, &se) || se.Status != tt.status) {
+				t.Errorf("Generate error = %v, want a *StatusError with status %d", err, tt.status)
+			}
+		})
+	}
+}
+
+func TestGenerateStreamErrors(t *testing.T) {
+	tests := []struct {
+		name   string
+		events []string
+		want   string
+	}{
+		{"error event", []string{vllmChatEvents[1], `data: {"error":{"object":"error","message":"engine died","type":"InternalServerError","code":500}}` + "\n\n"}, "engine died"},
+		{"flat error event", []string{vllmChatEvents[1], `data: {"object":"error","message":"engine died","code":500}` + "\n\n"}, "engine died"},
+		{"cut short", []string{vllmChatEvents[1]}, io.ErrUnexpectedEOF.Error()},
+		{"bad json", []string{vllmChatEvents[1], "data: {nope\n\n"}, "decoding chunk"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := startEngine(t, &fakeEngine{contentType: "text/event-stream", events: tt.events})
+			s, err := c.Generate(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)})
+			if err != nil {
+				t.Fatalf("Generate: %v", err)
+			}
+			defer s.Close()
+			if ev, err := s.Recv(); err != nil || ev.Text != "Hello" {
+				t.Fatalf("first Recv = %+v, %v", ev, err)
+			}
+			_, err = s.Recv()
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Recv error = %v, want one mentioning %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestGenerateCancelCancelsEngine(t *testing.T) {
+	for _, how := range []string{"context", "close"} {
+		t.Run(how, func(t *testing.T) {
+			fe := &fakeEngine{contentType: "text/event-stream", events: vllmChatEvents[:2], hold: true, done: make(chan struct{})}
+			c := startEngine(t, fe)
+			ctx, cancel := context.WithCancel(testContext(t))
+			defer cancel()
+			s, err := c.Generate(ctx, &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)})
+			if err != nil {
+				t.Fatalf("Generate: %v", err)
+			}
+			defer s.Close()
+			if ev, err := s.Recv(); err != nil || ev.Text != "Hello" {
+				t.Fatalf("Recv = %+v, %v", ev, err)
+			}
+			if how == "context" {
+				cancel()
+				if _, err := s.Recv(); !errors.Is(err, context.Canceled) {
+					t.Errorf("Recv after cancel = %v, want context.Canceled", err)
+				}
+			} else {
+				s.Close()
+			}
+			select {
+			case <-fe.done:
+			case <-time.After(5 * time.Second):
+				t.Fatal("the engine's request context was never done")
+			}
+		})
+	}
+}
+
+func TestCheck(t *testing.T) {
+	var status atomic.Int32
+	status.Store(200)
+	var path atomic.Value
+	c := startEngine(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		path.Store(r.Method + " " + r.URL.Path)
+		w.WriteHeader(int(status.Load()))
+	}))
+	ctx := testContext(t)
+	if err := c.Check(ctx); err != nil {
+		t.Errorf("Check on 200 = %v, want nil", err)
+	}
+	if got := path.Load(); got != "GET /health" {
+		t.Errorf("Check requested %q, want GET /health", got)
+	}
+	status.Store(503) // llama-server while loading its model
+	if err := c.Check(ctx); !errors.Is(err, engine.ErrUnavailable) {
+		t.Errorf("Check on 503 = %v, want ErrUnavailable", err)
+	}
+
+	refused, err := New(closedURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer refused.Close()
+	if err := refused.Check(ctx); !errors.Is(err, engine.ErrUnavailable) {
+		t.Errorf("Check with nothing listening = %v, want ErrUnavailable", err)
+	}
+}
+
+func TestNew(t *testing.T) {
+	tests := []struct {
+		url     string
+		wantErr bool
+		base    string
+	}{
+		{"http://127.0.0.1:8000", false, "http://127.0.0.1:8000"},
+		{"http://127.0.0.1:8000/", false, "http://127.0.0.1:8000"},
+		{"https://engine.internal/prefix/", false, "https://engine.internal/prefix"},
+		{"", true, ""},
+		{"127.0.0.1:8000", true, ""},
+		{"ftp://host", true, ""},
+		{"http://", true, ""},
+		{"http://host/?q=1", true, ""},
+		{"http://user:pw@host", true, ""},
+		{"http://host:8000/%zz", true, ""},
+	}
+	for _, tt := range tests {
+		c, err := New(tt.url)
+		if (err != nil) != tt.wantErr {
+			t.Errorf("New(%q) error = %v, want error %v", tt.url, err, tt.wantErr)
+			continue
+		}
+		if err == nil {
+			if c.base != tt.base {
+				t.Errorf("New(%q).base = %q, want %q", tt.url, c.base, tt.base)
+			}
+			c.Close()
+		}
+	}
+}
+
+func TestValueStart(t *testing.T) {
+	tests := []struct {
+		data, key string
+		want      byte
+	}{
+		{`{"usage":{"prompt_tokens":1}}`, `"usage"`, '{'},
+		{`{"usage": null}`, `"usage"`, 'n'},
+		{`{"a":"\"usage\": {"}`, `"usage"`, 0},
+		{`{"a":"usage","usage" : {}}`, `"usage"`, '{'},
+		{`{"finish_reason":null}`, `"finish_reason"`, 'n'},
+		{`{"finish_reason":"stop"}`, `"finish_reason"`, '"'},
+		{`{}`, `"usage"`, 0},
+	}
+	for _, tt := range tests {
+		if got := valueStart([]byte(tt.data), tt.key); got != tt.want {
+			t.Errorf("valueStart(%s, %s) = %q, want %q", tt.data, tt.key, got, tt.want)
+		}
+	}
+}
+
+// discardWriter is a ResponseWriter that keeps nothing, for benchmarks.
+type discardWriter struct{ h http.Header }
+
+func (d *discardWriter) Header() http.Header         { return d.h }
+func (d *discardWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (d *discardWriter) WriteHeader(int)             {}
+func (d *discardWriter) Flush()                      {}
+
+// BenchmarkRelayEvents measures relaying a 256-token vLLM stream; once the
+// first token is seen, token chunks should cost no allocation.
+func BenchmarkRelayEvents(b *testing.B) {
+	var sb strings.Builder
+	sb.WriteString(vllmChatEvents[0])
+	for range 256 {
+		sb.WriteString(vllmChatEvents[1])
+	}
+	for _, ev := range vllmChatEvents[3:] {
+		sb.WriteString(ev)
+	}
+	stream := sb.String()
+	w := &discardWriter{h: http.Header{}}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(stream)))
+	for b.Loop() {
+		rw := &relayWriter{w: w, rc: http.NewResponseController(w), onFirst: func() {}}
+		var u usageTracker
+		if err := rw.relayEvents(strings.NewReader(stream), &u, true); err != nil {
+			b.Fatal(err)
+		}
+		if u.usage == nil {
+			b.Fatal("no usage")
+		}
+	}
+}

@@ -1,0 +1,202 @@
+package httpengine
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// maxUsageBody bounds how much of a non-streamed response is kept to read
+// its usage; a larger response is relayed whole but its usage is not read.
+const maxUsageBody = 8 << 20
+
+// Proxy posts req.Body to req.Path on the engine and relays the response to
+// w, as engine.Proxier specifies; the package comment says which statuses
+// are relayed. Only the status and Content-Type are copied, never the
+// engine's other (or hop-by-hop) headers.
+//
+// An event stream (text/event-stream) is relayed line by line and flushed
+// after each event; onFirstToken is called once, after the first event
+// carrying generated text (choices[].delta.content, .text, reasoning or a
+// tool call) has been flushed. Other bodies are copied as they come, and
+// onFirstToken is called once the first bytes of a 2xx body are written.
+// Usage (and the finish reason) are read from the stream's usage chunk or
+// the whole response's usage object.
+//
+// Cancelling ctx (the client went away) cancels the engine's request.
+func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
+	var res engine.ProxyResult
+	if req == nil {
+		return res, fmt.Errorf("proxy: %w: nil request", ErrInvalid)
+	}
+	resp, err := c.post(ctx, req, req.Body)
+	if err != nil {
+		return res, fmt.Errorf("proxy: %w", err)
+	}
+	defer resp.Body.Close()
+	res.Status = resp.StatusCode
+	if serr := refused(resp); serr != nil {
+		return res, fmt.Errorf("proxy: %w", serr)
+	}
+
+	ct := resp.Header.Get("Content-Type")
+	if ct != "" {
+		w.Header().Set("Content-Type", ct)
+	}
+	w.WriteHeader(resp.StatusCode)
+	res.Written = true
+
+	ok := resp.StatusCode/100 == 2
+	if !ok {
+		onFirstToken = nil
+	}
+	rw := &relayWriter{w: w, rc: http.NewResponseController(w), onFirst: onFirstToken}
+	var usage usageTracker
+	if isEventStream(ct) {
+		err = rw.relayEvents(resp.Body, &usage, ok)
+	} else {
+		err = rw.relayBody(resp.Body, &usage, ok)
+	}
+	res.Usage = usage.final()
+	if err != nil {
+		if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
+			err = fmt.Errorf("%w: %w", ctxErr, err)
+		}
+		return res, fmt.Errorf("proxy: relaying response: %w", err)
+	}
+	return res, nil
+}
+
+func isEventStream(contentType string) bool {
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && mt == "text/event-stream"
+}
+
+// relayWriter writes to the client and calls onFirst at most once.
+type relayWriter struct {
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	onFirst func()
+}
+
+func (rw *relayWriter) write(b []byte) error {
+	if _, err := rw.w.Write(b); err != nil {
+		return fmt.Errorf("writing to client: %w", err)
+	}
+	return nil
+}
+
+func (rw *relayWriter) flush() error {
+	if err := rw.rc.Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		return fmt.Errorf("flushing to client: %w", err)
+	}
+	return nil
+}
+
+func (rw *relayWriter) firstToken() {
+	if f := rw.onFirst; f != nil {
+		rw.onFirst = nil
+		f()
+	}
+}
+
+// relayEvents copies an event stream line by line, flushing after each
+// blank line (the end of an event). Data lines of a 2xx stream are
+// inspected for the first generated text and for usage; a chunk is only
+// decoded while no text has been seen, or when it carries usage or a
+// finish reason, so the hot path of token chunks does not allocate.
+func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect bool) error {
+	if err := rw.flush(); err != nil { // headers now, events as they come
+		return err
+	}
+	lr := newLineReader(body)
+	firstPending := false // the current event carries the first text
+	for {
+		line, rerr := lr.next()
+		if len(line) > 0 {
+			if inspect {
+				if data, ok := dataPayload(line); ok && !bytes.Equal(data, doneMarker) {
+					if rw.onFirst != nil && !firstPending {
+						var c chunkJSON
+						if json.Unmarshal(data, &c) == nil {
+							firstPending = c.hasGenerated()
+							usage.take(&c)
+						}
+					} else {
+						usage.observe(data)
+					}
+				}
+			}
+			if err := rw.write(line); err != nil {
+				return err
+			}
+			if isBlank(line) {
+				if err := rw.flush(); err != nil {
+					return err
+				}
+				if firstPending {
+					firstPending = false
+					rw.firstToken()
+				}
+			}
+		}
+		if rerr == io.EOF {
+			if err := rw.flush(); err != nil {
+				return err
+			}
+			if firstPending {
+				rw.firstToken()
+			}
+			return nil
+		}
+		if rerr != nil {
+			return fmt.Errorf("reading engine response: %w", rerr)
+		}
+	}
+}
+
+// relayBody copies a whole (non-streamed) response as it comes, keeping up
+// to maxUsageBody of a 2xx body to read its usage at the end.
+func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bool) error {
+	var kept bytes.Buffer
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := body.Read(buf)
+		if n > 0 {
+			if err := rw.write(buf[:n]); err != nil {
+				return err
+			}
+			rw.firstToken()
+			if inspect && kept.Len()+n <= maxUsageBody {
+				kept.Write(buf[:n])
+			} else {
+				inspect = false
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			return fmt.Errorf("reading engine response: %w", rerr)
+		}
+	}
+	if err := rw.flush(); err != nil {
+		return err
+	}
+	if inspect {
+		var c chunkJSON
+		if json.Unmarshal(kept.Bytes(), &c) == nil {
+			usage.take(&c)
+		}
+	}
+	return nil
+}
+
+var _ engine.Proxier = (*Client)(nil)

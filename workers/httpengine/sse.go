@@ -1,0 +1,238 @@
+package httpengine
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+const (
+	// readBufSize is the event-stream read buffer: a chunk of vLLM's holds
+	// one token and its envelope (~300 bytes), with logprobs a few KiB.
+	readBufSize = 64 << 10
+	// maxLineSize bounds one event-stream line, so a broken engine cannot
+	// make us buffer without end.
+	maxLineSize = 16 << 20
+)
+
+var errLineTooLong = errors.New("event-stream line too long")
+
+// lineReader reads an event stream line by line, terminators included.
+// Lines that fit its buffer cost no allocation; longer ones are assembled
+// in a scratch slice reused from line to line.
+type lineReader struct {
+	r    *bufio.Reader
+	long []byte
+}
+
+func newLineReader(r io.Reader) *lineReader {
+	return &lineReader{r: bufio.NewReaderSize(r, readBufSize)}
+}
+
+// next returns the next line, valid until the following call. At the end
+// of the stream it returns the last, unterminated bytes (if any) with io.EOF.
+func (lr *lineReader) next() ([]byte, error) {
+	line, err := lr.r.ReadSlice('\n')
+	if err != bufio.ErrBufferFull {
+		return line, err
+	}
+	lr.long = append(lr.long[:0], line...)
+	for {
+		line, err = lr.r.ReadSlice('\n')
+		lr.long = append(lr.long, line...)
+		if len(lr.long) > maxLineSize {
+			return nil, errLineTooLong
+		}
+		if err != bufio.ErrBufferFull {
+			return lr.long, err
+		}
+	}
+}
+
+var (
+	dataPrefix = []byte("data:")
+	doneMarker = []byte("[DONE]")
+)
+
+// dataPayload returns the payload of a "data:" line (one optional leading
+// space and the line terminator removed), or false for any other line.
+func dataPayload(line []byte) ([]byte, bool) {
+	p, ok := bytes.CutPrefix(line, dataPrefix)
+	if !ok {
+		return nil, false
+	}
+	p = bytes.TrimRight(p, "\r\n")
+	p, _ = bytes.CutPrefix(p, []byte(" "))
+	return p, true
+}
+
+// isBlank reports whether line ends an event.
+func isBlank(line []byte) bool {
+	return len(line) == 1 && line[0] == '\n' || len(line) == 2 && line[0] == '\r' && line[1] == '\n'
+}
+
+// valueStart returns the first byte of the value of key ("\"usage\"") in
+// the JSON object data, or 0 if key does not occur as a key. A quoted key
+// cannot occur inside a JSON string (its quotes would be escaped), so a
+// match followed by a colon is a key; this lets the relay skip decoding
+// the chunks that cannot matter.
+func valueStart(data []byte, key string) byte {
+	for {
+		i := bytes.Index(data, []byte(key))
+		if i < 0 {
+			return 0
+		}
+		data = data[i+len(key):]
+		j := skipSpace(data)
+		if j < len(data) && data[j] == ':' {
+			data = data[j+1:]
+			if k := skipSpace(data); k < len(data) {
+				return data[k]
+			}
+			return 0
+		}
+	}
+}
+
+func skipSpace(b []byte) int {
+	i := 0
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// usageJSON is OpenAI's usage object.
+type usageJSON struct {
+	PromptTokens        int `json:"prompt_tokens"`
+	CompletionTokens    int `json:"completion_tokens"`
+	PromptTokensDetails *struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+// chunkJSON is what this package reads of a completion or chat completion,
+// streamed chunk or whole response.
+type chunkJSON struct {
+	Choices []struct {
+		Index int    `json:"index"`
+		Text  string `json:"text"` // completions
+		Delta *struct {
+			Content          string          `json:"content"`
+			ReasoningContent string          `json:"reasoning_content"` // vLLM, SGLang
+			Reasoning        string          `json:"reasoning"`         // newer vLLM
+			ToolCalls        json.RawMessage `json:"tool_calls"`
+		} `json:"delta"` // chat, streamed
+		Message *struct {
+			Content string `json:"content"`
+		} `json:"message"` // chat, whole
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *usageJSON `json:"usage"`
+
+	// A mid-stream error: {"error": {...}} (OpenAI, newer vLLM) or a flat
+	// {"object": "error", "message": ...} (older vLLM).
+	Error   json.RawMessage `json:"error"`
+	Object  string          `json:"object"`
+	Message string          `json:"message"`
+}
+
+// errorMessage returns the chunk's error message, or "" if it is not one.
+func (c *chunkJSON) errorMessage() string {
+	if c.Object == "error" {
+		if c.Message == "" {
+			return "unknown error"
+		}
+		return c.Message
+	}
+	if len(c.Error) == 0 || string(c.Error) == "null" {
+		return ""
+	}
+	var e struct {
+		Message string `json:"message"`
+	}
+	if json.Unmarshal(c.Error, &e) == nil && e.Message != "" {
+		return e.Message
+	}
+	var s string
+	if json.Unmarshal(c.Error, &s) == nil && s != "" {
+		return s
+	}
+	return string(c.Error)
+}
+
+// hasGenerated reports whether any choice of a streamed chunk carries
+// generated output: text, reasoning or a tool call.
+func (c *chunkJSON) hasGenerated() bool {
+	for _, ch := range c.Choices {
+		if ch.Text != "" {
+			return true
+		}
+		if d := ch.Delta; d != nil {
+			if d.Content != "" || d.ReasoningContent != "" || d.Reasoning != "" ||
+				(len(d.ToolCalls) > 0 && string(d.ToolCalls) != "null" && string(d.ToolCalls) != "[]") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// usageTracker gathers the usage and finish reason of a relayed response.
+type usageTracker struct {
+	usage  *usageJSON
+	finish string
+}
+
+// observe reads what matters of one chunk (its usage and first finish
+// reason), decoding it only when it carries one of them.
+func (u *usageTracker) observe(data []byte) {
+	hasUsage := valueStart(data, `"usage"`) == '{'
+	hasFinish := u.finish == "" && valueStart(data, `"finish_reason"`) == '"'
+	if !hasUsage && !hasFinish {
+		return
+	}
+	var c chunkJSON
+	if json.Unmarshal(data, &c) != nil {
+		return
+	}
+	u.take(&c)
+}
+
+func (u *usageTracker) take(c *chunkJSON) {
+	if c.Usage != nil {
+		u.usage = c.Usage
+	}
+	if u.finish == "" {
+		for _, ch := range c.Choices {
+			if ch.FinishReason != nil && *ch.FinishReason != "" {
+				u.finish = *ch.FinishReason
+				break
+			}
+		}
+	}
+}
+
+// final returns the engine's usage, or nil if it reported none.
+func (u *usageTracker) final() *engine.Final {
+	if u.usage == nil {
+		return nil
+	}
+	return toFinal(u.usage, u.finish)
+}
+
+func toFinal(u *usageJSON, finish string) *engine.Final {
+	f := &engine.Final{FinishReason: finish}
+	if u != nil {
+		f.PromptTokens = u.PromptTokens
+		f.CompletionTokens = u.CompletionTokens
+		if u.PromptTokensDetails != nil {
+			f.CachedTokens = u.PromptTokensDetails.CachedTokens
+		}
+	}
+	return f
+}
