@@ -29,11 +29,13 @@ var ServiceName = workerpb.Worker_ServiceDesc.ServiceName
 
 var (
 	// ErrUnknownModel is returned (wrapped) when the worker does not serve
-	// the requested model (gRPC NotFound). Another worker may serve it.
-	ErrUnknownModel = errors.New("unknown model")
+	// the requested model (gRPC NotFound). It is engine.ErrUnknownModel,
+	// named here for callers of this package.
+	ErrUnknownModel = engine.ErrUnknownModel
 	// ErrInvalid is returned (wrapped) when the worker rejected the request
-	// as malformed (gRPC InvalidArgument). Retrying elsewhere will not help.
-	ErrInvalid = errors.New("invalid request")
+	// as malformed (gRPC InvalidArgument); retrying elsewhere will not
+	// help. It is engine.ErrInvalid.
+	ErrInvalid = engine.ErrInvalid
 )
 
 // DefaultKeepalive is the client keepalive used unless WithKeepalive says

@@ -16,7 +16,6 @@ package httpengine
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -28,9 +27,10 @@ import (
 	"github.com/batonllm/baton/workers/engine"
 )
 
-// ErrInvalid is returned (wrapped) for a request this package cannot send:
-// no path, or a body that is not a JSON object.
-var ErrInvalid = errors.New("invalid request")
+// ErrInvalid is returned (wrapped) for a request this package cannot send
+// (no path, or a body that is not a JSON object) and by Generate for a 4xx
+// answer. It is engine.ErrInvalid, named here for callers of this package.
+var ErrInvalid = engine.ErrInvalid
 
 // StatusError is an engine response that was not relayed: its status and
 // the start of its body, for logs.
@@ -46,12 +46,21 @@ func (e *StatusError) Error() string {
 	return fmt.Sprintf("engine answered %d %s: %s", e.Status, http.StatusText(e.Status), e.Message)
 }
 
-// Unwrap returns engine.ErrUnavailable for the statuses by which an engine
-// refuses work it could do elsewhere or later (429, 502, 503, 504).
+// Unwrap returns what callers branch on: engine.ErrUnavailable for the
+// statuses by which an engine refuses work it could do elsewhere or later
+// (429, 502, 503, 504); engine.ErrUnknownModel for 404 (vLLM's and
+// SGLang's answer for a model they do not serve); engine.ErrInvalid for
+// the other 4xx, the request's own fault; nil for the rest (500: the
+// engine failed on this very request).
 func (e *StatusError) Unwrap() error {
-	switch e.Status {
-	case http.StatusTooManyRequests, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+	switch s := e.Status; {
+	case s == http.StatusTooManyRequests, s == http.StatusBadGateway,
+		s == http.StatusServiceUnavailable, s == http.StatusGatewayTimeout:
 		return engine.ErrUnavailable
+	case s == http.StatusNotFound:
+		return engine.ErrUnknownModel
+	case s/100 == 4:
+		return engine.ErrInvalid
 	}
 	return nil
 }

@@ -446,7 +446,9 @@ func TestGenerateErrors(t *testing.T) {
 		status int
 	}{
 		{"unavailable", &fakeEngine{status: 503}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrUnavailable, 503},
-		{"bad request", &fakeEngine{status: 400}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, nil, 400},
+		{"bad request", &fakeEngine{status: 400}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrInvalid, 400},
+		{"unknown model", &fakeEngine{status: 404}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrUnknownModel, 404},
+		{"engine failure", &fakeEngine{status: 500}, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, nil, 500},
 		{"connection refused", nil, engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, engine.ErrUnavailable, 0},
 		{"body not an object", &fakeEngine{}, engine.Request{Path: "/v1/completions", Body: []byte(`[1]`)}, ErrInvalid, 0},
 		{"stream_options not an object", &fakeEngine{}, engine.Request{Path: "/v1/completions", Body: []byte(`{"stream_options":1}`)}, ErrInvalid, 0},
@@ -472,8 +474,12 @@ func TestGenerateErrors(t *testing.T) {
 			if tt.want != nil && !errors.Is(err, tt.want) {
 				t.Errorf("Generate error = %v, want it to wrap %v", err, tt.want)
 			}
-			if tt.want == nil && errors.Is(err, engine.ErrUnavailable) {
-				t.Errorf("Generate error = %v wraps ErrUnavailable", err)
+			if tt.want == nil {
+				for _, e := range []error{engine.ErrUnavailable, engine.ErrInvalid, engine.ErrUnknownModel} {
+					if errors.Is(err, e) {
+						t.Errorf("Generate error = %v wraps %v", err, e)
+					}
+				}
 			}
 			var se *StatusError
 			if tt.status != 0 && (!errors.As(err, &se) || se.Status != tt.status) {

@@ -22,8 +22,9 @@ import (
 //
 // Generate returns once the engine's response headers arrive: an error
 // from Generate means nothing was generated (connection refused:
-// engine.ErrUnavailable; a status that is not 2xx: *StatusError, whose
-// Unwrap tells whether another engine may do better).
+// engine.ErrUnavailable; a status that is not 2xx: *StatusError, which
+// wraps engine.ErrUnavailable, ErrUnknownModel or ErrInvalid as its
+// Unwrap says).
 //
 // Events carry choice 0's text (delta.content, or text for completions;
 // reasoning is not part of it), one event per chunk with Tokens 1 (engines
@@ -115,7 +116,8 @@ func (s *stream) Recv() (engine.Event, error) {
 	}
 	for {
 		line, rerr := s.lines.next()
-		if data, ok := dataPayload(line); ok {
+		// A line cut short by a read error is not decoded.
+		if data, ok := dataPayload(line); ok && (rerr == nil || rerr == io.EOF) {
 			if string(data) == string(doneMarker) {
 				return s.final(), nil
 			}
