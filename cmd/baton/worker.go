@@ -1,0 +1,73 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/batonllm/baton/workers/sim"
+)
+
+// simFlags are the simulated engine's flags, shared by worker and demo.
+type simFlags struct {
+	model, gpu, served   string
+	tp                   int
+	mfu, timeScale       float64
+	blocks               int64
+	maxRunning, maxBatch int
+}
+
+func (f *simFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.model, "model-preset", "llama-3.1-8b", "model whose cost is simulated: llama-3.1-8b, llama-3.1-70b")
+	fs.StringVar(&f.gpu, "gpu", "h100", "GPU preset: h100, h200")
+	fs.IntVar(&f.tp, "tp", 0, "tensor-parallel degree (default 1)")
+	fs.Float64Var(&f.mfu, "mfu", 0, "fraction of peak FLOP/s prefill reaches (default 0.5)")
+	fs.Float64Var(&f.timeScale, "time-scale", 1, "run the modelled clock this many times faster than real time")
+	fs.StringVar(&f.served, "served-model-name", "", "comma-separated model names served (default: the preset's name)")
+	fs.Int64Var(&f.blocks, "kv-blocks", 0, "GPU KV capacity in blocks of 16 tokens (default: from GPU memory minus weights)")
+	fs.IntVar(&f.maxRunning, "max-running", 0, "maximum running sequences (default 256)")
+	fs.IntVar(&f.maxBatch, "max-batched-tokens", 0, "token budget of one engine step (default 8192)")
+}
+
+func (f *simFlags) config(name string) sim.Config {
+	c := sim.Config{
+		Name: name, Model: f.model, GPU: f.gpu, TP: f.tp, MFU: f.mfu, TimeScale: f.timeScale,
+		BlockCapacity: f.blocks, MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch,
+	}
+	if f.served != "" {
+		c.Models = strings.Split(f.served, ",")
+	}
+	return c
+}
+
+func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("worker", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var f simFlags
+	f.register(fs)
+	listen := fs.String("listen", "127.0.0.1:9000", "gRPC listen `address` (the worker API and gRPC health)")
+	httpListen := fs.String("http-listen", "", "listen `address` of the worker's own OpenAI-compatible HTTP API (off when empty)")
+	name := fs.String("name", "", "worker name (default: the listen address)")
+	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	log, err := newLogger(stderr, *logLevel)
+	if err != nil {
+		return err
+	}
+	if *name == "" {
+		*name = *listen
+	}
+	w, err := sim.Start(f.config(*name), *listen, *httpListen, log)
+	if err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
+	defer w.Close()
+	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale)
+	<-ctx.Done()
+	log.Info("worker stopping")
+	return nil
+}

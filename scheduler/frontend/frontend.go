@@ -1,0 +1,468 @@
+// Package frontend is the scheduler's HTTP API: OpenAI-compatible chat and
+// text completions, SageMaker's native /invocations route, /v1/models,
+// health and readiness probes and /metrics. For each request it validates
+// the body, derives the routing text and tenant, asks the strategy for a
+// worker, and streams the worker's answer back, retrying on another worker
+// when one fails before its first token.
+package frontend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/batonllm/baton/scheduler/metrics"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/openai"
+)
+
+// Headers explaining a route.
+const (
+	HeaderWorker = "X-Baton-Worker"
+	HeaderRoute  = "X-Baton-Route"
+	HeaderTenant = "X-Prefix-Aware-Id"
+)
+
+// Limits and defaults of Config fields.
+const (
+	MinPrefixLength     = 1024
+	MaxPrefixLength     = 65536
+	DefaultPrefixLength = 4096
+	DefaultRetries      = 2
+	DefaultTimeout      = 10 * time.Minute
+)
+
+// Config tunes the front end. The zero value means every default.
+type Config struct {
+	// Models lists the model names served; a request for another gets a
+	// 404. Empty: any model is accepted and workers decide.
+	Models []string `yaml:"models"`
+	// PrefixLength is how much of the routing text prefix_aware hashes:
+	// characters on the OpenAI routes, bytes on /invocations. 1,024–65,536;
+	// default 4,096.
+	PrefixLength int `yaml:"prefix_length"`
+	// MaxBodyBytes limits request bodies; larger ones get a 413. Default
+	// 6 MiB.
+	MaxBodyBytes int64 `yaml:"max_body_bytes"`
+	// Retries is how many other workers a request tries when its worker
+	// fails before the first token. 0–8; default 2. Set -1 for none.
+	Retries int `yaml:"retries"`
+	// RequestTimeout bounds a request from arrival to last byte; past it
+	// the client gets a 504 (or an error event if streaming began).
+	// Default 10m.
+	RequestTimeout time.Duration `yaml:"request_timeout"`
+}
+
+// Default returns the configuration used for zero fields.
+func Default() Config {
+	return Config{
+		PrefixLength:   DefaultPrefixLength,
+		MaxBodyBytes:   openai.DefaultMaxBodyBytes,
+		Retries:        DefaultRetries,
+		RequestTimeout: DefaultTimeout,
+	}
+}
+
+// WithDefaults returns c with zero fields set to Default's values.
+func (c Config) WithDefaults() Config {
+	d := Default()
+	if c.PrefixLength == 0 {
+		c.PrefixLength = d.PrefixLength
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = d.MaxBodyBytes
+	}
+	if c.Retries == 0 {
+		c.Retries = d.Retries
+	} else if c.Retries < 0 {
+		c.Retries = 0
+	}
+	if c.RequestTimeout == 0 {
+		c.RequestTimeout = d.RequestTimeout
+	}
+	return c
+}
+
+// Validate reports the first invalid field, after defaults, by its
+// configuration name.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	switch {
+	case c.PrefixLength < MinPrefixLength || c.PrefixLength > MaxPrefixLength:
+		return fmt.Errorf("prefix_length: must be %d–%d, got %d", MinPrefixLength, MaxPrefixLength, c.PrefixLength)
+	case c.MaxBodyBytes < 1024:
+		return fmt.Errorf("max_body_bytes: must be at least 1024, got %d", c.MaxBodyBytes)
+	case c.Retries > 8:
+		return fmt.Errorf("retries: must be at most 8, got %d", c.Retries)
+	case c.RequestTimeout < 0:
+		return fmt.Errorf("request_timeout: must be positive, got %s", c.RequestTimeout)
+	}
+	for i, m := range c.Models {
+		if m == "" {
+			return fmt.Errorf("models[%d]: must not be empty", i)
+		}
+	}
+	return nil
+}
+
+// Server is the scheduler's HTTP handler.
+type Server struct {
+	cfg      Config
+	pool     *pool.Pool
+	strategy routing.Strategy
+	metrics  *metrics.Metrics
+	log      *slog.Logger
+	mux      *http.ServeMux
+	created  int64
+}
+
+// New returns a Server routing with strategy over p. A nil log discards.
+func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics, log *slog.Logger) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{cfg: cfg.WithDefaults(), pool: p, strategy: strategy, metrics: m, log: log, mux: http.NewServeMux(), created: time.Now().Unix()}
+	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
+	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
+	s.mux.HandleFunc("POST /invocations", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{native: true}) })
+	s.mux.HandleFunc("GET /v1/models", s.models)
+	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	s.mux.HandleFunc("GET /readyz", s.ready)
+	s.mux.HandleFunc("GET /ping", s.ready) // SageMaker's health route
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Type: openai.TypeNotFound, Code: "unknown_route",
+			Message: fmt.Sprintf("no route %s %s", r.Method, r.URL.Path)})
+	})
+	return s, nil
+}
+
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+func (s *Server) models(w http.ResponseWriter, r *http.Request) {
+	models := s.cfg.Models
+	if len(models) == 0 {
+		for _, wk := range s.pool.Snapshot().Workers {
+			for _, m := range wk.Models {
+				if !slices.Contains(models, m) {
+					models = append(models, m)
+				}
+			}
+		}
+	}
+	openai.WriteModels(w, models, s.created)
+}
+
+// knownModel reports whether model is served: listed in the configured
+// models or, without such a list, served by some worker (a worker that
+// declares no models may serve any).
+func (s *Server) knownModel(model string) bool {
+	if len(s.cfg.Models) > 0 {
+		return slices.Contains(s.cfg.Models, model)
+	}
+	for _, wk := range s.pool.Snapshot().Workers {
+		if wk.Serves(model) {
+			return true
+		}
+	}
+	return false
+}
+
+// ready answers 200 when at least one worker is available, else 503.
+func (s *Server) ready(w http.ResponseWriter, r *http.Request) {
+	for _, wk := range s.pool.Snapshot().Workers {
+		if wk.Available() {
+			w.Write([]byte("ready\n"))
+			return
+		}
+	}
+	openai.WriteError(w, openai.NoWorker("no worker is available"))
+}
+
+type route struct {
+	kind   openai.Kind
+	native bool // /invocations: kind detected, routed on raw body bytes
+}
+
+// generate serves one generation request.
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
+	start := time.Now()
+	strategy := s.strategy.Name()
+	req, rreq, err := s.parse(w, r, rt)
+	if err != nil {
+		s.metrics.Requests.WithLabelValues(strategy, "", metrics.OutcomeInvalid).Inc()
+		openai.WriteError(w, err)
+		return
+	}
+	s.metrics.Accepted.Inc()
+	req.ID = openai.NewID(req.Kind)
+
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
+	defer cancel()
+	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy}
+	outcome := x.run(ctx)
+
+	s.metrics.Requests.WithLabelValues(strategy, x.worker, outcome).Inc()
+	s.metrics.Duration.WithLabelValues(strategy, outcome).Observe(time.Since(start).Seconds())
+	if outcome == metrics.OutcomeOK {
+		s.metrics.Completed.Inc()
+	} else {
+		s.metrics.Failed.WithLabelValues(outcome).Inc()
+	}
+	s.log.Debug("request", "id", req.ID, "model", req.Model, "worker", x.worker, "outcome", outcome, "duration", time.Since(start))
+}
+
+// parse reads and validates the request and derives its routing request.
+func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*openai.Request, *routing.Request, error) {
+	body, err := openai.ReadBody(w, r, s.cfg.MaxBodyBytes)
+	if err != nil {
+		return nil, nil, err
+	}
+	kind := rt.kind
+	if rt.native {
+		if kind, err = openai.DetectKind(body); err != nil {
+			return nil, nil, err
+		}
+	}
+	req, err := openai.Parse(kind, body)
+	if err != nil {
+		return nil, nil, err
+	}
+	if h, ok := r.Header[HeaderTenant]; ok {
+		t := ""
+		if len(h) > 0 {
+			t = h[0]
+		}
+		if err := openai.ValidTenant(t); err != nil {
+			return nil, nil, openai.Invalid(HeaderTenant, "invalid_value", HeaderTenant+" "+err.Error())
+		}
+		if req.Tenant == "" {
+			req.Tenant = t
+		}
+	}
+	if !s.knownModel(req.Model) {
+		return nil, nil, openai.ModelNotFound(req.Model)
+	}
+	seed := blockkey.Seed(req.Model, req.Tenant)
+	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}
+	if rt.native {
+		rreq.PrefixKey = blockkey.PrefixBytes(seed, body, s.cfg.PrefixLength)
+	} else {
+		rreq.PrefixKey = blockkey.Prefix(seed, req.Prompt, s.cfg.PrefixLength)
+	}
+	return req, rreq, nil
+}
+
+// exchange is one request's trip through routing and workers.
+type exchange struct {
+	s        *Server
+	w        http.ResponseWriter
+	req      *openai.Request
+	rreq     *routing.Request
+	start    time.Time
+	strategy string
+	worker   string // the worker that served (or last failed) it
+	tried    []*pool.Worker
+	lastTok  time.Time
+}
+
+// run routes and serves the request, writing exactly one outcome to the
+// client, and returns the outcome's label.
+func (x *exchange) run(ctx context.Context) string {
+	s := x.s
+	var lastErr error
+	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
+		wk, d, err := x.pick()
+		if err != nil {
+			if lastErr != nil {
+				err = lastErr
+			}
+			return x.fail(ctx, err)
+		}
+		done, err := wk.Acquire()
+		if err != nil {
+			// The breaker refused between the pick and the call.
+			x.tried = append(x.tried, wk)
+			attempt--
+			if len(x.tried) > len(s.pool.Snapshot().Workers) {
+				return x.fail(ctx, routing.ErrNoWorker)
+			}
+			continue
+		}
+		x.worker = wk.Name
+		if d.Spill {
+			s.metrics.Spills.WithLabelValues(x.strategy, d.Worker.Name).Inc()
+		}
+		h := x.w.Header()
+		h.Set(HeaderWorker, wk.Name)
+		h.Set(HeaderRoute, d.Route(x.strategy))
+
+		written, err := x.serve(ctx, wk)
+		done(classify(err))
+		if err == nil {
+			return metrics.OutcomeOK
+		}
+		if written || ctx.Err() != nil || !retryable(err) {
+			if written {
+				s.log.Warn("stream broken after first token", "id", x.req.ID, "worker", wk.Name, "err", err)
+				return outcomeOf(ctx, err)
+			}
+			return x.fail(ctx, err)
+		}
+		s.log.Info("worker failed before first token; retrying", "id", x.req.ID, "worker", wk.Name, "err", err)
+		s.metrics.Retries.WithLabelValues("worker_error").Inc()
+		x.tried = append(x.tried, wk)
+		lastErr = err
+	}
+	return x.fail(ctx, lastErr)
+}
+
+// pick asks the strategy for a worker, steering away from workers this
+// request already tried: if the strategy insists on one, the least loaded
+// untried available worker serves instead.
+func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
+	snap := x.s.pool.Snapshot()
+	t0 := time.Now()
+	d, err := x.s.strategy.Pick(x.rreq, snap)
+	x.s.metrics.Decision.WithLabelValues(x.strategy).Observe(time.Since(t0).Seconds())
+	if err != nil {
+		return nil, d, err
+	}
+	if !slices.Contains(x.tried, d.Worker) {
+		return d.Worker, d, nil
+	}
+	var best *pool.Worker
+	for _, wk := range snap.Workers {
+		if slices.Contains(x.tried, wk) || !wk.Available() || !wk.Serves(x.rreq.Model) {
+			continue
+		}
+		if best == nil || wk.InFlight() < best.InFlight() {
+			best = wk
+		}
+	}
+	if best == nil {
+		return nil, d, routing.ErrNoWorker
+	}
+	d.Worker, d.Reason = best, "retry"
+	return best, d, nil
+}
+
+// serve runs the request on wk and reports whether anything reached the
+// client.
+func (x *exchange) serve(ctx context.Context, wk *pool.Worker) (bool, error) {
+	m := x.s.metrics
+	firstToken := func() {
+		now := time.Now()
+		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
+		x.lastTok = now
+	}
+	if p, ok := wk.Client.(engine.Proxier); ok {
+		res, err := p.Proxy(ctx, &x.req.Request, x.w, firstToken)
+		if res.Usage != nil {
+			x.usage(wk, res.Usage)
+		}
+		if err == nil && res.Status >= 400 {
+			return res.Written, pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
+		}
+		return res.Written, err
+	}
+	stream, err := wk.Client.Generate(ctx, &x.req.Request)
+	if err != nil {
+		return false, err
+	}
+	defer stream.Close()
+	inter := m.InterToken.WithLabelValues(x.strategy)
+	final, written, err := openai.Write(x.w, x.req, x.req.ID, stream, &openai.Observer{
+		FirstToken: firstToken,
+		Token: func(n int) {
+			now := time.Now()
+			if n < 1 {
+				n = 1
+			}
+			gap := now.Sub(x.lastTok).Seconds() / float64(n)
+			for range n {
+				inter.Observe(gap)
+			}
+			x.lastTok = now
+		},
+	})
+	if final != nil {
+		x.usage(wk, final)
+	}
+	return written, err
+}
+
+func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
+	x.s.metrics.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
+	x.s.metrics.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))
+}
+
+// fail writes err to the client as an OpenAI error and returns its outcome.
+func (x *exchange) fail(ctx context.Context, err error) string {
+	outcome := outcomeOf(ctx, err)
+	var e *openai.Error
+	switch {
+	case errors.As(err, &e):
+	case outcome == metrics.OutcomeTimeout:
+		e = openai.Timeout()
+	case outcome == metrics.OutcomeCanceled:
+		return outcome // nobody is listening
+	case errors.Is(err, routing.ErrNoWorker):
+		e = openai.NoWorker("no worker is available for model " + strconv.Quote(x.req.Model))
+	case errors.Is(err, engine.ErrUnavailable):
+		e = openai.NoWorker("every worker tried was unavailable: " + err.Error())
+		outcome = metrics.OutcomeNoWorker
+	default:
+		e = openai.Internal(http.StatusBadGateway, "the worker failed: "+err.Error())
+	}
+	x.w.Header().Del(HeaderRoute)
+	if outcome == metrics.OutcomeNoWorker {
+		x.w.Header().Del(HeaderWorker)
+	}
+	openai.WriteError(x.w, e)
+	return outcome
+}
+
+func outcomeOf(ctx context.Context, err error) string {
+	var e *openai.Error
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return metrics.OutcomeTimeout
+	case errors.Is(err, context.Canceled) || ctx.Err() != nil:
+		return metrics.OutcomeCanceled
+	case errors.Is(err, routing.ErrNoWorker):
+		return metrics.OutcomeNoWorker
+	case errors.As(err, &e) && e.Status < 500:
+		return metrics.OutcomeInvalid
+	}
+	return metrics.OutcomeWorkerError
+}
+
+// retryable reports whether a failure before the first token may be retried
+// on another worker: the worker was unreachable or failed, not the request.
+func retryable(err error) bool {
+	return pool.IsWorkerFault(err)
+}
+
+// classify turns a call's error into what the worker's breaker should hear:
+// failures caused by the request or the client are not the worker's fault.
+func classify(err error) error {
+	var e *openai.Error
+	if errors.As(err, &e) && e.Status < 500 {
+		return pool.ClientError(err)
+	}
+	return err
+}

@@ -1,0 +1,332 @@
+// Package scheduler wires baton's scheduler together: configuration, the
+// worker pool and its engine clients, the routing strategy, metrics and the
+// HTTP front end. cmd/baton's serve and demo commands, and the end-to-end
+// tests, build a Scheduler from a Config.
+package scheduler
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+	"go.yaml.in/yaml/v3"
+
+	"github.com/batonllm/baton/scheduler/frontend"
+	"github.com/batonllm/baton/scheduler/metrics"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/grpcworker"
+	"github.com/batonllm/baton/workers/httpengine"
+)
+
+// Worker kinds: how the scheduler talks to a worker.
+const (
+	// KindGRPC is a baton worker (baton worker), driven over the worker gRPC
+	// API.
+	KindGRPC = "grpc"
+	// KindHTTP is any OpenAI-compatible HTTP engine (vLLM, SGLang,
+	// llama.cpp's llama-server); its responses are relayed as they come.
+	KindHTTP = "http"
+)
+
+// WorkerConfig is one statically configured worker.
+type WorkerConfig struct {
+	// Name identifies the worker in headers, metrics and logs. Default: its
+	// address.
+	Name string `yaml:"name"`
+	// Address is host:port for grpc workers, a base URL (http://host:port)
+	// for http engines. Required.
+	Address string `yaml:"address"`
+	// Kind is grpc (default) or http.
+	Kind string `yaml:"kind"`
+	// Models the worker serves. Empty: any model (grpc workers are asked at
+	// start).
+	Models []string `yaml:"models"`
+}
+
+// Config is the scheduler's whole configuration, as read from YAML. The
+// zero value of each field means its default.
+type Config struct {
+	// Listen is the HTTP listen address. Default 127.0.0.1:8080.
+	Listen string `yaml:"listen"`
+	// Strategy names the routing strategy: random (default), round_robin,
+	// least_outstanding or prefix_aware.
+	Strategy string `yaml:"strategy"`
+	// LogLevel is debug, info (default), warn or error.
+	LogLevel string `yaml:"log_level"`
+
+	routing.Params  `yaml:",inline"`
+	frontend.Config `yaml:",inline"`
+
+	// Pool tunes health checks and breakers.
+	Pool pool.Config `yaml:"pool"`
+	// Workers is the static worker list.
+	Workers []WorkerConfig `yaml:"workers"`
+}
+
+// Defaults of Config fields.
+const (
+	DefaultListen   = "127.0.0.1:8080"
+	DefaultStrategy = "random"
+)
+
+// WithDefaults returns c with zero fields set to their defaults.
+func (c Config) WithDefaults() Config {
+	if c.Listen == "" {
+		c.Listen = DefaultListen
+	}
+	if c.Strategy == "" {
+		c.Strategy = DefaultStrategy
+	}
+	if c.LogLevel == "" {
+		c.LogLevel = "info"
+	}
+	for i := range c.Workers {
+		w := &c.Workers[i]
+		if w.Kind == "" {
+			w.Kind = KindGRPC
+		}
+		if w.Name == "" {
+			w.Name = w.Address
+		}
+	}
+	return c
+}
+
+// Validate reports the first invalid field, by its configuration name.
+func (c Config) Validate(strategies *routing.Registry) error {
+	c = c.WithDefaults()
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		return fmt.Errorf("listen: %v", err)
+	}
+	if !slices.Contains(strategies.Names(), c.Strategy) {
+		return fmt.Errorf("strategy: unknown strategy %q (known: %s)", c.Strategy, strings.Join(strategies.Names(), ", "))
+	}
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(c.LogLevel)); err != nil {
+		return fmt.Errorf("log_level: %v", err)
+	}
+	if err := c.Params.Validate(); err != nil {
+		return err
+	}
+	if err := c.Config.Validate(); err != nil {
+		return err
+	}
+	if err := c.Pool.Validate(); err != nil {
+		return fmt.Errorf("pool.%v", err)
+	}
+	if len(c.Workers) == 0 {
+		return errors.New("workers: at least one worker is required")
+	}
+	seen := map[string]bool{}
+	for i, w := range c.Workers {
+		field := fmt.Sprintf("workers[%d]", i)
+		switch {
+		case w.Address == "":
+			return fmt.Errorf("%s.address: required", field)
+		case w.Kind != KindGRPC && w.Kind != KindHTTP:
+			return fmt.Errorf("%s.kind: must be %s or %s, got %q", field, KindGRPC, KindHTTP, w.Kind)
+		case seen[w.Name]:
+			return fmt.Errorf("%s.name: %q is used by another worker", field, w.Name)
+		}
+		seen[w.Name] = true
+		if w.Kind == KindGRPC {
+			if _, _, err := net.SplitHostPort(w.Address); err != nil {
+				return fmt.Errorf("%s.address: %v", field, err)
+			}
+		} else if !strings.HasPrefix(w.Address, "http://") && !strings.HasPrefix(w.Address, "https://") {
+			return fmt.Errorf("%s.address: an http engine's address is a URL such as http://host:8000, got %q", field, w.Address)
+		}
+	}
+	return nil
+}
+
+// LoadConfig reads a YAML configuration file. Unknown fields are errors.
+func LoadConfig(path string) (Config, error) {
+	var c Config
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return c, err
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil {
+		return c, fmt.Errorf("%s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Scheduler is a running scheduler: pool, strategy, metrics and front end.
+type Scheduler struct {
+	cfg      Config
+	Pool     *pool.Pool
+	Metrics  *metrics.Metrics
+	Handler  *frontend.Server
+	Strategy routing.Strategy
+	log      *slog.Logger
+
+	mu      sync.Mutex
+	clients []engine.Client
+	srv     *http.Server
+	closed  bool
+}
+
+// New validates cfg, connects to its workers and builds the scheduler. It
+// does not listen: call Serve. A nil log discards.
+func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler, error) {
+	if err := cfg.Validate(strategies); err != nil {
+		return nil, err
+	}
+	cfg = cfg.WithDefaults()
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	strategy, err := strategies.New(cfg.Strategy, cfg.Params)
+	if err != nil {
+		return nil, err
+	}
+	s := &Scheduler{cfg: cfg, Strategy: strategy, log: log}
+	var p *pool.Pool
+	s.Metrics = metrics.New(func() *pool.Snapshot {
+		if p == nil {
+			return nil
+		}
+		return p.Snapshot()
+	})
+	p, err = pool.New(cfg.Pool,
+		pool.OnBreakerChange(func(worker string, from, to gobreaker.State) {
+			s.Metrics.BreakerChanged(worker, from, to)
+			log.Warn("breaker changed", "worker", worker, "from", from.String(), "to", to.String())
+		}),
+		pool.OnHealthChange(func(worker string, healthy bool) {
+			log.Warn("worker health changed", "worker", worker, "healthy", healthy)
+		}))
+	if err != nil {
+		return nil, err
+	}
+	s.Pool = p
+
+	workers := make([]*pool.Worker, 0, len(cfg.Workers))
+	for _, wc := range cfg.Workers {
+		w, err := s.connect(wc)
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+		workers = append(workers, w)
+	}
+	if err := p.Set(workers); err != nil {
+		s.Close()
+		return nil, err
+	}
+	if s.Handler, err = frontend.New(cfg.Config, p, strategy, s.Metrics, log); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// connect builds the engine client of one worker.
+func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, error) {
+	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models}
+	switch wc.Kind {
+	case KindHTTP:
+		c, err := httpengine.New(wc.Address)
+		if err != nil {
+			return nil, fmt.Errorf("worker %s: %w", wc.Name, err)
+		}
+		w.Client = c
+	default:
+		c, err := grpcworker.Dial(wc.Address)
+		if err != nil {
+			return nil, fmt.Errorf("worker %s: %w", wc.Name, err)
+		}
+		w.Client = c
+		if len(w.Models) == 0 {
+			// Ask the worker what it serves; one that is not up yet serves
+			// any model until it is configured explicitly.
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			info, err := c.Info(ctx)
+			cancel()
+			if err == nil {
+				w.Models = info.Models
+			} else {
+				s.log.Warn("worker info unavailable; routing any model to it", "worker", wc.Name, "err", err)
+			}
+		}
+	}
+	s.mu.Lock()
+	s.clients = append(s.clients, w.Client)
+	s.mu.Unlock()
+	return w, nil
+}
+
+// Serve serves HTTP on l until Close. It returns nil after Close.
+func (s *Scheduler) Serve(l net.Listener) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return errors.New("scheduler closed")
+	}
+	s.srv = &http.Server{
+		Handler:           s.Handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		// No write timeout: streams last as long as generation does, bounded
+		// by the front end's request timeout.
+		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	srv := s.srv
+	s.mu.Unlock()
+	if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// Shutdown stops accepting requests and waits, until ctx is done, for those
+// in flight to finish; then it closes the scheduler.
+func (s *Scheduler) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	var err error
+	if srv != nil {
+		err = srv.Shutdown(ctx)
+	}
+	s.Close()
+	return err
+}
+
+// Close stops serving at once and releases the pool and worker
+// connections. It is idempotent.
+func (s *Scheduler) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	srv, clients := s.srv, s.clients
+	s.mu.Unlock()
+	if srv != nil {
+		srv.Close()
+	}
+	if s.Pool != nil {
+		s.Pool.Close()
+	}
+	for _, c := range clients {
+		c.Close()
+	}
+	return nil
+}
