@@ -422,6 +422,12 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 		return outcome // nobody is listening
 	case errors.Is(err, routing.ErrNoWorker):
 		e = openai.NoWorker("no worker is available for model " + strconv.Quote(x.req.Model))
+	case errors.Is(err, engine.ErrUnknownModel):
+		e = openai.ModelNotFound(x.req.Model)
+		outcome = metrics.OutcomeInvalid
+	case errors.Is(err, engine.ErrInvalid):
+		e = openai.Invalid("", "invalid_request", "the worker rejected the request: "+err.Error())
+		outcome = metrics.OutcomeInvalid
 	case errors.Is(err, engine.ErrUnavailable):
 		e = openai.NoWorker("every worker tried was unavailable: " + err.Error())
 		outcome = metrics.OutcomeNoWorker
@@ -445,7 +451,8 @@ func outcomeOf(ctx context.Context, err error) string {
 		return metrics.OutcomeCanceled
 	case errors.Is(err, routing.ErrNoWorker):
 		return metrics.OutcomeNoWorker
-	case errors.As(err, &e) && e.Status < 500:
+	case errors.As(err, &e) && e.Status < 500,
+		errors.Is(err, engine.ErrUnknownModel), errors.Is(err, engine.ErrInvalid):
 		return metrics.OutcomeInvalid
 	}
 	return metrics.OutcomeWorkerError

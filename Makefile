@@ -1,0 +1,56 @@
+# baton — make targets. `make demo` runs an all-in-one local cluster;
+# `make test` runs every test.
+
+GO       ?= go
+BIN      := bin
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS  := -X main.version=$(VERSION)
+
+# Pinned code generators for `make proto`.
+PROTOC_GEN_GO_VERSION      := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
+
+.PHONY: all build test test-short demo proto lint bench clean
+
+all: lint build test
+
+build:
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/baton ./cmd/baton
+
+# Every test, with the race detector (the scheduler, pool, adapters and
+# simulated engine are all concurrent). Tests start the servers they need
+# themselves, on loopback ports.
+test:
+	$(GO) vet ./...
+	$(GO) test -race -count=1 -timeout 9m ./...
+
+# The same without the race detector, for a quick loop.
+test-short:
+	$(GO) test -count=1 ./...
+
+demo: build
+	./$(BIN)/baton demo
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+# Regenerate proto/workerpb from proto/*.proto with Debian's protoc and the
+# pinned generators.
+proto:
+	@command -v protoc >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq protobuf-compiler; \
+	  else echo "protoc is missing: run  sudo apt-get install -y protobuf-compiler"; exit 1; fi; }
+	GOBIN=$(CURDIR)/$(BIN) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	GOBIN=$(CURDIR)/$(BIN) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	PATH=$(CURDIR)/$(BIN):$$PATH protoc -I proto \
+	  --go_out=proto/workerpb --go_opt=paths=source_relative \
+	  --go-grpc_out=proto/workerpb --go-grpc_opt=paths=source_relative \
+	  proto/*.proto
+
+clean:
+	rm -rf $(BIN)
