@@ -1,0 +1,99 @@
+package scheduler
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/routing"
+)
+
+func registry() *routing.Registry {
+	r := &routing.Registry{}
+	routing.RegisterBuiltins(r)
+	return r
+}
+
+func TestConfigValidate(t *testing.T) {
+	valid := func() Config {
+		return Config{Workers: []WorkerConfig{{Address: "127.0.0.1:9000"}, {Name: "v", Address: "http://127.0.0.1:8000", Kind: KindHTTP}}}
+	}
+	if err := valid().Validate(registry()); err != nil {
+		t.Fatalf("valid config: %v", err)
+	}
+	cases := []struct {
+		name  string
+		edit  func(*Config)
+		field string
+	}{
+		{"bad listen", func(c *Config) { c.Listen = "nope" }, "listen:"},
+		{"unknown strategy", func(c *Config) { c.Strategy = "fastest" }, "strategy:"},
+		{"bad log level", func(c *Config) { c.LogLevel = "loud" }, "log_level:"},
+		{"threshold too high", func(c *Config) { c.ConcurrencyThreshold = 2000 }, "concurrency_threshold:"},
+		{"threshold negative", func(c *Config) { c.ConcurrencyThreshold = -1 }, "concurrency_threshold:"},
+		{"prefix too short", func(c *Config) { c.PrefixLength = 100 }, "prefix_length:"},
+		{"prefix too long", func(c *Config) { c.PrefixLength = 70000 }, "prefix_length:"},
+		{"body limit tiny", func(c *Config) { c.MaxBodyBytes = 10 }, "max_body_bytes:"},
+		{"too many retries", func(c *Config) { c.Retries = 9 }, "retries:"},
+		{"empty model", func(c *Config) { c.Models = []string{""} }, "models[0]:"},
+		{"pool timing", func(c *Config) { c.Pool.HealthTimeout = time.Minute; c.Pool.HealthInterval = time.Second }, "pool.health_timeout:"},
+		{"no workers", func(c *Config) { c.Workers = nil }, "workers:"},
+		{"missing address", func(c *Config) { c.Workers[0].Address = "" }, "workers[0].address:"},
+		{"bad kind", func(c *Config) { c.Workers[0].Kind = "ftp" }, "workers[0].kind:"},
+		{"grpc address not host:port", func(c *Config) { c.Workers[0].Address = "localhost" }, "workers[0].address:"},
+		{"http address not a URL", func(c *Config) { c.Workers[1].Address = "127.0.0.1:8000" }, "workers[1].address:"},
+		{"duplicate names", func(c *Config) { c.Workers[1].Name = "127.0.0.1:9000" }, "workers[1].name:"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := valid()
+			c.edit(&cfg)
+			err := cfg.Validate(registry())
+			if err == nil {
+				t.Fatal("invalid config accepted")
+			}
+			if !strings.HasPrefix(err.Error(), c.field) {
+				t.Errorf("error %q does not start with the field %q", err, c.field)
+			}
+		})
+	}
+}
+
+func TestLoadConfigRejectsUnknownFields(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(path, []byte("strategy: prefix_aware\nconcurency_threshold: 4\nworkers: [{address: '127.0.0.1:1'}]\n"), 0o600)
+	_, err := LoadConfig(path)
+	if err == nil || !strings.Contains(err.Error(), "concurency_threshold") {
+		t.Fatalf("got %v, want an error naming the unknown field", err)
+	}
+}
+
+// The README's example configuration must load and validate, field for
+// field, so the documentation cannot drift from the code.
+func TestReadmeConfigLoads(t *testing.T) {
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile("(?s)## Configuration file.*?```yaml\n(.*?)```").FindSubmatch(readme)
+	if m == nil {
+		t.Fatal("README has no yaml block under 'Configuration file'")
+	}
+	path := filepath.Join(t.TempDir(), "readme.yaml")
+	os.WriteFile(path, m[1], 0o600)
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cfg.Validate(registry()); err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Strategy != "prefix_aware" || cfg.ConcurrencyThreshold != 16 || cfg.PrefixLength != 4096 ||
+		cfg.RequestTimeout != 10*time.Minute || cfg.Pool.BreakerOpenTimeout != 10*time.Second || len(cfg.Workers) != 2 ||
+		cfg.Workers[1].Kind != KindHTTP {
+		t.Errorf("README config decoded as %+v", cfg)
+	}
+}
