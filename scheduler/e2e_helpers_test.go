@@ -1,0 +1,343 @@
+package scheduler_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"go.uber.org/goleak"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// model is the simulated workers' default model.
+const model = "llama-3.1-8b"
+
+// fastScale runs the simulated clock fast enough that a completion takes
+// milliseconds.
+const fastScale = 500
+
+// fastPool checks health often and reopens breakers quickly, so tests that
+// watch health and breakers finish in seconds.
+func fastPool() pool.Config {
+	return pool.Config{
+		BreakerFailures:    2,
+		BreakerOpenTimeout: 300 * time.Millisecond,
+		HealthInterval:     100 * time.Millisecond,
+		HealthTimeout:      100 * time.Millisecond,
+	}
+}
+
+// startWorker starts a simulated worker named name on grpcAddr
+// ("127.0.0.1:0" for any port), with its own OpenAI endpoint if withHTTP,
+// and closes it when the test ends.
+func startWorker(t testing.TB, name string, scale float64, grpcAddr string, withHTTP bool) *sim.Worker {
+	t.Helper()
+	httpListen := ""
+	if withHTTP {
+		httpListen = "127.0.0.1:0"
+	}
+	w, err := sim.Start(sim.Config{Name: name, TimeScale: scale}, grpcAddr, httpListen, nil)
+	if err != nil {
+		t.Fatalf("sim.Start(%s): %v", name, err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return w
+}
+
+// startWorkers starts n gRPC workers named w0, w1, ... and returns them
+// with their scheduler configuration.
+func startWorkers(t testing.TB, n int, scale float64) ([]*sim.Worker, []scheduler.WorkerConfig) {
+	t.Helper()
+	ws := make([]*sim.Worker, n)
+	cfgs := make([]scheduler.WorkerConfig, n)
+	for i := range n {
+		name := fmt.Sprintf("w%d", i)
+		ws[i] = startWorker(t, name, scale, "127.0.0.1:0", false)
+		cfgs[i] = scheduler.WorkerConfig{Name: name, Address: ws[i].GRPCAddr}
+	}
+	return ws, cfgs
+}
+
+// startScheduler builds a scheduler from cfg, serves it on a free loopback
+// port and returns it with its address. The test's cleanup closes it and
+// checks that Serve returned nil.
+func startScheduler(t testing.TB, cfg scheduler.Config) (*scheduler.Scheduler, string) {
+	t.Helper()
+	var reg routing.Registry
+	routing.RegisterBuiltins(&reg)
+	s, err := scheduler.New(cfg, &reg, nil)
+	if err != nil {
+		t.Fatalf("scheduler.New: %v", err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		s.Close()
+		t.Fatalf("listen: %v", err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- s.Serve(l) }()
+	t.Cleanup(func() {
+		s.Close()
+		if err := <-served; err != nil {
+			t.Errorf("Serve returned %v after Close, want nil", err)
+		}
+	})
+	return s, l.Addr().String()
+}
+
+// httpClient returns a client with its own transport, whose idle
+// connections are closed when the test ends.
+func httpClient(t testing.TB) *http.Client {
+	tr := &http.Transport{MaxIdleConnsPerHost: 64}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
+}
+
+// oaClient returns an OpenAI client of the server at addr that does not
+// retry.
+func oaClient(t testing.TB, addr string) openai.Client {
+	return openai.NewClient(
+		option.WithBaseURL("http://"+addr+"/v1"),
+		option.WithAPIKey("x"),
+		option.WithMaxRetries(0),
+		option.WithHTTPClient(httpClient(t)),
+	)
+}
+
+// ctxT returns a context that ends with the test or after d.
+func ctxT(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// text returns a deterministic prompt of at least n characters, distinct
+// for each seed.
+func text(seed string, n int) string {
+	var b strings.Builder
+	for i := 0; b.Len() < n; i++ {
+		fmt.Fprintf(&b, "%s word %d; ", seed, i)
+	}
+	return b.String()
+}
+
+// chatParams is a one-message chat request.
+func chatParams(prompt string, maxTokens int64) openai.ChatCompletionNewParams {
+	return openai.ChatCompletionNewParams{
+		Model:     model,
+		Messages:  []openai.ChatCompletionMessageParamUnion{openai.UserMessage(prompt)},
+		MaxTokens: openai.Int(maxTokens),
+	}
+}
+
+// chatResult is what a test reads of one non-streaming chat completion.
+type chatResult struct {
+	worker, route string
+	content       string
+	finish        string
+	prompt        int64
+	cached        int64
+}
+
+// chat sends a non-streaming chat completion and fails the test on error.
+func chat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts ...option.RequestOption) chatResult {
+	t.Helper()
+	var resp *http.Response
+	opts = append(opts, option.WithResponseInto(&resp))
+	got, err := c.Chat.Completions.New(ctxT(t, 30*time.Second), p, opts...)
+	if err != nil {
+		t.Fatalf("chat completion: %v", err)
+	}
+	if len(got.Choices) != 1 {
+		t.Fatalf("chat completion: got %d choices, want 1", len(got.Choices))
+	}
+	return chatResult{
+		worker:  resp.Header.Get("X-Baton-Worker"),
+		route:   resp.Header.Get("X-Baton-Route"),
+		content: got.Choices[0].Message.Content,
+		finish:  got.Choices[0].FinishReason,
+		prompt:  got.Usage.PromptTokens,
+		cached:  got.Usage.PromptTokensDetails.CachedTokens,
+	}
+}
+
+// streamChat sends a streaming chat completion with usage, accumulates it
+// and fails the test on error.
+func streamChat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts ...option.RequestOption) (chatResult, error) {
+	t.Helper()
+	var resp *http.Response
+	opts = append(opts, option.WithResponseInto(&resp))
+	p.StreamOptions = openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)}
+	stream := c.Chat.Completions.NewStreaming(ctxT(t, 30*time.Second), p, opts...)
+	defer stream.Close()
+	var acc openai.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		return chatResult{}, err
+	}
+	r := chatResult{
+		worker: resp.Header.Get("X-Baton-Worker"),
+		route:  resp.Header.Get("X-Baton-Route"),
+		prompt: acc.Usage.PromptTokens,
+		cached: acc.Usage.PromptTokensDetails.CachedTokens,
+	}
+	if len(acc.Choices) != 1 {
+		return r, fmt.Errorf("stream accumulated %d choices, want 1", len(acc.Choices))
+	}
+	r.content, r.finish = acc.Choices[0].Message.Content, acc.Choices[0].FinishReason
+	return r, nil
+}
+
+// rawResult is one raw HTTP exchange.
+type rawResult struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// do sends a request with body (nil for none) and headers and returns the
+// whole response.
+func do(t testing.TB, hc *http.Client, method, url, body string, hdr map[string]string) rawResult {
+	t.Helper()
+	var r io.Reader
+	if body != "" {
+		r = strings.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctxT(t, 30*time.Second), method, url, r)
+	if err != nil {
+		t.Fatalf("new request: %v", err)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for k, v := range hdr {
+		req.Header[k] = []string{v}
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: reading body: %v", method, url, err)
+	}
+	return rawResult{status: resp.StatusCode, header: resp.Header, body: b}
+}
+
+// apiError is the OpenAI error shape; pointers tell null from "".
+type apiError struct {
+	Error *struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    *string `json:"code"`
+	} `json:"error"`
+}
+
+// decodeError parses an OpenAI error body, failing the test if it is not
+// one.
+func decodeError(t testing.TB, b []byte) (typ, param, code, msg string) {
+	t.Helper()
+	var e apiError
+	if err := json.Unmarshal(b, &e); err != nil || e.Error == nil {
+		t.Fatalf("body %q is not an OpenAI error (%v)", b, err)
+	}
+	if e.Error.Param != nil {
+		param = *e.Error.Param
+	}
+	if e.Error.Code != nil {
+		code = *e.Error.Code
+	}
+	return e.Error.Type, param, code, e.Error.Message
+}
+
+// scrape returns the scheduler's /metrics text.
+func scrape(t testing.TB, hc *http.Client, addr string) string {
+	t.Helper()
+	r := do(t, hc, http.MethodGet, "http://"+addr+"/metrics", "", nil)
+	if r.status != http.StatusOK {
+		t.Fatalf("GET /metrics: status %d", r.status)
+	}
+	return string(r.body)
+}
+
+// metric sums the samples of the metric called name whose labels include
+// every label="value" pair in labels (e.g. `worker="w0"`). It reports
+// whether any sample matched.
+func metric(text, name string, labels ...string) (float64, bool) {
+	var sum float64
+	found := false
+	sc := bufio.NewScanner(strings.NewReader(text))
+	sc.Buffer(make([]byte, 1<<16), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") || !strings.HasPrefix(line, name) {
+			continue
+		}
+		rest := line[len(name):]
+		var lbl string
+		switch {
+		case strings.HasPrefix(rest, "{"):
+			end := strings.Index(rest, "}")
+			if end < 0 {
+				continue
+			}
+			lbl, rest = rest[1:end], rest[end+1:]
+		case strings.HasPrefix(rest, " "):
+		default:
+			continue // a longer name
+		}
+		ok := true
+		for _, l := range labels {
+			if !strings.Contains(","+lbl+",", ","+l+",") {
+				ok = false
+			}
+		}
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.Fields(rest)[0], 64)
+		if err != nil {
+			continue
+		}
+		sum += v
+		found = true
+	}
+	return sum, found
+}
+
+// eventually calls cond every 20 ms until it returns nil, failing the test
+// with cond's last error if that takes longer than d.
+func eventually(t testing.TB, d time.Duration, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %v", d, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
