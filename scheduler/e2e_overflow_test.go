@@ -1,0 +1,75 @@
+package scheduler_test
+
+import (
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/routing"
+)
+
+// TestPrefixAwareOverflow: once a prefix's home worker has
+// concurrency_threshold requests in flight, further requests for that
+// prefix spill to other workers, say so in X-Baton-Route and count in
+// baton_overflow_spills_total; none fails.
+func TestPrefixAwareOverflow(t *testing.T) {
+	// Slow workers: a completion of 32+ tokens takes 100+ ms, so the eight
+	// requests overlap.
+	_, workers := startWorkers(t, 3, 1)
+	_, addr := startScheduler(t, scheduler.Config{
+		Strategy: "prefix_aware",
+		Params:   routing.Params{ConcurrencyThreshold: 2},
+		Workers:  workers,
+		Pool:     fastPool(),
+	})
+	c := oaClient(t, addr)
+	prompt := text("overflow", 3000)
+
+	const n = 8
+	results := make([]chatResult, n)
+	errs := make([]error, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			results[i], errs[i] = streamChat(t, c, chatParams(prompt, 64))
+		})
+	}
+	close(start)
+	wg.Wait()
+
+	used := map[string]int{}
+	spilled := 0
+	for i, r := range results {
+		if errs[i] != nil {
+			t.Errorf("request %d: %v", i, errs[i])
+			continue
+		}
+		if r.content == "" {
+			t.Errorf("request %d: empty completion", i)
+		}
+		used[r.worker]++
+		switch r.route {
+		case "prefix_aware; spill=true":
+			spilled++
+		case "prefix_aware; spill=false":
+		default:
+			t.Errorf("request %d: X-Baton-Route = %q", i, r.route)
+		}
+	}
+	if spilled == 0 || len(used) < 2 {
+		t.Errorf("%d concurrent same-prefix requests: %d spilled, workers %v; want some spilled to more than one worker", n, spilled, used)
+	}
+	m := scrape(t, httpClient(t), addr)
+	if v, _ := metric(m, "baton_overflow_spills_total", `strategy="prefix_aware"`); v != float64(spilled) {
+		t.Errorf("baton_overflow_spills_total = %v, want %d (the responses marked spill=true)", v, spilled)
+	}
+	if v, _ := metric(m, "baton_requests_completed_total"); v != n {
+		t.Errorf("baton_requests_completed_total = %v, want %d", v, n)
+	}
+	if !strings.Contains(m, "baton_worker_in_flight") {
+		t.Error("/metrics lacks baton_worker_in_flight")
+	}
+}
