@@ -1,0 +1,75 @@
+package scheduler_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+
+	"github.com/batonllm/baton/scheduler"
+)
+
+// TestWorkerFailover: a worker that stops mid-run costs no request (the
+// front end retries, on another worker, a call that failed before its
+// first token); its breaker opens; and once a worker is back on the same
+// address, it serves again with its breaker closed.
+func TestWorkerFailover(t *testing.T) {
+	ws, workers := startWorkers(t, 3, fastScale)
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "round_robin", Workers: workers, Pool: fastPool()})
+	c := oaClient(t, addr)
+	hc := httpClient(t)
+	const victim = "w1"
+	victimAddr := ws[1].GRPCAddr
+
+	served := map[string]int{}
+	for i := range 60 {
+		if i == 15 {
+			ws[1].Close() // between two requests of the loop
+		}
+		got := chat(t, c, chatParams(fmt.Sprintf("failover request %d", i), 4))
+		served[got.worker]++
+	}
+	if served[victim] == 0 || served["w0"] == 0 || served["w2"] == 0 {
+		t.Errorf("requests served per worker = %v, want every worker before the stop", served)
+	}
+
+	m := scrape(t, hc, addr)
+	if v, _ := metric(m, "baton_breaker_transitions_total", `worker="`+victim+`"`, `to="open"`); v < 1 {
+		t.Errorf(`baton_breaker_transitions_total{worker=%q,to="open"} = %v, want >= 1`, victim, v)
+	}
+	if v, _ := metric(m, "baton_retries_total", `reason="worker_error"`); v < 1 {
+		t.Errorf(`baton_retries_total{reason="worker_error"} = %v, want >= 1`, v)
+	}
+	if v, _ := metric(m, "baton_requests_failed_total"); v != 0 {
+		t.Errorf("baton_requests_failed_total = %v, want 0", v)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if w := s.Pool.Snapshot().Worker(victim); w.Available() {
+			return fmt.Errorf("stopped worker %s is still available (healthy %v, breaker %v)", victim, w.Healthy(), w.BreakerState())
+		}
+		return nil
+	})
+
+	startWorker(t, victim, fastScale, victimAddr, false)
+	i := 0
+	eventually(t, 20*time.Second, func() error {
+		i++
+		got := chat(t, c, chatParams(fmt.Sprintf("after restart %d", i), 4))
+		w := s.Pool.Snapshot().Worker(victim)
+		if got.worker != victim {
+			return fmt.Errorf("restarted worker %s serves no requests yet (healthy %v, breaker %v)", victim, w.Healthy(), w.BreakerState())
+		}
+		if st := w.BreakerState(); st != gobreaker.StateClosed {
+			return fmt.Errorf("restarted worker %s served, but its breaker is %v", victim, st)
+		}
+		return nil
+	})
+	m = scrape(t, hc, addr)
+	if v, ok := metric(m, "baton_worker_breaker_state", `worker="`+victim+`"`); !ok || v != 0 {
+		t.Errorf(`baton_worker_breaker_state{worker=%q} = %v (present %v), want 0 (closed)`, victim, v, ok)
+	}
+	if v, _ := metric(m, "baton_worker_healthy", `worker="`+victim+`"`); v != 1 {
+		t.Errorf(`baton_worker_healthy{worker=%q} = %v, want 1`, victim, v)
+	}
+}
