@@ -153,3 +153,36 @@ func TestNoWorkerAvailable(t *testing.T) {
 		t.Errorf(`baton_requests_failed_total{outcome="no_worker"} = %v, want 2`, v)
 	}
 }
+
+// TestRequestTimeout: a request that outlives request_timeout gets a 504
+// deadline_exceeded, and the worker's sequence is released.
+func TestRequestTimeout(t *testing.T) {
+	w := startWorker(t, "slow", 0.05, "127.0.0.1:0", false)
+	s, addr := startScheduler(t, scheduler.Config{
+		Strategy: "round_robin",
+		Config:   frontend.Config{RequestTimeout: 300 * time.Millisecond},
+		Workers:  []scheduler.WorkerConfig{{Name: "slow", Address: w.GRPCAddr}},
+		Pool:     fastPool(),
+	})
+	hc := httpClient(t)
+	got := do(t, hc, http.MethodPost, "http://"+addr+"/v1/chat/completions",
+		`{"model":"`+model+`","max_tokens":4000,"messages":[{"role":"user","content":"Tell me a very long story."}]}`, nil)
+	if got.status != http.StatusGatewayTimeout {
+		t.Fatalf("status = %d, want 504 (body %s)", got.status, got.body)
+	}
+	if typ, _, code, msg := decodeError(t, got.body); typ != "timeout_error" || code != "deadline_exceeded" || msg == "" {
+		t.Errorf("error type %q code %q message %q, want timeout_error, deadline_exceeded and a message", typ, code, msg)
+	}
+	eventually(t, 2*time.Second, func() error {
+		if l := w.Engine.Load(); l.Running != 0 || l.Waiting != 0 {
+			return fmt.Errorf("worker still runs the timed-out request: load %+v", l)
+		}
+		if n := s.Pool.Snapshot().Worker("slow").InFlight(); n != 0 {
+			return fmt.Errorf("%d still in flight", n)
+		}
+		return nil
+	})
+	if v, _ := metric(scrape(t, hc, addr), "baton_requests_failed_total", `outcome="timeout"`); v != 1 {
+		t.Errorf(`baton_requests_failed_total{outcome="timeout"} = %v, want 1`, v)
+	}
+}

@@ -22,7 +22,11 @@ func TestClientDisconnectCancelsWorker(t *testing.T) {
 			if kind == "http" {
 				wc = scheduler.WorkerConfig{Name: "slow", Kind: "http", Address: "http://" + w.HTTPAddr, Models: []string{model}}
 			}
-			s, addr := startScheduler(t, scheduler.Config{Strategy: "least_outstanding", Workers: []scheduler.WorkerConfig{wc}, Pool: fastPool()})
+			// One worker fault would open the breaker: a client that goes
+			// away must not count as one.
+			pc := fastPool()
+			pc.BreakerFailures = 1
+			s, addr := startScheduler(t, scheduler.Config{Strategy: "least_outstanding", Workers: []scheduler.WorkerConfig{wc}, Pool: pc})
 			c := oaClient(t, addr)
 
 			ctx, cancel := context.WithCancel(context.Background())
@@ -70,6 +74,9 @@ func TestClientDisconnectCancelsWorker(t *testing.T) {
 			})
 			if st := s.Pool.Snapshot().Worker("slow").BreakerState().String(); st != "closed" {
 				t.Errorf("breaker after a client disconnect = %s, want closed", st)
+			}
+			if v, _ := metric(scrape(t, hc, addr), "baton_breaker_transitions_total"); v != 0 {
+				t.Errorf("baton_breaker_transitions_total = %v after a client disconnect, want 0", v)
 			}
 		})
 	}

@@ -42,6 +42,7 @@ func TestPrefixAwareOverflow(t *testing.T) {
 
 	used := map[string]int{}
 	spilled := 0
+	home := "" // the prefix's home serves every request that did not spill
 	for i, r := range results {
 		if errs[i] != nil {
 			t.Errorf("request %d: %v", i, errs[i])
@@ -55,6 +56,10 @@ func TestPrefixAwareOverflow(t *testing.T) {
 		case "prefix_aware; spill=true":
 			spilled++
 		case "prefix_aware; spill=false":
+			if home != "" && home != r.worker {
+				t.Errorf("requests that did not spill went to %s and %s, want one home worker", home, r.worker)
+			}
+			home = r.worker
 		default:
 			t.Errorf("request %d: X-Baton-Route = %q", i, r.route)
 		}
@@ -66,10 +71,27 @@ func TestPrefixAwareOverflow(t *testing.T) {
 	if v, _ := metric(m, "baton_overflow_spills_total", `strategy="prefix_aware"`); v != float64(spilled) {
 		t.Errorf("baton_overflow_spills_total = %v, want %d (the responses marked spill=true)", v, spilled)
 	}
+	// The metric's worker label is documented as the worker spilled from:
+	// the prefix's home.
+	if v, _ := metric(m, "baton_overflow_spills_total", `worker="`+home+`"`); home != "" && v != float64(spilled) {
+		t.Errorf("baton_overflow_spills_total{worker=%q} (the home, spilled from) = %v, want %d; by worker:\n%s",
+			home, v, spilled, grep(m, "baton_overflow_spills_total"))
+	}
 	if v, _ := metric(m, "baton_requests_completed_total"); v != n {
 		t.Errorf("baton_requests_completed_total = %v, want %d", v, n)
 	}
 	if !strings.Contains(m, "baton_worker_in_flight") {
 		t.Error("/metrics lacks baton_worker_in_flight")
 	}
+}
+
+// grep returns the lines of text that start with prefix.
+func grep(text, prefix string) string {
+	var out []string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.HasPrefix(l, prefix) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
