@@ -3,19 +3,24 @@ package scheduler_test
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/workers/sim"
 )
 
 // httpFleet starts two simulated workers with their own OpenAI endpoints
 // and a scheduler reaching them as http engines.
-func httpFleet(t *testing.T, strategy string) (*scheduler.Scheduler, string) {
+func httpFleet(t *testing.T, strategy string) (*scheduler.Scheduler, string, []*sim.Worker) {
 	var workers []scheduler.WorkerConfig
+	var sims []*sim.Worker
 	for _, name := range []string{"h0", "h1"} {
 		w := startWorker(t, name, fastScale, "127.0.0.1:0", true)
+		sims = append(sims, w)
 		workers = append(workers, scheduler.WorkerConfig{Name: name, Kind: "http", Address: "http://" + w.HTTPAddr, Models: []string{model}})
 	}
-	return startScheduler(t, scheduler.Config{Strategy: strategy, Workers: workers, Pool: fastPool()})
+	s, addr := startScheduler(t, scheduler.Config{Strategy: strategy, Workers: workers, Pool: fastPool()})
+	return s, addr, sims
 }
 
 // TestHTTPBackend: OpenAI-compatible HTTP engines behind the scheduler
@@ -23,7 +28,7 @@ func httpFleet(t *testing.T, strategy string) (*scheduler.Scheduler, string) {
 // their cache, and share round_robin traffic.
 func TestHTTPBackend(t *testing.T) {
 	t.Run("prefix_aware", func(t *testing.T) {
-		_, addr := httpFleet(t, "prefix_aware")
+		_, addr, _ := httpFleet(t, "prefix_aware")
 		c := oaClient(t, addr)
 		p := chatParams(text("http backend", 2500), 8)
 		first := chat(t, c, p)
@@ -56,7 +61,7 @@ func TestHTTPBackend(t *testing.T) {
 	})
 
 	t.Run("round_robin", func(t *testing.T) {
-		_, addr := httpFleet(t, "round_robin")
+		_, addr, _ := httpFleet(t, "round_robin")
 		c := oaClient(t, addr)
 		used := map[string]int{}
 		for i := range 6 {
@@ -75,5 +80,37 @@ func TestHTTPBackend(t *testing.T) {
 		if used["h0"] != 3 || used["h1"] != 3 {
 			t.Errorf("6 round_robin requests went to %v, want 3 each on h0 and h1", used)
 		}
+	})
+}
+
+// TestHTTPBackendFailover: an http engine that stops costs no request: the
+// call fails before its first byte and is retried on the other engine.
+func TestHTTPBackendFailover(t *testing.T) {
+	s, addr, sims := httpFleet(t, "round_robin")
+	c := oaClient(t, addr)
+	used := map[string]int{}
+	for i := range 20 {
+		if i == 4 {
+			sims[0].Close()
+		}
+		p := chatParams(fmt.Sprintf("http failover %d", i), 4)
+		if i%2 == 0 {
+			used[chat(t, c, p).worker]++
+			continue
+		}
+		got, err := streamChat(t, c, p)
+		if err != nil {
+			t.Fatalf("request %d after h0 stopped: %v", i, err)
+		}
+		used[got.worker]++
+	}
+	if used["h0"] != 2 || used["h1"] != 18 {
+		t.Errorf("requests per worker = %v, want h0 2 (before it stopped) and h1 18", used)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if w := s.Pool.Snapshot().Worker("h0"); w.Available() {
+			return fmt.Errorf("stopped engine h0 still available (healthy %v, breaker %v)", w.Healthy(), w.BreakerState())
+		}
+		return nil
 	})
 }
