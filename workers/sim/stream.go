@@ -77,6 +77,9 @@ func (st *stream) Recv() (engine.Event, error) {
 		switch {
 		case st.finalSent:
 			st.mu.Unlock()
+			if st.stop != nil {
+				st.stop() // the generation ended: stop watching its context
+			}
 			return engine.Event{}, io.EOF
 		case st.err != nil:
 			err := st.err
