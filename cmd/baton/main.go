@@ -31,21 +31,23 @@ Run "baton COMMAND -h" for a command's flags.
 `
 
 func main() {
-	if err := run(os.Args[1:], os.Stdout, os.Stderr); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintln(os.Stderr, "baton:", err)
 		}
+		stop()
 		os.Exit(2)
 	}
 }
 
-func run(args []string, stdout, stderr io.Writer) error {
+// run runs the command args until it ends or ctx is done.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return errors.New("no command")
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	switch args[0] {
 	case "serve":
 		return serve(ctx, args[1:], stdout, stderr)

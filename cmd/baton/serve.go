@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -50,10 +51,18 @@ func (f *schedulerFlags) load(fs *flag.FlagSet) (scheduler.Config, error) {
 	if f.strategy != "" {
 		cfg.Strategy = f.strategy
 	}
+	// In the config file zero means "default"; on the command line it is a
+	// value the user typed, and out of range.
 	if set["concurrency-threshold"] {
+		if f.threshold == 0 {
+			return cfg, errors.New("concurrency_threshold: must be 1–1024, got 0")
+		}
 		cfg.ConcurrencyThreshold = f.threshold
 	}
 	if set["prefix-length"] {
+		if f.prefixLen == 0 {
+			return cfg, errors.New("prefix_length: must be 1024–65536, got 0")
+		}
 		cfg.PrefixLength = f.prefixLen
 	}
 	if f.logLevel != "" {

@@ -303,8 +303,8 @@ func (x *exchange) run(ctx context.Context) string {
 			continue
 		}
 		x.worker = wk.Name
-		if d.Spill {
-			s.metrics.Spills.WithLabelValues(x.strategy, d.Worker.Name).Inc()
+		if d.Spill && d.Home != nil {
+			s.metrics.Spills.WithLabelValues(x.strategy, d.Home.Name).Inc()
 		}
 		h := x.w.Header()
 		h.Set(HeaderWorker, wk.Name)
@@ -356,7 +356,7 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 	if best == nil {
 		return nil, d, routing.ErrNoWorker
 	}
-	d.Worker, d.Reason = best, "retry"
+	d.Worker, d.Spill, d.Reason = best, false, "retry"
 	return best, d, nil
 }
 

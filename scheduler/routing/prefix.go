@@ -43,7 +43,7 @@ func (s *prefixAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) 
 	}
 	w := ws[home]
 	if w.InFlight() < s.threshold {
-		return Decision{Worker: w, Reason: ReasonHome}, nil
+		return Decision{Worker: w, Home: w, Reason: ReasonHome}, nil
 	}
 	// Scan from the worker after the home, ending with the home itself, so
 	// that the home wins only when it is strictly the least loaded.
@@ -59,7 +59,7 @@ func (s *prefixAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) 
 	if best == w || best.InFlight() >= s.threshold {
 		reason = ReasonAllFull
 	}
-	return Decision{Worker: best, Spill: best != w, Reason: reason}, nil
+	return Decision{Worker: best, Home: w, Spill: best != w, Reason: reason}, nil
 }
 
 var _ Strategy = (*prefixAware)(nil)

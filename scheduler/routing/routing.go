@@ -35,6 +35,10 @@ type Request struct {
 type Decision struct {
 	// Worker serves the request.
 	Worker *pool.Worker
+	// Home is the worker the request's prefix maps to, for strategies that
+	// map prefixes (nil otherwise). Worker differs from Home when the
+	// request spilled.
+	Home *pool.Worker
 	// Spill reports that the request left the worker its prefix maps to
 	// because that worker was at the concurrency threshold.
 	Spill bool

@@ -1,0 +1,129 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// syncBuffer is a bytes.Buffer safe for one writer and one reader.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestVersionAndUsage(t *testing.T) {
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"version"}, &out, io.Discard); err != nil || !strings.HasPrefix(out.String(), "baton ") {
+		t.Errorf("version: %q, %v", out.String(), err)
+	}
+	if err := run(context.Background(), nil, io.Discard, io.Discard); err == nil {
+		t.Error("no command accepted")
+	}
+	if err := run(context.Background(), []string{"frobnicate"}, io.Discard, io.Discard); err == nil {
+		t.Error("unknown command accepted")
+	}
+}
+
+func TestServeRejectsBadConfig(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"serve"}, "workers:"},
+		{[]string{"serve", "--worker", "127.0.0.1:1", "--strategy", "fastest"}, "strategy:"},
+		{[]string{"serve", "--worker", "127.0.0.1:1", "--concurrency-threshold", "0"}, "concurrency_threshold:"},
+		{[]string{"serve", "--worker", "127.0.0.1:1", "--prefix-length", "10"}, "prefix_length:"},
+		{[]string{"serve", "--config", "/nonexistent.yaml"}, "nonexistent.yaml"},
+		{[]string{"demo", "--workers", "0"}, "-workers"},
+	}
+	for _, c := range cases {
+		err := run(context.Background(), c.args, io.Discard, io.Discard)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: got %v, want an error naming %q", c.args, err, c.want)
+		}
+	}
+}
+
+// The demo, as a newcomer runs it: it prints a URL, and the curl line it
+// prints works against that URL.
+func TestDemo(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var out syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"demo", "--listen", "127.0.0.1:0", "--workers", "2", "--time-scale", "100", "--log-level", "warn"}, &out, io.Discard)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("demo ended with %v", err)
+		}
+	})
+	var url, body string
+	deadline := time.Now().Add(10 * time.Second)
+	for url == "" && time.Now().Before(deadline) {
+		if m := regexp.MustCompile(`curl -sN (\S+) .*\\\n\s+-d '(.*)'`).FindStringSubmatch(out.String()); m != nil {
+			url, body = m[1], m[2]
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if url == "" {
+		t.Fatalf("demo printed no curl line:\n%s", out.String())
+	}
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get("X-Baton-Worker") == "" {
+		t.Fatalf("status %d, worker %q", resp.StatusCode, resp.Header.Get("X-Baton-Worker"))
+	}
+	sc := bufio.NewScanner(resp.Body)
+	var text strings.Builder
+	sawDone := false
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			sawDone = true
+			break
+		}
+		var chunk struct {
+			Choices []struct {
+				Delta struct{ Content string } `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+			t.Fatalf("chunk %q: %v", data, err)
+		}
+		for _, c := range chunk.Choices {
+			text.WriteString(c.Delta.Content)
+		}
+	}
+	if !sawDone || text.Len() == 0 {
+		t.Errorf("stream: [DONE] %v, text %q", sawDone, text.String())
+	}
+}
