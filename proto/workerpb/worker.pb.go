@@ -180,7 +180,7 @@ func (x CacheEvent_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use CacheEvent_Kind.Descriptor instead.
 func (CacheEvent_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{10, 0}
+	return file_worker_proto_rawDescGZIP(), []int{17, 0}
 }
 
 type InfoRequest struct {
@@ -602,6 +602,510 @@ func (x *Final) GetCompletionTokens() int32 {
 	return 0
 }
 
+type PrefillRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Request *GenerateRequest       `protobuf:"bytes,1,opt,name=request,proto3" json:"request,omitempty"`
+	// Identifies the transfer on the decode worker.
+	TransferId string `protobuf:"bytes,2,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// The decode worker's address (host:port of its KVTransfer service).
+	DecodeAddr string `protobuf:"bytes,3,opt,name=decode_addr,json=decodeAddr,proto3" json:"decode_addr,omitempty"`
+	// Below this many tokens missing on the decode worker, skip: the decode
+	// worker prefills locally. 0 always transfers.
+	MinRemotePrefillTokens int32 `protobuf:"varint,4,opt,name=min_remote_prefill_tokens,json=minRemotePrefillTokens,proto3" json:"min_remote_prefill_tokens,omitempty"`
+	// Bound on the push, in milliseconds; 0 means the call's deadline.
+	TransferTimeoutMs int32 `protobuf:"varint,5,opt,name=transfer_timeout_ms,json=transferTimeoutMs,proto3" json:"transfer_timeout_ms,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *PrefillRequest) Reset() {
+	*x = PrefillRequest{}
+	mi := &file_worker_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefillRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefillRequest) ProtoMessage() {}
+
+func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefillRequest.ProtoReflect.Descriptor instead.
+func (*PrefillRequest) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *PrefillRequest) GetRequest() *GenerateRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *PrefillRequest) GetTransferId() string {
+	if x != nil {
+		return x.TransferId
+	}
+	return ""
+}
+
+func (x *PrefillRequest) GetDecodeAddr() string {
+	if x != nil {
+		return x.DecodeAddr
+	}
+	return ""
+}
+
+func (x *PrefillRequest) GetMinRemotePrefillTokens() int32 {
+	if x != nil {
+		return x.MinRemotePrefillTokens
+	}
+	return 0
+}
+
+func (x *PrefillRequest) GetTransferTimeoutMs() int32 {
+	if x != nil {
+		return x.TransferTimeoutMs
+	}
+	return 0
+}
+
+type PrefillResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set when nothing was computed nor sent; skip_reason says why.
+	Skipped      bool   `protobuf:"varint,1,opt,name=skipped,proto3" json:"skipped,omitempty"`
+	SkipReason   string `protobuf:"bytes,2,opt,name=skip_reason,json=skipReason,proto3" json:"skip_reason,omitempty"`
+	PromptTokens int32  `protobuf:"varint,3,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// Prompt tokens found in this worker's cache.
+	CachedTokens int32 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	// Leading prompt tokens the decode worker already held.
+	DecodeHeldTokens int32 `protobuf:"varint,5,opt,name=decode_held_tokens,json=decodeHeldTokens,proto3" json:"decode_held_tokens,omitempty"`
+	// Blocks and bytes pushed, and blocks the decode worker already held.
+	BlocksSent int32 `protobuf:"varint,6,opt,name=blocks_sent,json=blocksSent,proto3" json:"blocks_sent,omitempty"`
+	BlocksHeld int32 `protobuf:"varint,7,opt,name=blocks_held,json=blocksHeld,proto3" json:"blocks_held,omitempty"`
+	BytesSent  int64 `protobuf:"varint,8,opt,name=bytes_sent,json=bytesSent,proto3" json:"bytes_sent,omitempty"`
+	// Time spent queued, computing, and pushing, in seconds of real time.
+	QueueSeconds    float64 `protobuf:"fixed64,9,opt,name=queue_seconds,json=queueSeconds,proto3" json:"queue_seconds,omitempty"`
+	PrefillSeconds  float64 `protobuf:"fixed64,10,opt,name=prefill_seconds,json=prefillSeconds,proto3" json:"prefill_seconds,omitempty"`
+	TransferSeconds float64 `protobuf:"fixed64,11,opt,name=transfer_seconds,json=transferSeconds,proto3" json:"transfer_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *PrefillResult) Reset() {
+	*x = PrefillResult{}
+	mi := &file_worker_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefillResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefillResult) ProtoMessage() {}
+
+func (x *PrefillResult) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefillResult.ProtoReflect.Descriptor instead.
+func (*PrefillResult) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *PrefillResult) GetSkipped() bool {
+	if x != nil {
+		return x.Skipped
+	}
+	return false
+}
+
+func (x *PrefillResult) GetSkipReason() string {
+	if x != nil {
+		return x.SkipReason
+	}
+	return ""
+}
+
+func (x *PrefillResult) GetPromptTokens() int32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetCachedTokens() int32 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetDecodeHeldTokens() int32 {
+	if x != nil {
+		return x.DecodeHeldTokens
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetBlocksSent() int32 {
+	if x != nil {
+		return x.BlocksSent
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetBlocksHeld() int32 {
+	if x != nil {
+		return x.BlocksHeld
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetBytesSent() int64 {
+	if x != nil {
+		return x.BytesSent
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetQueueSeconds() float64 {
+	if x != nil {
+		return x.QueueSeconds
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetPrefillSeconds() float64 {
+	if x != nil {
+		return x.PrefillSeconds
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetTransferSeconds() float64 {
+	if x != nil {
+		return x.TransferSeconds
+	}
+	return 0
+}
+
+type DecodeRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Request *GenerateRequest       `protobuf:"bytes,1,opt,name=request,proto3" json:"request,omitempty"`
+	// Empty: no transfer, prefill locally.
+	TransferId string `protobuf:"bytes,2,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// How long to wait for the transfer; 0 means the worker's default.
+	TransferTimeoutMs int32 `protobuf:"varint,3,opt,name=transfer_timeout_ms,json=transferTimeoutMs,proto3" json:"transfer_timeout_ms,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *DecodeRequest) Reset() {
+	*x = DecodeRequest{}
+	mi := &file_worker_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DecodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DecodeRequest) ProtoMessage() {}
+
+func (x *DecodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DecodeRequest.ProtoReflect.Descriptor instead.
+func (*DecodeRequest) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *DecodeRequest) GetRequest() *GenerateRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+func (x *DecodeRequest) GetTransferId() string {
+	if x != nil {
+		return x.TransferId
+	}
+	return ""
+}
+
+func (x *DecodeRequest) GetTransferTimeoutMs() int32 {
+	if x != nil {
+		return x.TransferTimeoutMs
+	}
+	return 0
+}
+
+type HasRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Keys          []uint64               `protobuf:"fixed64,1,rep,packed,name=keys,proto3" json:"keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HasRequest) Reset() {
+	*x = HasRequest{}
+	mi := &file_worker_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HasRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HasRequest) ProtoMessage() {}
+
+func (x *HasRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HasRequest.ProtoReflect.Descriptor instead.
+func (*HasRequest) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *HasRequest) GetKeys() []uint64 {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+type HasResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// held[i] reports whether keys[i] is held (in any tier of the worker).
+	Held          []bool `protobuf:"varint,1,rep,packed,name=held,proto3" json:"held,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HasResponse) Reset() {
+	*x = HasResponse{}
+	mi := &file_worker_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HasResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HasResponse) ProtoMessage() {}
+
+func (x *HasResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HasResponse.ProtoReflect.Descriptor instead.
+func (*HasResponse) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *HasResponse) GetHeld() []bool {
+	if x != nil {
+		return x.Held
+	}
+	return nil
+}
+
+type BlockChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set on the first message of a Push stream.
+	TransferId string `protobuf:"bytes,1,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// Set on the first chunk of each block.
+	Key uint64 `protobuf:"fixed64,2,opt,name=key,proto3" json:"key,omitempty"`
+	// Total payload bytes of the block.
+	Size uint32 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	// CRC-32C (Castagnoli) of the whole block payload.
+	Crc32C uint32 `protobuf:"fixed32,4,opt,name=crc32c,proto3" json:"crc32c,omitempty"`
+	// Payload bytes, in order; a block's chunks are contiguous in the stream.
+	Data          []byte `protobuf:"bytes,5,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockChunk) Reset() {
+	*x = BlockChunk{}
+	mi := &file_worker_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockChunk) ProtoMessage() {}
+
+func (x *BlockChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockChunk.ProtoReflect.Descriptor instead.
+func (*BlockChunk) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *BlockChunk) GetTransferId() string {
+	if x != nil {
+		return x.TransferId
+	}
+	return ""
+}
+
+func (x *BlockChunk) GetKey() uint64 {
+	if x != nil {
+		return x.Key
+	}
+	return 0
+}
+
+func (x *BlockChunk) GetSize() uint32 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *BlockChunk) GetCrc32C() uint32 {
+	if x != nil {
+		return x.Crc32C
+	}
+	return 0
+}
+
+func (x *BlockChunk) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+type PushResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Blocks verified and inserted, and blocks dropped for a bad checksum or
+	// size.
+	BlocksAccepted int32 `protobuf:"varint,1,opt,name=blocks_accepted,json=blocksAccepted,proto3" json:"blocks_accepted,omitempty"`
+	BlocksRejected int32 `protobuf:"varint,2,opt,name=blocks_rejected,json=blocksRejected,proto3" json:"blocks_rejected,omitempty"`
+	BytesReceived  int64 `protobuf:"varint,3,opt,name=bytes_received,json=bytesReceived,proto3" json:"bytes_received,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *PushResult) Reset() {
+	*x = PushResult{}
+	mi := &file_worker_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushResult) ProtoMessage() {}
+
+func (x *PushResult) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushResult.ProtoReflect.Descriptor instead.
+func (*PushResult) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *PushResult) GetBlocksAccepted() int32 {
+	if x != nil {
+		return x.BlocksAccepted
+	}
+	return 0
+}
+
+func (x *PushResult) GetBlocksRejected() int32 {
+	if x != nil {
+		return x.BlocksRejected
+	}
+	return 0
+}
+
+func (x *PushResult) GetBytesReceived() int64 {
+	if x != nil {
+		return x.BytesReceived
+	}
+	return 0
+}
+
 type WatchRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -610,7 +1114,7 @@ type WatchRequest struct {
 
 func (x *WatchRequest) Reset() {
 	*x = WatchRequest{}
-	mi := &file_worker_proto_msgTypes[6]
+	mi := &file_worker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -622,7 +1126,7 @@ func (x *WatchRequest) String() string {
 func (*WatchRequest) ProtoMessage() {}
 
 func (x *WatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[6]
+	mi := &file_worker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -635,7 +1139,7 @@ func (x *WatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
 func (*WatchRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{6}
+	return file_worker_proto_rawDescGZIP(), []int{13}
 }
 
 type WatchEvent struct {
@@ -654,7 +1158,7 @@ type WatchEvent struct {
 
 func (x *WatchEvent) Reset() {
 	*x = WatchEvent{}
-	mi := &file_worker_proto_msgTypes[7]
+	mi := &file_worker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -666,7 +1170,7 @@ func (x *WatchEvent) String() string {
 func (*WatchEvent) ProtoMessage() {}
 
 func (x *WatchEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[7]
+	mi := &file_worker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -679,7 +1183,7 @@ func (x *WatchEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEvent.ProtoReflect.Descriptor instead.
 func (*WatchEvent) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{7}
+	return file_worker_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *WatchEvent) GetSeq() uint64 {
@@ -756,7 +1260,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_worker_proto_msgTypes[8]
+	mi := &file_worker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -768,7 +1272,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[8]
+	mi := &file_worker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -781,7 +1285,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{8}
+	return file_worker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Snapshot) GetLoad() *LoadReport {
@@ -810,7 +1314,7 @@ type LoadReport struct {
 
 func (x *LoadReport) Reset() {
 	*x = LoadReport{}
-	mi := &file_worker_proto_msgTypes[9]
+	mi := &file_worker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -822,7 +1326,7 @@ func (x *LoadReport) String() string {
 func (*LoadReport) ProtoMessage() {}
 
 func (x *LoadReport) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[9]
+	mi := &file_worker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -835,7 +1339,7 @@ func (x *LoadReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadReport.ProtoReflect.Descriptor instead.
 func (*LoadReport) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{9}
+	return file_worker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *LoadReport) GetRunning() int32 {
@@ -878,7 +1382,7 @@ type CacheEvent struct {
 
 func (x *CacheEvent) Reset() {
 	*x = CacheEvent{}
-	mi := &file_worker_proto_msgTypes[10]
+	mi := &file_worker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -890,7 +1394,7 @@ func (x *CacheEvent) String() string {
 func (*CacheEvent) ProtoMessage() {}
 
 func (x *CacheEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[10]
+	mi := &file_worker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -903,7 +1407,7 @@ func (x *CacheEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheEvent.ProtoReflect.Descriptor instead.
 func (*CacheEvent) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{10}
+	return file_worker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CacheEvent) GetKind() CacheEvent_Kind {
@@ -963,7 +1467,55 @@ const file_worker_proto_rawDesc = "" +
 	"\rfinish_reason\x18\x01 \x01(\tR\ffinishReason\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\x05R\fpromptTokens\x12#\n" +
 	"\rcached_tokens\x18\x03 \x01(\x05R\fcachedTokens\x12+\n" +
-	"\x11completion_tokens\x18\x04 \x01(\x05R\x10completionTokens\"\x0e\n" +
+	"\x11completion_tokens\x18\x04 \x01(\x05R\x10completionTokens\"\xf9\x01\n" +
+	"\x0ePrefillRequest\x12:\n" +
+	"\arequest\x18\x01 \x01(\v2 .baton.worker.v1.GenerateRequestR\arequest\x12\x1f\n" +
+	"\vtransfer_id\x18\x02 \x01(\tR\n" +
+	"transferId\x12\x1f\n" +
+	"\vdecode_addr\x18\x03 \x01(\tR\n" +
+	"decodeAddr\x129\n" +
+	"\x19min_remote_prefill_tokens\x18\x04 \x01(\x05R\x16minRemotePrefillTokens\x12.\n" +
+	"\x13transfer_timeout_ms\x18\x05 \x01(\x05R\x11transferTimeoutMs\"\x9c\x03\n" +
+	"\rPrefillResult\x12\x18\n" +
+	"\askipped\x18\x01 \x01(\bR\askipped\x12\x1f\n" +
+	"\vskip_reason\x18\x02 \x01(\tR\n" +
+	"skipReason\x12#\n" +
+	"\rprompt_tokens\x18\x03 \x01(\x05R\fpromptTokens\x12#\n" +
+	"\rcached_tokens\x18\x04 \x01(\x05R\fcachedTokens\x12,\n" +
+	"\x12decode_held_tokens\x18\x05 \x01(\x05R\x10decodeHeldTokens\x12\x1f\n" +
+	"\vblocks_sent\x18\x06 \x01(\x05R\n" +
+	"blocksSent\x12\x1f\n" +
+	"\vblocks_held\x18\a \x01(\x05R\n" +
+	"blocksHeld\x12\x1d\n" +
+	"\n" +
+	"bytes_sent\x18\b \x01(\x03R\tbytesSent\x12#\n" +
+	"\rqueue_seconds\x18\t \x01(\x01R\fqueueSeconds\x12'\n" +
+	"\x0fprefill_seconds\x18\n" +
+	" \x01(\x01R\x0eprefillSeconds\x12)\n" +
+	"\x10transfer_seconds\x18\v \x01(\x01R\x0ftransferSeconds\"\x9c\x01\n" +
+	"\rDecodeRequest\x12:\n" +
+	"\arequest\x18\x01 \x01(\v2 .baton.worker.v1.GenerateRequestR\arequest\x12\x1f\n" +
+	"\vtransfer_id\x18\x02 \x01(\tR\n" +
+	"transferId\x12.\n" +
+	"\x13transfer_timeout_ms\x18\x03 \x01(\x05R\x11transferTimeoutMs\" \n" +
+	"\n" +
+	"HasRequest\x12\x12\n" +
+	"\x04keys\x18\x01 \x03(\x06R\x04keys\"!\n" +
+	"\vHasResponse\x12\x12\n" +
+	"\x04held\x18\x01 \x03(\bR\x04held\"\x7f\n" +
+	"\n" +
+	"BlockChunk\x12\x1f\n" +
+	"\vtransfer_id\x18\x01 \x01(\tR\n" +
+	"transferId\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\x06R\x03key\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\rR\x04size\x12\x16\n" +
+	"\x06crc32c\x18\x04 \x01(\aR\x06crc32c\x12\x12\n" +
+	"\x04data\x18\x05 \x01(\fR\x04data\"\x85\x01\n" +
+	"\n" +
+	"PushResult\x12'\n" +
+	"\x0fblocks_accepted\x18\x01 \x01(\x05R\x0eblocksAccepted\x12'\n" +
+	"\x0fblocks_rejected\x18\x02 \x01(\x05R\x0eblocksRejected\x12%\n" +
+	"\x0ebytes_received\x18\x03 \x01(\x03R\rbytesReceived\"\x0e\n" +
 	"\fWatchRequest\"\xc8\x01\n" +
 	"\n" +
 	"WatchEvent\x12\x10\n" +
@@ -1001,11 +1553,17 @@ const file_worker_proto_rawDesc = "" +
 	"\bTIER_GPU\x10\x01\x12\f\n" +
 	"\bTIER_CPU\x10\x02\x12\x0e\n" +
 	"\n" +
-	"TIER_REDIS\x10\x032\xe4\x01\n" +
+	"TIER_REDIS\x10\x032\xfc\x02\n" +
 	"\x06Worker\x12C\n" +
 	"\x04Info\x12\x1c.baton.worker.v1.InfoRequest\x1a\x1d.baton.worker.v1.InfoResponse\x12N\n" +
 	"\bGenerate\x12 .baton.worker.v1.GenerateRequest\x1a\x1e.baton.worker.v1.GenerateEvent0\x01\x12E\n" +
-	"\x05Watch\x12\x1d.baton.worker.v1.WatchRequest\x1a\x1b.baton.worker.v1.WatchEvent0\x01B*Z(github.com/batonllm/baton/proto/workerpbb\x06proto3"
+	"\x05Watch\x12\x1d.baton.worker.v1.WatchRequest\x1a\x1b.baton.worker.v1.WatchEvent0\x01\x12J\n" +
+	"\aPrefill\x12\x1f.baton.worker.v1.PrefillRequest\x1a\x1e.baton.worker.v1.PrefillResult\x12J\n" +
+	"\x06Decode\x12\x1e.baton.worker.v1.DecodeRequest\x1a\x1e.baton.worker.v1.GenerateEvent0\x012\x92\x01\n" +
+	"\n" +
+	"KVTransfer\x12@\n" +
+	"\x03Has\x12\x1b.baton.worker.v1.HasRequest\x1a\x1c.baton.worker.v1.HasResponse\x12B\n" +
+	"\x04Push\x12\x1b.baton.worker.v1.BlockChunk\x1a\x1b.baton.worker.v1.PushResult(\x01B*Z(github.com/batonllm/baton/proto/workerpbb\x06proto3"
 
 var (
 	file_worker_proto_rawDescOnce sync.Once
@@ -1020,7 +1578,7 @@ func file_worker_proto_rawDescGZIP() []byte {
 }
 
 var file_worker_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_worker_proto_goTypes = []any{
 	(Role)(0),               // 0: baton.worker.v1.Role
 	(Tier)(0),               // 1: baton.worker.v1.Tier
@@ -1031,34 +1589,51 @@ var file_worker_proto_goTypes = []any{
 	(*GenerateEvent)(nil),   // 6: baton.worker.v1.GenerateEvent
 	(*Tokens)(nil),          // 7: baton.worker.v1.Tokens
 	(*Final)(nil),           // 8: baton.worker.v1.Final
-	(*WatchRequest)(nil),    // 9: baton.worker.v1.WatchRequest
-	(*WatchEvent)(nil),      // 10: baton.worker.v1.WatchEvent
-	(*Snapshot)(nil),        // 11: baton.worker.v1.Snapshot
-	(*LoadReport)(nil),      // 12: baton.worker.v1.LoadReport
-	(*CacheEvent)(nil),      // 13: baton.worker.v1.CacheEvent
+	(*PrefillRequest)(nil),  // 9: baton.worker.v1.PrefillRequest
+	(*PrefillResult)(nil),   // 10: baton.worker.v1.PrefillResult
+	(*DecodeRequest)(nil),   // 11: baton.worker.v1.DecodeRequest
+	(*HasRequest)(nil),      // 12: baton.worker.v1.HasRequest
+	(*HasResponse)(nil),     // 13: baton.worker.v1.HasResponse
+	(*BlockChunk)(nil),      // 14: baton.worker.v1.BlockChunk
+	(*PushResult)(nil),      // 15: baton.worker.v1.PushResult
+	(*WatchRequest)(nil),    // 16: baton.worker.v1.WatchRequest
+	(*WatchEvent)(nil),      // 17: baton.worker.v1.WatchEvent
+	(*Snapshot)(nil),        // 18: baton.worker.v1.Snapshot
+	(*LoadReport)(nil),      // 19: baton.worker.v1.LoadReport
+	(*CacheEvent)(nil),      // 20: baton.worker.v1.CacheEvent
 }
 var file_worker_proto_depIdxs = []int32{
 	0,  // 0: baton.worker.v1.InfoResponse.role:type_name -> baton.worker.v1.Role
 	7,  // 1: baton.worker.v1.GenerateEvent.tokens:type_name -> baton.worker.v1.Tokens
 	8,  // 2: baton.worker.v1.GenerateEvent.final:type_name -> baton.worker.v1.Final
-	11, // 3: baton.worker.v1.WatchEvent.snapshot:type_name -> baton.worker.v1.Snapshot
-	12, // 4: baton.worker.v1.WatchEvent.load:type_name -> baton.worker.v1.LoadReport
-	13, // 5: baton.worker.v1.WatchEvent.cache:type_name -> baton.worker.v1.CacheEvent
-	12, // 6: baton.worker.v1.Snapshot.load:type_name -> baton.worker.v1.LoadReport
-	13, // 7: baton.worker.v1.Snapshot.blocks:type_name -> baton.worker.v1.CacheEvent
-	2,  // 8: baton.worker.v1.CacheEvent.kind:type_name -> baton.worker.v1.CacheEvent.Kind
-	1,  // 9: baton.worker.v1.CacheEvent.tier:type_name -> baton.worker.v1.Tier
-	3,  // 10: baton.worker.v1.Worker.Info:input_type -> baton.worker.v1.InfoRequest
-	5,  // 11: baton.worker.v1.Worker.Generate:input_type -> baton.worker.v1.GenerateRequest
-	9,  // 12: baton.worker.v1.Worker.Watch:input_type -> baton.worker.v1.WatchRequest
-	4,  // 13: baton.worker.v1.Worker.Info:output_type -> baton.worker.v1.InfoResponse
-	6,  // 14: baton.worker.v1.Worker.Generate:output_type -> baton.worker.v1.GenerateEvent
-	10, // 15: baton.worker.v1.Worker.Watch:output_type -> baton.worker.v1.WatchEvent
-	13, // [13:16] is the sub-list for method output_type
-	10, // [10:13] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	5,  // 3: baton.worker.v1.PrefillRequest.request:type_name -> baton.worker.v1.GenerateRequest
+	5,  // 4: baton.worker.v1.DecodeRequest.request:type_name -> baton.worker.v1.GenerateRequest
+	18, // 5: baton.worker.v1.WatchEvent.snapshot:type_name -> baton.worker.v1.Snapshot
+	19, // 6: baton.worker.v1.WatchEvent.load:type_name -> baton.worker.v1.LoadReport
+	20, // 7: baton.worker.v1.WatchEvent.cache:type_name -> baton.worker.v1.CacheEvent
+	19, // 8: baton.worker.v1.Snapshot.load:type_name -> baton.worker.v1.LoadReport
+	20, // 9: baton.worker.v1.Snapshot.blocks:type_name -> baton.worker.v1.CacheEvent
+	2,  // 10: baton.worker.v1.CacheEvent.kind:type_name -> baton.worker.v1.CacheEvent.Kind
+	1,  // 11: baton.worker.v1.CacheEvent.tier:type_name -> baton.worker.v1.Tier
+	3,  // 12: baton.worker.v1.Worker.Info:input_type -> baton.worker.v1.InfoRequest
+	5,  // 13: baton.worker.v1.Worker.Generate:input_type -> baton.worker.v1.GenerateRequest
+	16, // 14: baton.worker.v1.Worker.Watch:input_type -> baton.worker.v1.WatchRequest
+	9,  // 15: baton.worker.v1.Worker.Prefill:input_type -> baton.worker.v1.PrefillRequest
+	11, // 16: baton.worker.v1.Worker.Decode:input_type -> baton.worker.v1.DecodeRequest
+	12, // 17: baton.worker.v1.KVTransfer.Has:input_type -> baton.worker.v1.HasRequest
+	14, // 18: baton.worker.v1.KVTransfer.Push:input_type -> baton.worker.v1.BlockChunk
+	4,  // 19: baton.worker.v1.Worker.Info:output_type -> baton.worker.v1.InfoResponse
+	6,  // 20: baton.worker.v1.Worker.Generate:output_type -> baton.worker.v1.GenerateEvent
+	17, // 21: baton.worker.v1.Worker.Watch:output_type -> baton.worker.v1.WatchEvent
+	10, // 22: baton.worker.v1.Worker.Prefill:output_type -> baton.worker.v1.PrefillResult
+	6,  // 23: baton.worker.v1.Worker.Decode:output_type -> baton.worker.v1.GenerateEvent
+	13, // 24: baton.worker.v1.KVTransfer.Has:output_type -> baton.worker.v1.HasResponse
+	15, // 25: baton.worker.v1.KVTransfer.Push:output_type -> baton.worker.v1.PushResult
+	19, // [19:26] is the sub-list for method output_type
+	12, // [12:19] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_worker_proto_init() }
@@ -1070,7 +1645,7 @@ func file_worker_proto_init() {
 		(*GenerateEvent_Tokens)(nil),
 		(*GenerateEvent_Final)(nil),
 	}
-	file_worker_proto_msgTypes[7].OneofWrappers = []any{
+	file_worker_proto_msgTypes[14].OneofWrappers = []any{
 		(*WatchEvent_Snapshot)(nil),
 		(*WatchEvent_Load)(nil),
 		(*WatchEvent_Cache)(nil),
@@ -1081,9 +1656,9 @@ func file_worker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_worker_proto_rawDesc), len(file_worker_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   11,
+			NumMessages:   18,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   2,
 		},
 		GoTypes:           file_worker_proto_goTypes,
 		DependencyIndexes: file_worker_proto_depIdxs,

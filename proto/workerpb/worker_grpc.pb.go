@@ -28,6 +28,8 @@ const (
 	Worker_Info_FullMethodName     = "/baton.worker.v1.Worker/Info"
 	Worker_Generate_FullMethodName = "/baton.worker.v1.Worker/Generate"
 	Worker_Watch_FullMethodName    = "/baton.worker.v1.Worker/Watch"
+	Worker_Prefill_FullMethodName  = "/baton.worker.v1.Worker/Prefill"
+	Worker_Decode_FullMethodName   = "/baton.worker.v1.Worker/Decode"
 )
 
 // WorkerClient is the client API for Worker service.
@@ -44,6 +46,19 @@ type WorkerClient interface {
 	// stream is a snapshot; sequence numbers then increase by one per event,
 	// so a subscriber that sees a gap resubscribes to get a fresh snapshot.
 	Watch(ctx context.Context, in *WatchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEvent], error)
+	// Prefill computes the prompt's KV blocks on this (prefill) worker,
+	// reusing its own cache, and pushes the blocks the decode worker does not
+	// already hold straight to it (KVTransfer.Push) under transfer_id. It
+	// returns once the decode worker has acknowledged the push, or with
+	// skipped set when the decode worker lacks fewer than
+	// min_remote_prefill_tokens and should prefill locally.
+	Prefill(ctx context.Context, in *PrefillRequest, opts ...grpc.CallOption) (*PrefillResult, error)
+	// Decode runs one sequence on this (decode) worker. If transfer_id is set
+	// it first waits, at most transfer_timeout_ms, for that transfer to end;
+	// then it computes whatever prompt blocks it still lacks (a failed or
+	// corrupt transfer costs a recompute, never a wrong block) and streams
+	// tokens exactly as Generate does.
+	Decode(ctx context.Context, in *DecodeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateEvent], error)
 }
 
 type workerClient struct {
@@ -102,6 +117,35 @@ func (c *workerClient) Watch(ctx context.Context, in *WatchRequest, opts ...grpc
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Worker_WatchClient = grpc.ServerStreamingClient[WatchEvent]
 
+func (c *workerClient) Prefill(ctx context.Context, in *PrefillRequest, opts ...grpc.CallOption) (*PrefillResult, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PrefillResult)
+	err := c.cc.Invoke(ctx, Worker_Prefill_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *workerClient) Decode(ctx context.Context, in *DecodeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateEvent], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Worker_ServiceDesc.Streams[2], Worker_Decode_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[DecodeRequest, GenerateEvent]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Worker_DecodeClient = grpc.ServerStreamingClient[GenerateEvent]
+
 // WorkerServer is the server API for Worker service.
 // All implementations must embed UnimplementedWorkerServer
 // for forward compatibility.
@@ -116,6 +160,19 @@ type WorkerServer interface {
 	// stream is a snapshot; sequence numbers then increase by one per event,
 	// so a subscriber that sees a gap resubscribes to get a fresh snapshot.
 	Watch(*WatchRequest, grpc.ServerStreamingServer[WatchEvent]) error
+	// Prefill computes the prompt's KV blocks on this (prefill) worker,
+	// reusing its own cache, and pushes the blocks the decode worker does not
+	// already hold straight to it (KVTransfer.Push) under transfer_id. It
+	// returns once the decode worker has acknowledged the push, or with
+	// skipped set when the decode worker lacks fewer than
+	// min_remote_prefill_tokens and should prefill locally.
+	Prefill(context.Context, *PrefillRequest) (*PrefillResult, error)
+	// Decode runs one sequence on this (decode) worker. If transfer_id is set
+	// it first waits, at most transfer_timeout_ms, for that transfer to end;
+	// then it computes whatever prompt blocks it still lacks (a failed or
+	// corrupt transfer costs a recompute, never a wrong block) and streams
+	// tokens exactly as Generate does.
+	Decode(*DecodeRequest, grpc.ServerStreamingServer[GenerateEvent]) error
 	mustEmbedUnimplementedWorkerServer()
 }
 
@@ -134,6 +191,12 @@ func (UnimplementedWorkerServer) Generate(*GenerateRequest, grpc.ServerStreaming
 }
 func (UnimplementedWorkerServer) Watch(*WatchRequest, grpc.ServerStreamingServer[WatchEvent]) error {
 	return status.Error(codes.Unimplemented, "method Watch not implemented")
+}
+func (UnimplementedWorkerServer) Prefill(context.Context, *PrefillRequest) (*PrefillResult, error) {
+	return nil, status.Error(codes.Unimplemented, "method Prefill not implemented")
+}
+func (UnimplementedWorkerServer) Decode(*DecodeRequest, grpc.ServerStreamingServer[GenerateEvent]) error {
+	return status.Error(codes.Unimplemented, "method Decode not implemented")
 }
 func (UnimplementedWorkerServer) mustEmbedUnimplementedWorkerServer() {}
 func (UnimplementedWorkerServer) testEmbeddedByValue()                {}
@@ -196,6 +259,35 @@ func _Worker_Watch_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Worker_WatchServer = grpc.ServerStreamingServer[WatchEvent]
 
+func _Worker_Prefill_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PrefillRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerServer).Prefill(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Worker_Prefill_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerServer).Prefill(ctx, req.(*PrefillRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Worker_Decode_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(DecodeRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(WorkerServer).Decode(m, &grpc.GenericServerStream[DecodeRequest, GenerateEvent]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Worker_DecodeServer = grpc.ServerStreamingServer[GenerateEvent]
+
 // Worker_ServiceDesc is the grpc.ServiceDesc for Worker service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -206,6 +298,10 @@ var Worker_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Info",
 			Handler:    _Worker_Info_Handler,
+		},
+		{
+			MethodName: "Prefill",
+			Handler:    _Worker_Prefill_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
@@ -218,6 +314,167 @@ var Worker_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "Watch",
 			Handler:       _Worker_Watch_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "Decode",
+			Handler:       _Worker_Decode_Handler,
+			ServerStreams: true,
+		},
+	},
+	Metadata: "worker.proto",
+}
+
+const (
+	KVTransfer_Has_FullMethodName  = "/baton.worker.v1.KVTransfer/Has"
+	KVTransfer_Push_FullMethodName = "/baton.worker.v1.KVTransfer/Push"
+)
+
+// KVTransferClient is the client API for KVTransfer service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// KVTransfer moves KV blocks between workers: a prefill worker pushes the
+// blocks of a transfer straight to the decode worker. Decode workers serve
+// it on the same port as Worker.
+type KVTransferClient interface {
+	// Has reports which of the given blocks the worker already holds, so a
+	// sender pushes only the others.
+	Has(ctx context.Context, in *HasRequest, opts ...grpc.CallOption) (*HasResponse, error)
+	// Push streams the blocks of one transfer. The first message carries the
+	// transfer id; every block arrives as one or more chunks, its first chunk
+	// carrying its key, size and CRC-32C checksum. The receiver verifies each
+	// block before it enters the cache; a corrupt block is dropped and
+	// counted, never inserted. The response comes after the last chunk.
+	Push(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[BlockChunk, PushResult], error)
+}
+
+type kVTransferClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewKVTransferClient(cc grpc.ClientConnInterface) KVTransferClient {
+	return &kVTransferClient{cc}
+}
+
+func (c *kVTransferClient) Has(ctx context.Context, in *HasRequest, opts ...grpc.CallOption) (*HasResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HasResponse)
+	err := c.cc.Invoke(ctx, KVTransfer_Has_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *kVTransferClient) Push(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[BlockChunk, PushResult], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &KVTransfer_ServiceDesc.Streams[0], KVTransfer_Push_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[BlockChunk, PushResult]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVTransfer_PushClient = grpc.ClientStreamingClient[BlockChunk, PushResult]
+
+// KVTransferServer is the server API for KVTransfer service.
+// All implementations must embed UnimplementedKVTransferServer
+// for forward compatibility.
+//
+// KVTransfer moves KV blocks between workers: a prefill worker pushes the
+// blocks of a transfer straight to the decode worker. Decode workers serve
+// it on the same port as Worker.
+type KVTransferServer interface {
+	// Has reports which of the given blocks the worker already holds, so a
+	// sender pushes only the others.
+	Has(context.Context, *HasRequest) (*HasResponse, error)
+	// Push streams the blocks of one transfer. The first message carries the
+	// transfer id; every block arrives as one or more chunks, its first chunk
+	// carrying its key, size and CRC-32C checksum. The receiver verifies each
+	// block before it enters the cache; a corrupt block is dropped and
+	// counted, never inserted. The response comes after the last chunk.
+	Push(grpc.ClientStreamingServer[BlockChunk, PushResult]) error
+	mustEmbedUnimplementedKVTransferServer()
+}
+
+// UnimplementedKVTransferServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedKVTransferServer struct{}
+
+func (UnimplementedKVTransferServer) Has(context.Context, *HasRequest) (*HasResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Has not implemented")
+}
+func (UnimplementedKVTransferServer) Push(grpc.ClientStreamingServer[BlockChunk, PushResult]) error {
+	return status.Error(codes.Unimplemented, "method Push not implemented")
+}
+func (UnimplementedKVTransferServer) mustEmbedUnimplementedKVTransferServer() {}
+func (UnimplementedKVTransferServer) testEmbeddedByValue()                    {}
+
+// UnsafeKVTransferServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to KVTransferServer will
+// result in compilation errors.
+type UnsafeKVTransferServer interface {
+	mustEmbedUnimplementedKVTransferServer()
+}
+
+func RegisterKVTransferServer(s grpc.ServiceRegistrar, srv KVTransferServer) {
+	// If the following call panics, it indicates UnimplementedKVTransferServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&KVTransfer_ServiceDesc, srv)
+}
+
+func _KVTransfer_Has_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HasRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVTransferServer).Has(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVTransfer_Has_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVTransferServer).Has(ctx, req.(*HasRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _KVTransfer_Push_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(KVTransferServer).Push(&grpc.GenericServerStream[BlockChunk, PushResult]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVTransfer_PushServer = grpc.ClientStreamingServer[BlockChunk, PushResult]
+
+// KVTransfer_ServiceDesc is the grpc.ServiceDesc for KVTransfer service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var KVTransfer_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "baton.worker.v1.KVTransfer",
+	HandlerType: (*KVTransferServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "Has",
+			Handler:    _KVTransfer_Has_Handler,
+		},
+	},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Push",
+			Handler:       _KVTransfer_Push_Handler,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "worker.proto",

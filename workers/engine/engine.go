@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"time"
 )
 
 // Request is one generation request, validated and normalized by the
@@ -114,3 +115,53 @@ var ErrUnknownModel = errors.New("unknown model")
 // ErrInvalid is returned (wrapped) when the engine rejects the request as
 // invalid. It is the request's fault, not the engine's.
 var ErrInvalid = errors.New("invalid request")
+
+// PrefillRequest asks a prefill engine to compute a prompt's KV blocks and
+// push those the decode engine lacks straight to it.
+type PrefillRequest struct {
+	Request *Request
+	// TransferID names the transfer on the decode engine.
+	TransferID string
+	// DecodeAddr is the decode engine's KV transfer address (host:port).
+	DecodeAddr string
+	// MinRemoteTokens: when the decode engine lacks fewer tokens than this,
+	// the prefill engine skips and the decode engine prefills locally.
+	MinRemoteTokens int
+	// TransferTimeout bounds the push; 0 means the call's deadline.
+	TransferTimeout time.Duration
+}
+
+// PrefillResult is what a prefill did.
+type PrefillResult struct {
+	// Skipped: nothing was computed or sent; SkipReason says why.
+	Skipped    bool
+	SkipReason string
+	// PromptTokens of the request; CachedTokens found in the prefill
+	// engine's cache; DecodeHeldTokens the leading tokens the decode engine
+	// already held.
+	PromptTokens     int
+	CachedTokens     int
+	DecodeHeldTokens int
+	// BlocksSent were pushed (BytesSent bytes); BlocksHeld were skipped
+	// because the decode engine held them.
+	BlocksSent int
+	BlocksHeld int
+	BytesSent  int64
+	// Queue, Prefill and Transfer are the real time spent waiting,
+	// computing and pushing.
+	Queue, Prefill, Transfer time.Duration
+}
+
+// Disaggregator is implemented by clients of engines that serve
+// disaggregated prefill and decode (baton workers with role prefill or
+// decode).
+type Disaggregator interface {
+	// Prefill runs req's prefill and pushes its blocks to the decode
+	// engine. An error means the decode engine may hold some of the blocks,
+	// none wrong: it recomputes whatever it lacks.
+	Prefill(ctx context.Context, req *PrefillRequest) (*PrefillResult, error)
+	// Decode generates req on this engine after waiting, at most timeout,
+	// for transfer transferID (empty: none) to end. Like Generate, an
+	// error returned here means nothing was generated.
+	Decode(ctx context.Context, req *Request, transferID string, timeout time.Duration) (Stream, error)
+}
