@@ -701,8 +701,11 @@ type PrefillResult struct {
 	QueueSeconds    float64 `protobuf:"fixed64,9,opt,name=queue_seconds,json=queueSeconds,proto3" json:"queue_seconds,omitempty"`
 	PrefillSeconds  float64 `protobuf:"fixed64,10,opt,name=prefill_seconds,json=prefillSeconds,proto3" json:"prefill_seconds,omitempty"`
 	TransferSeconds float64 `protobuf:"fixed64,11,opt,name=transfer_seconds,json=transferSeconds,proto3" json:"transfer_seconds,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Blocks the decode worker dropped for a bad checksum, size or contents
+	// (it recomputes them).
+	BlocksRejected int32 `protobuf:"varint,12,opt,name=blocks_rejected,json=blocksRejected,proto3" json:"blocks_rejected,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PrefillResult) Reset() {
@@ -808,6 +811,13 @@ func (x *PrefillResult) GetPrefillSeconds() float64 {
 func (x *PrefillResult) GetTransferSeconds() float64 {
 	if x != nil {
 		return x.TransferSeconds
+	}
+	return 0
+}
+
+func (x *PrefillResult) GetBlocksRejected() int32 {
+	if x != nil {
+		return x.BlocksRejected
 	}
 	return 0
 }
@@ -1475,7 +1485,7 @@ const file_worker_proto_rawDesc = "" +
 	"\vdecode_addr\x18\x03 \x01(\tR\n" +
 	"decodeAddr\x129\n" +
 	"\x19min_remote_prefill_tokens\x18\x04 \x01(\x05R\x16minRemotePrefillTokens\x12.\n" +
-	"\x13transfer_timeout_ms\x18\x05 \x01(\x05R\x11transferTimeoutMs\"\x9c\x03\n" +
+	"\x13transfer_timeout_ms\x18\x05 \x01(\x05R\x11transferTimeoutMs\"\xc5\x03\n" +
 	"\rPrefillResult\x12\x18\n" +
 	"\askipped\x18\x01 \x01(\bR\askipped\x12\x1f\n" +
 	"\vskip_reason\x18\x02 \x01(\tR\n" +
@@ -1492,7 +1502,8 @@ const file_worker_proto_rawDesc = "" +
 	"\rqueue_seconds\x18\t \x01(\x01R\fqueueSeconds\x12'\n" +
 	"\x0fprefill_seconds\x18\n" +
 	" \x01(\x01R\x0eprefillSeconds\x12)\n" +
-	"\x10transfer_seconds\x18\v \x01(\x01R\x0ftransferSeconds\"\x9c\x01\n" +
+	"\x10transfer_seconds\x18\v \x01(\x01R\x0ftransferSeconds\x12'\n" +
+	"\x0fblocks_rejected\x18\f \x01(\x05R\x0eblocksRejected\"\x9c\x01\n" +
 	"\rDecodeRequest\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .baton.worker.v1.GenerateRequestR\arequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x02 \x01(\tR\n" +

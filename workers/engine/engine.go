@@ -147,6 +147,9 @@ type PrefillResult struct {
 	BlocksSent int
 	BlocksHeld int
 	BytesSent  int64
+	// BlocksRejected were dropped by the decode engine as corrupt; it
+	// recomputes them.
+	BlocksRejected int
 	// Queue, Prefill and Transfer are the real time spent waiting,
 	// computing and pushing.
 	Queue, Prefill, Transfer time.Duration
