@@ -124,10 +124,22 @@ type Server struct {
 	log      *slog.Logger
 	mux      *http.ServeMux
 	created  int64
+	disagg   *Disagg // nil: colocated serving
+	name     string  // the routing strategy's name, for metrics and headers
 }
 
+// Option configures a Server.
+type Option func(*Server)
+
+// WithDisagg turns on disaggregated prefill/decode.
+func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }
+
 // New returns a Server routing with strategy over p. A nil log discards.
-func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics, log *slog.Logger) (*Server, error) {
+//
+// With WithDisagg, p holds the workers that generate (decode and colocated
+// workers) and strategy picks among them; the prefill worker is picked by
+// the Disagg's strategy, which names the route in metrics and headers.
+func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics, log *slog.Logger, opts ...Option) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -135,6 +147,13 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 		log = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg.WithDefaults(), pool: p, strategy: strategy, metrics: m, log: log, mux: http.NewServeMux(), created: time.Now().Unix()}
+	for _, o := range opts {
+		o(s)
+	}
+	s.name = strategy.Name()
+	if s.disagg != nil {
+		s.name = s.disagg.Strategy.Name()
+	}
 	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
 	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
 	s.mux.HandleFunc("POST /invocations", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{native: true}) })
@@ -200,7 +219,7 @@ type route struct {
 // generate serves one generation request.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	start := time.Now()
-	strategy := s.strategy.Name()
+	strategy := s.name
 	req, rreq, err := s.parse(w, r, rt)
 	if err != nil {
 		s.metrics.Requests.WithLabelValues(strategy, "", metrics.OutcomeInvalid).Inc()
@@ -277,6 +296,8 @@ type exchange struct {
 	worker   string // the worker that served (or last failed) it
 	tried    []*pool.Worker
 	lastTok  time.Time
+	route    string // X-Baton-Route of the prefill decision, if any
+	disagg   string // how the prompt was prefilled, when disaggregated
 }
 
 // run routes and serves the request, writing exactly one outcome to the
@@ -308,9 +329,27 @@ func (x *exchange) run(ctx context.Context) string {
 		}
 		h := x.w.Header()
 		h.Set(HeaderWorker, wk.Name)
-		h.Set(HeaderRoute, d.Route(x.strategy))
+		var p *plan
+		if s.disagg != nil {
+			h.Del(HeaderPrefillWorker)
+			if attempt == 0 {
+				// Later attempts prefill on their decode worker: the
+				// transfer went to the one that failed.
+				p = x.prefill(ctx, wk)
+			} else {
+				x.disagg = "local(decode_retry)"
+				s.metrics.Fallbacks.WithLabelValues("decode_retry").Inc()
+			}
+			route := x.route // the prefill decision's
+			if p == nil {
+				route = s.name
+			}
+			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
+		} else {
+			h.Set(HeaderRoute, d.Route(x.strategy))
+		}
 
-		written, err := x.serve(ctx, wk)
+		written, err := x.serve(ctx, wk, p)
 		done(classify(err))
 		if err == nil {
 			return metrics.OutcomeOK
@@ -337,22 +376,14 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 	snap := x.s.pool.Snapshot()
 	t0 := time.Now()
 	d, err := x.s.strategy.Pick(x.rreq, snap)
-	x.s.metrics.Decision.WithLabelValues(x.strategy).Observe(time.Since(t0).Seconds())
+	x.s.metrics.Decision.WithLabelValues(x.s.strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return nil, d, err
 	}
 	if !slices.Contains(x.tried, d.Worker) {
 		return d.Worker, d, nil
 	}
-	var best *pool.Worker
-	for _, wk := range snap.Workers {
-		if slices.Contains(x.tried, wk) || !wk.Available() || !wk.Serves(x.rreq.Model) {
-			continue
-		}
-		if best == nil || wk.InFlight() < best.InFlight() {
-			best = wk
-		}
-	}
+	best := leastLoaded(snap, x.rreq.Model, x.tried)
 	if best == nil {
 		return nil, d, routing.ErrNoWorker
 	}
@@ -362,7 +393,7 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 
 // serve runs the request on wk and reports whether anything reached the
 // client.
-func (x *exchange) serve(ctx context.Context, wk *pool.Worker) (bool, error) {
+func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, error) {
 	m := x.s.metrics
 	firstToken := func() {
 		now := time.Now()
@@ -379,7 +410,13 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker) (bool, error) {
 		}
 		return res.Written, err
 	}
-	stream, err := wk.Client.Generate(ctx, &x.req.Request)
+	var stream engine.Stream
+	var err error
+	if p != nil {
+		stream, err = x.decode(ctx, wk, p)
+	} else {
+		stream, err = wk.Client.Generate(ctx, &x.req.Request)
+	}
 	if err != nil {
 		return false, err
 	}

@@ -44,6 +44,15 @@ type Metrics struct {
 
 	PromptTokens *prometheus.CounterVec // worker
 	CachedTokens *prometheus.CounterVec // worker
+
+	// Disaggregated prefill/decode.
+	DisaggDecisions  *prometheus.CounterVec   // decision (remote, local), reason
+	Fallbacks        *prometheus.CounterVec   // reason
+	TransferBytes    prometheus.Counter       //
+	TransferBlocks   *prometheus.CounterVec   // kind (sent, held, rejected)
+	TransferDuration prometheus.Histogram     //
+	TransferFailures *prometheus.CounterVec   // reason
+	TTFTPhase        *prometheus.HistogramVec // phase (queue, prefill, transfer, first_decode)
 }
 
 // Histogram buckets, in seconds.
@@ -57,9 +66,9 @@ var (
 )
 
 // New registers every metric on a fresh registry, with the Go runtime and
-// process collectors. snapshot, if not nil, is read at each scrape for the
-// per-worker gauges.
-func New(snapshot func() *pool.Snapshot) *Metrics {
+// process collectors. The snapshots (one per pool) are read at each scrape
+// for the per-worker gauges.
+func New(snapshots ...func() *pool.Snapshot) *Metrics {
 	r := prometheus.NewRegistry()
 	f := func(c prometheus.Collector) { r.MustRegister(c) }
 	m := &Metrics{
@@ -103,16 +112,38 @@ func New(snapshot func() *pool.Snapshot) *Metrics {
 		CachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_cached_tokens_total", Help: "Prompt tokens served from the worker's KV cache, by worker (hit rate = cached / prompt).",
 		}, []string{"worker"}),
+		DisaggDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_disagg_decisions_total", Help: "Disaggregation decisions: remote prefill on a prefill worker, or local prefill on the decode worker, and why.",
+		}, []string{"decision", "reason"}),
+		Fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_fallbacks_total", Help: "Disaggregated requests that fell back (another prefill worker, local prefill, another decode worker), by reason.",
+		}, []string{"reason"}),
+		TransferBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_transfer_bytes_total", Help: "KV payload bytes pushed from prefill to decode workers.",
+		}),
+		TransferBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_transfer_blocks_total", Help: "KV blocks of transfers: sent, held already by the decode worker (not sent), rejected as corrupt.",
+		}, []string{"kind"}),
+		TransferDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_transfer_duration_seconds", Help: "Time to push a prefill's KV blocks to the decode worker.", Buckets: tokenBuckets,
+		}),
+		TransferFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_transfer_failures_total", Help: "Prefill calls (computation or KV push) that failed, by reason.",
+		}, []string{"reason"}),
+		TTFTPhase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_ttft_phase_seconds", Help: "Time to first token of disaggregated requests, broken into queue, prefill, transfer and first decode step.", Buckets: latencyBuckets,
+		}, []string{"phase"}),
 	}
 	for _, c := range []prometheus.Collector{
+		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
 		m.Spills, m.Retries, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
 		f(c)
 	}
-	if snapshot != nil {
-		f(&workerCollector{snapshot: snapshot})
+	if len(snapshots) > 0 {
+		f(&workerCollector{snapshots: snapshots})
 	}
 	return m
 }
@@ -132,7 +163,7 @@ var (
 
 // workerCollector reads per-worker gauges from the pool at scrape time.
 type workerCollector struct {
-	snapshot func() *pool.Snapshot
+	snapshots []func() *pool.Snapshot
 }
 
 func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -143,11 +174,18 @@ func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
-	snap := c.snapshot()
-	if snap == nil {
-		return
-	}
 	available := 0
+	for _, snapshot := range c.snapshots {
+		snap := snapshot()
+		if snap == nil {
+			continue
+		}
+		available += c.collect(ch, snap)
+	}
+	ch <- prometheus.MustNewConstMetric(workersDesc, prometheus.GaugeValue, float64(available))
+}
+
+func (c *workerCollector) collect(ch chan<- prometheus.Metric, snap *pool.Snapshot) (available int) {
 	for _, w := range snap.Workers {
 		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(w.InFlight()), w.Name)
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, b2f(w.Healthy()), w.Name)
@@ -156,7 +194,7 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 			available++
 		}
 	}
-	ch <- prometheus.MustNewConstMetric(workersDesc, prometheus.GaugeValue, float64(available))
+	return available
 }
 
 func breakerValue(s gobreaker.State) int {

@@ -1,0 +1,216 @@
+package frontend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// HeaderPrefillWorker names the prefill worker when one computed the
+// prompt.
+const HeaderPrefillWorker = "X-Baton-Prefill-Worker"
+
+// Disagg turns on disaggregated prefill/decode: the server's own pool and
+// strategy then choose the decode worker (by load), and Disagg's the
+// prefill worker (by prefix).
+type Disagg struct {
+	// Pool holds the prefill workers.
+	Pool *pool.Pool
+	// Strategy picks the prefill worker.
+	Strategy routing.Strategy
+	// MinRemoteTokens: prompts with fewer tokens left to compute on the
+	// decode worker are prefilled there, with no transfer.
+	MinRemoteTokens int
+	// TransferTimeout bounds a push, and the decode worker's wait for it.
+	TransferTimeout time.Duration
+	// Retries is how many other prefill workers a request tries when its
+	// prefill fails, before it prefills on the decode worker.
+	Retries int
+}
+
+// Disaggregation decision reasons (baton_disagg_decisions_total).
+const (
+	reasonRemote          = "remote"            // prefilled on a prefill worker, blocks pushed
+	reasonShort           = "short"             // the prompt is shorter than MinRemoteTokens
+	reasonSkipped         = "held"              // the decode worker lacked fewer than MinRemoteTokens
+	reasonNoPrefillWorker = "no_prefill_worker" // every prefill worker unavailable (breakers open)
+	reasonPrefillFailed   = "prefill_failed"    // prefill workers failed, retries spent
+	reasonNotDisagg       = "decode_colocated"  // the decode worker's engine cannot take transfers
+)
+
+// plan is the outcome of a remote prefill: the decode worker waits for the
+// transfer and generates.
+type plan struct {
+	transferID string
+	result     *engine.PrefillResult
+	worker     string // the prefill worker
+}
+
+// prefill runs the prefill phase of a request bound for decode worker dw.
+// It never fails the request: when no remote prefill happens it returns nil
+// and the decode worker prefills locally.
+func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
+	s, dz := x.s, x.s.disagg
+	m := s.metrics
+	local := func(reason string) *plan {
+		m.DisaggDecisions.WithLabelValues("local", reason).Inc()
+		x.disagg = "local(" + reason + ")"
+		return nil
+	}
+	if _, ok := dw.Client.(engine.Disaggregator); !ok {
+		return local(reasonNotDisagg)
+	}
+	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < dz.MinRemoteTokens {
+		return local(reasonShort)
+	}
+	var tried []*pool.Worker
+	for attempt := 0; attempt <= dz.Retries; attempt++ {
+		pw, err := x.pickPrefill(tried)
+		if err != nil {
+			if attempt == 0 {
+				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
+				return local(reasonNoPrefillWorker)
+			}
+			break
+		}
+		tried = append(tried, pw)
+		pz, ok := pw.Client.(engine.Disaggregator)
+		if !ok {
+			continue
+		}
+		done, err := pw.Acquire()
+		if err != nil {
+			continue
+		}
+		id := x.req.ID + "-" + strconv.Itoa(attempt)
+		res, err := pz.Prefill(ctx, &engine.PrefillRequest{
+			Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
+			MinRemoteTokens: dz.MinRemoteTokens, TransferTimeout: dz.TransferTimeout,
+		})
+		done(classify(err))
+		if ctx.Err() != nil {
+			return nil // the client is gone; serving fails with ctx
+		}
+		if err != nil {
+			m.TransferFailures.WithLabelValues(failureReason(err)).Inc()
+			s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
+			if attempt < dz.Retries {
+				m.Fallbacks.WithLabelValues("prefill_retry").Inc()
+			}
+			continue
+		}
+		if res.Skipped {
+			return local(reasonSkipped)
+		}
+		m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+		m.TransferBytes.Add(float64(res.BytesSent))
+		m.TransferBlocks.WithLabelValues("sent").Add(float64(res.BlocksSent))
+		m.TransferBlocks.WithLabelValues("held").Add(float64(res.BlocksHeld))
+		if res.BlocksRejected > 0 {
+			m.TransferBlocks.WithLabelValues("rejected").Add(float64(res.BlocksRejected))
+			m.TransferFailures.WithLabelValues("corrupt").Inc()
+		}
+		m.TransferDuration.Observe(res.Transfer.Seconds())
+		m.TTFTPhase.WithLabelValues("queue").Observe(res.Queue.Seconds())
+		m.TTFTPhase.WithLabelValues("prefill").Observe(res.Prefill.Seconds())
+		m.TTFTPhase.WithLabelValues("transfer").Observe(res.Transfer.Seconds())
+		x.w.Header().Set(HeaderPrefillWorker, pw.Name)
+		x.disagg = "remote"
+		return &plan{transferID: id, result: res, worker: pw.Name}
+	}
+	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
+	return local(reasonPrefillFailed)
+}
+
+// pickPrefill picks a prefill worker by the prefill strategy, steering away
+// from those already tried.
+func (x *exchange) pickPrefill(tried []*pool.Worker) (*pool.Worker, error) {
+	dz := x.s.disagg
+	snap := dz.Pool.Snapshot()
+	t0 := time.Now()
+	d, err := dz.Strategy.Pick(x.rreq, snap)
+	x.s.metrics.Decision.WithLabelValues(dz.Strategy.Name()).Observe(time.Since(t0).Seconds())
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(tried, d.Worker) {
+		if d.Spill && d.Home != nil {
+			x.s.metrics.Spills.WithLabelValues(dz.Strategy.Name(), d.Home.Name).Inc()
+		}
+		x.route = d.Route(dz.Strategy.Name())
+		return d.Worker, nil
+	}
+	best := leastLoaded(snap, x.rreq.Model, tried)
+	if best == nil {
+		return nil, routing.ErrNoWorker
+	}
+	return best, nil
+}
+
+// leastLoaded returns the available worker of snap serving model, not in
+// skip, with the fewest requests in flight; nil if none.
+func leastLoaded(snap *pool.Snapshot, model string, skip []*pool.Worker) *pool.Worker {
+	var best *pool.Worker
+	for _, wk := range snap.Workers {
+		if slices.Contains(skip, wk) || !wk.Available() || !wk.Serves(model) {
+			continue
+		}
+		if best == nil || wk.InFlight() < best.InFlight() {
+			best = wk
+		}
+	}
+	return best
+}
+
+// failureReason labels a prefill failure.
+func failureReason(err error) string {
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, engine.ErrUnavailable):
+		return "unavailable"
+	}
+	return "error"
+}
+
+// decode starts generation on the decode worker after a remote prefill.
+func (x *exchange) decode(ctx context.Context, wk *pool.Worker, p *plan) (engine.Stream, error) {
+	dz := wk.Client.(engine.Disaggregator)
+	t0 := time.Now()
+	stream, err := dz.Decode(ctx, &x.req.Request, p.transferID, x.s.disagg.TransferTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("decode on %s: %w", wk.Name, err)
+	}
+	// Decode returns with the first event in hand.
+	x.s.metrics.TTFTPhase.WithLabelValues("first_decode").Observe(time.Since(t0).Seconds())
+	// Prompt tokens this request did not compute anywhere: those the
+	// prefill worker found cached, or the decode worker already held.
+	reused := max(p.result.CachedTokens, p.result.DecodeHeldTokens)
+	return &usageStream{Stream: stream, cached: reused}, nil
+}
+
+// usageStream reports, in the final usage, the prompt tokens reused across
+// the prefill and decode workers rather than the decode worker's own view
+// (which counts the blocks it just received as cached).
+type usageStream struct {
+	engine.Stream
+	cached int
+}
+
+func (s *usageStream) Recv() (engine.Event, error) {
+	ev, err := s.Stream.Recv()
+	if err == nil && ev.Final != nil {
+		f := *ev.Final
+		f.CachedTokens = min(s.cached, f.PromptTokens)
+		ev.Final = &f
+	}
+	return ev, err
+}
