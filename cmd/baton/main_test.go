@@ -12,7 +12,11 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // syncBuffer is a bytes.Buffer safe for one writer and one reader.
 type syncBuffer struct {
@@ -91,7 +95,9 @@ func TestDemo(t *testing.T) {
 	if url == "" {
 		t.Fatalf("demo printed no curl line:\n%s", out.String())
 	}
-	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Post(url, "application/json", strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
