@@ -234,3 +234,66 @@ func (c *Cache) unlink(b *block) {
 	b.next.prev = b.prev
 	b.prev, b.next = nil, nil
 }
+
+// Holds reports, for each key, whether its block is cached (referenced or
+// not). It changes nothing.
+func (c *Cache) Holds(keys []uint64) []bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	held := make([]bool, len(keys))
+	for i, k := range keys {
+		_, held[i] = c.blocks[k]
+	}
+	return held
+}
+
+// Insert adds the block of key as computed and unreferenced (at the most
+// recently used end), as when it arrives from another worker, evicting the
+// least recently used unreferenced block if the cache is full. A block
+// already cached is only touched. It reports whether the block is cached
+// afterwards: false when every block is referenced or reserved. A stored
+// block is emitted (after the removed one, if any).
+func (c *Cache) Insert(key uint64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if b, ok := c.blocks[key]; ok {
+		if b.refs == 0 { // touch: move to the most recently used end
+			c.unlink(b)
+			c.pushMRU(b)
+		}
+		return true
+	}
+	if c.capacity-int64(len(c.blocks))-c.reserved < 1 {
+		b := c.lru.next
+		if b == &c.lru {
+			return false // every block is in use
+		}
+		c.unlink(b)
+		delete(c.blocks, b.key)
+		b.next, c.free = c.free, b
+		if c.emit != nil {
+			c.emit(CacheEvent{Kind: BlockRemoved, Keys: []uint64{b.key}})
+		}
+	}
+	b := c.free
+	if b != nil {
+		c.free = b.next
+		*b = block{}
+	} else {
+		b = new(block)
+	}
+	b.key = key
+	c.blocks[key] = b
+	c.pushMRU(b)
+	if c.emit != nil {
+		c.emit(CacheEvent{Kind: BlockStored, Keys: []uint64{key}})
+	}
+	return true
+}
+
+// pushMRU appends an unreferenced block at the most recently used end.
+func (c *Cache) pushMRU(b *block) {
+	b.prev, b.next = c.lru.prev, &c.lru
+	c.lru.prev.next = b
+	c.lru.prev = b
+}

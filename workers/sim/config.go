@@ -4,7 +4,30 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer/kvblock"
 )
+
+// Roles of a worker in disaggregated serving (Config.Role).
+const (
+	// RoleBoth serves Generate, Prefill and Decode: colocated serving, and
+	// either side of a disaggregated one.
+	RoleBoth = "both"
+	// RolePrefill serves Prefill (and Generate, as a colocated fallback).
+	RolePrefill = "prefill"
+	// RoleDecode serves Decode and Generate.
+	RoleDecode = "decode"
+)
+
+// DefaultLinkBandwidth is the default modelled bandwidth of the link KV
+// blocks cross between workers, bytes/s: 50 GB/s, about a 400 Gb/s RDMA
+// NIC.
+const DefaultLinkBandwidth = 50e9
+
+// DefaultTransferTimeout is how long Decode waits for a transfer by
+// default.
+const DefaultTransferTimeout = 5 * time.Second
 
 // Config configures an Engine. The zero value of every field means its
 // default; DefaultConfig spells them out.
@@ -49,6 +72,28 @@ type Config struct {
 	// falls further behind is dropped and must resubscribe. Default 4096:
 	// several seconds of events at a few cache events per step.
 	WatchBuffer int
+
+	// Role is the worker's role in disaggregated serving: RoleBoth
+	// (default), RolePrefill or RoleDecode. Info reports it; Prefill is
+	// served by prefill and both workers, Decode by decode and both
+	// workers, Generate by all.
+	Role string
+	// KVScale divides real KV sizes into the payload bytes of a block that
+	// transfers move: kvblock.Size(KVBytesPerToken, BlockTokens, KVScale).
+	// Default kvblock.DefaultScale (a Llama-3.1-8B block of 2 MiB moves as
+	// 32 KiB); 1 moves real sizes.
+	KVScale int
+	// TransferTimeout is how long Decode waits for its transfer when the
+	// request sets no timeout. Default DefaultTransferTimeout.
+	TransferTimeout time.Duration
+	// LinkBandwidth is the modelled bandwidth, in bytes/s, of the link a
+	// prefill worker pushes KV blocks over. Each push first sleeps
+	// blocks × KVBytesPerToken × BlockTokens / LinkBandwidth / TimeScale:
+	// the transfer time of the REAL (unscaled) KV bytes, on the modelled
+	// clock, on top of the time the scaled payload takes to move over the
+	// actual network. Default DefaultLinkBandwidth; negative models an
+	// infinitely fast link (no sleep).
+	LinkBandwidth float64
 }
 
 // DefaultConfig returns the configuration the zero Config stands for.
@@ -97,6 +142,18 @@ func (c Config) WithDefaults() Config {
 	if c.WatchBuffer == 0 {
 		c.WatchBuffer = 4096
 	}
+	if c.Role == "" {
+		c.Role = RoleBoth
+	}
+	if c.KVScale == 0 {
+		c.KVScale = kvblock.DefaultScale
+	}
+	if c.TransferTimeout == 0 {
+		c.TransferTimeout = DefaultTransferTimeout
+	}
+	if c.LinkBandwidth == 0 {
+		c.LinkBandwidth = DefaultLinkBandwidth
+	}
 	return c
 }
 
@@ -135,6 +192,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("load_interval: %v is negative", c.LoadInterval)
 	case c.WatchBuffer < 2:
 		return fmt.Errorf("watch_buffer: %d is below 2", c.WatchBuffer)
+	case c.Role != RoleBoth && c.Role != RolePrefill && c.Role != RoleDecode:
+		return fmt.Errorf("role: %q is not %s, %s or %s", c.Role, RoleBoth, RolePrefill, RoleDecode)
+	case c.KVScale < 1:
+		return fmt.Errorf("kv_scale: %d is below 1", c.KVScale)
+	case c.TransferTimeout < 0:
+		return fmt.Errorf("transfer_timeout: %v is negative", c.TransferTimeout)
+	case c.LinkBandwidth != c.LinkBandwidth: // NaN
+		return fmt.Errorf("link_bandwidth: %v is not a number", c.LinkBandwidth)
 	}
 	cm, err := c.costModel()
 	if err != nil {
@@ -160,3 +225,19 @@ func (c Config) costModel() (CostModel, error) {
 	return CostModel{Model: m, GPU: g, TP: c.TP, MFU: c.MFU,
 		BandwidthEfficiency: c.BandwidthEfficiency, MemoryUtilization: DefaultMemoryUtilization}, nil
 }
+
+// role returns the workerpb role of c (defaults applied).
+func (c Config) role() workerpb.Role {
+	switch c.Role {
+	case RolePrefill:
+		return workerpb.Role_ROLE_PREFILL
+	case RoleDecode:
+		return workerpb.Role_ROLE_DECODE
+	}
+	return workerpb.Role_ROLE_BOTH
+}
+
+// servesPrefill and servesDecode report whether the role serves Prefill
+// and Decode.
+func (c Config) servesPrefill() bool { return c.Role == RoleBoth || c.Role == RolePrefill }
+func (c Config) servesDecode() bool  { return c.Role == RoleBoth || c.Role == RoleDecode }

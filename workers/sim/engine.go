@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/transfer/kvblock"
 	"github.com/batonllm/baton/workers/engine"
 )
 
@@ -64,6 +65,10 @@ type Engine struct {
 	quit   chan struct{}
 	wg     sync.WaitGroup
 
+	blockBytes int       // payload bytes of one block in transfers
+	bufs       sync.Pool // of *[]byte of blockBytes: push payloads
+	xfers      xfers     // transfers received
+
 	running, waiting atomic.Int64
 	statsMu          sync.Mutex
 	stats            Stats
@@ -93,6 +98,8 @@ func New(cfg Config) (*Engine, error) {
 		models: make(map[string]bool, len(cfg.Models)),
 		wakeCh: make(chan struct{}, 1),
 		quit:   make(chan struct{}),
+
+		blockBytes: kvblock.Size(cost.KVBytesPerToken(), BlockTokens, cfg.KVScale),
 	}
 	e.hub.init(cfg.WatchBuffer)
 	e.cache = NewCache(capacity, e.hub.publishCache)
@@ -149,6 +156,19 @@ func (e *Engine) Close() error {
 // anything. Cancelling ctx, or closing the stream, removes the sequence
 // and releases its blocks; Recv then returns ctx's error.
 func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stream, error) {
+	s, err := e.newSeq(ctx, req, false)
+	if err != nil {
+		return nil, err
+	}
+	return e.start(ctx, s)
+}
+
+// newSeq validates req and builds its sequence; prefillOnly sequences stop
+// once their prompt is computed (Prefill).
+func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bool) (*seq, error) {
+	if req == nil {
+		return nil, fmt.Errorf("nil request: %w", ErrInvalid)
+	}
 	if !e.models[req.Model] {
 		return nil, fmt.Errorf("model %q: %w", req.Model, ErrUnknownModel)
 	}
@@ -169,6 +189,15 @@ func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 		hash:   promptHash(req.Prompt),
 		wake:   e.wake,
 	}
+	if prefillOnly {
+		s.pre = &prefillJob{done: make(chan struct{})}
+		s.blocks = int64((s.prompt + BlockTokens - 1) / BlockTokens)
+		if s.blocks > e.cache.Capacity() {
+			return nil, fmt.Errorf("%d prompt tokens need %d blocks, capacity %d: %w",
+				s.prompt, s.blocks, e.cache.Capacity(), ErrInvalid)
+		}
+		return s, nil
+	}
 	if s.limit == 0 {
 		s.limit = e.cfg.DefaultMaxTokens
 	}
@@ -184,24 +213,38 @@ func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 		return nil, fmt.Errorf("%d prompt and %d completion tokens need %d blocks, capacity %d: %w",
 			s.prompt, gen, s.blocks, e.cache.Capacity(), ErrInvalid)
 	}
+	return s, nil
+}
+
+// start queues a generating sequence and returns its stream.
+func (e *Engine) start(ctx context.Context, s *seq) (engine.Stream, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	st := newStream(s)
 	s.st = st
-
-	e.mu.Lock()
-	if e.closed {
-		e.mu.Unlock()
-		return nil, ErrClosed
+	if err := e.enqueue(s); err != nil {
+		return nil, err
 	}
-	e.incoming = append(e.incoming, s)
-	e.waiting.Add(1)
-	e.mu.Unlock()
-
 	st.stop = context.AfterFunc(ctx, func() {
 		st.fail(ctx.Err())
 		s.cancel()
 	})
 	e.wake()
 	return st, nil
+}
+
+// enqueue hands s to the step loop.
+func (e *Engine) enqueue(s *seq) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	s.queued = time.Now()
+	e.incoming = append(e.incoming, s)
+	e.waiting.Add(1)
+	return nil
 }
 
 func (e *Engine) wake() {
@@ -270,6 +313,7 @@ func (e *Engine) dropCancelled() {
 	e.queue = slices.DeleteFunc(e.queue, func(s *seq) bool {
 		if s.cancelled.Load() {
 			e.waiting.Add(-1)
+			s.end(context.Canceled)
 			return true
 		}
 		return false
@@ -277,10 +321,24 @@ func (e *Engine) dropCancelled() {
 	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
 		if s.cancelled.Load() {
 			e.release(s)
+			s.end(context.Canceled)
 			return true
 		}
 		return false
 	})
+}
+
+// handOver ends a prefill-only sequence whose prompt is computed: it
+// leaves the batch, frees its partial block, and hands its full blocks,
+// still referenced, to its Prefill call, which releases them after the
+// push. Step loop only.
+func (e *Engine) handOver(s *seq) {
+	e.cache.Release(nil, s.reserved)
+	s.reserved = 0
+	e.running.Add(-1)
+	s.pre.prefilled = time.Now()
+	s.pre.handed = true
+	close(s.pre.done)
 }
 
 func (e *Engine) release(s *seq) {
@@ -324,6 +382,9 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 			break // first come, first served: no overtaking
 		}
 		s.hits, s.held = hits, hits
+		if s.pre != nil {
+			s.pre.admitted = time.Now()
+		}
 		s.reserved = s.blocks - int64(hits)
 		s.cached = min(hits*BlockTokens, s.prompt-1)
 		s.computed = s.cached
@@ -357,6 +418,7 @@ func (e *Engine) complete() {
 	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
 		if s.cancelled.Load() {
 			e.release(s)
+			s.end(context.Canceled)
 			return true
 		}
 		if s.chunk > 0 {
@@ -368,6 +430,10 @@ func (e *Engine) complete() {
 			}
 			if !s.prefilled() {
 				return false
+			}
+			if s.pre != nil {
+				e.handOver(s)
+				return true
 			}
 		} else if !s.decode {
 			return false
@@ -388,12 +454,12 @@ func (e *Engine) shutdown() {
 	e.incoming = nil
 	e.mu.Unlock()
 	for _, s := range e.queue {
-		s.st.fail(ErrClosed)
+		s.end(ErrClosed)
 		e.waiting.Add(-1)
 	}
 	for _, s := range e.run {
-		s.st.fail(ErrClosed)
 		e.release(s)
+		s.end(ErrClosed)
 	}
 	e.queue, e.run = nil, nil
 	e.hub.close(ErrClosed)

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"sync/atomic"
+	"time"
 
 	"github.com/batonllm/baton/workers/engine"
 )
@@ -30,9 +31,35 @@ type seq struct {
 	unsent    int // tokens generated but held back from the stream
 	stopper   stopper
 
-	st        *stream
+	st        *stream     // generating sequences
+	pre       *prefillJob // prefill-only sequences (Prefill)
+	queued    time.Time   // when it was handed to the step loop
 	wake      func()
 	cancelled atomic.Bool
+}
+
+// prefillJob is the hand-over between a prefill-only sequence and its
+// Prefill call. The step loop writes every field, then closes done exactly
+// once: with handed set when the prompt is computed (the caller then owns
+// the references to keys[:held] and must release them), or without, when
+// the sequence was cancelled or the engine closed (its blocks released).
+type prefillJob struct {
+	done      chan struct{}
+	handed    bool
+	err       error
+	admitted  time.Time
+	prefilled time.Time
+}
+
+// end tells the sequence's consumer that the step loop dropped it with
+// err, its blocks released. Step loop only.
+func (s *seq) end(err error) {
+	if s.pre != nil {
+		s.pre.err = err
+		close(s.pre.done)
+		return
+	}
+	s.st.fail(err)
 }
 
 // cancel marks the sequence for removal by the step loop and wakes it.

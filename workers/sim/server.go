@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -12,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
 )
@@ -21,13 +23,26 @@ import (
 type Server struct {
 	workerpb.UnimplementedWorkerServer
 	e      *Engine
+	tr     transfer.Transport
 	health *health.Server
+}
+
+// ServerOption configures NewServer.
+type ServerOption func(*Server)
+
+// WithServerTransport sets the transport Prefill pushes KV blocks over.
+// Without one, Prefill fails (ErrTransfer). The server does not close it.
+func WithServerTransport(tr transfer.Transport) ServerOption {
+	return func(s *Server) { s.tr = tr }
 }
 
 // NewServer returns a server of e, reporting SERVING for the whole server
 // ("") and for baton.worker.v1.Worker.
-func NewServer(e *Engine) *Server {
+func NewServer(e *Engine, opts ...ServerOption) *Server {
 	s := &Server{e: e, health: health.NewServer()}
+	for _, o := range opts {
+		o(s)
+	}
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(workerpb.Worker_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s
@@ -49,7 +64,7 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 	return &workerpb.InfoResponse{
 		Name:       cfg.Name,
 		Models:     append([]string(nil), cfg.Models...),
-		Role:       workerpb.Role_ROLE_BOTH,
+		Role:       cfg.role(),
 		BlockChars: blockkey.DefaultBlockChars,
 		GpuBlocks:  s.e.Cache().Capacity(),
 		MaxRunning: int32(cfg.MaxRunning),
@@ -58,18 +73,68 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 
 // Generate runs one sequence and streams its tokens, then its final usage.
 func (s *Server) Generate(req *workerpb.GenerateRequest, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
-	ctx := out.Context()
-	st, err := s.e.Generate(ctx, &engine.Request{
+	st, err := s.e.Generate(out.Context(), engineRequest(req))
+	if err != nil {
+		return toStatus(err)
+	}
+	return sendStream(st, out)
+}
+
+// Decode waits (bounded) for the request's transfer, then runs it as
+// Generate does.
+func (s *Server) Decode(req *workerpb.DecodeRequest, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
+	timeout := time.Duration(req.GetTransferTimeoutMs()) * time.Millisecond
+	st, err := s.e.Decode(out.Context(), engineRequest(req.GetRequest()), req.GetTransferId(), timeout)
+	if err != nil {
+		return toStatus(err)
+	}
+	return sendStream(st, out)
+}
+
+// Prefill computes the request's blocks and pushes those the decode worker
+// lacks to it.
+func (s *Server) Prefill(ctx context.Context, req *workerpb.PrefillRequest) (*workerpb.PrefillResult, error) {
+	res, err := s.e.Prefill(ctx, &engine.PrefillRequest{
+		Request:         engineRequest(req.GetRequest()),
+		TransferID:      req.GetTransferId(),
+		DecodeAddr:      req.GetDecodeAddr(),
+		MinRemoteTokens: int(req.GetMinRemotePrefillTokens()),
+		TransferTimeout: time.Duration(req.GetTransferTimeoutMs()) * time.Millisecond,
+	}, s.tr)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &workerpb.PrefillResult{
+		Skipped:          res.Skipped,
+		SkipReason:       res.SkipReason,
+		PromptTokens:     int32(res.PromptTokens),
+		CachedTokens:     int32(res.CachedTokens),
+		DecodeHeldTokens: int32(res.DecodeHeldTokens),
+		BlocksSent:       int32(res.BlocksSent),
+		BlocksHeld:       int32(res.BlocksHeld),
+		BytesSent:        res.BytesSent,
+		QueueSeconds:     res.Queue.Seconds(),
+		PrefillSeconds:   res.Prefill.Seconds(),
+		TransferSeconds:  res.Transfer.Seconds(),
+		BlocksRejected:   int32(res.BlocksRejected),
+	}, nil
+}
+
+// engineRequest converts a request; a nil one (no request field) becomes a
+// request with no model, which the engine rejects.
+func engineRequest(req *workerpb.GenerateRequest) *engine.Request {
+	return &engine.Request{
 		ID:        req.GetRequestId(),
 		Model:     req.GetModel(),
 		Tenant:    req.GetTenant(),
 		Prompt:    req.GetPrompt(),
 		MaxTokens: int(req.GetMaxTokens()),
 		Stop:      req.GetStop(),
-	})
-	if err != nil {
-		return toStatus(err)
 	}
+}
+
+// sendStream relays st to out until its end.
+func sendStream(st engine.Stream, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
 	defer st.Close()
 	for {
 		ev, err := st.Recv()
@@ -166,6 +231,12 @@ func toStatus(err error) error {
 	}
 	code := codes.Internal
 	switch {
+	case errors.Is(err, ErrTransfer):
+		// Before the context checks: a push that timed out is the
+		// transfer's failure, not the caller's deadline.
+		code = codes.Unavailable
+	case errors.Is(err, ErrRole):
+		code = codes.Unimplemented
 	case errors.Is(err, ErrUnknownModel):
 		code = codes.NotFound
 	case errors.Is(err, ErrInvalid):
