@@ -130,18 +130,70 @@ func (c *Client) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 	if req == nil {
 		return nil, fmt.Errorf("generate: %w: nil request", ErrInvalid)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	st, err := c.worker.Generate(ctx, &workerpb.GenerateRequest{
-		RequestId: req.ID,
-		Model:     req.Model,
-		Tenant:    req.Tenant,
-		Prompt:    req.Prompt,
-		MaxTokens: clampInt32(req.MaxTokens),
-		Stop:      req.Stop,
+	return open(ctx, "generate", func(ctx context.Context) (workerpb.Worker_GenerateClient, error) {
+		return c.worker.Generate(ctx, generateRequest(req))
+	})
+}
+
+// Prefill runs req's prefill on the worker (role prefill or both), which
+// pushes the KV blocks the decode worker lacks straight to it. Errors are
+// mapped as Generate's; a worker whose role does not serve Prefill (gRPC
+// Unimplemented) gives engine.ErrUnavailable, as does a failed transfer
+// (the worker reports Unavailable), so the caller may retry elsewhere.
+func (c *Client) Prefill(ctx context.Context, req *engine.PrefillRequest) (*engine.PrefillResult, error) {
+	if req == nil || req.Request == nil {
+		return nil, fmt.Errorf("prefill: %w: nil request", ErrInvalid)
+	}
+	resp, err := c.worker.Prefill(ctx, &workerpb.PrefillRequest{
+		Request:                generateRequest(req.Request),
+		TransferId:             req.TransferID,
+		DecodeAddr:             req.DecodeAddr,
+		MinRemotePrefillTokens: clampInt32(req.MinRemoteTokens),
+		TransferTimeoutMs:      millis(req.TransferTimeout),
 	})
 	if err != nil {
+		return nil, fmt.Errorf("prefill: %w", mapError(err))
+	}
+	return &engine.PrefillResult{
+		Skipped:          resp.GetSkipped(),
+		SkipReason:       resp.GetSkipReason(),
+		PromptTokens:     int(resp.GetPromptTokens()),
+		CachedTokens:     int(resp.GetCachedTokens()),
+		DecodeHeldTokens: int(resp.GetDecodeHeldTokens()),
+		BlocksSent:       int(resp.GetBlocksSent()),
+		BlocksHeld:       int(resp.GetBlocksHeld()),
+		BytesSent:        resp.GetBytesSent(),
+		BlocksRejected:   int(resp.GetBlocksRejected()),
+		Queue:            seconds(resp.GetQueueSeconds()),
+		Prefill:          seconds(resp.GetPrefillSeconds()),
+		Transfer:         seconds(resp.GetTransferSeconds()),
+	}, nil
+}
+
+// Decode starts req on the worker (role decode or both) after it has
+// waited, at most timeout (0: the worker's default), for transfer
+// transferID (empty: none). Like Generate, it waits for the first event,
+// so an error here means nothing was generated.
+func (c *Client) Decode(ctx context.Context, req *engine.Request, transferID string, timeout time.Duration) (engine.Stream, error) {
+	if req == nil {
+		return nil, fmt.Errorf("decode: %w: nil request", ErrInvalid)
+	}
+	return open(ctx, "decode", func(ctx context.Context) (workerpb.Worker_DecodeClient, error) {
+		return c.worker.Decode(ctx, &workerpb.DecodeRequest{
+			Request:           generateRequest(req),
+			TransferId:        transferID,
+			TransferTimeoutMs: millis(timeout),
+		})
+	})
+}
+
+// open starts a streaming call and waits for its first event.
+func open(ctx context.Context, op string, call func(context.Context) (workerpb.Worker_GenerateClient, error)) (engine.Stream, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	st, err := call(ctx)
+	if err != nil {
 		cancel()
-		return nil, fmt.Errorf("generate: %w", mapError(err))
+		return nil, fmt.Errorf("%s: %w", op, mapError(err))
 	}
 	first, err := st.Recv()
 	if err != nil {
@@ -149,12 +201,34 @@ func (c *Client) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 		if errors.Is(err, io.EOF) {
 			// The worker ended the stream without a single event: nothing
 			// was generated, so another worker may do better.
-			return nil, fmt.Errorf("generate: %w: stream ended before its first event: %w", engine.ErrUnavailable, io.ErrUnexpectedEOF)
+			return nil, fmt.Errorf("%s: %w: stream ended before its first event: %w", op, engine.ErrUnavailable, io.ErrUnexpectedEOF)
 		}
-		return nil, fmt.Errorf("generate: %w", mapError(err))
+		return nil, fmt.Errorf("%s: %w", op, mapError(err))
 	}
-	return &stream{st: st, cancel: cancel, first: first}, nil
+	return &stream{st: st, cancel: cancel, first: first, op: op}, nil
 }
+
+func generateRequest(req *engine.Request) *workerpb.GenerateRequest {
+	return &workerpb.GenerateRequest{
+		RequestId: req.ID,
+		Model:     req.Model,
+		Tenant:    req.Tenant,
+		Prompt:    req.Prompt,
+		MaxTokens: clampInt32(req.MaxTokens),
+		Stop:      req.Stop,
+	}
+}
+
+// millis converts d to whole milliseconds for the wire, rounding a
+// positive sub-millisecond duration up so it does not become "default".
+func millis(d time.Duration) int32 {
+	if d <= 0 {
+		return 0
+	}
+	return clampInt32(int((d + time.Millisecond - 1) / time.Millisecond))
+}
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // Check asks the worker's gRPC health service about ServiceName. It returns
 // nil when the worker is SERVING; otherwise an error wrapping
@@ -204,6 +278,7 @@ func (c *Client) Close() error {
 type stream struct {
 	st     workerpb.Worker_GenerateClient
 	cancel context.CancelFunc
+	op     string // "generate" or "decode", for errors
 
 	first    *workerpb.GenerateEvent // buffered by Generate, returned by the first Recv
 	finished bool                    // Final returned: Recv returns io.EOF
@@ -224,9 +299,9 @@ func (s *stream) Recv() (engine.Event, error) {
 		if err != nil {
 			s.cancel()
 			if errors.Is(err, io.EOF) {
-				return engine.Event{}, fmt.Errorf("generate: stream ended without a final event: %w", io.ErrUnexpectedEOF)
+				return engine.Event{}, fmt.Errorf("%s: stream ended without a final event: %w", s.op, io.ErrUnexpectedEOF)
 			}
-			return engine.Event{}, fmt.Errorf("generate: %w", mapError(err))
+			return engine.Event{}, fmt.Errorf("%s: %w", s.op, mapError(err))
 		}
 	}
 	switch e := ev.GetEvent().(type) {
@@ -246,7 +321,7 @@ func (s *stream) Recv() (engine.Event, error) {
 		}}, nil
 	default:
 		s.cancel()
-		return engine.Event{}, fmt.Errorf("generate: unknown event %T", e)
+		return engine.Event{}, fmt.Errorf("%s: unknown event %T", s.op, e)
 	}
 }
 
@@ -269,7 +344,9 @@ func mapError(err error) error {
 		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
 	}
 	switch st.Code() {
-	case codes.Unavailable, codes.ResourceExhausted:
+	case codes.Unavailable, codes.ResourceExhausted, codes.Unimplemented:
+		// Unimplemented: the worker's role (or version) does not serve
+		// the call; another worker may.
 		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
 	case codes.NotFound:
 		return fmt.Errorf("%w: %w", ErrUnknownModel, err)
@@ -294,4 +371,5 @@ func clampInt32(n int) int32 {
 }
 
 var _ engine.Client = (*Client)(nil)
+var _ engine.Disaggregator = (*Client)(nil)
 var _ engine.Stream = (*stream)(nil)
