@@ -46,6 +46,11 @@ func TestConfigValidate(t *testing.T) {
 		{"grpc address not host:port", func(c *Config) { c.Workers[0].Address = "localhost" }, "workers[0].address:"},
 		{"http address not a URL", func(c *Config) { c.Workers[1].Address = "127.0.0.1:8000" }, "workers[1].address:"},
 		{"duplicate names", func(c *Config) { c.Workers[1].Name = "127.0.0.1:9000" }, "workers[1].name:"},
+		{"bad role", func(c *Config) { c.Workers[0].Role = "verifier" }, "workers[0].role:"},
+		{"http prefill", func(c *Config) { c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
+		{"decode strategy", func(c *Config) { c.Disaggregation.DecodeStrategy = "fastest" }, "disaggregation.decode_strategy:"},
+		{"min remote", func(c *Config) { c.Disaggregation.MinRemotePrefillTokens = -3 }, "disaggregation.min_remote_prefill_tokens:"},
+		{"prefill retries", func(c *Config) { c.Disaggregation.PrefillRetries = 5 }, "disaggregation.prefill_retries:"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -92,8 +97,9 @@ func TestReadmeConfigLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 	if cfg.Strategy != "prefix_aware" || cfg.ConcurrencyThreshold != 16 || cfg.PrefixLength != 4096 ||
-		cfg.RequestTimeout != 10*time.Minute || cfg.Pool.BreakerOpenTimeout != 10*time.Second || len(cfg.Workers) != 2 ||
-		cfg.Workers[1].Kind != KindHTTP {
+		cfg.RequestTimeout != 10*time.Minute || cfg.Pool.BreakerOpenTimeout != 10*time.Second || len(cfg.Workers) != 3 ||
+		cfg.Workers[0].Role != RolePrefill || cfg.Workers[2].Kind != KindHTTP ||
+		cfg.Disaggregation.MinRemotePrefillTokens != 512 || cfg.Disaggregation.TransferTimeout != 5*time.Second {
 		t.Errorf("README config decoded as %+v", cfg)
 	}
 }
