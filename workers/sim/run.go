@@ -11,6 +11,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/openai"
 )
@@ -24,20 +25,47 @@ type Worker struct {
 	// without an HTTP endpoint).
 	GRPCAddr string
 	HTTPAddr string
+	// Transport is the transport Prefill pushes KV blocks over: a gRPC
+	// one the worker owns, or the one given WithTransport.
+	Transport transfer.Transport
 
-	server *Server
-	grpc   *grpc.Server
-	http   *http.Server
-	wg     sync.WaitGroup
-	once   sync.Once
+	ownTransport bool
+	server       *Server
+	grpc         *grpc.Server
+	http         *http.Server
+	wg           sync.WaitGroup
+	once         sync.Once
+}
+
+// StartOption configures Start.
+type StartOption func(*startOptions)
+
+type startOptions struct {
+	transport transfer.Transport
+}
+
+// WithTransport makes the worker push KV blocks (Prefill) over tr instead
+// of a gRPC transport of its own, e.g. a fault-injecting one in tests. The
+// caller keeps ownership: Worker.Close does not close tr.
+func WithTransport(tr transfer.Transport) StartOption {
+	return func(o *startOptions) { o.transport = tr }
 }
 
 // Start starts an engine from cfg and serves it on grpcListen and, unless
 // empty, httpListen (host:port; port 0 picks a free one). A nil log
 // discards.
-func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger) (*Worker, error) {
+//
+// The gRPC server carries the Worker service, the health service and the
+// KVTransfer service (the engine receives pushed KV blocks on every role).
+// Prefill pushes over one transfer.NewGRPC transport, closed by Close,
+// unless WithTransport gives another.
+func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...StartOption) (*Worker, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
+	}
+	var o startOptions
+	for _, opt := range opts {
+		opt(&o)
 	}
 	e, err := New(cfg)
 	if err != nil {
@@ -48,9 +76,6 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger) (*Worker
 		e.Close()
 		return nil, fmt.Errorf("grpc listener: %w", err)
 	}
-	w := &Worker{Engine: e, GRPCAddr: gl.Addr().String(), server: NewServer(e)}
-	w.grpc = grpc.NewServer(grpc.KeepaliveEnforcementPolicy(grpcworker.KeepaliveEnforcement))
-	w.server.Register(w.grpc)
 	var hl net.Listener
 	if httpListen != "" {
 		if hl, err = net.Listen("tcp", httpListen); err != nil {
@@ -58,6 +83,17 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger) (*Worker
 			e.Close()
 			return nil, fmt.Errorf("http listener: %w", err)
 		}
+	}
+	w := &Worker{Engine: e, GRPCAddr: gl.Addr().String(), Transport: o.transport}
+	if w.Transport == nil {
+		w.Transport, w.ownTransport = transfer.NewGRPC(), true
+	}
+	w.server = NewServer(e, WithServerTransport(w.Transport))
+	w.grpc = grpc.NewServer(append(transfer.ServerOptions(),
+		grpc.KeepaliveEnforcementPolicy(grpcworker.KeepaliveEnforcement))...)
+	w.server.Register(w.grpc)
+	transfer.NewGRPCServer(e).Register(w.grpc)
+	if hl != nil {
 		w.HTTPAddr = hl.Addr().String()
 		api := openai.NewServer(e.Config().Models, e.Generate, 0, log)
 		w.http = &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
@@ -91,6 +127,9 @@ func (w *Worker) Close() error {
 			w.http.Close()
 		}
 		w.wg.Wait()
+		if w.ownTransport {
+			w.Transport.Close()
+		}
 		w.Engine.Close()
 	})
 	return nil
