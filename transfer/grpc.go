@@ -1,0 +1,206 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer/kvblock"
+)
+
+// GRPCTransport is the sending side over gRPC (the KVTransfer service). It
+// keeps one connection per receiver address, made on first use and kept
+// until Close.
+//
+// Flow control is HTTP/2's: a push goes as fast as the receiver's stream
+// and connection windows let it, so those windows, which the receiving
+// server advertises, set its throughput; see ServerOptions.
+type GRPCTransport struct {
+	o options
+
+	mu     sync.Mutex
+	conns  map[string]*grpc.ClientConn
+	closed bool
+}
+
+// NewGRPC returns a gRPC transport. It does not connect.
+func NewGRPC(opts ...Option) *GRPCTransport {
+	return &GRPCTransport{o: buildOptions(opts), conns: make(map[string]*grpc.ClientConn)}
+}
+
+func (t *GRPCTransport) client(addr string) (workerpb.KVTransferClient, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return nil, ErrClosed
+	}
+	if cc, ok := t.conns[addr]; ok {
+		return workerpb.NewKVTransferClient(cc), nil
+	}
+	dialOpts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(t.o.creds),
+		grpc.WithKeepaliveParams(t.o.keepalive),
+	}, t.o.extra...)
+	cc, err := grpc.NewClient(addr, dialOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
+	}
+	t.conns[addr] = cc
+	return workerpb.NewKVTransferClient(cc), nil
+}
+
+// Has implements Transport.
+func (t *GRPCTransport) Has(ctx context.Context, addr string, keys []uint64) ([]bool, error) {
+	c, err := t.client(addr)
+	if err != nil {
+		return nil, fmt.Errorf("has at %s: %w", addr, err)
+	}
+	res, err := c.Has(ctx, &workerpb.HasRequest{Keys: keys})
+	if err != nil {
+		return nil, fmt.Errorf("has at %s: %w", addr, rpcError(ctx, err))
+	}
+	if len(res.Held) != len(keys) {
+		return nil, fmt.Errorf("has at %s: %d answers for %d keys", addr, len(res.Held), len(keys))
+	}
+	return res.Held, nil
+}
+
+// Push implements Transport. Each block goes as chunks of at most the
+// chunk size (WithChunkBytes), the first carrying its key, size and
+// CRC-32C.
+func (t *GRPCTransport) Push(ctx context.Context, addr, transferID string, blocks []Block) (PushStats, error) {
+	if err := checkBlocks(transferID, blocks); err != nil {
+		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
+	}
+	c, err := t.client(addr)
+	if err != nil {
+		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
+	}
+	stats, err := t.push(ctx, c, transferID, blocks)
+	if err != nil {
+		return stats, fmt.Errorf("push %s to %s: %w", transferID, addr, rpcError(ctx, err))
+	}
+	return stats, nil
+}
+
+func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, transferID string, blocks []Block) (PushStats, error) {
+	// Cancelling on return ends the stream on every path, so gRPC does not
+	// leak it when we give up before CloseAndRecv.
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var callOpts []grpc.CallOption
+	if t.o.codec {
+		callOpts = append(callOpts, grpc.CallContentSubtype(codecName))
+	}
+	st, err := c.Push(sctx, callOpts...)
+	if err != nil {
+		return PushStats{}, err
+	}
+	var (
+		stats PushStats
+		out   workerpb.BlockChunk // with the proto codec
+		raw   chunkOut            // with kvCodec
+	)
+	send := func(id string, key uint64, size, crc uint32, data []byte) error {
+		if t.o.codec {
+			raw = chunkOut{transferID: id, key: key, size: size, crc: crc, data: data}
+			return st.SendMsg(&raw)
+		}
+		out.TransferId, out.Key, out.Size, out.Crc32C, out.Data = id, key, size, crc, data
+		return st.SendMsg(&out)
+	}
+	// The transfer id goes alone, first, so the receiver knows the
+	// transfer (and will Finish it) even if the push stalls before its
+	// first block.
+	if err := send(transferID, 0, 0, 0, nil); err != nil {
+		return stats, sendError(st, err)
+	}
+	for _, b := range blocks {
+		if t.o.delay != nil {
+			if err := sleep(ctx, t.o.delay(b.Key)); err != nil {
+				return stats, err
+			}
+		}
+		crc := kvblock.Checksum(b.Data)
+		data := t.o.faulted(b)
+		size := uint32(len(b.Data))
+		for first := true; first || len(data) > 0; first = false {
+			n := min(len(data), t.o.chunk)
+			var err error
+			if first {
+				err = send("", b.Key, size, crc, data[:n])
+			} else {
+				err = send("", 0, 0, 0, data[:n])
+			}
+			if err != nil {
+				return stats, sendError(st, err)
+			}
+			stats.Bytes += int64(n)
+			data = data[n:]
+		}
+	}
+	res, err := st.CloseAndRecv()
+	if err != nil {
+		return stats, err
+	}
+	stats.Accepted, stats.Rejected = int(res.BlocksAccepted), int(res.BlocksRejected)
+	return stats, nil
+}
+
+// sendError turns a failed send into the push's error: io.EOF means the
+// stream ended, and the status the server ended it with says why.
+func sendError(st grpc.ClientStreamingClient[workerpb.BlockChunk, workerpb.PushResult], err error) error {
+	if !errors.Is(err, io.EOF) {
+		return err
+	}
+	if _, err := st.CloseAndRecv(); err != nil {
+		return err
+	}
+	return errors.New("stream ended before the push was sent")
+}
+
+// rpcError makes a gRPC error speak this package's language: the
+// context's own error if ctx is done, context errors for deadline and
+// cancellation statuses, ErrUnreachable for an unavailable receiver.
+func rpcError(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%w (%v)", cerr, err)
+	}
+	switch status.Code(err) {
+	case codes.DeadlineExceeded:
+		return fmt.Errorf("%w (%v)", context.DeadlineExceeded, err)
+	case codes.Canceled:
+		return fmt.Errorf("%w (%v)", context.Canceled, err)
+	case codes.Unavailable:
+		return fmt.Errorf("%w: %v", ErrUnreachable, err)
+	}
+	return err
+}
+
+// Close closes every connection. It is idempotent; the transport's methods
+// return ErrClosed afterwards.
+func (t *GRPCTransport) Close() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return nil
+	}
+	t.closed = true
+	var errs []error
+	for addr, cc := range t.conns {
+		if err := cc.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("closing connection to %s: %w", addr, err))
+		}
+	}
+	t.conns = nil
+	return errors.Join(errs...)
+}
+
+var _ Transport = (*GRPCTransport)(nil)

@@ -1,0 +1,59 @@
+package transfer
+
+import (
+	"net"
+	"testing"
+
+	"google.golang.org/grpc"
+)
+
+func TestInMem(t *testing.T) {
+	testTransport(t, func(t *testing.T, recv Receiver, opts ...Option) (Transport, string) {
+		n := NewInMem()
+		t.Cleanup(n.Listen("decode-0", recv))
+		tr := n.Transport(opts...)
+		t.Cleanup(func() { tr.Close() })
+		return tr, "decode-0"
+	})
+}
+
+func TestGRPC(t *testing.T) {
+	testTransport(t, mkGRPC())
+}
+
+// TestGRPCProtoCodec runs the suite with the standard protobuf codec, as a
+// sender that is not baton's would push.
+func TestGRPCProtoCodec(t *testing.T) {
+	testTransport(t, mkGRPC(WithProtoCodec()))
+}
+
+// mkGRPC serves a receiver on a loopback gRPC server.
+func mkGRPC(base ...Option) mkTransport {
+	return func(t *testing.T, recv Receiver, opts ...Option) (Transport, string) {
+		t.Helper()
+		addr, _ := serveGRPC(t, recv)
+		tr := NewGRPC(append(base, opts...)...)
+		t.Cleanup(func() { tr.Close() })
+		return tr, addr
+	}
+}
+
+func serveGRPC(t testing.TB, recv Receiver, opts ...ServerOption) (string, *grpc.Server) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer(ServerOptions()...)
+	NewGRPCServer(recv, opts...).Register(g)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		g.Serve(l)
+	}()
+	t.Cleanup(func() {
+		g.Stop()
+		<-done
+	})
+	return l.Addr().String(), g
+}
