@@ -10,7 +10,7 @@ LDFLAGS  := -X main.version=$(VERSION)
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test test-short demo proto lint bench clean
+.PHONY: all build test test-short demo proto lint bench gobench clean
 
 all: lint build test
 
@@ -31,7 +31,13 @@ test-short:
 demo: build
 	./$(BIN)/baton demo
 
-bench:
+# The routing benchmark: every strategy replays the same long-context
+# workload on a fresh simulated fleet (see bench/RESULTS.md).
+bench: build
+	./$(BIN)/baton bench
+
+# Every go test benchmark.
+gobench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 
 lint:

@@ -25,6 +25,7 @@ Usage:
   baton serve   [flags]   run the scheduler in front of configured workers
   baton worker  [flags]   run a simulated engine worker
   baton demo    [flags]   run a scheduler and a simulated fleet in one process
+  baton bench   [flags]   benchmark routing strategies on a workload, side by side
   baton version           print the version
 
 Run "baton COMMAND -h" for a command's flags.
@@ -55,6 +56,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return worker(ctx, args[1:], stdout, stderr)
 	case "demo":
 		return demo(ctx, args[1:], stdout, stderr)
+	case "bench":
+		return benchCmd(ctx, args[1:], stdout, stderr)
 	case "version", "-version", "--version":
 		fmt.Fprintln(stdout, "baton", buildVersion())
 		return nil

@@ -1,0 +1,366 @@
+package bench
+
+import (
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Quantiles are latency percentiles in modelled seconds.
+type Quantiles struct {
+	P50 float64 `json:"p50"`
+	P90 float64 `json:"p90"`
+	P99 float64 `json:"p99"`
+}
+
+func quantiles(xs []float64) Quantiles {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return Quantiles{sortedPercentile(s, 50), sortedPercentile(s, 90), sortedPercentile(s, 99)}
+}
+
+// StrategyReport is one strategy's measurements. Latencies and rates are
+// in modelled time (wall time × speedup).
+type StrategyReport struct {
+	Strategy string `json:"strategy"`
+	// Requests were sent; OK completed; Errors failed.
+	Requests int `json:"requests"`
+	OK       int `json:"ok"`
+	Errors   int `json:"errors"`
+	// ErrorSample is one error message, if any.
+	ErrorSample string `json:"error_sample,omitempty"`
+
+	TTFT Quantiles `json:"ttft_s"`
+	ITL  Quantiles `json:"itl_s"`
+	E2E  Quantiles `json:"e2e_s"`
+
+	// Duration is from the first arrival to the last completion.
+	Duration        float64 `json:"duration_s"`
+	RequestsPerSec  float64 `json:"requests_per_s"`
+	OutputTokPerSec float64 `json:"output_tokens_per_s"`
+
+	PromptTokens int64   `json:"prompt_tokens"`
+	CachedTokens int64   `json:"cached_tokens"`
+	HitRate      float64 `json:"kv_hit_rate"`
+
+	// Shares are each worker's fraction of completed requests.
+	Shares   map[string]float64 `json:"worker_shares"`
+	MinShare float64            `json:"min_share"`
+	MaxShare float64            `json:"max_share"`
+	Ideal    float64            `json:"ideal_share"`
+	Spills   int                `json:"spills"`
+
+	// DecisionP50us and DecisionP99us are the scheduler's routing decision
+	// latency (baton_routing_decision_seconds), microseconds of wall time.
+	DecisionP50us float64 `json:"routing_decision_p50_us"`
+	DecisionP99us float64 `json:"routing_decision_p99_us"`
+
+	// LagP99ms and LagMaxms are how late the load generator sent requests
+	// (wall milliseconds).
+	LagP99ms float64 `json:"send_lag_p99_ms"`
+	LagMaxms float64 `json:"send_lag_max_ms"`
+	// CPUStretch is the simulated engines' busy wall time over their
+	// modelled step time: about 1 when the CPU keeps up.
+	CPUStretch float64  `json:"cpu_stretch"`
+	Warnings   []string `json:"warnings,omitempty"`
+
+	// TTFTs are every successful request's TTFT, for the CDF plot.
+	TTFTs []float64 `json:"-"`
+}
+
+// Report is a whole bench run.
+type Report struct {
+	Command     string  `json:"command"`
+	Workload    string  `json:"workload"`
+	Describe    string  `json:"workload_description"`
+	Requests    int     `json:"requests"`
+	Workers     int     `json:"workers"`
+	Model       string  `json:"model"`
+	GPU         string  `json:"gpu"`
+	Target      string  `json:"target,omitempty"`
+	Speedup     float64 `json:"speedup"`
+	Rate        float64 `json:"rate"`
+	OfferedRate float64 `json:"offered_rate"`
+	Concurrency int     `json:"concurrency"`
+	Seed        uint64  `json:"seed"`
+	// Calibration explains the rate, when it was derived from a target load.
+	Calibration string           `json:"calibration,omitempty"`
+	Limits      *Limits          `json:"limits,omitempty"`
+	Strategies  []StrategyReport `json:"strategies"`
+}
+
+// summarize turns the results of one strategy into its report.
+func summarize(strategy string, rs []Result, o *Options, wall float64) *StrategyReport {
+	sc := o.Speedup
+	r := &StrategyReport{Strategy: strategy, Requests: len(rs), Shares: map[string]float64{}}
+	var ttft, itl, e2e, lags []float64
+	var outTok int64
+	first, last := math.Inf(1), 0.0
+	counts := map[string]int{}
+	for i := range rs {
+		x := &rs[i]
+		lags = append(lags, x.Lag*1e3)
+		if x.Err != "" {
+			r.Errors++
+			if r.ErrorSample == "" {
+				r.ErrorSample = x.Err
+			}
+			continue
+		}
+		r.OK++
+		ttft = append(ttft, x.TTFT*sc)
+		e2e = append(e2e, x.E2E*sc)
+		for _, g := range x.Gaps {
+			itl = append(itl, g*sc)
+		}
+		r.PromptTokens += int64(x.PromptTokens)
+		r.CachedTokens += int64(x.CachedTokens)
+		outTok += int64(x.CompletionTokens)
+		if x.Spill {
+			r.Spills++
+		}
+		counts[x.Worker]++
+		first = min(first, x.Done-x.E2E)
+		last = max(last, x.Done)
+	}
+	r.TTFT, r.ITL, r.E2E = quantiles(ttft), quantiles(itl), quantiles(e2e)
+	r.TTFTs = ttft
+	if r.OK > 0 && last > first {
+		r.Duration = (last - first) * sc
+		r.RequestsPerSec = float64(r.OK) / r.Duration
+		r.OutputTokPerSec = float64(outTok) / r.Duration
+	}
+	r.HitRate = HitRate(r.CachedTokens, r.PromptTokens)
+	n := o.Workers
+	if o.Target != "" || n == 0 {
+		n = max(len(counts), o.Workers)
+	}
+	if n > 0 {
+		r.Ideal = 1 / float64(n)
+	}
+	r.MinShare = 1
+	if len(counts) < n {
+		r.MinShare = 0
+	}
+	for w, c := range counts {
+		s := float64(c) / float64(max(r.OK, 1))
+		r.Shares[w] = s
+		r.MinShare = min(r.MinShare, s)
+		r.MaxShare = max(r.MaxShare, s)
+	}
+	if r.OK == 0 {
+		r.MinShare = 0
+	}
+	lq := quantiles(lags)
+	r.LagP99ms = lq.P99
+	r.LagMaxms = slices.Max(append(lags, 0))
+	return r
+}
+
+// checkHealth adds warnings when the machine, not the modelled GPUs, may
+// have shaped the numbers.
+func (r *StrategyReport) checkHealth(o *Options) {
+	if r.CPUStretch > 1.15 {
+		r.Warnings = append(r.Warnings, fmt.Sprintf(
+			"CPU-bound: the simulated engines' steps took %.0f%% longer in wall time than modelled; latencies are inflated — lower --speedup", (r.CPUStretch-1)*100))
+	}
+	// A send 50 ms (wall) late, or later than a tenth of the median
+	// modelled TTFT in wall time, distorts the arrival process.
+	limit := 50.0
+	if !math.IsNaN(r.TTFT.P50) && r.TTFT.P50 > 0 {
+		limit = min(limit, r.TTFT.P50/o.Speedup*1e3/10)
+	}
+	if o.Concurrency == 0 && r.LagP99ms > max(limit, 5) {
+		r.Warnings = append(r.Warnings, fmt.Sprintf(
+			"load generator lag: p99 %.1f ms (wall) behind schedule — the CPU cannot keep up with --speedup %g", r.LagP99ms, o.Speedup))
+	}
+	if r.Errors > 0 {
+		r.Warnings = append(r.Warnings, fmt.Sprintf("%d of %d requests failed, e.g. %s", r.Errors, r.Requests, r.ErrorSample))
+	}
+}
+
+func f1(v float64, scale float64, prec int) string {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return "–"
+	}
+	return strconv.FormatFloat(v*scale, 'f', prec, 64)
+}
+
+func pct(v float64) string {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return "–"
+	}
+	return fmt.Sprintf("%+.0f%%", v)
+}
+
+// row is one metric of the Markdown and CSV tables.
+type row struct {
+	name   string
+	value  func(*StrategyReport) float64
+	scale  float64
+	prec   int
+	change bool // report the change vs random
+}
+
+var rows = []row{
+	{"TTFT p50 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P50 }, 1e3, 0, true},
+	{"TTFT p90 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P90 }, 1e3, 0, true},
+	{"TTFT p99 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P99 }, 1e3, 0, true},
+	{"ITL p50 (ms)", func(r *StrategyReport) float64 { return r.ITL.P50 }, 1e3, 1, true},
+	{"ITL p90 (ms)", func(r *StrategyReport) float64 { return r.ITL.P90 }, 1e3, 1, true},
+	{"E2E p50 (s)", func(r *StrategyReport) float64 { return r.E2E.P50 }, 1, 2, true},
+	{"E2E p90 (s)", func(r *StrategyReport) float64 { return r.E2E.P90 }, 1, 2, true},
+	{"E2E p99 (s)", func(r *StrategyReport) float64 { return r.E2E.P99 }, 1, 2, true},
+	{"throughput (req/s)", func(r *StrategyReport) float64 { return r.RequestsPerSec }, 1, 2, true},
+	{"output tokens/s", func(r *StrategyReport) float64 { return r.OutputTokPerSec }, 1, 0, true},
+	{"KV hit rate (%)", func(r *StrategyReport) float64 { return r.HitRate }, 100, 1, true},
+	{"min worker share (%)", func(r *StrategyReport) float64 { return r.MinShare }, 100, 1, false},
+	{"max worker share (%)", func(r *StrategyReport) float64 { return r.MaxShare }, 100, 1, false},
+	{"overflow spills", func(r *StrategyReport) float64 { return float64(r.Spills) }, 1, 0, false},
+	{"requests ok", func(r *StrategyReport) float64 { return float64(r.OK) }, 1, 0, false},
+	{"errors", func(r *StrategyReport) float64 { return float64(r.Errors) }, 1, 0, false},
+	{"routing decision p50 (µs)", func(r *StrategyReport) float64 { return r.DecisionP50us }, 1, 2, false},
+	{"routing decision p99 (µs)", func(r *StrategyReport) float64 { return r.DecisionP99us }, 1, 2, false},
+	{"send lag p99 (wall ms)", func(r *StrategyReport) float64 { return r.LagP99ms }, 1, 1, false},
+	{"CPU stretch (wall/modelled)", func(r *StrategyReport) float64 { return r.CPUStretch }, 1, 2, false},
+}
+
+func (rep *Report) base() *StrategyReport {
+	for i := range rep.Strategies {
+		if rep.Strategies[i].Strategy == "random" {
+			return &rep.Strategies[i]
+		}
+	}
+	return nil
+}
+
+// Markdown writes the report as Markdown tables.
+func (rep *Report) Markdown(w io.Writer) {
+	fmt.Fprintf(w, "### baton bench: %s\n\n", rep.Workload)
+	if rep.Command != "" {
+		fmt.Fprintf(w, "`%s`\n\n", rep.Command)
+	}
+	fleet := fmt.Sprintf("%d simulated workers (%s on %s), fresh and cold per strategy", rep.Workers, rep.Model, rep.GPU)
+	if rep.Target != "" {
+		fleet = "target " + rep.Target
+	}
+	fmt.Fprintf(w, "%s; %d requests: %s; offered %.2f req/s (modelled); speedup %g; seed %d.",
+		fleet, rep.Requests, rep.Describe, rep.OfferedRate, rep.Speedup, rep.Seed)
+	if rep.Concurrency > 0 {
+		fmt.Fprintf(w, " Concurrency cap %d.", rep.Concurrency)
+	}
+	fmt.Fprintln(w, " Latencies and rates in modelled time.")
+	if rep.Calibration != "" {
+		fmt.Fprintf(w, "\n%s\n", rep.Calibration)
+	}
+	fmt.Fprintln(w)
+	base := rep.base()
+	hdr := "| metric |"
+	sep := "|---|"
+	for _, s := range rep.Strategies {
+		hdr += " " + s.Strategy + " |"
+		sep += "---:|"
+		if base != nil && s.Strategy != "random" {
+			hdr += " vs random |"
+			sep += "---:|"
+		}
+	}
+	fmt.Fprintln(w, hdr)
+	fmt.Fprintln(w, sep)
+	for _, rw := range rows {
+		line := "| " + rw.name + " |"
+		for i := range rep.Strategies {
+			s := &rep.Strategies[i]
+			line += " " + f1(rw.value(s), rw.scale, rw.prec) + " |"
+			if base != nil && s.Strategy != "random" {
+				c := "|"
+				if rw.change {
+					if rw.name == "KV hit rate (%)" {
+						c = fmt.Sprintf(" %+.1f pp |", (rw.value(s)-rw.value(base))*100)
+					} else {
+						c = " " + pct(Change(rw.value(s), rw.value(base))) + " |"
+					}
+				}
+				line += c
+			}
+		}
+		fmt.Fprintln(w, line)
+	}
+	if rep.Limits != nil {
+		fmt.Fprintf(w, "\nHit-rate limits of this request sequence (no router exceeds them): infinite cache %.1f%%; "+
+			"one pooled LRU of the fleet's %d blocks %.1f%%.\n", rep.Limits.Infinite*100, rep.Limits.PooledBlocks, rep.Limits.Pooled*100)
+	}
+	for _, s := range rep.Strategies {
+		for _, wr := range s.Warnings {
+			fmt.Fprintf(w, "\n**Warning (%s):** %s\n", s.Strategy, wr)
+		}
+	}
+}
+
+// WriteFiles writes report.md, report.json, summary.csv, requests are not
+// kept) and the plots into dir.
+func (rep *Report) WriteFiles(dir string) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	var files []string
+	var md strings.Builder
+	rep.Markdown(&md)
+	p := filepath.Join(dir, "report.md")
+	if err := os.WriteFile(p, []byte(md.String()), 0o644); err != nil {
+		return nil, err
+	}
+	files = append(files, p)
+
+	b, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	p = filepath.Join(dir, "report.json")
+	if err := os.WriteFile(p, append(b, '\n'), 0o644); err != nil {
+		return nil, err
+	}
+	files = append(files, p)
+
+	p = filepath.Join(dir, "summary.csv")
+	fh, err := os.Create(p)
+	if err != nil {
+		return nil, err
+	}
+	cw := csv.NewWriter(fh)
+	head := []string{"strategy"}
+	for _, rw := range rows {
+		head = append(head, rw.name)
+	}
+	cw.Write(head)
+	for i := range rep.Strategies {
+		s := &rep.Strategies[i]
+		rec := []string{s.Strategy}
+		for _, rw := range rows {
+			rec = append(rec, f1(rw.value(s), rw.scale, rw.prec+2))
+		}
+		cw.Write(rec)
+	}
+	cw.Flush()
+	if err := cw.Error(); err != nil {
+		fh.Close()
+		return nil, err
+	}
+	if err := fh.Close(); err != nil {
+		return nil, err
+	}
+	files = append(files, p)
+
+	pl, err := rep.Plots(dir)
+	if err != nil {
+		return files, err
+	}
+	return append(files, pl...), nil
+}

@@ -1,0 +1,159 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/batonllm/baton/bench"
+	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+// benchCmd runs baton bench: one workload replayed against each strategy.
+func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	wl := fs.String("workload", "long-context", "workload: "+strings.Join(workload.Names, ", "))
+	n := fs.Int("requests", 0, "requests to send (default: 1200 for synthetic workloads, 1000 trace records)")
+	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware", "comma-separated strategies, each run on the identical request sequence")
+	workers := fs.Int("workers", 7, "simulated workers per fleet (with -target: the fleet size for the ideal share)")
+	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
+	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")
+	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
+	speedup := fs.Float64("speedup", 4, "time compression: arrivals and the simulated engines' clock (TimeScale) run this many times faster")
+	conc := fs.Int("concurrency", 0, "cap on requests in flight (0: open loop)")
+	seed := fs.Uint64("seed", 1, "seed of the workload and the arrivals")
+	out := fs.String("out", "bench/out", "`directory` for report.md, report.json, summary.csv and the PNG plots")
+	trace := fs.String("trace", "", "trace file (default /work/shared/traces/mooncake_conversation_trace.jsonl or azure2023_conv.csv)")
+	docs := fs.Int("docs", 200, "long-context: shared documents")
+	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
+	model := fs.String("model", "llama-3.1-8b", "model preset of the simulated workers (and the model requested)")
+	gpu := fs.String("gpu", "h100", "GPU preset of the simulated workers")
+	kvBlocks := fs.Int64("kv-blocks", 0, "KV capacity of each simulated worker in 16-token blocks (default: from GPU memory)")
+	threshold := fs.Int("concurrency-threshold", 0, "prefix_aware spill threshold (default 16)")
+	prefixLen := fs.Int("prefix-length", 0, "characters prefix_aware hashes (default 4096)")
+	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *workers < 1 || *workers > 64 {
+		return fmt.Errorf("-workers: must be 1–64, got %d", *workers)
+	}
+	if !(*speedup > 0) {
+		return fmt.Errorf("-speedup: must be positive, got %v", *speedup)
+	}
+	var strats []string
+	for _, s := range strings.Split(*strategiesFlag, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			strats = append(strats, s)
+		}
+	}
+	known := strategies().Names()
+	for _, s := range strats {
+		found := false
+		for _, k := range known {
+			found = found || k == s
+		}
+		if !found {
+			return fmt.Errorf("-strategies: unknown %q (known: %s)", s, strings.Join(known, ", "))
+		}
+	}
+	if len(strats) == 0 {
+		return errors.New("-strategies: none given")
+	}
+
+	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop)
+	if err != nil {
+		return err
+	}
+	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
+		KVBlocks: *kvBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
+		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed}
+	if !*quiet {
+		o.Progress = stderr
+	}
+	var calib string
+	if o.Rate == 0 && !w.Timed {
+		c, err := bench.Calibrate(w, *model, *gpu, *workers, *load, 0, *kvBlocks)
+		if err != nil {
+			return err
+		}
+		o.Rate = c.Rate
+		calib = c.String()
+	}
+	// The hit-rate limits: an infinite cache, and one LRU holding the
+	// fleet's total capacity.
+	perWorker := *kvBlocks
+	if perWorker == 0 {
+		cm, err := sim.NewCostModel(*model, *gpu, 1)
+		if err != nil {
+			return err
+		}
+		perWorker = cm.BlockCapacity(bench.BlockTokens)
+	}
+	limits := bench.ComputeLimits(w, *model, perWorker*int64(*workers))
+
+	rep, err := bench.Run(ctx, o, w)
+	if err != nil {
+		return err
+	}
+	rep.Command = "baton bench " + strings.Join(args, " ")
+	rep.Calibration = calib
+	rep.Limits = &limits
+	rep.Markdown(stdout)
+	files, err := rep.WriteFiles(*out)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stderr, "baton bench: wrote %s\n", strings.Join(files, ", "))
+	return nil
+}
+
+const tracesDir = "/work/shared/traces/"
+
+func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop string) (*workload.Workload, error) {
+	synthetic := n
+	if synthetic == 0 {
+		synthetic = 1200
+	}
+	records := n
+	if records == 0 {
+		records = 1000
+	}
+	switch name {
+	case "long-context":
+		cfg := workload.DefaultLongContext(docs)
+		cfg.Popularity = pop
+		return workload.LongContext(cfg, synthetic, seed)
+	case "sharegpt":
+		return workload.ShareGPT(workload.ShareGPTConfig{}, synthetic, seed)
+	case "agentic":
+		return workload.Agentic(workload.AgenticConfig{}, synthetic, seed)
+	case "mooncake":
+		if trace == "" {
+			trace = tracesDir + "mooncake_conversation_trace.jsonl"
+		}
+		recs, err := workload.LoadTrace(trace, records, workload.ParseMooncake)
+		if err != nil {
+			return nil, err
+		}
+		return workload.Mooncake(recs, seed), nil
+	case "azure":
+		if trace == "" {
+			trace = tracesDir + "azure2023_conv.csv"
+		}
+		recs, err := workload.LoadTrace(trace, records, workload.ParseAzure)
+		if err != nil {
+			return nil, err
+		}
+		return workload.Azure(recs, seed), nil
+	}
+	return nil, fmt.Errorf("-workload: unknown %q (known: %s)", name, strings.Join(workload.Names, ", "))
+}
