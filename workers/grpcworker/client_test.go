@@ -30,6 +30,16 @@ type fakeWorker struct {
 	workerpb.UnimplementedWorkerServer
 	generate func(*workerpb.GenerateRequest, workerpb.Worker_GenerateServer) error
 	info     *workerpb.InfoResponse
+	prefill  func(context.Context, *workerpb.PrefillRequest) (*workerpb.PrefillResult, error)
+	decode   func(*workerpb.DecodeRequest, workerpb.Worker_DecodeServer) error
+}
+
+func (f *fakeWorker) Prefill(ctx context.Context, req *workerpb.PrefillRequest) (*workerpb.PrefillResult, error) {
+	return f.prefill(ctx, req)
+}
+
+func (f *fakeWorker) Decode(req *workerpb.DecodeRequest, st workerpb.Worker_DecodeServer) error {
+	return f.decode(req, st)
 }
 
 func (f *fakeWorker) Generate(req *workerpb.GenerateRequest, st workerpb.Worker_GenerateServer) error {
