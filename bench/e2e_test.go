@@ -1,0 +1,89 @@
+package bench
+
+import (
+	"context"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/bench/workload"
+)
+
+// A short bench run: 2 workers, 20 requests over 3 documents at a high
+// speedup. The latency figures are not checked (the CPU is shared); the
+// bookkeeping is.
+func TestBenchEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts fleets")
+	}
+	w, err := workload.LongContext(workload.DefaultLongContext(3), 20, 42)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"random", "prefix_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 42}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, o, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := ComputeLimits(w, "llama-3.1-8b", 2*29000)
+	rep.Limits = &lim
+	if len(rep.Strategies) != 2 {
+		t.Fatalf("%d strategy reports", len(rep.Strategies))
+	}
+	for _, s := range rep.Strategies {
+		if s.Requests != 20 || s.OK+s.Errors != 20 {
+			t.Errorf("%s: %d sent, %d ok, %d errors; want 20 sent", s.Strategy, s.Requests, s.OK, s.Errors)
+		}
+		if s.Errors != 0 {
+			t.Errorf("%s: errors: %s", s.Strategy, s.ErrorSample)
+		}
+		sum := 0.0
+		for _, v := range s.Shares {
+			sum += v
+		}
+		if math.Abs(sum-1) > 1e-9 {
+			t.Errorf("%s: shares sum to %v", s.Strategy, sum)
+		}
+		if len(s.Shares) > 2 || s.MinShare > s.MaxShare || s.Ideal != 0.5 {
+			t.Errorf("%s: shares %v min %v max %v ideal %v", s.Strategy, s.Shares, s.MinShare, s.MaxShare, s.Ideal)
+		}
+		if s.HitRate < 0 || s.HitRate > 1 || s.PromptTokens <= 0 {
+			t.Errorf("%s: hit rate %v over %d prompt tokens", s.Strategy, s.HitRate, s.PromptTokens)
+		}
+		if s.HitRate > lim.Infinite+1e-9 {
+			t.Errorf("%s: hit rate %v above the infinite-cache limit %v", s.Strategy, s.HitRate, lim.Infinite)
+		}
+		if !(s.TTFT.P50 > 0 && s.TTFT.P50 <= s.TTFT.P90 && s.TTFT.P90 <= s.TTFT.P99 && s.E2E.P50 >= s.TTFT.P50) {
+			t.Errorf("%s: latencies out of order: ttft %+v e2e %+v", s.Strategy, s.TTFT, s.E2E)
+		}
+		if s.RequestsPerSec <= 0 || s.OutputTokPerSec <= 0 {
+			t.Errorf("%s: throughput %v req/s %v tok/s", s.Strategy, s.RequestsPerSec, s.OutputTokPerSec)
+		}
+	}
+	random, prefix := rep.Strategies[0], rep.Strategies[1]
+	if prefix.HitRate < random.HitRate {
+		t.Errorf("prefix_aware hit rate %v below random's %v", prefix.HitRate, random.HitRate)
+	}
+	if prefix.Spills != 0 {
+		t.Errorf("prefix_aware spilled %d times at this load", prefix.Spills)
+	}
+	dir := t.TempDir()
+	files, err := rep.WriteFiles(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) != 6 {
+		t.Errorf("wrote %v", files)
+	}
+	md, _ := os.ReadFile(filepath.Join(dir, "report.md"))
+	for _, want := range []string{"| TTFT p50 (ms) |", "vs random", "KV hit rate", "infinite cache"} {
+		if !strings.Contains(string(md), want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+}
