@@ -49,7 +49,7 @@ func TestHitRateAndChange(t *testing.T) {
 
 func TestBucketQuantile(t *testing.T) {
 	bounds := []float64{1, 2, 4, math.Inf(1)}
-	cum := []float64{10, 30, 40, 40} // 10 in (0,1], 20 in (1,2], 10 in (2,4]
+	cum := []float64{10, 30, 40, 40}                              // 10 in (0,1], 20 in (1,2], 10 in (2,4]
 	if got := bucketQuantile(0.5, bounds, cum); !near(got, 1.5) { // rank 20: halfway through (1,2]
 		t.Error(got)
 	}
