@@ -149,6 +149,7 @@ func chatParams(prompt string, maxTokens int64) openai.ChatCompletionNewParams {
 // chatResult is what a test reads of one non-streaming chat completion.
 type chatResult struct {
 	worker, route string
+	prefill       string // X-Baton-Prefill-Worker
 	content       string
 	finish        string
 	prompt        int64
@@ -170,6 +171,7 @@ func chat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts 
 	return chatResult{
 		worker:  resp.Header.Get("X-Baton-Worker"),
 		route:   resp.Header.Get("X-Baton-Route"),
+		prefill: resp.Header.Get("X-Baton-Prefill-Worker"),
 		content: got.Choices[0].Message.Content,
 		finish:  got.Choices[0].FinishReason,
 		prompt:  got.Usage.PromptTokens,
@@ -194,10 +196,11 @@ func streamChat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams,
 		return chatResult{}, err
 	}
 	r := chatResult{
-		worker: resp.Header.Get("X-Baton-Worker"),
-		route:  resp.Header.Get("X-Baton-Route"),
-		prompt: acc.Usage.PromptTokens,
-		cached: acc.Usage.PromptTokensDetails.CachedTokens,
+		worker:  resp.Header.Get("X-Baton-Worker"),
+		route:   resp.Header.Get("X-Baton-Route"),
+		prefill: resp.Header.Get("X-Baton-Prefill-Worker"),
+		prompt:  acc.Usage.PromptTokens,
+		cached:  acc.Usage.PromptTokensDetails.CachedTokens,
 	}
 	if len(acc.Choices) != 1 {
 		return r, fmt.Errorf("stream accumulated %d choices, want 1", len(acc.Choices))

@@ -59,7 +59,8 @@ func TestServeRejectsBadConfig(t *testing.T) {
 		{[]string{"serve", "--worker", "127.0.0.1:1", "--concurrency-threshold", "0"}, "concurrency_threshold:"},
 		{[]string{"serve", "--worker", "127.0.0.1:1", "--prefix-length", "10"}, "prefix_length:"},
 		{[]string{"serve", "--config", "/nonexistent.yaml"}, "nonexistent.yaml"},
-		{[]string{"demo", "--workers", "0"}, "-workers"},
+		{[]string{"demo", "--workers", "-1"}, "-workers"},
+		{[]string{"demo", "--decode-workers", "0"}, "-decode-workers"},
 	}
 	for _, c := range cases {
 		err := run(context.Background(), c.args, io.Discard, io.Discard)

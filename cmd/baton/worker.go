@@ -17,6 +17,8 @@ type simFlags struct {
 	mfu, timeScale       float64
 	blocks               int64
 	maxRunning, maxBatch int
+	role                 string
+	kvScale              int
 }
 
 func (f *simFlags) register(fs *flag.FlagSet) {
@@ -29,12 +31,14 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.Int64Var(&f.blocks, "kv-blocks", 0, "GPU KV capacity in blocks of 16 tokens (default: from GPU memory minus weights)")
 	fs.IntVar(&f.maxRunning, "max-running", 0, "maximum running sequences (default 256)")
 	fs.IntVar(&f.maxBatch, "max-batched-tokens", 0, "token budget of one engine step (default 8192)")
+	fs.IntVar(&f.kvScale, "kv-scale", 0, "divide real KV block sizes by this for transfers, so loopback fleets stay small (default 64; 1 = real sizes)")
 }
 
 func (f *simFlags) config(name string) sim.Config {
 	c := sim.Config{
 		Name: name, Model: f.model, GPU: f.gpu, TP: f.tp, MFU: f.mfu, TimeScale: f.timeScale,
 		BlockCapacity: f.blocks, MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch,
+		Role: f.role, KVScale: f.kvScale,
 	}
 	if f.served != "" {
 		c.Models = strings.Split(f.served, ",")
@@ -50,6 +54,7 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	listen := fs.String("listen", "127.0.0.1:9000", "gRPC listen `address` (the worker API and gRPC health)")
 	httpListen := fs.String("http-listen", "", "listen `address` of the worker's own OpenAI-compatible HTTP API (off when empty)")
 	name := fs.String("name", "", "worker name (default: the listen address)")
+	fs.StringVar(&f.role, "role", "both", "role in disaggregated serving: both (colocated), prefill or decode")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return err
