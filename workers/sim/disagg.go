@@ -148,7 +148,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 
 	// Push the blocks the decode worker lacks.
 	pushStart := time.Now()
-	blocks := make([]transfer.Block, 0, len(s.keys)-res.BlocksHeld)
+	blocks := make([]transfer.Block, 0, len(s.keys))
 	for i, k := range s.keys {
 		if held[i] {
 			res.BlocksHeld++
