@@ -31,20 +31,21 @@ func TestGRPCProtoCodec(t *testing.T) {
 func mkGRPC(base ...Option) mkTransport {
 	return func(t *testing.T, recv Receiver, opts ...Option) (Transport, string) {
 		t.Helper()
-		addr, _ := serveGRPC(t, recv)
+		addr := serveGRPC(t, recv, ServerOptions())
 		tr := NewGRPC(append(base, opts...)...)
 		t.Cleanup(func() { tr.Close() })
 		return tr, addr
 	}
 }
 
-func serveGRPC(t testing.TB, recv Receiver, opts ...ServerOption) (string, *grpc.Server) {
+// serveGRPC serves recv's KVTransfer on loopback until t ends.
+func serveGRPC(t testing.TB, recv Receiver, gopts []grpc.ServerOption, opts ...ServerOption) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer(ServerOptions()...)
+	g := grpc.NewServer(gopts...)
 	NewGRPCServer(recv, opts...).Register(g)
 	done := make(chan struct{})
 	go func() {
@@ -55,5 +56,5 @@ func serveGRPC(t testing.TB, recv Receiver, opts ...ServerOption) (string, *grpc
 		g.Stop()
 		<-done
 	})
-	return l.Addr().String(), g
+	return l.Addr().String()
 }
