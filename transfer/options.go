@@ -19,8 +19,8 @@ var ErrClosed = errors.New("transfer transport closed")
 // message, so any KVTransfer server accepts it without configuration, and
 // large enough that the fixed cost of a message (encoding, a SendMsg, the
 // receiver's per-message work) is small beside the cost of moving its
-// bytes: on loopback 256 KiB chunks were measurably slower, 2 MiB no faster
-// (bench_test.go).
+// bytes: on loopback 256 KiB chunks were slower and 2 or 3 MiB no faster
+// (BenchmarkPushTuning).
 const DefaultChunkBytes = 1 << 20
 
 // defaultKeepalive is workers/grpcworker.DefaultKeepalive, copied because
