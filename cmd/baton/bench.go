@@ -24,7 +24,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
 	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")
 	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
-	speedup := fs.Float64("speedup", 2, "time compression: arrivals and the simulated engines' clock (TimeScale) run this many times faster")
+	speedup := fs.Float64("speedup", 1, "time compression: arrivals and the simulated engines' clock (TimeScale) run this many times faster")
 	conc := fs.Int("concurrency", 0, "cap on requests in flight (0: open loop)")
 	seed := fs.Uint64("seed", 1, "seed of the workload and the arrivals")
 	out := fs.String("out", "bench/out", "`directory` for report.md, report.json, summary.csv and the PNG plots")
