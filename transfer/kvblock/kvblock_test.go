@@ -44,6 +44,14 @@ func TestFillVerify(t *testing.T) {
 	if err := Verify(42, a, 1000, crc); !errors.Is(err, ErrChecksum) {
 		t.Errorf("flipped bit: got %v", err)
 	}
+	// Right checksum, wrong tail: another block's last word.
+	d := append([]byte(nil), b...)
+	other := make([]byte, 1000)
+	Fill(other, 44)
+	copy(d[984:992], other[984:992])
+	if err := Verify(42, d, 1000, Checksum(d)); !errors.Is(err, ErrContents) {
+		t.Errorf("wrong last word: got %v", err)
+	}
 	c := make([]byte, 1000)
 	Fill(c, 43)
 	if string(c[:8]) == string(b[:8]) {
