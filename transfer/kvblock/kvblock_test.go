@@ -48,7 +48,7 @@ func TestFillVerify(t *testing.T) {
 	d := append([]byte(nil), b...)
 	other := make([]byte, 1000)
 	Fill(other, 44)
-	copy(d[984:992], other[984:992])
+	copy(d[992:1000], other[992:1000])
 	if err := Verify(42, d, 1000, Checksum(d)); !errors.Is(err, ErrContents) {
 		t.Errorf("wrong last word: got %v", err)
 	}
