@@ -180,7 +180,7 @@ func (x CacheEvent_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use CacheEvent_Kind.Descriptor instead.
 func (CacheEvent_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{17, 0}
+	return file_worker_proto_rawDescGZIP(), []int{18, 0}
 }
 
 type InfoRequest struct {
@@ -230,7 +230,15 @@ type InfoResponse struct {
 	// GPU KV capacity in blocks.
 	GpuBlocks int64 `protobuf:"varint,5,opt,name=gpu_blocks,json=gpuBlocks,proto3" json:"gpu_blocks,omitempty"`
 	// Maximum number of running sequences per step.
-	MaxRunning    int32 `protobuf:"varint,6,opt,name=max_running,json=maxRunning,proto3" json:"max_running,omitempty"`
+	MaxRunning int32 `protobuf:"varint,6,opt,name=max_running,json=maxRunning,proto3" json:"max_running,omitempty"`
+	// CPU-tier KV capacity in blocks (0: no CPU tier).
+	CpuBlocks int64 `protobuf:"varint,7,opt,name=cpu_blocks,json=cpuBlocks,proto3" json:"cpu_blocks,omitempty"`
+	// The worker's cost figures, from which a scheduler estimates time to
+	// first token (kv_aware routing); absent for engines that do not model
+	// their cost.
+	Cost *CostParams `protobuf:"bytes,8,opt,name=cost,proto3" json:"cost,omitempty"`
+	// Whether the worker reads and writes the fleet's shared Redis tier.
+	RedisTier     bool `protobuf:"varint,9,opt,name=redis_tier,json=redisTier,proto3" json:"redis_tier,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -307,6 +315,137 @@ func (x *InfoResponse) GetMaxRunning() int32 {
 	return 0
 }
 
+func (x *InfoResponse) GetCpuBlocks() int64 {
+	if x != nil {
+		return x.CpuBlocks
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetCost() *CostParams {
+	if x != nil {
+		return x.Cost
+	}
+	return nil
+}
+
+func (x *InfoResponse) GetRedisTier() bool {
+	if x != nil {
+		return x.RedisTier
+	}
+	return false
+}
+
+// CostParams are the figures of a worker's cost model, in real seconds
+// (already divided by the worker's time scale).
+type CostParams struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Prefill: seconds = (a·n·(n+c)·d + b·n·d²) · layers / flops, for n new
+	// tokens over c cached ones; a = 4, b = 22.
+	Layers int32 `protobuf:"varint,1,opt,name=layers,proto3" json:"layers,omitempty"`
+	Hidden int32 `protobuf:"varint,2,opt,name=hidden,proto3" json:"hidden,omitempty"`
+	// Effective FLOP/s (peak × TP × MFU × time scale).
+	Flops float64 `protobuf:"fixed64,3,opt,name=flops,proto3" json:"flops,omitempty"`
+	// Seconds of one decode step at batch 1 and short context.
+	DecodeStepSeconds float64 `protobuf:"fixed64,4,opt,name=decode_step_seconds,json=decodeStepSeconds,proto3" json:"decode_step_seconds,omitempty"`
+	// Real KV bytes of one block (16 tokens).
+	KvBytesPerBlock int64 `protobuf:"varint,5,opt,name=kv_bytes_per_block,json=kvBytesPerBlock,proto3" json:"kv_bytes_per_block,omitempty"`
+	// Effective bytes/s of a CPU-tier → GPU copy (PCIe), and of a fetch from
+	// the Redis tier, both × time scale.
+	PcieBytesPerSecond  float64 `protobuf:"fixed64,6,opt,name=pcie_bytes_per_second,json=pcieBytesPerSecond,proto3" json:"pcie_bytes_per_second,omitempty"`
+	RedisBytesPerSecond float64 `protobuf:"fixed64,7,opt,name=redis_bytes_per_second,json=redisBytesPerSecond,proto3" json:"redis_bytes_per_second,omitempty"`
+	// Fixed seconds per Redis round trip (× 1/time scale).
+	RedisRttSeconds float64 `protobuf:"fixed64,8,opt,name=redis_rtt_seconds,json=redisRttSeconds,proto3" json:"redis_rtt_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *CostParams) Reset() {
+	*x = CostParams{}
+	mi := &file_worker_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CostParams) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CostParams) ProtoMessage() {}
+
+func (x *CostParams) ProtoReflect() protoreflect.Message {
+	mi := &file_worker_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CostParams.ProtoReflect.Descriptor instead.
+func (*CostParams) Descriptor() ([]byte, []int) {
+	return file_worker_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *CostParams) GetLayers() int32 {
+	if x != nil {
+		return x.Layers
+	}
+	return 0
+}
+
+func (x *CostParams) GetHidden() int32 {
+	if x != nil {
+		return x.Hidden
+	}
+	return 0
+}
+
+func (x *CostParams) GetFlops() float64 {
+	if x != nil {
+		return x.Flops
+	}
+	return 0
+}
+
+func (x *CostParams) GetDecodeStepSeconds() float64 {
+	if x != nil {
+		return x.DecodeStepSeconds
+	}
+	return 0
+}
+
+func (x *CostParams) GetKvBytesPerBlock() int64 {
+	if x != nil {
+		return x.KvBytesPerBlock
+	}
+	return 0
+}
+
+func (x *CostParams) GetPcieBytesPerSecond() float64 {
+	if x != nil {
+		return x.PcieBytesPerSecond
+	}
+	return 0
+}
+
+func (x *CostParams) GetRedisBytesPerSecond() float64 {
+	if x != nil {
+		return x.RedisBytesPerSecond
+	}
+	return 0
+}
+
+func (x *CostParams) GetRedisRttSeconds() float64 {
+	if x != nil {
+		return x.RedisRttSeconds
+	}
+	return 0
+}
+
 type GenerateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Scheduler-assigned id, for logs.
@@ -326,7 +465,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_worker_proto_msgTypes[2]
+	mi := &file_worker_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -338,7 +477,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[2]
+	mi := &file_worker_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -351,7 +490,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{2}
+	return file_worker_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GenerateRequest) GetRequestId() string {
@@ -409,7 +548,7 @@ type GenerateEvent struct {
 
 func (x *GenerateEvent) Reset() {
 	*x = GenerateEvent{}
-	mi := &file_worker_proto_msgTypes[3]
+	mi := &file_worker_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -421,7 +560,7 @@ func (x *GenerateEvent) String() string {
 func (*GenerateEvent) ProtoMessage() {}
 
 func (x *GenerateEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[3]
+	mi := &file_worker_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -434,7 +573,7 @@ func (x *GenerateEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateEvent.ProtoReflect.Descriptor instead.
 func (*GenerateEvent) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{3}
+	return file_worker_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GenerateEvent) GetEvent() isGenerateEvent_Event {
@@ -491,7 +630,7 @@ type Tokens struct {
 
 func (x *Tokens) Reset() {
 	*x = Tokens{}
-	mi := &file_worker_proto_msgTypes[4]
+	mi := &file_worker_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -503,7 +642,7 @@ func (x *Tokens) String() string {
 func (*Tokens) ProtoMessage() {}
 
 func (x *Tokens) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[4]
+	mi := &file_worker_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -516,7 +655,7 @@ func (x *Tokens) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tokens.ProtoReflect.Descriptor instead.
 func (*Tokens) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{4}
+	return file_worker_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Tokens) GetText() string {
@@ -546,7 +685,7 @@ type Final struct {
 
 func (x *Final) Reset() {
 	*x = Final{}
-	mi := &file_worker_proto_msgTypes[5]
+	mi := &file_worker_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -558,7 +697,7 @@ func (x *Final) String() string {
 func (*Final) ProtoMessage() {}
 
 func (x *Final) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[5]
+	mi := &file_worker_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -571,7 +710,7 @@ func (x *Final) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Final.ProtoReflect.Descriptor instead.
 func (*Final) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{5}
+	return file_worker_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Final) GetFinishReason() string {
@@ -620,7 +759,7 @@ type PrefillRequest struct {
 
 func (x *PrefillRequest) Reset() {
 	*x = PrefillRequest{}
-	mi := &file_worker_proto_msgTypes[6]
+	mi := &file_worker_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -632,7 +771,7 @@ func (x *PrefillRequest) String() string {
 func (*PrefillRequest) ProtoMessage() {}
 
 func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[6]
+	mi := &file_worker_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -645,7 +784,7 @@ func (x *PrefillRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefillRequest.ProtoReflect.Descriptor instead.
 func (*PrefillRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{6}
+	return file_worker_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PrefillRequest) GetRequest() *GenerateRequest {
@@ -710,7 +849,7 @@ type PrefillResult struct {
 
 func (x *PrefillResult) Reset() {
 	*x = PrefillResult{}
-	mi := &file_worker_proto_msgTypes[7]
+	mi := &file_worker_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -722,7 +861,7 @@ func (x *PrefillResult) String() string {
 func (*PrefillResult) ProtoMessage() {}
 
 func (x *PrefillResult) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[7]
+	mi := &file_worker_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -735,7 +874,7 @@ func (x *PrefillResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefillResult.ProtoReflect.Descriptor instead.
 func (*PrefillResult) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{7}
+	return file_worker_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PrefillResult) GetSkipped() bool {
@@ -835,7 +974,7 @@ type DecodeRequest struct {
 
 func (x *DecodeRequest) Reset() {
 	*x = DecodeRequest{}
-	mi := &file_worker_proto_msgTypes[8]
+	mi := &file_worker_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -847,7 +986,7 @@ func (x *DecodeRequest) String() string {
 func (*DecodeRequest) ProtoMessage() {}
 
 func (x *DecodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[8]
+	mi := &file_worker_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -860,7 +999,7 @@ func (x *DecodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecodeRequest.ProtoReflect.Descriptor instead.
 func (*DecodeRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{8}
+	return file_worker_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DecodeRequest) GetRequest() *GenerateRequest {
@@ -893,7 +1032,7 @@ type HasRequest struct {
 
 func (x *HasRequest) Reset() {
 	*x = HasRequest{}
-	mi := &file_worker_proto_msgTypes[9]
+	mi := &file_worker_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -905,7 +1044,7 @@ func (x *HasRequest) String() string {
 func (*HasRequest) ProtoMessage() {}
 
 func (x *HasRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[9]
+	mi := &file_worker_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -918,7 +1057,7 @@ func (x *HasRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HasRequest.ProtoReflect.Descriptor instead.
 func (*HasRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{9}
+	return file_worker_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *HasRequest) GetKeys() []uint64 {
@@ -938,7 +1077,7 @@ type HasResponse struct {
 
 func (x *HasResponse) Reset() {
 	*x = HasResponse{}
-	mi := &file_worker_proto_msgTypes[10]
+	mi := &file_worker_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -950,7 +1089,7 @@ func (x *HasResponse) String() string {
 func (*HasResponse) ProtoMessage() {}
 
 func (x *HasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[10]
+	mi := &file_worker_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -963,7 +1102,7 @@ func (x *HasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HasResponse.ProtoReflect.Descriptor instead.
 func (*HasResponse) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{10}
+	return file_worker_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *HasResponse) GetHeld() []bool {
@@ -991,7 +1130,7 @@ type BlockChunk struct {
 
 func (x *BlockChunk) Reset() {
 	*x = BlockChunk{}
-	mi := &file_worker_proto_msgTypes[11]
+	mi := &file_worker_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1003,7 +1142,7 @@ func (x *BlockChunk) String() string {
 func (*BlockChunk) ProtoMessage() {}
 
 func (x *BlockChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[11]
+	mi := &file_worker_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1016,7 +1155,7 @@ func (x *BlockChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockChunk.ProtoReflect.Descriptor instead.
 func (*BlockChunk) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{11}
+	return file_worker_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *BlockChunk) GetTransferId() string {
@@ -1067,7 +1206,7 @@ type PushResult struct {
 
 func (x *PushResult) Reset() {
 	*x = PushResult{}
-	mi := &file_worker_proto_msgTypes[12]
+	mi := &file_worker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1079,7 +1218,7 @@ func (x *PushResult) String() string {
 func (*PushResult) ProtoMessage() {}
 
 func (x *PushResult) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[12]
+	mi := &file_worker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1092,7 +1231,7 @@ func (x *PushResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushResult.ProtoReflect.Descriptor instead.
 func (*PushResult) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{12}
+	return file_worker_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PushResult) GetBlocksAccepted() int32 {
@@ -1124,7 +1263,7 @@ type WatchRequest struct {
 
 func (x *WatchRequest) Reset() {
 	*x = WatchRequest{}
-	mi := &file_worker_proto_msgTypes[13]
+	mi := &file_worker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1136,7 +1275,7 @@ func (x *WatchRequest) String() string {
 func (*WatchRequest) ProtoMessage() {}
 
 func (x *WatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[13]
+	mi := &file_worker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1149,7 +1288,7 @@ func (x *WatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
 func (*WatchRequest) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{13}
+	return file_worker_proto_rawDescGZIP(), []int{14}
 }
 
 type WatchEvent struct {
@@ -1168,7 +1307,7 @@ type WatchEvent struct {
 
 func (x *WatchEvent) Reset() {
 	*x = WatchEvent{}
-	mi := &file_worker_proto_msgTypes[14]
+	mi := &file_worker_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1180,7 +1319,7 @@ func (x *WatchEvent) String() string {
 func (*WatchEvent) ProtoMessage() {}
 
 func (x *WatchEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[14]
+	mi := &file_worker_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1193,7 +1332,7 @@ func (x *WatchEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEvent.ProtoReflect.Descriptor instead.
 func (*WatchEvent) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{14}
+	return file_worker_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *WatchEvent) GetSeq() uint64 {
@@ -1270,7 +1409,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_worker_proto_msgTypes[15]
+	mi := &file_worker_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1282,7 +1421,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[15]
+	mi := &file_worker_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1295,7 +1434,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{15}
+	return file_worker_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Snapshot) GetLoad() *LoadReport {
@@ -1318,13 +1457,17 @@ type LoadReport struct {
 	Waiting        int32                  `protobuf:"varint,2,opt,name=waiting,proto3" json:"waiting,omitempty"`
 	GpuBlocksUsed  int64                  `protobuf:"varint,3,opt,name=gpu_blocks_used,json=gpuBlocksUsed,proto3" json:"gpu_blocks_used,omitempty"`
 	GpuBlocksTotal int64                  `protobuf:"varint,4,opt,name=gpu_blocks_total,json=gpuBlocksTotal,proto3" json:"gpu_blocks_total,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	CpuBlocksUsed  int64                  `protobuf:"varint,5,opt,name=cpu_blocks_used,json=cpuBlocksUsed,proto3" json:"cpu_blocks_used,omitempty"`
+	CpuBlocksTotal int64                  `protobuf:"varint,6,opt,name=cpu_blocks_total,json=cpuBlocksTotal,proto3" json:"cpu_blocks_total,omitempty"`
+	// Tokens waiting to be prefilled (queued and partly prefilled prompts).
+	WaitingPrefillTokens int64 `protobuf:"varint,7,opt,name=waiting_prefill_tokens,json=waitingPrefillTokens,proto3" json:"waiting_prefill_tokens,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *LoadReport) Reset() {
 	*x = LoadReport{}
-	mi := &file_worker_proto_msgTypes[16]
+	mi := &file_worker_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1336,7 +1479,7 @@ func (x *LoadReport) String() string {
 func (*LoadReport) ProtoMessage() {}
 
 func (x *LoadReport) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[16]
+	mi := &file_worker_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1349,7 +1492,7 @@ func (x *LoadReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadReport.ProtoReflect.Descriptor instead.
 func (*LoadReport) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{16}
+	return file_worker_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *LoadReport) GetRunning() int32 {
@@ -1380,19 +1523,45 @@ func (x *LoadReport) GetGpuBlocksTotal() int64 {
 	return 0
 }
 
+func (x *LoadReport) GetCpuBlocksUsed() int64 {
+	if x != nil {
+		return x.CpuBlocksUsed
+	}
+	return 0
+}
+
+func (x *LoadReport) GetCpuBlocksTotal() int64 {
+	if x != nil {
+		return x.CpuBlocksTotal
+	}
+	return 0
+}
+
+func (x *LoadReport) GetWaitingPrefillTokens() int64 {
+	if x != nil {
+		return x.WaitingPrefillTokens
+	}
+	return 0
+}
+
 type CacheEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Kind  CacheEvent_Kind        `protobuf:"varint,1,opt,name=kind,proto3,enum=baton.worker.v1.CacheEvent_Kind" json:"kind,omitempty"`
-	Tier  Tier                   `protobuf:"varint,2,opt,name=tier,proto3,enum=baton.worker.v1.Tier" json:"tier,omitempty"`
+	// The tier the blocks are in after the event (for removed: the tier they
+	// left). Stored and removed events of TIER_REDIS say the worker wrote a
+	// block to, or saw it missing from, the shared Redis tier.
+	Tier Tier `protobuf:"varint,2,opt,name=tier,proto3,enum=baton.worker.v1.Tier" json:"tier,omitempty"`
 	// Chained block keys (transfer/blockkey), salted by tenant.
-	Keys          []uint64 `protobuf:"fixed64,3,rep,packed,name=keys,proto3" json:"keys,omitempty"`
+	Keys []uint64 `protobuf:"fixed64,3,rep,packed,name=keys,proto3" json:"keys,omitempty"`
+	// For tier changes: the tier the blocks left.
+	FromTier      Tier `protobuf:"varint,4,opt,name=from_tier,json=fromTier,proto3,enum=baton.worker.v1.Tier" json:"from_tier,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CacheEvent) Reset() {
 	*x = CacheEvent{}
-	mi := &file_worker_proto_msgTypes[17]
+	mi := &file_worker_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1404,7 +1573,7 @@ func (x *CacheEvent) String() string {
 func (*CacheEvent) ProtoMessage() {}
 
 func (x *CacheEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_worker_proto_msgTypes[17]
+	mi := &file_worker_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1417,7 +1586,7 @@ func (x *CacheEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheEvent.ProtoReflect.Descriptor instead.
 func (*CacheEvent) Descriptor() ([]byte, []int) {
-	return file_worker_proto_rawDescGZIP(), []int{17}
+	return file_worker_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CacheEvent) GetKind() CacheEvent_Kind {
@@ -1441,12 +1610,19 @@ func (x *CacheEvent) GetKeys() []uint64 {
 	return nil
 }
 
+func (x *CacheEvent) GetFromTier() Tier {
+	if x != nil {
+		return x.FromTier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
 var File_worker_proto protoreflect.FileDescriptor
 
 const file_worker_proto_rawDesc = "" +
 	"\n" +
 	"\fworker.proto\x12\x0fbaton.worker.v1\"\r\n" +
-	"\vInfoRequest\"\xc6\x01\n" +
+	"\vInfoRequest\"\xb5\x02\n" +
 	"\fInfoResponse\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12)\n" +
@@ -1456,7 +1632,22 @@ const file_worker_proto_rawDesc = "" +
 	"\n" +
 	"gpu_blocks\x18\x05 \x01(\x03R\tgpuBlocks\x12\x1f\n" +
 	"\vmax_running\x18\x06 \x01(\x05R\n" +
-	"maxRunning\"\xa9\x01\n" +
+	"maxRunning\x12\x1d\n" +
+	"\n" +
+	"cpu_blocks\x18\a \x01(\x03R\tcpuBlocks\x12/\n" +
+	"\x04cost\x18\b \x01(\v2\x1b.baton.worker.v1.CostParamsR\x04cost\x12\x1d\n" +
+	"\n" +
+	"redis_tier\x18\t \x01(\bR\tredisTier\"\xc3\x02\n" +
+	"\n" +
+	"CostParams\x12\x16\n" +
+	"\x06layers\x18\x01 \x01(\x05R\x06layers\x12\x16\n" +
+	"\x06hidden\x18\x02 \x01(\x05R\x06hidden\x12\x14\n" +
+	"\x05flops\x18\x03 \x01(\x01R\x05flops\x12.\n" +
+	"\x13decode_step_seconds\x18\x04 \x01(\x01R\x11decodeStepSeconds\x12+\n" +
+	"\x12kv_bytes_per_block\x18\x05 \x01(\x03R\x0fkvBytesPerBlock\x121\n" +
+	"\x15pcie_bytes_per_second\x18\x06 \x01(\x01R\x12pcieBytesPerSecond\x123\n" +
+	"\x16redis_bytes_per_second\x18\a \x01(\x01R\x13redisBytesPerSecond\x12*\n" +
+	"\x11redis_rtt_seconds\x18\b \x01(\x01R\x0fredisRttSeconds\"\xa9\x01\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1537,18 +1728,22 @@ const file_worker_proto_rawDesc = "" +
 	"\x05event\"p\n" +
 	"\bSnapshot\x12/\n" +
 	"\x04load\x18\x01 \x01(\v2\x1b.baton.worker.v1.LoadReportR\x04load\x123\n" +
-	"\x06blocks\x18\x02 \x03(\v2\x1b.baton.worker.v1.CacheEventR\x06blocks\"\x92\x01\n" +
+	"\x06blocks\x18\x02 \x03(\v2\x1b.baton.worker.v1.CacheEventR\x06blocks\"\x9a\x02\n" +
 	"\n" +
 	"LoadReport\x12\x18\n" +
 	"\arunning\x18\x01 \x01(\x05R\arunning\x12\x18\n" +
 	"\awaiting\x18\x02 \x01(\x05R\awaiting\x12&\n" +
 	"\x0fgpu_blocks_used\x18\x03 \x01(\x03R\rgpuBlocksUsed\x12(\n" +
-	"\x10gpu_blocks_total\x18\x04 \x01(\x03R\x0egpuBlocksTotal\"\xd9\x01\n" +
+	"\x10gpu_blocks_total\x18\x04 \x01(\x03R\x0egpuBlocksTotal\x12&\n" +
+	"\x0fcpu_blocks_used\x18\x05 \x01(\x03R\rcpuBlocksUsed\x12(\n" +
+	"\x10cpu_blocks_total\x18\x06 \x01(\x03R\x0ecpuBlocksTotal\x124\n" +
+	"\x16waiting_prefill_tokens\x18\a \x01(\x03R\x14waitingPrefillTokens\"\x8d\x02\n" +
 	"\n" +
 	"CacheEvent\x124\n" +
 	"\x04kind\x18\x01 \x01(\x0e2 .baton.worker.v1.CacheEvent.KindR\x04kind\x12)\n" +
 	"\x04tier\x18\x02 \x01(\x0e2\x15.baton.worker.v1.TierR\x04tier\x12\x12\n" +
-	"\x04keys\x18\x03 \x03(\x06R\x04keys\"V\n" +
+	"\x04keys\x18\x03 \x03(\x06R\x04keys\x122\n" +
+	"\tfrom_tier\x18\x04 \x01(\x0e2\x15.baton.worker.v1.TierR\bfromTier\"V\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vKIND_STORED\x10\x01\x12\x10\n" +
@@ -1589,62 +1784,65 @@ func file_worker_proto_rawDescGZIP() []byte {
 }
 
 var file_worker_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_worker_proto_goTypes = []any{
 	(Role)(0),               // 0: baton.worker.v1.Role
 	(Tier)(0),               // 1: baton.worker.v1.Tier
 	(CacheEvent_Kind)(0),    // 2: baton.worker.v1.CacheEvent.Kind
 	(*InfoRequest)(nil),     // 3: baton.worker.v1.InfoRequest
 	(*InfoResponse)(nil),    // 4: baton.worker.v1.InfoResponse
-	(*GenerateRequest)(nil), // 5: baton.worker.v1.GenerateRequest
-	(*GenerateEvent)(nil),   // 6: baton.worker.v1.GenerateEvent
-	(*Tokens)(nil),          // 7: baton.worker.v1.Tokens
-	(*Final)(nil),           // 8: baton.worker.v1.Final
-	(*PrefillRequest)(nil),  // 9: baton.worker.v1.PrefillRequest
-	(*PrefillResult)(nil),   // 10: baton.worker.v1.PrefillResult
-	(*DecodeRequest)(nil),   // 11: baton.worker.v1.DecodeRequest
-	(*HasRequest)(nil),      // 12: baton.worker.v1.HasRequest
-	(*HasResponse)(nil),     // 13: baton.worker.v1.HasResponse
-	(*BlockChunk)(nil),      // 14: baton.worker.v1.BlockChunk
-	(*PushResult)(nil),      // 15: baton.worker.v1.PushResult
-	(*WatchRequest)(nil),    // 16: baton.worker.v1.WatchRequest
-	(*WatchEvent)(nil),      // 17: baton.worker.v1.WatchEvent
-	(*Snapshot)(nil),        // 18: baton.worker.v1.Snapshot
-	(*LoadReport)(nil),      // 19: baton.worker.v1.LoadReport
-	(*CacheEvent)(nil),      // 20: baton.worker.v1.CacheEvent
+	(*CostParams)(nil),      // 5: baton.worker.v1.CostParams
+	(*GenerateRequest)(nil), // 6: baton.worker.v1.GenerateRequest
+	(*GenerateEvent)(nil),   // 7: baton.worker.v1.GenerateEvent
+	(*Tokens)(nil),          // 8: baton.worker.v1.Tokens
+	(*Final)(nil),           // 9: baton.worker.v1.Final
+	(*PrefillRequest)(nil),  // 10: baton.worker.v1.PrefillRequest
+	(*PrefillResult)(nil),   // 11: baton.worker.v1.PrefillResult
+	(*DecodeRequest)(nil),   // 12: baton.worker.v1.DecodeRequest
+	(*HasRequest)(nil),      // 13: baton.worker.v1.HasRequest
+	(*HasResponse)(nil),     // 14: baton.worker.v1.HasResponse
+	(*BlockChunk)(nil),      // 15: baton.worker.v1.BlockChunk
+	(*PushResult)(nil),      // 16: baton.worker.v1.PushResult
+	(*WatchRequest)(nil),    // 17: baton.worker.v1.WatchRequest
+	(*WatchEvent)(nil),      // 18: baton.worker.v1.WatchEvent
+	(*Snapshot)(nil),        // 19: baton.worker.v1.Snapshot
+	(*LoadReport)(nil),      // 20: baton.worker.v1.LoadReport
+	(*CacheEvent)(nil),      // 21: baton.worker.v1.CacheEvent
 }
 var file_worker_proto_depIdxs = []int32{
 	0,  // 0: baton.worker.v1.InfoResponse.role:type_name -> baton.worker.v1.Role
-	7,  // 1: baton.worker.v1.GenerateEvent.tokens:type_name -> baton.worker.v1.Tokens
-	8,  // 2: baton.worker.v1.GenerateEvent.final:type_name -> baton.worker.v1.Final
-	5,  // 3: baton.worker.v1.PrefillRequest.request:type_name -> baton.worker.v1.GenerateRequest
-	5,  // 4: baton.worker.v1.DecodeRequest.request:type_name -> baton.worker.v1.GenerateRequest
-	18, // 5: baton.worker.v1.WatchEvent.snapshot:type_name -> baton.worker.v1.Snapshot
-	19, // 6: baton.worker.v1.WatchEvent.load:type_name -> baton.worker.v1.LoadReport
-	20, // 7: baton.worker.v1.WatchEvent.cache:type_name -> baton.worker.v1.CacheEvent
-	19, // 8: baton.worker.v1.Snapshot.load:type_name -> baton.worker.v1.LoadReport
-	20, // 9: baton.worker.v1.Snapshot.blocks:type_name -> baton.worker.v1.CacheEvent
-	2,  // 10: baton.worker.v1.CacheEvent.kind:type_name -> baton.worker.v1.CacheEvent.Kind
-	1,  // 11: baton.worker.v1.CacheEvent.tier:type_name -> baton.worker.v1.Tier
-	3,  // 12: baton.worker.v1.Worker.Info:input_type -> baton.worker.v1.InfoRequest
-	5,  // 13: baton.worker.v1.Worker.Generate:input_type -> baton.worker.v1.GenerateRequest
-	16, // 14: baton.worker.v1.Worker.Watch:input_type -> baton.worker.v1.WatchRequest
-	9,  // 15: baton.worker.v1.Worker.Prefill:input_type -> baton.worker.v1.PrefillRequest
-	11, // 16: baton.worker.v1.Worker.Decode:input_type -> baton.worker.v1.DecodeRequest
-	12, // 17: baton.worker.v1.KVTransfer.Has:input_type -> baton.worker.v1.HasRequest
-	14, // 18: baton.worker.v1.KVTransfer.Push:input_type -> baton.worker.v1.BlockChunk
-	4,  // 19: baton.worker.v1.Worker.Info:output_type -> baton.worker.v1.InfoResponse
-	6,  // 20: baton.worker.v1.Worker.Generate:output_type -> baton.worker.v1.GenerateEvent
-	17, // 21: baton.worker.v1.Worker.Watch:output_type -> baton.worker.v1.WatchEvent
-	10, // 22: baton.worker.v1.Worker.Prefill:output_type -> baton.worker.v1.PrefillResult
-	6,  // 23: baton.worker.v1.Worker.Decode:output_type -> baton.worker.v1.GenerateEvent
-	13, // 24: baton.worker.v1.KVTransfer.Has:output_type -> baton.worker.v1.HasResponse
-	15, // 25: baton.worker.v1.KVTransfer.Push:output_type -> baton.worker.v1.PushResult
-	19, // [19:26] is the sub-list for method output_type
-	12, // [12:19] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	5,  // 1: baton.worker.v1.InfoResponse.cost:type_name -> baton.worker.v1.CostParams
+	8,  // 2: baton.worker.v1.GenerateEvent.tokens:type_name -> baton.worker.v1.Tokens
+	9,  // 3: baton.worker.v1.GenerateEvent.final:type_name -> baton.worker.v1.Final
+	6,  // 4: baton.worker.v1.PrefillRequest.request:type_name -> baton.worker.v1.GenerateRequest
+	6,  // 5: baton.worker.v1.DecodeRequest.request:type_name -> baton.worker.v1.GenerateRequest
+	19, // 6: baton.worker.v1.WatchEvent.snapshot:type_name -> baton.worker.v1.Snapshot
+	20, // 7: baton.worker.v1.WatchEvent.load:type_name -> baton.worker.v1.LoadReport
+	21, // 8: baton.worker.v1.WatchEvent.cache:type_name -> baton.worker.v1.CacheEvent
+	20, // 9: baton.worker.v1.Snapshot.load:type_name -> baton.worker.v1.LoadReport
+	21, // 10: baton.worker.v1.Snapshot.blocks:type_name -> baton.worker.v1.CacheEvent
+	2,  // 11: baton.worker.v1.CacheEvent.kind:type_name -> baton.worker.v1.CacheEvent.Kind
+	1,  // 12: baton.worker.v1.CacheEvent.tier:type_name -> baton.worker.v1.Tier
+	1,  // 13: baton.worker.v1.CacheEvent.from_tier:type_name -> baton.worker.v1.Tier
+	3,  // 14: baton.worker.v1.Worker.Info:input_type -> baton.worker.v1.InfoRequest
+	6,  // 15: baton.worker.v1.Worker.Generate:input_type -> baton.worker.v1.GenerateRequest
+	17, // 16: baton.worker.v1.Worker.Watch:input_type -> baton.worker.v1.WatchRequest
+	10, // 17: baton.worker.v1.Worker.Prefill:input_type -> baton.worker.v1.PrefillRequest
+	12, // 18: baton.worker.v1.Worker.Decode:input_type -> baton.worker.v1.DecodeRequest
+	13, // 19: baton.worker.v1.KVTransfer.Has:input_type -> baton.worker.v1.HasRequest
+	15, // 20: baton.worker.v1.KVTransfer.Push:input_type -> baton.worker.v1.BlockChunk
+	4,  // 21: baton.worker.v1.Worker.Info:output_type -> baton.worker.v1.InfoResponse
+	7,  // 22: baton.worker.v1.Worker.Generate:output_type -> baton.worker.v1.GenerateEvent
+	18, // 23: baton.worker.v1.Worker.Watch:output_type -> baton.worker.v1.WatchEvent
+	11, // 24: baton.worker.v1.Worker.Prefill:output_type -> baton.worker.v1.PrefillResult
+	7,  // 25: baton.worker.v1.Worker.Decode:output_type -> baton.worker.v1.GenerateEvent
+	14, // 26: baton.worker.v1.KVTransfer.Has:output_type -> baton.worker.v1.HasResponse
+	16, // 27: baton.worker.v1.KVTransfer.Push:output_type -> baton.worker.v1.PushResult
+	21, // [21:28] is the sub-list for method output_type
+	14, // [14:21] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_worker_proto_init() }
@@ -1652,11 +1850,11 @@ func file_worker_proto_init() {
 	if File_worker_proto != nil {
 		return
 	}
-	file_worker_proto_msgTypes[3].OneofWrappers = []any{
+	file_worker_proto_msgTypes[4].OneofWrappers = []any{
 		(*GenerateEvent_Tokens)(nil),
 		(*GenerateEvent_Final)(nil),
 	}
-	file_worker_proto_msgTypes[14].OneofWrappers = []any{
+	file_worker_proto_msgTypes[15].OneofWrappers = []any{
 		(*WatchEvent_Snapshot)(nil),
 		(*WatchEvent_Load)(nil),
 		(*WatchEvent_Cache)(nil),
@@ -1667,7 +1865,7 @@ func file_worker_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_worker_proto_rawDesc), len(file_worker_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   18,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

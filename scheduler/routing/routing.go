@@ -29,6 +29,17 @@ type Request struct {
 	// PrefixKey is blockkey.Prefix (or PrefixBytes) of the routing text,
 	// seeded with blockkey.Seed(Model, Tenant), computed by the front end.
 	PrefixKey uint64
+	// Keys are the chained keys of the routing text's full blocks
+	// (blockkey.Append), computed by the front end only for strategies
+	// that implement KeyUser; Tokens is the prompt's length in tokens.
+	Keys   []uint64
+	Tokens int
+}
+
+// KeyUser is implemented by strategies that route on block keys (kv_aware):
+// the front end computes Request.Keys for them.
+type KeyUser interface {
+	UsesKeys() bool
 }
 
 // Decision is a strategy's choice.
@@ -42,6 +53,10 @@ type Decision struct {
 	// Spill reports that the request left the worker its prefix maps to
 	// because that worker was at the concurrency threshold.
 	Spill bool
+	// PredictedCached is the number of prompt tokens the strategy expects
+	// the worker to find cached in some tier (kv_aware), or -1 when the
+	// strategy makes no prediction.
+	PredictedCached int
 	// Reason says briefly why Worker was chosen, for logs and metrics
 	// labels: one of the Reason constants.
 	Reason string
