@@ -679,8 +679,12 @@ type Final struct {
 	PromptTokens     int32  `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	CachedTokens     int32  `protobuf:"varint,3,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	CompletionTokens int32  `protobuf:"varint,4,opt,name=completion_tokens,json=completionTokens,proto3" json:"completion_tokens,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// cached_tokens by the tier they were found in (they sum to it).
+	CachedGpuTokens   int32 `protobuf:"varint,5,opt,name=cached_gpu_tokens,json=cachedGpuTokens,proto3" json:"cached_gpu_tokens,omitempty"`
+	CachedCpuTokens   int32 `protobuf:"varint,6,opt,name=cached_cpu_tokens,json=cachedCpuTokens,proto3" json:"cached_cpu_tokens,omitempty"`
+	CachedRedisTokens int32 `protobuf:"varint,7,opt,name=cached_redis_tokens,json=cachedRedisTokens,proto3" json:"cached_redis_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *Final) Reset() {
@@ -737,6 +741,27 @@ func (x *Final) GetCachedTokens() int32 {
 func (x *Final) GetCompletionTokens() int32 {
 	if x != nil {
 		return x.CompletionTokens
+	}
+	return 0
+}
+
+func (x *Final) GetCachedGpuTokens() int32 {
+	if x != nil {
+		return x.CachedGpuTokens
+	}
+	return 0
+}
+
+func (x *Final) GetCachedCpuTokens() int32 {
+	if x != nil {
+		return x.CachedCpuTokens
+	}
+	return 0
+}
+
+func (x *Final) GetCachedRedisTokens() int32 {
+	if x != nil {
+		return x.CachedRedisTokens
 	}
 	return 0
 }
@@ -1663,12 +1688,15 @@ const file_worker_proto_rawDesc = "" +
 	"\x05event\"2\n" +
 	"\x06Tokens\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\x12\x14\n" +
-	"\x05count\x18\x02 \x01(\x05R\x05count\"\xa3\x01\n" +
+	"\x05count\x18\x02 \x01(\x05R\x05count\"\xab\x02\n" +
 	"\x05Final\x12#\n" +
 	"\rfinish_reason\x18\x01 \x01(\tR\ffinishReason\x12#\n" +
 	"\rprompt_tokens\x18\x02 \x01(\x05R\fpromptTokens\x12#\n" +
 	"\rcached_tokens\x18\x03 \x01(\x05R\fcachedTokens\x12+\n" +
-	"\x11completion_tokens\x18\x04 \x01(\x05R\x10completionTokens\"\xf9\x01\n" +
+	"\x11completion_tokens\x18\x04 \x01(\x05R\x10completionTokens\x12*\n" +
+	"\x11cached_gpu_tokens\x18\x05 \x01(\x05R\x0fcachedGpuTokens\x12*\n" +
+	"\x11cached_cpu_tokens\x18\x06 \x01(\x05R\x0fcachedCpuTokens\x12.\n" +
+	"\x13cached_redis_tokens\x18\a \x01(\x05R\x11cachedRedisTokens\"\xf9\x01\n" +
 	"\x0ePrefillRequest\x12:\n" +
 	"\arequest\x18\x01 \x01(\v2 .baton.worker.v1.GenerateRequestR\arequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x02 \x01(\tR\n" +

@@ -53,6 +53,9 @@ type Final struct {
 	PromptTokens     int
 	CachedTokens     int
 	CompletionTokens int
+	// CachedTokens by the tier they were found in, for engines with tiers
+	// (baton workers); all zero when unknown.
+	CachedGPU, CachedCPU, CachedRedis int
 }
 
 // Stream is a generation in progress. Recv is called from one goroutine;
