@@ -318,6 +318,9 @@ func (s *stream) Recv() (engine.Event, error) {
 			PromptTokens:     int(f.GetPromptTokens()),
 			CachedTokens:     int(f.GetCachedTokens()),
 			CompletionTokens: int(f.GetCompletionTokens()),
+			CachedGPU:        int(f.GetCachedGpuTokens()),
+			CachedCPU:        int(f.GetCachedCpuTokens()),
+			CachedRedis:      int(f.GetCachedRedisTokens()),
 		}}, nil
 	default:
 		s.cancel()
