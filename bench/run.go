@@ -21,6 +21,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/scheduler"
@@ -158,7 +159,7 @@ func gather(f *fleet, target string) ([]*dto.MetricFamily, error) {
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("GET /metrics: HTTP %d", resp.StatusCode)
 	}
-	var p expfmt.TextParser
+	p := expfmt.NewTextParser(model.UTF8Validation)
 	m, err := p.TextToMetricFamilies(resp.Body)
 	if err != nil {
 		return nil, err
