@@ -126,6 +126,12 @@ type Server struct {
 	created  int64
 	disagg   *Disagg // nil: colocated serving
 	name     string  // the routing strategy's name, for metrics and headers
+	usesKeys bool    // a strategy routes on block keys: compute them
+}
+
+func usesKeys(s routing.Strategy) bool {
+	k, ok := s.(routing.KeyUser)
+	return ok && k.UsesKeys()
 }
 
 // Option configures a Server.
@@ -151,8 +157,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 		o(s)
 	}
 	s.name = strategy.Name()
+	s.usesKeys = usesKeys(strategy)
 	if s.disagg != nil {
 		s.name = s.disagg.Strategy.Name()
+		s.usesKeys = s.usesKeys || usesKeys(s.disagg.Strategy)
 	}
 	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
 	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
@@ -231,7 +239,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
-	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy}
+	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1}
 	outcome := x.run(ctx)
 
 	s.metrics.Requests.WithLabelValues(strategy, x.worker, outcome).Inc()
@@ -277,6 +285,10 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}
+	if s.usesKeys {
+		rreq.Keys = blockkey.Append(make([]uint64, 0, len(req.Prompt)/blockkey.DefaultBlockChars), seed, req.Prompt, blockkey.DefaultBlockChars)
+		rreq.Tokens = blockkey.Tokens(blockkey.Chars(req.Prompt))
+	}
 	if rt.native {
 		rreq.PrefixKey = blockkey.PrefixBytes(seed, body, s.cfg.PrefixLength)
 	} else {
@@ -297,7 +309,10 @@ type exchange struct {
 	tried    []*pool.Worker
 	lastTok  time.Time
 	route    string // X-Baton-Route of the prefill decision, if any
-	disagg   string // how the prompt was prefilled, when disaggregated
+	// predicted is the strategy's predicted cached tokens for the worker
+	// that serves, or -1 when it made no prediction.
+	predicted int
+	disagg    string // how the prompt was prefilled, when disaggregated
 }
 
 // run routes and serves the request, writing exactly one outcome to the
@@ -324,6 +339,10 @@ func (x *exchange) run(ctx context.Context) string {
 			continue
 		}
 		x.worker = wk.Name
+		x.predicted = -1
+		if s.disagg == nil && s.usesKeys && d.Reason != "retry" {
+			x.predicted = d.PredictedCached
+		}
 		if d.Spill && d.Home != nil {
 			s.metrics.Spills.WithLabelValues(x.strategy, d.Home.Name).Inc()
 		}
@@ -443,8 +462,21 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 }
 
 func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
-	x.s.metrics.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
-	x.s.metrics.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))
+	m := x.s.metrics
+	m.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
+	m.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))
+	for _, t := range []struct {
+		tier   string
+		tokens int
+	}{{"gpu", f.CachedGPU}, {"cpu", f.CachedCPU}, {"redis", f.CachedRedis}} {
+		if t.tokens > 0 {
+			m.TierHits.WithLabelValues(t.tier).Add(float64(t.tokens))
+		}
+	}
+	if x.predicted >= 0 {
+		m.PredictedCached.WithLabelValues(x.strategy).Add(float64(x.predicted))
+		m.AchievedCached.WithLabelValues(x.strategy).Add(float64(f.CachedTokens))
+	}
 }
 
 // fail writes err to the client as an OpenAI error and returns its outcome.

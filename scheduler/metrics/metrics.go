@@ -45,6 +45,11 @@ type Metrics struct {
 	PromptTokens *prometheus.CounterVec // worker
 	CachedTokens *prometheus.CounterVec // worker
 
+	// KV-aware routing.
+	PredictedCached *prometheus.CounterVec // strategy
+	AchievedCached  *prometheus.CounterVec // strategy
+	TierHits        *prometheus.CounterVec // tier (gpu, cpu, redis)
+
 	// Disaggregated prefill/decode.
 	DisaggDecisions  *prometheus.CounterVec   // decision (remote, local), reason
 	Fallbacks        *prometheus.CounterVec   // reason
@@ -112,6 +117,15 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		CachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_cached_tokens_total", Help: "Prompt tokens served from the worker's KV cache, by worker (hit rate = cached / prompt).",
 		}, []string{"worker"}),
+		PredictedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_kv_predicted_cached_tokens_total", Help: "Prompt tokens the strategy expected the chosen worker to find cached (strategies that predict, such as kv_aware).",
+		}, []string{"strategy"}),
+		AchievedCached: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_kv_achieved_cached_tokens_total", Help: "Prompt tokens the chosen worker did find cached, for the requests counted in baton_kv_predicted_cached_tokens_total.",
+		}, []string{"strategy"}),
+		TierHits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_cached_tokens_by_tier_total", Help: "Cached prompt tokens by the tier the worker found them in (gpu, cpu, redis).",
+		}, []string{"tier"}),
 		DisaggDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_disagg_decisions_total", Help: "Disaggregation decisions: remote prefill on a prefill worker, or local prefill on the decode worker, and why.",
 		}, []string{"decision", "reason"}),
@@ -135,6 +149,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		}, []string{"phase"}),
 	}
 	for _, c := range []prometheus.Collector{
+		m.PredictedCached, m.AchievedCached, m.TierHits,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
 		m.Spills, m.Retries, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
