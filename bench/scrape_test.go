@@ -16,7 +16,7 @@ func TestScrapeDecisionHistogram(t *testing.T) {
 	for range 10 {
 		m.Decision.WithLabelValues("prefix_aware").Observe(3e-6)
 	}
-	srv := httptest.NewServer(promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
 	defer srv.Close()
 	mfs, err := gather(nil, srv.URL)
 	if err != nil {
