@@ -6,6 +6,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/batonllm/baton/bench"
@@ -28,7 +30,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	conc := fs.Int("concurrency", 0, "cap on requests in flight (0: open loop)")
 	seed := fs.Uint64("seed", 1, "seed of the workload and the arrivals")
 	out := fs.String("out", "bench/out", "`directory` for report.md, report.json, summary.csv and the PNG plots")
-	trace := fs.String("trace", "", "trace file (default /work/shared/traces/mooncake_conversation_trace.jsonl or azure2023_conv.csv)")
+	trace := fs.String("trace", "", "trace file (default: mooncake_conversation_trace.jsonl or azure2023_conv.csv in $BATON_TRACES or a shared/traces folder beside the working directory or a parent)")
 	docs := fs.Int("docs", 200, "long-context: shared documents")
 	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
 	model := fs.String("model", "llama-3.1-8b", "model preset of the simulated workers (and the model requested)")
@@ -116,7 +118,29 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return nil
 }
 
-const tracesDir = "/work/shared/traces/"
+// tracesDir finds the shared traces: $BATON_TRACES, else a shared/traces
+// folder beside the working directory or one of its parents (the project
+// keeps its traces in ../shared/traces).
+func tracesDir() string {
+	if d := os.Getenv("BATON_TRACES"); d != "" {
+		return d
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "."
+	}
+	for {
+		d := filepath.Join(dir, "shared", "traces")
+		if st, err := os.Stat(d); err == nil && st.IsDir() {
+			return d
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return filepath.Join("..", "shared", "traces")
+		}
+		dir = parent
+	}
+}
 
 func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop string) (*workload.Workload, error) {
 	synthetic := n
@@ -138,7 +162,7 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		return workload.Agentic(workload.AgenticConfig{}, synthetic, seed)
 	case "mooncake":
 		if trace == "" {
-			trace = tracesDir + "mooncake_conversation_trace.jsonl"
+			trace = filepath.Join(tracesDir(), "mooncake_conversation_trace.jsonl")
 		}
 		recs, err := workload.LoadTrace(trace, records, workload.ParseMooncake)
 		if err != nil {
@@ -147,7 +171,7 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		return workload.Mooncake(recs, seed), nil
 	case "azure":
 		if trace == "" {
-			trace = tracesDir + "azure2023_conv.csv"
+			trace = filepath.Join(tracesDir(), "azure2023_conv.csv")
 		}
 		recs, err := workload.LoadTrace(trace, records, workload.ParseAzure)
 		if err != nil {
