@@ -1,0 +1,173 @@
+package kvstore
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/batonllm/baton/transfer"
+)
+
+// Redis is the shared tier in a Redis server, through go-redis. Every call
+// is one pipelined round trip (plus, rarely, one that deletes bad values).
+// It does not retry: an error means the tier is unavailable for now.
+type Redis struct {
+	client *redis.Client
+	ttl    time.Duration // 0: no expiry
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// NewRedis returns a store on the server cfg names. It does not connect:
+// connections are made by the first calls, so a Redis that is down at
+// start is no reason not to start.
+func NewRedis(cfg RedisConfig) (*Redis, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	opts := &redis.Options{
+		Addr:         cfg.Addr,
+		Username:     cfg.Username,
+		Password:     cfg.Password,
+		DB:           cfg.DB,
+		DialTimeout:  cfg.DialTimeout,
+		ReadTimeout:  cfg.ReadTimeout,
+		WriteTimeout: cfg.WriteTimeout,
+		PoolSize:     cfg.PoolSize,
+		// Waiting for a free connection is as bounded as reading.
+		PoolTimeout:           cfg.ReadTimeout,
+		ContextTimeoutEnabled: true,
+		// Fail fast: a refused dial or a broken connection is reported
+		// at once (go-redis would otherwise retry a dial 5 times, 100ms
+		// apart, and a command 3 times); the caller recomputes and the
+		// breaker decides when to try again.
+		MaxRetries:    -1,
+		DialerRetries: 1,
+		// No CLIENT SETINFO nor CLIENT MAINT_NOTIFICATIONS on connect: one
+		// round trip per new connection, whatever the server version.
+		DisableIdentity:          true,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+	}
+	if cfg.TLS {
+		host, _, _ := net.SplitHostPort(cfg.Addr)
+		opts.TLSConfig = &tls.Config{
+			MinVersion:         tls.VersionTLS12,
+			ServerName:         host,
+			InsecureSkipVerify: cfg.TLSInsecureSkipVerify, // tests only (Validate says so)
+		}
+	}
+	r := &Redis{client: redis.NewClient(opts)}
+	if cfg.TTL > 0 {
+		r.ttl = cfg.TTL
+	}
+	return r, nil
+}
+
+// Put writes blocks with one pipelined SET … EX per block, in one round
+// trip. The values are encoded into one buffer for the whole call.
+func (r *Redis) Put(ctx context.Context, ns transfer.Namespace, blocks []transfer.Block) error {
+	if len(blocks) == 0 {
+		return nil
+	}
+	n := 0
+	for _, b := range blocks {
+		n += valueSize(len(b.Data))
+	}
+	buf := make([]byte, n)
+	pipe := r.client.Pipeline()
+	for _, b := range blocks {
+		v := encode(buf, b.Data)
+		buf = buf[len(v):]
+		pipe.Set(ctx, transfer.StoreKey(ns, b.Key), v, r.ttl)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return fmt.Errorf("redis put of %d blocks: %w", len(blocks), err)
+	}
+	return nil
+}
+
+// Get fetches keys with pipelined GETs in one round trip. The payloads it
+// returns alias go-redis's read buffers: no copy after the socket read. A
+// value that fails verification is deleted (best effort, one more round
+// trip) and reported as missing.
+func (r *Redis) Get(ctx context.Context, ns transfer.Namespace, keys []uint64, size int) ([][]byte, error) {
+	data := make([][]byte, len(keys))
+	if len(keys) == 0 {
+		return data, nil
+	}
+	pipe := r.client.Pipeline()
+	cmds := make([]*redis.StringCmd, len(keys))
+	for i, k := range keys {
+		cmds[i] = pipe.Get(ctx, transfer.StoreKey(ns, k))
+	}
+	// Exec reports the first failed command, and a missing key is one
+	// (redis.Nil); the loop below tells them apart.
+	_, _ = pipe.Exec(ctx)
+	var bad []string
+	for i, cmd := range cmds {
+		v, err := cmd.Bytes()
+		switch {
+		case errors.Is(err, redis.Nil):
+			continue
+		case err != nil:
+			return nil, fmt.Errorf("redis get of %d blocks: %w", len(keys), err)
+		}
+		p, err := decode(keys[i], v, size)
+		if err != nil {
+			bad = append(bad, transfer.StoreKey(ns, keys[i]))
+			continue
+		}
+		data[i] = p
+	}
+	if len(bad) > 0 {
+		// Best effort: a value that failed to delete fails again next time.
+		_ = r.client.Del(ctx, bad...).Err()
+	}
+	return data, nil
+}
+
+// Exists reports which keys are present, with pipelined EXISTS in one
+// round trip.
+func (r *Redis) Exists(ctx context.Context, ns transfer.Namespace, keys []uint64) ([]bool, error) {
+	ok := make([]bool, len(keys))
+	if len(keys) == 0 {
+		return ok, nil
+	}
+	pipe := r.client.Pipeline()
+	cmds := make([]*redis.IntCmd, len(keys))
+	for i, k := range keys {
+		cmds[i] = pipe.Exists(ctx, transfer.StoreKey(ns, k))
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, fmt.Errorf("redis exists of %d keys: %w", len(keys), err)
+	}
+	for i, cmd := range cmds {
+		ok[i] = cmd.Val() > 0
+	}
+	return ok, nil
+}
+
+// Ping checks that the server answers, for readiness reports.
+func (r *Redis) Ping(ctx context.Context) error {
+	if err := r.client.Ping(ctx).Err(); err != nil {
+		return fmt.Errorf("redis ping: %w", err)
+	}
+	return nil
+}
+
+// Close closes the connections. It is idempotent; calls after it fail.
+func (r *Redis) Close() error {
+	r.closeOnce.Do(func() { r.closeErr = r.client.Close() })
+	return r.closeErr
+}
+
+var _ transfer.Store = (*Redis)(nil)
