@@ -6,8 +6,12 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/blockkey"
 )
+
+// testNS is the namespace of promptKeys("", …) blocks.
+var testNS = transfer.Namespace{Model: "m", Salt: blockkey.Seed("m", "")}
 
 // recorder collects cache events.
 type recorder struct{ events []CacheEvent }
@@ -22,12 +26,12 @@ func promptKeys(tenant, prompt string) []uint64 {
 // fully computed, and returns the hits.
 func admit(t *testing.T, c *Cache, keys []uint64) int {
 	t.Helper()
-	hits, ok := c.Acquire(keys, 0)
+	hits, ok := c.Acquire(testNS, keys, 0)
 	if !ok {
 		t.Fatalf("Acquire(%d keys) did not fit", len(keys))
 	}
-	c.Commit(keys[hits:])
-	return hits
+	c.Commit(testNS, keys[hits.N:])
+	return hits.N
 }
 
 func TestCacheHitsRepeatedPrefix(t *testing.T) {
@@ -58,8 +62,8 @@ func TestCacheHitsRepeatedPrefix(t *testing.T) {
 		t.Errorf("Cached() = %d, want %d", got, want)
 	}
 	want := []CacheEvent{
-		{Kind: BlockStored, Keys: a},
-		{Kind: BlockStored, Keys: b[4:]},
+		{Kind: BlockStored, Tier: TierGPU, Keys: a},
+		{Kind: BlockStored, Tier: TierGPU, Keys: b[4:]},
 	}
 	if diff := cmp.Diff(want, rec.events); diff != "" {
 		t.Errorf("events (-want +got):\n%s", diff)
@@ -81,7 +85,7 @@ func TestCacheLRUEviction(t *testing.T) {
 	// Two more blocks: one free slot, then y is evicted.
 	w := promptKeys("", strings.Repeat("w", 128))
 	admit(t, c, w)
-	want := CacheEvent{Kind: BlockRemoved, Keys: y}
+	want := CacheEvent{Kind: BlockRemoved, Tier: TierGPU, Keys: y}
 	if diff := cmp.Diff(want, rec.events[len(rec.events)-2]); diff != "" {
 		t.Errorf("eviction (-want +got):\n%s", diff)
 	}
@@ -112,16 +116,16 @@ func TestCacheReferencedNeverEvicted(t *testing.T) {
 	held := promptKeys("", strings.Repeat("h", 64*3))
 	admit(t, c, held) // referenced: not released
 	other := promptKeys("", strings.Repeat("o", 64*2))
-	if _, ok := c.Acquire(other, 0); ok {
+	if _, ok := c.Acquire(testNS, other, 0); ok {
 		t.Fatalf("Acquire of 2 blocks with 1 free succeeded; it must not evict referenced blocks")
 	}
-	if _, ok := c.Acquire(nil, 2); ok {
+	if _, ok := c.Acquire(testNS, nil, 2); ok {
 		t.Fatalf("reserving 2 blocks with 1 free succeeded")
 	}
 	if got := c.Lookup(held); got != 3 {
 		t.Errorf("held blocks: Lookup = %d, want 3", got)
 	}
-	if _, ok := c.Acquire(nil, 1); !ok {
+	if _, ok := c.Acquire(testNS, nil, 1); !ok {
 		t.Errorf("reserving the last free block failed")
 	}
 	if got := c.Used(); got != 4 {
@@ -162,12 +166,12 @@ func TestCacheConcurrentCommitDedupes(t *testing.T) {
 	keys := promptKeys("", strings.Repeat("d", 64*2))
 	// Two sequences admitted before either computed the blocks.
 	for range 2 {
-		if hits, ok := c.Acquire(keys, 0); !ok || hits != 0 {
+		if hits, ok := c.Acquire(testNS, keys, 0); !ok || hits.N != 0 {
 			t.Fatalf("Acquire = %d, %v; want 0, true", hits, ok)
 		}
 	}
-	c.Commit(keys)
-	c.Commit(keys)
+	c.Commit(testNS, keys)
+	c.Commit(testNS, keys)
 	if got := c.Used(); got != 2 {
 		t.Errorf("Used() = %d, want 2 (shared blocks, reservations freed)", got)
 	}
@@ -188,7 +192,7 @@ func TestCacheSnapshot(t *testing.T) {
 	c.Release(a[1:], 0) // a[1] unreferenced, a[0] held (as by a second sequence)
 	var got []uint64
 	var used int64
-	c.Snapshot(func(keys []uint64, u int64) { got, used = append(got, keys...), u })
+	c.Snapshot(func(keys, _ []uint64, u int64) { got, used = append(got, keys...), u })
 	if diff := cmp.Diff(a, got); diff != "" {
 		t.Errorf("snapshot keys (-want +got):\n%s", diff)
 	}
@@ -207,11 +211,11 @@ func BenchmarkCacheAcquireRelease(b *testing.B) {
 	b.ResetTimer()
 	for i := range b.N {
 		keys := prompts[i%len(prompts)]
-		hits, ok := c.Acquire(keys, 2)
+		hits, ok := c.Acquire(testNS, keys, 2)
 		if !ok {
 			b.Fatal("no room")
 		}
-		c.Commit(keys[hits:])
+		c.Commit(testNS, keys[hits.N:])
 		c.Release(keys, 2)
 	}
 }

@@ -1,11 +1,13 @@
 package sim
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvblock"
 )
 
@@ -24,6 +26,39 @@ const (
 // blocks cross between workers, bytes/s: 50 GB/s, about a 400 Gb/s RDMA
 // NIC.
 const DefaultLinkBandwidth = 50e9
+
+// Tier defaults.
+const (
+	// DefaultCPUMemoryBytes is the host memory a worker gives its CPU KV
+	// tier by default: 256 GiB (a GPU's share of a 2 TiB, 8-GPU host).
+	DefaultCPUMemoryBytes = 256 << 30
+	// DefaultRedisBandwidth is the modelled bandwidth of fetches from the
+	// shared Redis tier, bytes/s: 10 GB/s, about a 100 Gb/s NIC.
+	DefaultRedisBandwidth = 10e9
+	// DefaultRedisRTT is the modelled fixed time of one round trip to the
+	// shared tier (one batched fetch).
+	DefaultRedisRTT = 500 * time.Microsecond
+	// DefaultStoreTimeout bounds, in real time, one lookup in the shared
+	// tier at admission.
+	DefaultStoreTimeout = 250 * time.Millisecond
+	// DefaultStoreQueue is how many blocks may wait to be written to the
+	// shared tier; more are dropped (and counted).
+	DefaultStoreQueue = 4096
+)
+
+// Policies of writes to the shared tier (Config.StorePolicy).
+const (
+	// PolicyDemotion writes a block when it leaves the worker's last local
+	// tier (the CPU tier, or the GPU tier without one).
+	PolicyDemotion = "demotion"
+	// PolicyWriteThrough writes every newly computed block.
+	PolicyWriteThrough = "write-through"
+)
+
+// WarmupFunc lists the prefixes a starting worker should fetch from the
+// shared tier, hottest first: one namespace and one list of chained block
+// keys per prefix.
+type WarmupFunc func(ctx context.Context) ([]transfer.Namespace, [][]uint64, error)
 
 // DefaultTransferTimeout is how long Decode waits for a transfer by
 // default.
@@ -94,6 +129,52 @@ type Config struct {
 	// actual network. Default DefaultLinkBandwidth; negative models an
 	// infinitely fast link (no sleep).
 	LinkBandwidth float64
+
+	// CPUBlocks is the CPU (host memory) tier's capacity in blocks of 16
+	// tokens: GPU blocks evicted LRU are demoted there instead of dropped,
+	// and promoted back at a modelled PCIe copy cost when a sequence hits
+	// them. Default: CPUMemoryBytes over the real KV bytes of a block;
+	// negative: no CPU tier.
+	CPUBlocks int64
+	// CPUMemoryBytes is the host memory of the CPU tier when CPUBlocks is
+	// 0. Default DefaultCPUMemoryBytes.
+	CPUMemoryBytes float64
+	// PCIeBandwidth overrides the GPU preset's PCIe bandwidth (bytes/s
+	// each way, per GPU; a TP group copies over TP links at once).
+	// Promoting n blocks from the CPU tier adds n × real KV bytes per
+	// block / (PCIeBandwidth × TP) to the modelled time of the step that
+	// admits the sequence (the copy is synchronous, as vLLM's swap-in).
+	PCIeBandwidth float64
+
+	// Store is the fleet's shared KV tier (Redis, or an in-process store);
+	// nil: none. The engine reads it at admission and writes to it by
+	// StorePolicy, never failing a request on its errors. The caller owns
+	// it: Close does not close it.
+	Store transfer.Store
+	// StorePolicy is PolicyDemotion (default) or PolicyWriteThrough.
+	StorePolicy string
+	// RedisBandwidth (bytes/s) and RedisRTT model a fetch from the shared
+	// tier: a sequence whose next leading blocks are fetched waits
+	// RedisRTT + n × real KV bytes per block / RedisBandwidth (over
+	// TimeScale) before it is queued. Defaults DefaultRedisBandwidth and
+	// DefaultRedisRTT.
+	RedisBandwidth float64
+	RedisRTT       time.Duration
+	// StoreTimeout bounds one lookup in the shared tier, in real time.
+	// Default DefaultStoreTimeout.
+	StoreTimeout time.Duration
+	// StoreQueue bounds the blocks waiting to be written to the shared
+	// tier. Default DefaultStoreQueue.
+	StoreQueue int
+
+	// WarmupTopK, with a Store and WarmupKeys, makes a starting engine
+	// fetch the blocks of the first WarmupTopK prefixes WarmupKeys lists
+	// (see Engine.Warm). Default 0: no warm-up.
+	WarmupTopK int
+	// WarmupKeys lists the hottest prefixes of the fleet. The scheduler,
+	// which sees every request, is the one to know them; the engine only
+	// calls this hook once at start.
+	WarmupKeys WarmupFunc
 }
 
 // DefaultConfig returns the configuration the zero Config stands for.
@@ -154,6 +235,24 @@ func (c Config) WithDefaults() Config {
 	if c.LinkBandwidth == 0 {
 		c.LinkBandwidth = DefaultLinkBandwidth
 	}
+	if c.CPUMemoryBytes == 0 {
+		c.CPUMemoryBytes = DefaultCPUMemoryBytes
+	}
+	if c.StorePolicy == "" {
+		c.StorePolicy = PolicyDemotion
+	}
+	if c.RedisBandwidth == 0 {
+		c.RedisBandwidth = DefaultRedisBandwidth
+	}
+	if c.RedisRTT == 0 {
+		c.RedisRTT = DefaultRedisRTT
+	}
+	if c.StoreTimeout == 0 {
+		c.StoreTimeout = DefaultStoreTimeout
+	}
+	if c.StoreQueue == 0 {
+		c.StoreQueue = DefaultStoreQueue
+	}
 	return c
 }
 
@@ -200,6 +299,22 @@ func (c Config) Validate() error {
 		return fmt.Errorf("transfer_timeout: %v is negative", c.TransferTimeout)
 	case c.LinkBandwidth != c.LinkBandwidth: // NaN
 		return fmt.Errorf("link_bandwidth: %v is not a number", c.LinkBandwidth)
+	case !(c.CPUMemoryBytes > 0):
+		return fmt.Errorf("cpu_memory_bytes: %v must be positive", c.CPUMemoryBytes)
+	case c.PCIeBandwidth < 0 || c.PCIeBandwidth != c.PCIeBandwidth:
+		return fmt.Errorf("pcie_bandwidth: %v must be positive", c.PCIeBandwidth)
+	case c.StorePolicy != PolicyDemotion && c.StorePolicy != PolicyWriteThrough:
+		return fmt.Errorf("store_policy: %q is not %s or %s", c.StorePolicy, PolicyDemotion, PolicyWriteThrough)
+	case !(c.RedisBandwidth > 0):
+		return fmt.Errorf("redis_bandwidth: %v must be positive", c.RedisBandwidth)
+	case c.RedisRTT < 0:
+		return fmt.Errorf("redis_rtt: %v is negative", c.RedisRTT)
+	case c.StoreTimeout < 0:
+		return fmt.Errorf("store_timeout: %v is negative", c.StoreTimeout)
+	case c.StoreQueue < 1:
+		return fmt.Errorf("store_queue: %d is below 1", c.StoreQueue)
+	case c.WarmupTopK < 0:
+		return fmt.Errorf("warmup_top_k: %d is negative", c.WarmupTopK)
 	}
 	cm, err := c.costModel()
 	if err != nil {
@@ -224,6 +339,29 @@ func (c Config) costModel() (CostModel, error) {
 	}
 	return CostModel{Model: m, GPU: g, TP: c.TP, MFU: c.MFU,
 		BandwidthEfficiency: c.BandwidthEfficiency, MemoryUtilization: DefaultMemoryUtilization}, nil
+}
+
+// cpuBlocks is the CPU tier's capacity of c (defaults applied, fields
+// valid): CPUBlocks, or CPUMemoryBytes over the real KV bytes of a block;
+// 0 when CPUBlocks is negative.
+func (c Config) cpuBlocks(cm CostModel) int64 {
+	switch {
+	case c.CPUBlocks < 0:
+		return 0
+	case c.CPUBlocks > 0:
+		return c.CPUBlocks
+	}
+	return int64(c.CPUMemoryBytes / float64(cm.KVBytesPerBlock()))
+}
+
+// pcieBandwidth is the effective bandwidth of a CPU → GPU copy of the TP
+// group, bytes/s.
+func (c Config) pcieBandwidth(cm CostModel) float64 {
+	bw := c.PCIeBandwidth
+	if bw == 0 {
+		bw = cm.GPU.PCIeBandwidth
+	}
+	return bw * float64(cm.TP)
 }
 
 // role returns the workerpb role of c (defaults applied).

@@ -70,6 +70,9 @@ type GPU struct {
 	HBMBandwidth float64
 	// MemoryBytes is the device memory as the driver reports it.
 	MemoryBytes float64
+	// PCIeBandwidth is the host link's bandwidth each way, bytes/s: what a
+	// CPU-tier block copy back to the GPU crosses.
+	PCIeBandwidth float64
 }
 
 // Models are the model presets, by name.
@@ -88,11 +91,15 @@ var Models = map[string]Model{
 var GPUs = map[string]GPU{
 	// H100 SXM5 80 GB: 81,559 MiB as reported by the driver.
 	"h100": {Name: "h100", BF16FLOPS: 989.4e12, FP8FLOPS: 1978.9e12,
-		HBMBandwidth: 3.35e12, MemoryBytes: 81559 << 20},
+		HBMBandwidth: 3.35e12, MemoryBytes: 81559 << 20, PCIeBandwidth: pcieGen5x16},
 	// H200 SXM 141 GB: 143,771 MiB as reported by the driver.
 	"h200": {Name: "h200", BF16FLOPS: 989.4e12, FP8FLOPS: 1978.9e12,
-		HBMBandwidth: 4.8e12, MemoryBytes: 143771 << 20},
+		HBMBandwidth: 4.8e12, MemoryBytes: 143771 << 20, PCIeBandwidth: pcieGen5x16},
 }
+
+// pcieGen5x16 is a PCIe Gen5 x16 link, each way: 64 GB/s (H100 and H200
+// SXM both attach to the host over one).
+const pcieGen5x16 = 64e9
 
 // ErrUnknownPreset is returned (wrapped) for a model or GPU name that has
 // no preset.
@@ -219,6 +226,10 @@ func (c CostModel) KVBytesPerToken() int64 {
 	m := c.Model
 	return int64(m.Layers) * int64(m.KVHeads) * int64(m.HeadDim) * 2 * 2
 }
+
+// KVBytesPerBlock is the KV cache size of one block of BlockTokens tokens:
+// 2 MiB for Llama-3.1-8B.
+func (c CostModel) KVBytesPerBlock() int64 { return c.KVBytesPerToken() * BlockTokens }
 
 // PrefillFLOPs is flops(n, c) = l·(a·n·(n+c)·d + b·n·d²) for n new tokens
 // over c cached ones.

@@ -120,7 +120,11 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		return res, nil
 	}
 
-	// Prefill: queue, compute, and take over the blocks' references.
+	// Prefill: fetch what the shared tier has, queue, compute, and take
+	// over the blocks' references.
+	if err := e.fetch(ctx, s); err != nil {
+		return nil, err
+	}
 	if err := e.enqueue(s); err != nil {
 		return nil, err
 	}
@@ -270,7 +274,9 @@ func (e *Engine) Accept(transferID string, key uint64, data []byte) {
 		e.xfers.accept(transferID, false)
 		return
 	}
-	e.cache.Insert(key)
+	// The namespace is unknown here: the first sequence to use the block
+	// gives it its own (Cache.Acquire).
+	e.cache.Insert(transfer.Namespace{}, key, false)
 	e.xfers.accept(transferID, true)
 }
 

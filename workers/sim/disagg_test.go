@@ -463,7 +463,7 @@ func TestDisaggPrefillCancelComputing(t *testing.T) {
 // The engine's receiving side on its own: size checks, transfer states,
 // and a Finish arriving before the Decode that waits for it.
 func TestDisaggReceiver(t *testing.T) {
-	e := newEngine(t, Config{Role: RoleDecode, BlockCapacity: 4})
+	e := newEngine(t, Config{Role: RoleDecode, BlockCapacity: 4, CPUBlocks: -1})
 	buf := make([]byte, e.BlockBytes())
 	e.Accept("a", 1, buf[:10]) // wrong size
 	e.Accept("a", 2, buf)      // wrong contents (zeros)

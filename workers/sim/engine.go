@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/transfer/kvblock"
 	"github.com/batonllm/baton/workers/engine"
@@ -28,9 +29,15 @@ var (
 // Load is the engine's instantaneous load.
 type Load struct {
 	Running, Waiting int
-	// BlocksUsed counts blocks referenced or reserved by sequences;
+	// BlocksUsed counts GPU blocks referenced or reserved by sequences;
 	// unreferenced cached blocks are free for reuse.
 	BlocksUsed, BlocksTotal int64
+	// CPUBlocksUsed counts the blocks in the CPU tier (all unreferenced
+	// copies), out of CPUBlocksTotal.
+	CPUBlocksUsed, CPUBlocksTotal int64
+	// WaitingPrefillTokens counts the prompt tokens still to prefill:
+	// whole prompts of queued sequences, the rest of partly prefilled ones.
+	WaitingPrefillTokens int64
 }
 
 // Stats are cumulative counters of the step loop.
@@ -44,6 +51,29 @@ type Stats struct {
 	// (no prefill chunk) and their modelled time.
 	DecodeSteps   uint64
 	DecodeSeconds float64
+
+	// PromotedBlocks were copied from the CPU tier back to the GPU tier
+	// at admission, costing PCIeSeconds of modelled time (included in
+	// ModelledSeconds).
+	PromotedBlocks uint64
+	PCIeSeconds    float64
+	// StoreLookups asked the shared tier for a sequence's next leading
+	// blocks; StoreHitBlocks came back and entered the cache, costing
+	// StoreFetchSeconds of modelled time (waited before queueing, not
+	// part of ModelledSeconds). StoreErrors counts lookups that failed or
+	// were bypassed (the blocks were then computed).
+	StoreLookups      uint64
+	StoreHitBlocks    uint64
+	StoreFetchSeconds float64
+	StoreErrors       uint64
+	// StoreWrites counts blocks written to the shared tier; writes that
+	// failed and blocks dropped because the write queue was full are
+	// counted apart.
+	StoreWrites       uint64
+	StoreWriteErrors  uint64
+	StoreWriteDropped uint64
+	// WarmedBlocks entered the cache by warm-up (Warm).
+	WarmedBlocks uint64
 }
 
 // Engine is a simulated LLM engine: vLLM-style continuous batching with
@@ -69,7 +99,14 @@ type Engine struct {
 	bufs       sync.Pool // of *[]byte of blockBytes: push payloads
 	xfers      xfers     // transfers received
 
+	store  transfer.Store // shared tier, or nil
+	writes chan storeWrite
+	pcieBW float64 // bytes/s of a CPU → GPU copy of the TP group
+	ctx    context.Context
+	cancel context.CancelFunc
+
 	running, waiting atomic.Int64
+	waitingPrefill   atomic.Int64
 	statsMu          sync.Mutex
 	stats            Stats
 
@@ -100,15 +137,31 @@ func New(cfg Config) (*Engine, error) {
 		quit:   make(chan struct{}),
 
 		blockBytes: kvblock.Size(cost.KVBytesPerToken(), BlockTokens, cfg.KVScale),
+		store:      cfg.Store,
+		pcieBW:     cfg.pcieBandwidth(cost),
 	}
+	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.hub.init(cfg.WatchBuffer)
-	e.cache = NewCache(capacity, e.hub.publishCache)
+	cc := CacheConfig{GPUBlocks: capacity, CPUBlocks: cfg.cpuBlocks(cost), Emit: e.hub.publishCache}
+	if e.store != nil {
+		e.writes = make(chan storeWrite, cfg.StoreQueue)
+		cc.Write, cc.WriteThrough = e.queueWrite, cfg.StorePolicy == PolicyWriteThrough
+	}
+	e.cache = NewTieredCache(cc)
 	for _, m := range cfg.Models {
 		e.models[m] = true
 	}
 	e.wg.Add(2)
 	go e.loop()
 	go e.reportLoad()
+	if e.store != nil {
+		e.wg.Add(1)
+		go e.writer()
+		if cfg.WarmupTopK > 0 && cfg.WarmupKeys != nil {
+			e.wg.Add(1)
+			go e.warmup()
+		}
+	}
 	return e, nil
 }
 
@@ -128,6 +181,10 @@ func (e *Engine) Load() Load {
 		Waiting:     int(e.waiting.Load()),
 		BlocksUsed:  e.cache.Used(),
 		BlocksTotal: e.cache.Capacity(),
+
+		CPUBlocksUsed:        e.cache.CPUUsed(),
+		CPUBlocksTotal:       e.cache.CPUCapacity(),
+		WaitingPrefillTokens: e.waitingPrefill.Load(),
 	}
 }
 
@@ -145,6 +202,7 @@ func (e *Engine) Close() error {
 	if !e.closed {
 		e.closed = true
 		close(e.quit)
+		e.cancel()
 	}
 	e.mu.Unlock()
 	e.wg.Wait()
@@ -181,9 +239,11 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	salt := blockkey.Seed(req.Model, req.Tenant)
 	s := &seq{
 		id:     req.ID,
-		keys:   blockkey.Append(nil, blockkey.Seed(req.Model, req.Tenant), req.Prompt, blockkey.DefaultBlockChars),
+		ns:     transfer.Namespace{Model: req.Model, Salt: salt},
+		keys:   blockkey.Append(nil, salt, req.Prompt, blockkey.DefaultBlockChars),
 		prompt: blockkey.Tokens(blockkey.Chars(req.Prompt)),
 		limit:  req.MaxTokens,
 		hash:   promptHash(req.Prompt),
@@ -221,6 +281,9 @@ func (e *Engine) start(ctx context.Context, s *seq) (engine.Stream, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if err := e.fetch(ctx, s); err != nil {
+		return nil, err
+	}
 	st := newStream(s)
 	s.st = st
 	if err := e.enqueue(s); err != nil {
@@ -242,6 +305,7 @@ func (e *Engine) enqueue(s *seq) error {
 		return ErrClosed
 	}
 	s.queued = time.Now()
+	e.setPending(s, s.prompt)
 	e.incoming = append(e.incoming, s)
 	e.waiting.Add(1)
 	return nil
@@ -313,6 +377,7 @@ func (e *Engine) dropCancelled() {
 	e.queue = slices.DeleteFunc(e.queue, func(s *seq) bool {
 		if s.cancelled.Load() {
 			e.waiting.Add(-1)
+			e.setPending(s, 0)
 			s.end(context.Canceled)
 			return true
 		}
@@ -336,6 +401,7 @@ func (e *Engine) handOver(s *seq) {
 	e.cache.Release(nil, s.reserved)
 	s.reserved = 0
 	e.running.Add(-1)
+	e.setPending(s, 0)
 	s.pre.prefilled = time.Now()
 	s.pre.handed = true
 	close(s.pre.done)
@@ -345,6 +411,14 @@ func (e *Engine) release(s *seq) {
 	e.cache.Release(s.keys[:s.held], s.reserved)
 	s.held, s.reserved = 0, 0
 	e.running.Add(-1)
+	e.setPending(s, 0)
+}
+
+// setPending sets the prompt tokens s still has to prefill, as counted in
+// Load.WaitingPrefillTokens. Step loop, or before s is handed to it.
+func (e *Engine) setPending(s *seq, n int) {
+	e.waitingPrefill.Add(int64(n - s.pending))
+	s.pending = n
 }
 
 // schedule plans one step like vLLM's scheduler: running sequences first
@@ -372,22 +446,26 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 		budget -= s.chunk
 		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
 	}
-	admitted := 0
+	admitted, promoted := 0, 0
 	for _, s := range e.queue {
 		if budget == 0 || len(e.run) >= e.cfg.MaxRunning {
 			break
 		}
-		hits, ok := e.cache.Acquire(s.keys, s.blocks-int64(len(s.keys)))
+		h, ok := e.cache.Acquire(s.ns, s.keys, s.blocks-int64(len(s.keys)))
 		if !ok {
 			break // first come, first served: no overtaking
 		}
+		hits := h.N
 		s.hits, s.held = hits, hits
 		if s.pre != nil {
 			s.pre.admitted = time.Now()
 		}
 		s.reserved = s.blocks - int64(hits)
 		s.cached = min(hits*BlockTokens, s.prompt-1)
+		s.tierTokens(h)
+		promoted += h.CPU
 		s.computed = s.cached
+		e.setPending(s, s.prompt-s.computed)
 		s.chunk, s.decode = min(s.prompt-s.computed, budget), false
 		budget -= s.chunk
 		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
@@ -408,7 +486,16 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 	if batch == 0 {
 		return 0, 0, false
 	}
-	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill, batch, decodes == batch
+	// Blocks promoted from the CPU tier are copied over PCIe before the
+	// step computes (synchronously, as vLLM's swap-in).
+	pcie := e.pcieSeconds(promoted)
+	if promoted > 0 {
+		e.statsMu.Lock()
+		e.stats.PromotedBlocks += uint64(promoted)
+		e.stats.PCIeSeconds += pcie
+		e.statsMu.Unlock()
+	}
+	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill + pcie, batch, decodes == batch
 }
 
 // complete applies the step: prefill chunks enter the cache (full blocks
@@ -423,8 +510,9 @@ func (e *Engine) complete() {
 		}
 		if s.chunk > 0 {
 			s.computed += s.chunk
+			e.setPending(s, s.prompt-s.computed)
 			if full := min(len(s.keys), s.computed/BlockTokens); full > s.held {
-				e.cache.Commit(s.keys[s.held:full])
+				e.cache.Commit(s.ns, s.keys[s.held:full])
 				s.reserved -= int64(full - s.held)
 				s.held = full
 			}
@@ -456,6 +544,7 @@ func (e *Engine) shutdown() {
 	for _, s := range e.queue {
 		s.end(ErrClosed)
 		e.waiting.Add(-1)
+		e.setPending(s, 0)
 	}
 	for _, s := range e.run {
 		e.release(s)

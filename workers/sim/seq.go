@@ -4,6 +4,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/workers/engine"
 )
 
@@ -11,18 +12,25 @@ import (
 // the stream's own state.
 type seq struct {
 	id     string
-	keys   []uint64 // full prompt blocks' chained keys
-	prompt int      // prompt tokens
-	limit  int      // max tokens
-	hash   uint64   // prompt hash: seeds the completion
-	nat    int      // natural completion length
-	blocks int64    // blocks the sequence needs in all
+	ns     transfer.Namespace // model and tenant salt of its blocks
+	keys   []uint64           // full prompt blocks' chained keys
+	prompt int                // prompt tokens
+	limit  int                // max tokens
+	hash   uint64             // prompt hash: seeds the completion
+	nat    int                // natural completion length
+	blocks int64              // blocks the sequence needs in all
 
 	// Set on admission.
-	hits     int   // leading keys found cached
-	cached   int   // prompt tokens reported cached
-	held     int   // keys[:held] are referenced in the cache
-	reserved int64 // reserved blocks not yet committed or freed
+	hits   int // leading keys found cached
+	cached int // prompt tokens reported cached
+	// cached by tier (they sum to cached).
+	cachedGPU, cachedCPU, cachedRedis int
+	// keys[fetchLo:fetchHi] were fetched from the shared tier before
+	// queueing (fetch).
+	fetchLo, fetchHi int
+	pending          int   // tokens counted in Load.WaitingPrefillTokens
+	held             int   // keys[:held] are referenced in the cache
+	reserved         int64 // reserved blocks not yet committed or freed
 
 	computed  int // prompt tokens in the KV cache (cached or prefilled)
 	chunk     int // prefill tokens scheduled this step
@@ -49,6 +57,23 @@ type prefillJob struct {
 	err       error
 	admitted  time.Time
 	prefilled time.Time
+}
+
+// tierTokens splits the cached tokens by the tier they came from: blocks
+// fetched from the shared tier before queueing count as Redis hits, CPU
+// hits as CPU, the others as GPU. The prompt's last token, always
+// recomputed, comes off the GPU count first.
+func (s *seq) tierTokens(h Hits) {
+	redis := max(0, min(s.fetchHi, h.N)-s.fetchLo)
+	cpu := min(h.CPU, h.N-redis)
+	gpu := h.N - redis - cpu
+	s.cachedRedis, s.cachedCPU, s.cachedGPU = redis*BlockTokens, cpu*BlockTokens, gpu*BlockTokens
+	over := h.N*BlockTokens - s.cached
+	for _, t := range []*int{&s.cachedGPU, &s.cachedCPU, &s.cachedRedis} {
+		d := min(over, *t)
+		*t -= d
+		over -= d
+	}
 }
 
 // end tells the sequence's consumer that the step loop dropped it with
@@ -104,6 +129,9 @@ func (s *seq) emit() (done bool) {
 		PromptTokens:     s.prompt,
 		CachedTokens:     s.cached,
 		CompletionTokens: s.generated,
+		CachedGPU:        s.cachedGPU,
+		CachedCPU:        s.cachedCPU,
+		CachedRedis:      s.cachedRedis,
 	})
 	return true
 }

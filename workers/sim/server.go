@@ -68,6 +68,9 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 		BlockChars: blockkey.DefaultBlockChars,
 		GpuBlocks:  s.e.Cache().Capacity(),
 		MaxRunning: int32(cfg.MaxRunning),
+		CpuBlocks:  s.e.Cache().CPUCapacity(),
+		Cost:       s.e.CostParams(),
+		RedisTier:  cfg.Store != nil,
 	}, nil
 }
 
@@ -147,10 +150,13 @@ func sendStream(st engine.Stream, out grpc.ServerStreamingServer[workerpb.Genera
 		var msg workerpb.GenerateEvent
 		if ev.Final != nil {
 			msg.Event = &workerpb.GenerateEvent_Final{Final: &workerpb.Final{
-				FinishReason:     ev.Final.FinishReason,
-				PromptTokens:     int32(ev.Final.PromptTokens),
-				CachedTokens:     int32(ev.Final.CachedTokens),
-				CompletionTokens: int32(ev.Final.CompletionTokens),
+				FinishReason:      ev.Final.FinishReason,
+				PromptTokens:      int32(ev.Final.PromptTokens),
+				CachedTokens:      int32(ev.Final.CachedTokens),
+				CompletionTokens:  int32(ev.Final.CompletionTokens),
+				CachedGpuTokens:   int32(ev.Final.CachedGPU),
+				CachedCpuTokens:   int32(ev.Final.CachedCPU),
+				CachedRedisTokens: int32(ev.Final.CachedRedis),
 			}}
 		} else {
 			msg.Event = &workerpb.GenerateEvent_Tokens{Tokens: &workerpb.Tokens{
@@ -192,35 +198,52 @@ func watchEvent(ev WatchEvent) *workerpb.WatchEvent {
 	msg := &workerpb.WatchEvent{Seq: ev.Seq}
 	switch {
 	case ev.Snapshot != nil:
+		// One stored event per tier holding blocks.
 		snap := &workerpb.Snapshot{Load: loadReport(ev.Snapshot.Load)}
-		if len(ev.Snapshot.Keys) > 0 {
-			snap.Blocks = []*workerpb.CacheEvent{{
-				Kind: workerpb.CacheEvent_KIND_STORED,
-				Tier: workerpb.Tier_TIER_GPU,
-				Keys: ev.Snapshot.Keys,
-			}}
+		for _, t := range []struct {
+			tier workerpb.Tier
+			keys []uint64
+		}{{workerpb.Tier_TIER_GPU, ev.Snapshot.Keys}, {workerpb.Tier_TIER_CPU, ev.Snapshot.CPUKeys}} {
+			if len(t.keys) > 0 {
+				snap.Blocks = append(snap.Blocks, &workerpb.CacheEvent{
+					Kind: workerpb.CacheEvent_KIND_STORED, Tier: t.tier, Keys: t.keys,
+				})
+			}
 		}
 		msg.Event = &workerpb.WatchEvent_Snapshot{Snapshot: snap}
 	case ev.Load != nil:
 		msg.Event = &workerpb.WatchEvent_Load{Load: loadReport(*ev.Load)}
 	case ev.Cache != nil:
-		kind := workerpb.CacheEvent_KIND_STORED
-		if ev.Cache.Kind == BlockRemoved {
-			kind = workerpb.CacheEvent_KIND_REMOVED
-		}
-		msg.Event = &workerpb.WatchEvent_Cache{Cache: &workerpb.CacheEvent{
-			Kind: kind, Tier: workerpb.Tier_TIER_GPU, Keys: ev.Cache.Keys,
-		}}
+		msg.Event = &workerpb.WatchEvent_Cache{Cache: cacheEvent(ev.Cache)}
 	}
 	return msg
 }
 
+func cacheEvent(ev *CacheEvent) *workerpb.CacheEvent {
+	kind := workerpb.CacheEvent_KIND_STORED
+	switch ev.Kind {
+	case BlockRemoved:
+		kind = workerpb.CacheEvent_KIND_REMOVED
+	case BlockTierChanged:
+		kind = workerpb.CacheEvent_KIND_TIER_CHANGED
+	}
+	return &workerpb.CacheEvent{
+		Kind:     kind,
+		Tier:     workerpb.Tier(ev.Tier),
+		FromTier: workerpb.Tier(ev.FromTier),
+		Keys:     ev.Keys,
+	}
+}
+
 func loadReport(l Load) *workerpb.LoadReport {
 	return &workerpb.LoadReport{
-		Running:        int32(l.Running),
-		Waiting:        int32(l.Waiting),
-		GpuBlocksUsed:  l.BlocksUsed,
-		GpuBlocksTotal: l.BlocksTotal,
+		Running:              int32(l.Running),
+		Waiting:              int32(l.Waiting),
+		GpuBlocksUsed:        l.BlocksUsed,
+		GpuBlocksTotal:       l.BlocksTotal,
+		CpuBlocksUsed:        l.CPUBlocksUsed,
+		CpuBlocksTotal:       l.CPUBlocksTotal,
+		WaitingPrefillTokens: l.WaitingPrefillTokens,
 	}
 }
 

@@ -21,10 +21,14 @@ type WatchEvent struct {
 }
 
 // Snapshot is the state a subscription starts from: the load and every
-// block in the GPU cache. Events that follow apply to it.
+// block of the GPU tier (Keys) and of the CPU tier (CPUKeys). Events that
+// follow apply to it. What the shared (Redis) tier holds is not part of
+// it: the worker only knows the blocks it wrote or found missing, which
+// it announces as events (tier Redis) when it learns of them.
 type Snapshot struct {
-	Load Load
-	Keys []uint64
+	Load    Load
+	Keys    []uint64
+	CPUKeys []uint64
 }
 
 // Subscription streams an engine's load reports and cache events. C is
@@ -59,15 +63,20 @@ func (e *Engine) Subscribe() (*Subscription, error) {
 		sub *Subscription
 		err error
 	)
-	e.cache.Snapshot(func(keys []uint64, used int64) {
+	e.cache.Snapshot(func(keys, cpu []uint64, used int64) {
 		snap := &Snapshot{
 			Load: Load{
 				Running:     int(e.running.Load()),
 				Waiting:     int(e.waiting.Load()),
 				BlocksUsed:  used,
 				BlocksTotal: e.cache.Capacity(),
+
+				CPUBlocksUsed:        int64(len(cpu)),
+				CPUBlocksTotal:       e.cache.CPUCapacity(),
+				WaitingPrefillTokens: e.waitingPrefill.Load(),
 			},
-			Keys: append([]uint64(nil), keys...),
+			Keys:    append([]uint64(nil), keys...),
+			CPUKeys: append([]uint64(nil), cpu...),
 		}
 		sub, err = e.hub.add(snap)
 	})

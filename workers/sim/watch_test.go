@@ -31,7 +31,8 @@ func next(t *testing.T, sub *Subscription) WatchEvent {
 func TestSubscribeSnapshotThenEvents(t *testing.T) {
 	// TimeScale 10: the last request runs for tens of milliseconds, so a
 	// load report (every 5 ms, when the load changed) sees it.
-	e := newEngine(t, Config{LoadInterval: 5 * time.Millisecond, BlockCapacity: 30, TimeScale: 10})
+	// No CPU tier: evicted blocks are removed.
+	e := newEngine(t, Config{LoadInterval: 5 * time.Millisecond, BlockCapacity: 30, TimeScale: 10, CPUBlocks: -1})
 	before := strings.Repeat("b", 64*2)
 	generate(t, e, &engine.Request{Prompt: before})
 

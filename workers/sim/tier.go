@@ -1,0 +1,271 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/transfer"
+	"github.com/batonllm/baton/transfer/kvblock"
+)
+
+// The engine's side of the CPU and shared tiers: modelled copy and fetch
+// times, the lookup in the shared tier at admission, the writer that
+// feeds it, and warm-up.
+
+// Writes to the shared tier are batched by up to storeBatch blocks, each
+// Put bounded by storeWriteTimeout of real time.
+const (
+	storeBatch        = 64
+	storeWriteTimeout = 2 * time.Second
+)
+
+// pcieSeconds is the modelled time of copying n blocks from the CPU tier
+// back to the GPU tier: n × real KV bytes per block / (PCIe bandwidth ×
+// TP).
+func (e *Engine) pcieSeconds(n int) float64 {
+	if n == 0 || !(e.pcieBW > 0) {
+		return 0
+	}
+	return float64(n) * float64(e.cost.KVBytesPerBlock()) / e.pcieBW
+}
+
+// fetchSeconds is the modelled time of fetching n blocks from the shared
+// tier in one round trip: RedisRTT + n × real KV bytes per block /
+// RedisBandwidth.
+func (e *Engine) fetchSeconds(n int) float64 {
+	return e.cfg.RedisRTT.Seconds() + float64(n)*float64(e.cost.KVBytesPerBlock())/e.cfg.RedisBandwidth
+}
+
+// PCIeSeconds and FetchSeconds are the modelled times (before TimeScale)
+// of promoting n blocks from the CPU tier and of fetching n blocks from
+// the shared tier.
+func (e *Engine) PCIeSeconds(n int) float64  { return e.pcieSeconds(n) }
+func (e *Engine) FetchSeconds(n int) float64 { return e.fetchSeconds(n) }
+
+// CostParams returns the engine's cost figures in real seconds (modelled
+// figures over TimeScale), for a scheduler to estimate time to first
+// token: effective FLOP/s × TimeScale, the decode step at batch 1 and
+// empty context ÷ TimeScale, the real KV bytes of a block, PCIe and Redis
+// bytes/s × TimeScale, Redis RTT ÷ TimeScale.
+func (e *Engine) CostParams() *workerpb.CostParams {
+	ts := e.cfg.TimeScale
+	return &workerpb.CostParams{
+		Layers:              int32(e.cost.Model.Layers),
+		Hidden:              int32(e.cost.Model.Hidden),
+		Flops:               e.cost.FLOPS() * ts,
+		DecodeStepSeconds:   e.cost.DecodeStepSeconds(1, 0) / ts,
+		KvBytesPerBlock:     e.cost.KVBytesPerBlock(),
+		PcieBytesPerSecond:  e.pcieBW * ts,
+		RedisBytesPerSecond: e.cfg.RedisBandwidth * ts,
+		RedisRttSeconds:     e.cfg.RedisRTT.Seconds() / ts,
+	}
+}
+
+// fetch asks the shared tier, before s is queued, for the leading prompt
+// blocks neither local tier holds, when fetching all of them would take
+// less modelled time than computing them. The blocks that come back, up to
+// the first missing one, enter the GPU tier (stored events, tier GPU) and
+// s waits the modelled fetch time (fetchSeconds, over TimeScale, less the
+// real time the call took); missing keys are announced as removed from
+// the Redis tier. A lookup that fails, times out or is bypassed leaves the
+// blocks to be computed: only ctx ending or the engine closing fails s.
+//
+// Blocks fetched may be evicted again before s is admitted under memory
+// pressure; s then recomputes them.
+func (e *Engine) fetch(ctx context.Context, s *seq) error {
+	if e.store == nil {
+		return nil
+	}
+	local := e.cache.Lookup(s.keys)
+	want := s.keys[local:]
+	if len(want) == 0 {
+		return nil
+	}
+	// Tokens the fetched blocks stand for: the prompt's last token is
+	// always recomputed.
+	tokens := min(len(want)*BlockTokens, s.prompt-1-local*BlockTokens)
+	if tokens <= 0 || e.fetchSeconds(len(want)) >= e.cost.PrefillSeconds(tokens, local*BlockTokens) {
+		return nil
+	}
+	start := time.Now()
+	fctx, cancel := context.WithTimeout(ctx, e.cfg.StoreTimeout)
+	data, err := e.store.Get(fctx, s.ns, want, e.blockBytes)
+	cancel()
+	e.statsMu.Lock()
+	e.stats.StoreLookups++
+	if err != nil {
+		e.stats.StoreErrors++
+	}
+	e.statsMu.Unlock()
+	if err != nil {
+		return ctx.Err() // nil unless the caller gave up
+	}
+	n := 0
+	for n < len(want) && n < len(data) && data[n] != nil {
+		n++
+	}
+	var missing []uint64
+	for i, k := range want {
+		if i >= len(data) || data[i] == nil {
+			missing = append(missing, k)
+		}
+	}
+	if len(missing) > 0 {
+		e.hub.publishCache(CacheEvent{Kind: BlockRemoved, Tier: TierRedis, Keys: missing})
+	}
+	for _, k := range want[:n] {
+		e.cache.Insert(s.ns, k, true)
+	}
+	s.fetchLo, s.fetchHi = local, local+n
+	secs := e.fetchSeconds(n)
+	e.statsMu.Lock()
+	e.stats.StoreHitBlocks += uint64(n)
+	e.stats.StoreFetchSeconds += secs
+	e.statsMu.Unlock()
+	d := time.Duration(secs/e.cfg.TimeScale*float64(time.Second)) - time.Since(start)
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-e.quit:
+		return ErrClosed
+	}
+}
+
+// storeWrite is one block waiting to be written to the shared tier.
+type storeWrite struct {
+	ns  transfer.Namespace
+	key uint64
+}
+
+// queueWrite hands a block to the writer without blocking: when the queue
+// is full the block is dropped and counted. Called with the cache's lock
+// held.
+func (e *Engine) queueWrite(ns transfer.Namespace, key uint64) {
+	select {
+	case e.writes <- storeWrite{ns, key}:
+	default:
+		e.statsMu.Lock()
+		e.stats.StoreWriteDropped++
+		e.statsMu.Unlock()
+	}
+}
+
+// writer writes queued blocks to the shared tier, up to storeBatch per Put
+// and namespace, and announces those written (stored events, tier Redis).
+// Blocks still queued at Close are abandoned.
+func (e *Engine) writer() {
+	defer e.wg.Done()
+	batch := make([]storeWrite, 0, storeBatch)
+	for {
+		select {
+		case w := <-e.writes:
+			batch = append(batch[:0], w)
+		case <-e.quit:
+			return
+		}
+	drain:
+		for len(batch) < storeBatch {
+			select {
+			case w := <-e.writes:
+				batch = append(batch, w)
+			default:
+				break drain
+			}
+		}
+		e.put(batch)
+	}
+}
+
+// put writes one batch, a Put per namespace.
+func (e *Engine) put(batch []storeWrite) {
+	byNS := make(map[transfer.Namespace][]transfer.Block)
+	for _, w := range batch {
+		buf := e.getBuf()
+		kvblock.Fill(*buf, w.key)
+		byNS[w.ns] = append(byNS[w.ns], transfer.Block{Key: w.key, Data: *buf})
+	}
+	for ns, blocks := range byNS {
+		ctx, cancel := context.WithTimeout(e.ctx, storeWriteTimeout)
+		err := e.store.Put(ctx, ns, blocks)
+		cancel()
+		keys := make([]uint64, len(blocks))
+		for i, b := range blocks {
+			keys[i] = b.Key
+			e.putBuf(b.Data)
+		}
+		e.statsMu.Lock()
+		if err != nil {
+			e.stats.StoreWriteErrors += uint64(len(blocks))
+		} else {
+			e.stats.StoreWrites += uint64(len(blocks))
+		}
+		e.statsMu.Unlock()
+		if err == nil {
+			e.hub.publishCache(CacheEvent{Kind: BlockStored, Tier: TierRedis, Keys: keys})
+		}
+	}
+}
+
+// Warm fetches the blocks of one prefix (chained keys, leading first) in
+// namespace ns from the shared tier into the cache, as unreferenced
+// blocks of the GPU tier (or of the CPU tier when every GPU block is in
+// use), announcing them as stored. It stops at the first block the tier
+// lacks (later ones could never be hit) and returns how many blocks it
+// inserted. Blocks already cached are not fetched again. Warm-up costs no
+// modelled time: it runs before the worker takes traffic.
+//
+// It fails only when the engine has no shared tier, or with the store's or
+// ctx's error.
+func (e *Engine) Warm(ctx context.Context, ns transfer.Namespace, keys []uint64) (int, error) {
+	if e.store == nil {
+		return 0, errNoStore
+	}
+	local := e.cache.Lookup(keys)
+	want := keys[local:]
+	if len(want) == 0 {
+		return 0, nil
+	}
+	data, err := e.store.Get(ctx, ns, want, e.blockBytes)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for ; n < len(want) && n < len(data) && data[n] != nil; n++ {
+		if e.cache.Insert(ns, want[n], true) == 0 {
+			break
+		}
+	}
+	e.statsMu.Lock()
+	e.stats.WarmedBlocks += uint64(n)
+	e.statsMu.Unlock()
+	return n, nil
+}
+
+// warmup runs Config.WarmupKeys once and warms the first WarmupTopK
+// prefixes it lists, giving up on Close. Errors only cost the warm-up.
+func (e *Engine) warmup() {
+	defer e.wg.Done()
+	spaces, keys, err := e.cfg.WarmupKeys(e.ctx)
+	if err != nil {
+		return
+	}
+	for i := 0; i < len(spaces) && i < len(keys) && i < e.cfg.WarmupTopK; i++ {
+		ctx, cancel := context.WithTimeout(e.ctx, e.cfg.StoreTimeout)
+		_, err := e.Warm(ctx, spaces[i], keys[i])
+		cancel()
+		if err != nil && e.ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+var errNoStore = errors.New("sim engine has no shared tier (Config.Store)")
