@@ -1,0 +1,542 @@
+// Package kvindex is the scheduler's KV index: for each block key, which
+// workers hold the block in their GPU and CPU tiers, and whether the
+// fleet's shared Redis tier holds it; and for each worker, its latest load,
+// its cost figures and how its observed times compare with predictions.
+//
+// Watch goroutines feed it with Apply (one stream per worker); request
+// goroutines read it with Lookup, which neither blocks for long nor
+// allocates, and record with Predict the blocks a routed request will
+// create. Each scheduler replica keeps its own index, fed by its own watch
+// streams.
+//
+// Memory is bounded by Config.MaxBlocks. An indexed block costs
+// BytesPerBlock bytes or less: a 56-byte entry in a pointer-free slab plus
+// 4–8 bytes of hash table. When full, the least recently touched block
+// (stored, moved or predicted; entries touched within the latest eighth of
+// the cap's worth of touches keep their place) is forgotten. Workers occupy one of
+// MaxWorkers slots each, so per-block holder sets are 64-bit masks.
+package kvindex
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/batonllm/baton/proto/workerpb"
+)
+
+// MaxWorkers is the number of workers an Index tracks at once. Blocks of
+// further workers are not indexed (Apply returns ErrTooManyWorkers); such
+// workers are still routable, with no known cache.
+const MaxWorkers = 64
+
+// BytesPerBlock bounds the memory of one indexed block once the index has
+// grown to it: a 56-byte entry plus at most 8 bytes of hash table (more
+// only briefly, while a slab chunk of 65,536 entries fills).
+const BytesPerBlock = entrySize + 8
+
+// Defaults of Config.
+const (
+	// DefaultMaxBlocks is 4 Mi blocks, about 256 MiB: 64 GPUs of 80 GB
+	// hold about 2.5 Mi blocks of 2 MiB (Llama-3.1-8B, 16 tokens), with
+	// room left for their CPU tiers' recent blocks and Redis.
+	DefaultMaxBlocks = 4 << 20
+	// DefaultPredictTTL is how long a predicted block counts when no event
+	// confirms it: long enough for a prefill of a few thousand tokens and
+	// its events to arrive, short enough that a request that failed stops
+	// attracting its siblings quickly.
+	DefaultPredictTTL = 2 * time.Second
+)
+
+// correctionAlpha is the weight of each new observation in the EWMA of
+// achieved/predicted TTFT; ratios are clamped to [1/4, 4] so one outlier
+// (a GC pause, a cold start) cannot swing routing.
+const (
+	correctionAlpha = 0.2
+	minCorrection   = 0.25
+	maxCorrection   = 4
+)
+
+// Errors of Apply. The watcher resubscribes (for a fresh snapshot) on
+// ErrGap and ErrNoSnapshot.
+var (
+	// ErrGap: the event's sequence number skips past the next expected
+	// one; events were lost. The event is not applied, and the worker's
+	// further events are refused until its next snapshot.
+	ErrGap = errors.New("sequence gap")
+	// ErrNoSnapshot: an event arrived for a worker before its snapshot.
+	ErrNoSnapshot = errors.New("no snapshot")
+	// ErrTooManyWorkers: MaxWorkers workers are already indexed.
+	ErrTooManyWorkers = errors.New("too many workers")
+)
+
+// Config configures an Index. The zero value means every default.
+type Config struct {
+	// MaxBlocks caps the blocks indexed; 0 means DefaultMaxBlocks.
+	MaxBlocks int
+	// PredictTTL is how long Predict's entries count unconfirmed; 0 means
+	// DefaultPredictTTL.
+	PredictTTL time.Duration
+	// Now returns the current time; nil means time.Now. Tests set it.
+	Now func() time.Time
+}
+
+func (c Config) withDefaults() Config {
+	if c.MaxBlocks <= 0 {
+		c.MaxBlocks = DefaultMaxBlocks
+	}
+	if c.PredictTTL <= 0 {
+		c.PredictTTL = DefaultPredictTTL
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// Load is a worker's latest load report.
+type Load struct {
+	Running, Waiting     int
+	WaitingPrefillTokens int64
+	GPUBlocksUsed        int64
+	GPUBlocksTotal       int64
+	CPUBlocksUsed        int64
+	CPUBlocksTotal       int64
+}
+
+// Match is what Lookup tells of one worker for one request.
+type Match struct {
+	// Known reports that the worker is indexed (it has a snapshot, an
+	// Info or predictions). For unknown workers every other field is
+	// zero but Cost (DefaultCost), BlockTokens and Correction (1).
+	Known bool
+	// GPU, CPU and Redis count the request's leading blocks the worker
+	// would find: a block counts as GPU if the worker holds it there (or
+	// is predicted to), else as CPU if in its CPU tier, else as Redis if
+	// the worker uses the Redis tier and Redis holds it. The count stops
+	// at the first block found nowhere.
+	GPU, CPU, Redis int
+	// Load is the worker's latest load report, and PendingTokens the
+	// prompt tokens routed to it by Predict since that report.
+	Load          Load
+	PendingTokens int64
+	// Cost is the worker's cost figures (from Info), DefaultCost's where
+	// it reported none; HasCost says whether it reported any.
+	Cost    Cost
+	HasCost bool
+	// BlockTokens is the tokens of one block (Info's block_chars ÷ 4;
+	// 16 by default).
+	BlockTokens int
+	// Correction is the EWMA of achieved/predicted TTFT (1 until observed).
+	Correction float64
+}
+
+// defaultBlockTokens is 64 characters at 4 characters a token.
+const defaultBlockTokens = 16
+
+// worker is the per-worker state. Fields other than correction are
+// guarded by Index.mu.
+type worker struct {
+	name        string
+	slot        int
+	synced      bool   // a snapshot was applied, and no gap seen since
+	lastSeq     uint64 // of the last event applied
+	load        Load
+	pending     int64
+	cost        Cost
+	hasCost     bool
+	blockTokens int
+	redisTier   bool
+	correction  atomic.Uint64 // float64 bits
+}
+
+// Index is the KV index. Its methods are safe for concurrent use.
+type Index struct {
+	cfg Config
+
+	mu      sync.RWMutex
+	t       table
+	byName  map[string]*worker
+	slots   [MaxWorkers]*worker
+	evicted uint64
+}
+
+// New returns an empty index.
+func New(cfg Config) *Index {
+	x := &Index{cfg: cfg.withDefaults(), byName: make(map[string]*worker)}
+	x.t.init(x.cfg.MaxBlocks)
+	return x
+}
+
+// Len returns the number of blocks indexed.
+func (x *Index) Len() int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return x.t.n
+}
+
+// Evicted returns the number of blocks forgotten because the index was
+// full.
+func (x *Index) Evicted() uint64 {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return x.evicted
+}
+
+// slotFor returns name's state, creating it if needed. x.mu is held.
+func (x *Index) slotFor(name string) (*worker, error) {
+	if w := x.byName[name]; w != nil {
+		return w, nil
+	}
+	for i, w := range x.slots {
+		if w == nil {
+			w = &worker{name: name, slot: i, cost: DefaultCost, blockTokens: defaultBlockTokens}
+			w.correction.Store(math.Float64bits(1))
+			x.slots[i] = w
+			x.byName[name] = w
+			return w, nil
+		}
+	}
+	return nil, fmt.Errorf("worker %s: %w (%d)", name, ErrTooManyWorkers, MaxWorkers)
+}
+
+// SetInfo records what the worker's Info reported: its cost figures, block
+// size and whether it uses the Redis tier. The watcher calls it on every
+// (re)subscription.
+func (x *Index) SetInfo(name string, info *workerpb.InfoResponse) error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	w, err := x.slotFor(name)
+	if err != nil {
+		return err
+	}
+	w.cost, w.hasCost = costFrom(info.GetCost())
+	w.blockTokens = defaultBlockTokens
+	if bc := info.GetBlockChars(); bc > 0 {
+		w.blockTokens = int(bc+3) / 4
+	}
+	w.redisTier = info.GetRedisTier()
+	return nil
+}
+
+// Apply applies one event of the worker's watch stream. A snapshot
+// replaces every GPU and CPU block the index had for the worker (its
+// predictions stay). Other events must follow in sequence: an event
+// already applied (seq not above the last) is ignored, so Apply is
+// idempotent; one that skips ahead returns ErrGap, and events before the
+// first snapshot return ErrNoSnapshot. In both cases the caller should
+// resubscribe.
+func (x *Index) Apply(name string, ev *workerpb.WatchEvent) error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if snap := ev.GetSnapshot(); snap != nil {
+		w, err := x.slotFor(name)
+		if err != nil {
+			return err
+		}
+		x.clearWorker(w.slot, false)
+		for _, ce := range snap.GetBlocks() {
+			x.applyCache(w, ce)
+		}
+		w.setLoad(snap.GetLoad())
+		w.synced, w.lastSeq = true, ev.GetSeq()
+		return nil
+	}
+	w := x.byName[name]
+	if w == nil || !w.synced {
+		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
+	}
+	switch seq := ev.GetSeq(); {
+	case seq <= w.lastSeq:
+		return nil
+	case seq != w.lastSeq+1:
+		w.synced = false
+		return fmt.Errorf("worker %s: %w: seq %d after %d", name, ErrGap, seq, w.lastSeq)
+	}
+	w.lastSeq = ev.GetSeq()
+	switch e := ev.GetEvent().(type) {
+	case *workerpb.WatchEvent_Load:
+		w.setLoad(e.Load)
+	case *workerpb.WatchEvent_Cache:
+		x.applyCache(w, e.Cache)
+	}
+	return nil
+}
+
+func (w *worker) setLoad(l *workerpb.LoadReport) {
+	w.load = Load{
+		Running:              int(l.GetRunning()),
+		Waiting:              int(l.GetWaiting()),
+		WaitingPrefillTokens: l.GetWaitingPrefillTokens(),
+		GPUBlocksUsed:        l.GetGpuBlocksUsed(),
+		GPUBlocksTotal:       l.GetGpuBlocksTotal(),
+		CPUBlocksUsed:        l.GetCpuBlocksUsed(),
+		CPUBlocksTotal:       l.GetCpuBlocksTotal(),
+	}
+	// The report counts what was routed to the worker before it; the
+	// pending tokens of requests routed since are approximated as counted.
+	w.pending = 0
+}
+
+// applyCache applies one cache event of worker w. x.mu is held.
+func (x *Index) applyCache(w *worker, ce *workerpb.CacheEvent) {
+	bit := uint64(1) << w.slot
+	to, from := ce.GetTier(), ce.GetFromTier()
+	switch ce.GetKind() {
+	case workerpb.CacheEvent_KIND_STORED:
+		for _, k := range ce.GetKeys() {
+			x.set(k, bit, to)
+		}
+	case workerpb.CacheEvent_KIND_REMOVED:
+		for _, k := range ce.GetKeys() {
+			x.clear(k, bit, to)
+		}
+	case workerpb.CacheEvent_KIND_TIER_CHANGED:
+		for _, k := range ce.GetKeys() {
+			if from != workerpb.Tier_TIER_UNSPECIFIED && from != to {
+				x.clear(k, bit, from)
+			}
+			x.set(k, bit, to)
+		}
+	}
+}
+
+// set records that the worker of bit holds key in tier (unspecified means
+// GPU, as workers before tiers reported), confirming a prediction.
+func (x *Index) set(key, bit uint64, tier workerpb.Tier) {
+	i := x.upsert(key)
+	e := x.t.at(i)
+	switch tier {
+	case workerpb.Tier_TIER_REDIS:
+		e.flags |= flagRedis
+	case workerpb.Tier_TIER_CPU:
+		e.cpu |= bit
+		e.pred &^= bit
+	default:
+		e.gpu |= bit
+		e.pred &^= bit
+	}
+}
+
+// clear records that the worker of bit no longer holds key in tier; for
+// Redis, that the shared tier no longer holds it.
+func (x *Index) clear(key, bit uint64, tier workerpb.Tier) {
+	i := x.t.find(key)
+	if i == none {
+		return
+	}
+	e := x.t.at(i)
+	switch tier {
+	case workerpb.Tier_TIER_REDIS:
+		e.flags &^= flagRedis
+	case workerpb.Tier_TIER_CPU:
+		e.cpu &^= bit
+	default:
+		e.gpu &^= bit
+		e.pred &^= bit
+	}
+	x.dropIfEmpty(i)
+}
+
+// upsert returns key's entry, touched, inserting it (and evicting the
+// least recently touched entry if full) if absent. x.mu is held.
+func (x *Index) upsert(key uint64) uint32 {
+	if i := x.t.find(key); i != none {
+		x.t.touch(i)
+		return i
+	}
+	for x.t.n >= x.cfg.MaxBlocks && x.t.tail != none {
+		x.t.remove(x.t.tail)
+		x.evicted++
+	}
+	return x.t.insert(key)
+}
+
+func (x *Index) dropIfEmpty(i uint32) {
+	e := x.t.at(i)
+	if e.gpu|e.cpu|e.pred == 0 && e.flags&flagRedis == 0 {
+		x.t.remove(i)
+	}
+}
+
+// clearWorker clears slot's GPU and CPU bits, and its predictions too if
+// pred, from every entry. It scans the slab: about a millisecond per
+// million blocks. x.mu is held.
+func (x *Index) clearWorker(slot int, pred bool) {
+	mask := ^(uint64(1) << slot)
+	for i := uint32(0); i < x.t.hi; i++ {
+		e := x.t.at(i)
+		if e.flags&flagUsed == 0 {
+			continue
+		}
+		e.gpu &= mask
+		e.cpu &= mask
+		if pred {
+			e.pred &= mask
+		}
+		x.dropIfEmpty(i)
+	}
+}
+
+// RemoveWorker forgets the worker: its blocks, predictions, load and
+// slot. The watcher calls it when the worker leaves the pool.
+func (x *Index) RemoveWorker(name string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	w := x.byName[name]
+	if w == nil {
+		return
+	}
+	x.clearWorker(w.slot, true)
+	delete(x.byName, name)
+	x.slots[w.slot] = nil
+}
+
+// Predict records that the worker will hold keys in its GPU tier once the
+// request just routed to it is prefilled: until an event confirms each
+// block, or PredictTTL passes, Lookup counts them as GPU blocks of the
+// worker. The blocks the worker did not hold are added to its pending
+// prefill tokens until its next load report. Predict is called on the hot
+// path after each kv_aware decision; it takes the write lock for about
+// 20 ns a key and does not allocate once the index has grown. A worker
+// beyond MaxWorkers is ignored.
+func (x *Index) Predict(name string, keys []uint64) {
+	now := x.cfg.Now().UnixNano()
+	until := now + int64(x.cfg.PredictTTL)
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	w, err := x.slotFor(name)
+	if err != nil {
+		return
+	}
+	bit := uint64(1) << w.slot
+	var added int64
+	for _, k := range keys {
+		e := x.t.at(x.upsert(k))
+		if e.predUntil <= now {
+			e.pred = 0
+		}
+		if (e.gpu|e.cpu|e.pred)&bit == 0 {
+			added++
+		}
+		e.pred |= bit
+		e.predUntil = until
+	}
+	w.pending += added * int64(w.blockTokens)
+}
+
+// ObserveTTFT feeds the worker's correction factor with one request's
+// achieved time to first token and the time kv_aware predicted. The front
+// end calls it when the first token arrives. Non-positive durations are
+// ignored.
+func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
+	if predicted <= 0 || achieved <= 0 {
+		return
+	}
+	r := min(max(float64(achieved)/float64(predicted), minCorrection), maxCorrection)
+	x.mu.RLock()
+	w := x.byName[name]
+	x.mu.RUnlock()
+	if w == nil {
+		return
+	}
+	for {
+		old := w.correction.Load()
+		c := (1-correctionAlpha)*math.Float64frombits(old) + correctionAlpha*r
+		if w.correction.CompareAndSwap(old, math.Float64bits(c)) {
+			return
+		}
+	}
+}
+
+// Lookup fills out[i] with what workers[i] would find of the request whose
+// block keys are keys (see Match); out must be at least as long as
+// workers. It holds the read lock, does not allocate, and costs about
+// 10–20 ns per key plus 30 ns per worker.
+func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
+	now := x.cfg.Now().UnixNano()
+	out = out[:len(workers)]
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	var alive, redisOK uint64
+	var slotOf [MaxWorkers]int32
+	for i, name := range workers {
+		m := &out[i]
+		w := x.byName[name]
+		if w == nil {
+			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
+			continue
+		}
+		*m = Match{
+			Known:         true,
+			Load:          w.load,
+			PendingTokens: w.pending,
+			Cost:          w.cost,
+			HasCost:       w.hasCost,
+			BlockTokens:   w.blockTokens,
+			Correction:    math.Float64frombits(w.correction.Load()),
+		}
+		bit := uint64(1) << w.slot
+		alive |= bit
+		slotOf[w.slot] = int32(i)
+		if w.redisTier {
+			redisOK |= bit
+		}
+	}
+	if alive == 0 {
+		return
+	}
+	// Walk the keys, keeping per tier the set of workers whose leading
+	// run of blocks continues in that tier. Runs of keys with the same
+	// sets are credited at once when the sets change, so the cost is per
+	// key plus per change, not per key and worker.
+	var cnt [MaxWorkers][3]int32
+	var runG, runC, runR uint64
+	var run int32
+	flush := func() {
+		for m := runG; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][0] += run
+		}
+		for m := runC; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][1] += run
+		}
+		for m := runR; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][2] += run
+		}
+	}
+	for _, k := range keys {
+		var g, c, r uint64
+		if i := x.t.find(k); i != none {
+			e := x.t.at(i)
+			g = e.gpu
+			if now < e.predUntil {
+				g |= e.pred
+			}
+			g &= alive
+			c = e.cpu &^ g & alive
+			if e.flags&flagRedis != 0 {
+				r = alive &^ (g | c) & redisOK
+			}
+		}
+		if g != runG || c != runC || r != runR {
+			flush()
+			runG, runC, runR, run = g, c, r, 0
+		}
+		run++
+		alive = g | c | r
+		if alive == 0 {
+			break
+		}
+	}
+	flush()
+	for s := range MaxWorkers {
+		if c := cnt[s]; c != [3]int32{} {
+			m := &out[slotOf[s]]
+			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		}
+	}
+}

@@ -1,0 +1,511 @@
+package kvindex
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/batonllm/baton/proto/workerpb"
+)
+
+const (
+	gpu   = workerpb.Tier_TIER_GPU
+	cpu   = workerpb.Tier_TIER_CPU
+	redis = workerpb.Tier_TIER_REDIS
+)
+
+func keys(from, to uint64) []uint64 {
+	var ks []uint64
+	for k := from; k < to; k++ {
+		ks = append(ks, 1000+k)
+	}
+	return ks
+}
+
+func cache(kind workerpb.CacheEvent_Kind, tier workerpb.Tier, ks []uint64) *workerpb.CacheEvent {
+	return &workerpb.CacheEvent{Kind: kind, Tier: tier, Keys: ks}
+}
+
+func stored(tier workerpb.Tier, ks []uint64) *workerpb.CacheEvent {
+	return cache(workerpb.CacheEvent_KIND_STORED, tier, ks)
+}
+
+func snapshot(load *workerpb.LoadReport, blocks ...*workerpb.CacheEvent) *workerpb.WatchEvent {
+	return &workerpb.WatchEvent{Seq: 1, Event: &workerpb.WatchEvent_Snapshot{
+		Snapshot: &workerpb.Snapshot{Load: load, Blocks: blocks}}}
+}
+
+func event(seq uint64, ce *workerpb.CacheEvent) *workerpb.WatchEvent {
+	return &workerpb.WatchEvent{Seq: seq, Event: &workerpb.WatchEvent_Cache{Cache: ce}}
+}
+
+func mustApply(t testing.TB, x *Index, name string, ev *workerpb.WatchEvent) {
+	t.Helper()
+	if err := x.Apply(name, ev); err != nil {
+		t.Fatalf("Apply(%s, seq %d): %v", name, ev.GetSeq(), err)
+	}
+}
+
+type hit struct{ GPU, CPU, Redis int }
+
+func lookup(x *Index, ks []uint64, names ...string) map[string]hit {
+	out := make([]Match, len(names))
+	x.Lookup(ks, names, out)
+	got := make(map[string]hit)
+	for i, n := range names {
+		got[n] = hit{out[i].GPU, out[i].CPU, out[i].Redis}
+	}
+	return got
+}
+
+func TestLookupByTier(t *testing.T) {
+	x := New(Config{})
+	// a: blocks 0–3 in GPU, 4–5 in CPU; b: 0–1 in GPU and 2–9 in CPU;
+	// Redis (written by c): 0–7. a and c use the Redis tier, b does not.
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 4)), stored(cpu, keys(4, 6))))
+	mustApply(t, x, "b", snapshot(nil, stored(gpu, keys(0, 2)), stored(cpu, keys(2, 10))))
+	mustApply(t, x, "c", snapshot(nil))
+	mustApply(t, x, "c", event(2, stored(redis, keys(0, 8))))
+	for _, n := range []string{"a", "c"} {
+		if err := x.SetInfo(n, &workerpb.InfoResponse{RedisTier: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tests := []struct {
+		name string
+		keys []uint64
+		want map[string]hit
+	}{
+		{"whole prompt", keys(0, 12), map[string]hit{
+			"a": {4, 2, 2}, "b": {2, 8, 0}, "c": {0, 0, 8}, "unknown": {}}},
+		{"first block only", keys(0, 1), map[string]hit{
+			"a": {1, 0, 0}, "b": {1, 0, 0}, "c": {0, 0, 1}, "unknown": {}}},
+		{"other prefix", keys(50, 60), map[string]hit{
+			"a": {}, "b": {}, "c": {}, "unknown": {}}},
+		{"no keys", nil, map[string]hit{"a": {}, "b": {}, "c": {}, "unknown": {}}},
+		// A block missing from a worker's tiers and from Redis ends its
+		// run even if later blocks are held.
+		{"hole", append(keys(0, 2), append([]uint64{7}, keys(2, 4)...)...), map[string]hit{
+			"a": {2, 0, 0}, "b": {2, 0, 0}, "c": {0, 0, 2}, "unknown": {}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := lookup(x, tt.keys, "a", "b", "c", "unknown")
+			if d := cmp.Diff(tt.want, got); d != "" {
+				t.Errorf("Lookup (-want +got):\n%s", d)
+			}
+		})
+	}
+}
+
+func TestLookupReportsWorkerState(t *testing.T) {
+	x := New(Config{})
+	load := &workerpb.LoadReport{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GpuBlocksUsed: 10, GpuBlocksTotal: 100}
+	mustApply(t, x, "a", snapshot(load))
+	cost := &workerpb.CostParams{Layers: 80, Hidden: 8192, Flops: 1e15, KvBytesPerBlock: 5 << 20}
+	if err := x.SetInfo("a", &workerpb.InfoResponse{BlockChars: 128, Cost: cost}); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]Match, 2)
+	x.Lookup(nil, []string{"a", "b"}, out)
+	wantCost := DefaultCost
+	wantCost.Layers, wantCost.Hidden, wantCost.FLOPS, wantCost.KVBytesPerBlock = 80, 8192, 1e15, 5<<20
+	want := []Match{
+		{Known: true, Load: Load{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GPUBlocksUsed: 10, GPUBlocksTotal: 100},
+			Cost: wantCost, HasCost: true, BlockTokens: 32, Correction: 1},
+		{Cost: DefaultCost, BlockTokens: 16, Correction: 1},
+	}
+	if d := cmp.Diff(want, out); d != "" {
+		t.Errorf("Lookup (-want +got):\n%s", d)
+	}
+}
+
+func TestEvents(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 4))))
+	mustApply(t, x, "a", event(2, stored(gpu, keys(4, 6))))
+	if got, want := lookup(x, keys(0, 8), "a")["a"], (hit{6, 0, 0}); got != want {
+		t.Fatalf("after stored: %+v, want %+v", got, want)
+	}
+	// Blocks 2–3 demoted to CPU, then 4–5 removed from the GPU.
+	mustApply(t, x, "a", event(3, &workerpb.CacheEvent{Kind: workerpb.CacheEvent_KIND_TIER_CHANGED, Tier: cpu, FromTier: gpu, Keys: keys(2, 4)}))
+	mustApply(t, x, "a", event(4, cache(workerpb.CacheEvent_KIND_REMOVED, gpu, keys(4, 6))))
+	if got, want := lookup(x, keys(0, 8), "a")["a"], (hit{2, 2, 0}); got != want {
+		t.Fatalf("after tier change and removal: %+v, want %+v", got, want)
+	}
+	// Block 3 promoted back; block 2 dropped from CPU (a hole).
+	mustApply(t, x, "a", event(5, &workerpb.CacheEvent{Kind: workerpb.CacheEvent_KIND_TIER_CHANGED, Tier: gpu, FromTier: cpu, Keys: keys(3, 4)}))
+	mustApply(t, x, "a", event(6, cache(workerpb.CacheEvent_KIND_REMOVED, cpu, keys(2, 3))))
+	if got, want := lookup(x, keys(0, 8), "a")["a"], (hit{2, 0, 0}); got != want {
+		t.Fatalf("after promotion and hole: %+v, want %+v", got, want)
+	}
+	if got, want := x.Len(), 3; got != want {
+		t.Errorf("Len = %d, want %d (removed blocks dropped)", got, want)
+	}
+	// Redis: stored by one worker, removed by another.
+	mustApply(t, x, "b", snapshot(nil))
+	_ = x.SetInfo("b", &workerpb.InfoResponse{RedisTier: true})
+	mustApply(t, x, "a", event(7, stored(redis, keys(0, 5))))
+	if got, want := lookup(x, keys(0, 8), "b")["b"], (hit{0, 0, 5}); got != want {
+		t.Fatalf("redis: %+v, want %+v", got, want)
+	}
+	mustApply(t, x, "b", event(2, cache(workerpb.CacheEvent_KIND_REMOVED, redis, keys(1, 2))))
+	if got, want := lookup(x, keys(0, 8), "b")["b"], (hit{0, 0, 1}); got != want {
+		t.Fatalf("redis after removal: %+v, want %+v", got, want)
+	}
+}
+
+func TestSequence(t *testing.T) {
+	x := New(Config{})
+	if err := x.Apply("a", event(2, stored(gpu, keys(0, 1)))); !errors.Is(err, ErrNoSnapshot) {
+		t.Fatalf("event before snapshot: %v, want ErrNoSnapshot", err)
+	}
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 2))))
+	mustApply(t, x, "a", event(2, stored(gpu, keys(2, 3))))
+	// A replayed event is ignored: Apply is idempotent.
+	mustApply(t, x, "a", event(2, cache(workerpb.CacheEvent_KIND_REMOVED, gpu, keys(0, 3))))
+	if got, want := lookup(x, keys(0, 5), "a")["a"], (hit{3, 0, 0}); got != want {
+		t.Fatalf("after replay: %+v, want %+v", got, want)
+	}
+	if err := x.Apply("a", event(4, stored(gpu, keys(3, 4)))); !errors.Is(err, ErrGap) {
+		t.Fatalf("gap: %v, want ErrGap", err)
+	}
+	// After a gap, events are refused until a snapshot.
+	if err := x.Apply("a", event(5, stored(gpu, keys(3, 4)))); !errors.Is(err, ErrNoSnapshot) {
+		t.Fatalf("after gap: %v, want ErrNoSnapshot", err)
+	}
+	// The snapshot replaces the worker's blocks, and not other workers'.
+	mustApply(t, x, "b", snapshot(nil, stored(gpu, keys(0, 2))))
+	mustApply(t, x, "a", snapshot(nil, stored(cpu, keys(0, 1)), stored(gpu, keys(10, 12))))
+	mustApply(t, x, "a", event(2, stored(gpu, keys(1, 2))))
+	got := lookup(x, keys(0, 5), "a", "b")
+	if d := cmp.Diff(map[string]hit{"a": {1, 1, 0}, "b": {2, 0, 0}}, got); d != "" {
+		t.Errorf("after resync (-want +got):\n%s", d)
+	}
+	if got, want := x.Len(), 4; got != want {
+		t.Errorf("Len = %d, want %d", got, want)
+	}
+}
+
+func TestRemoveWorker(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 100)), stored(cpu, keys(100, 200))))
+	mustApply(t, x, "b", snapshot(nil, stored(gpu, keys(0, 10))))
+	x.Predict("a", keys(200, 210))
+	x.RemoveWorker("a")
+	if got, want := x.Len(), 10; got != want {
+		t.Errorf("Len = %d, want %d (only b's blocks)", got, want)
+	}
+	got := lookup(x, keys(0, 10), "a", "b")
+	if d := cmp.Diff(map[string]hit{"a": {}, "b": {10, 0, 0}}, got); d != "" {
+		t.Errorf("after RemoveWorker (-want +got):\n%s", d)
+	}
+	// The slot is free for another worker, with no stale bits.
+	mustApply(t, x, "c", snapshot(nil))
+	if got := lookup(x, keys(0, 210), "c")["c"]; got != (hit{}) {
+		t.Errorf("new worker in the freed slot holds %+v", got)
+	}
+	x.RemoveWorker("nobody")
+}
+
+func TestTooManyWorkers(t *testing.T) {
+	x := New(Config{})
+	for i := range MaxWorkers {
+		mustApply(t, x, fmt.Sprint("w", i), snapshot(nil))
+	}
+	if err := x.Apply("extra", snapshot(nil)); !errors.Is(err, ErrTooManyWorkers) {
+		t.Fatalf("Apply beyond MaxWorkers: %v, want ErrTooManyWorkers", err)
+	}
+	x.Predict("extra", keys(0, 3)) // ignored
+	x.RemoveWorker("w0")
+	mustApply(t, x, "extra", snapshot(nil))
+}
+
+func TestCapEvictsLeastRecentlyTouched(t *testing.T) {
+	x := New(Config{MaxBlocks: 100})
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 100))))
+	// Touch block 0 (stored again), then add 50 more.
+	mustApply(t, x, "a", event(2, stored(gpu, keys(0, 1))))
+	mustApply(t, x, "a", event(3, stored(gpu, keys(100, 150))))
+	if got, want := x.Len(), 100; got != want {
+		t.Fatalf("Len = %d, want %d", got, want)
+	}
+	if got, want := x.Evicted(), uint64(50); got != want {
+		t.Errorf("Evicted = %d, want %d", got, want)
+	}
+	for _, tt := range []struct {
+		key  uint64
+		want int
+	}{{0, 1}, {1, 0}, {50, 0}, {51, 1}, {99, 1}, {149, 1}} {
+		if got := lookup(x, keys(tt.key, tt.key+1), "a")["a"].GPU; got != tt.want {
+			t.Errorf("block %d: GPU %d, want %d", tt.key, got, tt.want)
+		}
+	}
+}
+
+type clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *clock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.now }
+func (c *clock) Add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+func TestPredict(t *testing.T) {
+	clk := &clock{now: time.Unix(1000, 0)}
+	x := New(Config{Now: clk.Now, PredictTTL: 2 * time.Second})
+	mustApply(t, x, "a", snapshot(&workerpb.LoadReport{WaitingPrefillTokens: 7}, stored(gpu, keys(0, 2))))
+	mustApply(t, x, "b", snapshot(nil))
+
+	x.Predict("a", keys(0, 10))
+	out := make([]Match, 1)
+	x.Lookup(keys(0, 12), []string{"a"}, out)
+	if got, want := (hit{out[0].GPU, out[0].CPU, out[0].Redis}), (hit{10, 0, 0}); got != want {
+		t.Errorf("predicted: %+v, want %+v", got, want)
+	}
+	if got, want := out[0].PendingTokens, int64(8*16); got != want {
+		t.Errorf("PendingTokens = %d, want %d (8 new blocks)", got, want)
+	}
+	// Events confirm blocks 2–5; then the TTL passes.
+	mustApply(t, x, "a", event(2, stored(gpu, keys(2, 6))))
+	clk.Add(2 * time.Second)
+	if got, want := lookup(x, keys(0, 12), "a")["a"], (hit{6, 0, 0}); got != want {
+		t.Errorf("after TTL: %+v, want %+v (confirmed blocks only)", got, want)
+	}
+	// A later prediction on b does not revive a's expired ones.
+	x.Predict("b", keys(0, 10))
+	got := lookup(x, keys(0, 12), "a", "b")
+	if d := cmp.Diff(map[string]hit{"a": {6, 0, 0}, "b": {10, 0, 0}}, got); d != "" {
+		t.Errorf("after b's prediction (-want +got):\n%s", d)
+	}
+	// A load report resets the pending tokens.
+	mustApply(t, x, "a", &workerpb.WatchEvent{Seq: 3, Event: &workerpb.WatchEvent_Load{Load: &workerpb.LoadReport{WaitingPrefillTokens: 5}}})
+	x.Lookup(nil, []string{"a"}, out)
+	if out[0].PendingTokens != 0 || out[0].Load.WaitingPrefillTokens != 5 {
+		t.Errorf("after load report: pending %d, waiting prefill %d; want 0, 5", out[0].PendingTokens, out[0].Load.WaitingPrefillTokens)
+	}
+}
+
+func TestObserveTTFT(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "a", snapshot(nil))
+	x.ObserveTTFT("a", 100*time.Millisecond, 200*time.Millisecond)
+	x.ObserveTTFT("a", 0, time.Second)                // ignored
+	x.ObserveTTFT("nobody", time.Second, time.Second) // ignored
+	out := make([]Match, 1)
+	x.Lookup(nil, []string{"a"}, out)
+	if got, want := out[0].Correction, 1.2; math.Abs(got-want) > 1e-9 {
+		t.Errorf("Correction = %v, want %v", got, want)
+	}
+	for range 100 {
+		x.ObserveTTFT("a", time.Millisecond, time.Hour) // clamped to 4
+	}
+	x.Lookup(nil, []string{"a"}, out)
+	if c := out[0].Correction; c > maxCorrection || c < 3.9 {
+		t.Errorf("Correction = %v, want just under %v", c, maxCorrection)
+	}
+}
+
+// TestTableChurn checks the hash table against a map under random inserts
+// and removals, across growth.
+func TestTableChurn(t *testing.T) {
+	var tb table
+	tb.init(1 << 20)
+	model := map[uint64]bool{}
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 200000 {
+		k := rng.Uint64N(5000) // dense keys collide in probe chains
+		if j := tb.find(k); (j != none) != model[k] {
+			t.Fatalf("op %d: find(%d) = %d, model has %t", i, k, j, model[k])
+		}
+		if model[k] {
+			tb.remove(tb.find(k))
+			delete(model, k)
+		} else {
+			tb.insert(k)
+			model[k] = true
+		}
+	}
+	if tb.n != len(model) {
+		t.Fatalf("n = %d, want %d", tb.n, len(model))
+	}
+	for k := range model {
+		if tb.find(k) == none {
+			t.Fatalf("key %d lost", k)
+		}
+	}
+	// The LRU list holds every entry once.
+	seen := 0
+	for i := tb.head; i != none; i = tb.at(i).next {
+		seen++
+	}
+	if seen != tb.n {
+		t.Fatalf("LRU list has %d entries, want %d", seen, tb.n)
+	}
+}
+
+// fill indexes n random blocks spread over workers GPU tiers, with a
+// tenth of them also in Redis, and returns the keys.
+func fill(tb testing.TB, x *Index, workers, n int) []uint64 {
+	rng := rand.New(rand.NewPCG(7, 8))
+	all := make([]uint64, n)
+	for i := range all {
+		all[i] = rng.Uint64()
+	}
+	per := n / workers
+	for w := range workers {
+		ks := all[w*per : (w+1)*per]
+		mustApply(tb, x, fmt.Sprintf("w%02d", w), snapshot(nil, stored(gpu, ks), stored(redis, ks[:len(ks)/10])))
+	}
+	return all
+}
+
+// TestBytesPerBlock measures the heap an index of a million blocks takes.
+func TestBytesPerBlock(t *testing.T) {
+	if testing.Short() {
+		t.Skip("allocates about 100 MB")
+	}
+	const n = 1 << 20
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	x := New(Config{})
+	fill(t, x, 64, n)
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / float64(x.Len())
+	t.Logf("%d blocks: %.1f bytes per indexed block (HeapAlloc)", x.Len(), per)
+	if per > 100 {
+		t.Errorf("%.1f bytes per block, want under 100", per)
+	}
+	runtime.KeepAlive(x)
+}
+
+func TestConcurrentApplyLookup(t *testing.T) {
+	x := New(Config{MaxBlocks: 5000})
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			name := fmt.Sprint("w", w)
+			mustApply(t, x, name, snapshot(nil))
+			for seq := uint64(2); seq < 500; seq++ {
+				ks := keys(seq*10, seq*10+10)
+				if err := x.Apply(name, event(seq, stored(gpu, ks))); err != nil {
+					t.Error(err)
+					return
+				}
+				x.Predict(name, ks)
+			}
+		})
+	}
+	for range 4 {
+		wg.Go(func() {
+			out := make([]Match, 4)
+			names := []string{"w0", "w1", "w2", "w3"}
+			for i := range 500 {
+				x.Lookup(keys(uint64(i), uint64(i)+50), names, out)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func BenchmarkLookup(b *testing.B) {
+	for _, workers := range []int{8, 64} {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			x := New(Config{})
+			all := fill(b, x, workers, 1<<20)
+			names := make([]string, workers)
+			for i := range names {
+				names[i] = fmt.Sprintf("w%02d", i)
+			}
+			// The prompt: 300 blocks held by w00 (and Redis for 50), then
+			// 200 blocks nobody holds.
+			ks := append(append([]uint64(nil), all[:300]...), keys(0, 200)...)
+			out := make([]Match, workers)
+			b.ReportAllocs()
+			for b.Loop() {
+				x.Lookup(ks, names, out)
+			}
+			if out[0].GPU != 300 {
+				b.Fatalf("w00 GPU = %d, want 300", out[0].GPU)
+			}
+		})
+	}
+}
+
+// BenchmarkLookupParallel measures lookups from every CPU while one
+// goroutine applies events (a worker storing 32 blocks per event).
+func BenchmarkLookupParallel(b *testing.B) {
+	x := New(Config{})
+	all := fill(b, x, 64, 1<<20)
+	names := make([]string, 64)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%02d", i)
+	}
+	ks := append(append([]uint64(nil), all[:300]...), keys(0, 200)...)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	applied := 0
+	go func() {
+		defer close(done)
+		seq := uint64(1)
+		rng := rand.New(rand.NewPCG(3, 4))
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			seq++
+			ev := stored(gpu, []uint64{rng.Uint64(), rng.Uint64(), rng.Uint64(), rng.Uint64()})
+			if err := x.Apply("w63", event(seq, ev)); err != nil {
+				panic(err)
+			}
+			applied++
+			time.Sleep(100 * time.Microsecond)
+		}
+	}()
+	b.ResetTimer()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		out := make([]Match, 64)
+		for pb.Next() {
+			x.Lookup(ks, names, out)
+		}
+	})
+	close(stop)
+	<-done
+	b.ReportMetric(float64(applied), "applies")
+}
+
+func BenchmarkPredict(b *testing.B) {
+	x := New(Config{})
+	all := fill(b, x, 64, 1<<20)
+	ks := all[:500]
+	b.ReportAllocs()
+	for b.Loop() {
+		x.Predict("w01", ks)
+	}
+}
+
+func BenchmarkApplySnapshot(b *testing.B) {
+	x := New(Config{})
+	all := fill(b, x, 64, 1<<20)
+	ev := snapshot(nil, stored(gpu, all[:1<<14]))
+	b.ReportAllocs()
+	for b.Loop() {
+		mustApply(b, x, "w00", ev)
+	}
+}

@@ -1,0 +1,207 @@
+package kvindex
+
+// The block table: an open-addressing hash table of uint32 entry indexes
+// over a slab of fixed-size entries, with an intrusive LRU list. No entry
+// holds a pointer, so the garbage collector never scans the slab, and the
+// memory per block is the entry (entrySize) plus 4 to 8 bytes of table
+// (load factor between 1/4 and 1/2).
+
+import (
+	"math/bits"
+)
+
+// entry is one indexed block: which worker slots hold it in GPU and CPU,
+// which slots are predicted to hold it (and until when), and whether the
+// shared Redis tier holds it.
+type entry struct {
+	key       uint64
+	gpu, cpu  uint64 // bit i: worker slot i holds the block in that tier
+	pred      uint64 // bit i: predicted on slot i, valid while now < predUntil
+	predUntil int64  // Unix nanoseconds
+	prev      uint32 // LRU neighbours (towards the head: more recent)
+	next      uint32 // also the free-list link of a free entry
+	stamp     uint32 // table.tick when last moved to the head
+	flags     uint8
+}
+
+const (
+	flagUsed  = 1 << iota // the entry holds a block (else it is free)
+	flagRedis             // the shared Redis tier holds the block
+)
+
+// entrySize is the size of an entry in the slab, in bytes.
+const entrySize = 56
+
+const (
+	none      = ^uint32(0) // no entry
+	chunkBits = 16         // entries per slab chunk: 65,536 (3.5 MiB)
+	chunkMask = 1<<chunkBits - 1
+	minTable  = 1 << 10
+)
+
+// table maps block keys to entries. It is not safe for concurrent use: the
+// Index guards it.
+type table struct {
+	slots  []uint32 // 0: empty; otherwise entry index + 1
+	shift  uint     // 64 - log2(len(slots))
+	chunks [][]entry
+	n      int    // entries in use
+	hi     uint32 // entries ever allocated (the slab's high-water mark)
+	free   uint32 // head of the free list, or none
+	head   uint32 // most recently touched, or none
+	tail   uint32 // least recently touched, or none
+	// tick counts moves to the head. An entry moved there at stamp is at
+	// most tick−stamp places from it, so touch leaves entries fresher than
+	// fresh where they are: eviction stays least-recently-touched but for
+	// the freshest eighth, which it never reaches, and a hot request's
+	// blocks cost no list surgery.
+	tick  uint32
+	fresh uint32
+}
+
+func (t *table) init(maxBlocks int) {
+	t.fresh = uint32(min(maxBlocks/8, 1<<30))
+	t.slots = make([]uint32, minTable)
+	t.shift = 64 - uint(bits.TrailingZeros(minTable))
+	t.free, t.head, t.tail = none, none, none
+}
+
+// at returns entry i.
+func (t *table) at(i uint32) *entry { return &t.chunks[i>>chunkBits][i&chunkMask] }
+
+// home returns the preferred slot of key (Fibonacci hashing, so that keys
+// that are not random still spread).
+func (t *table) home(key uint64) uint64 { return (key * 0x9e3779b97f4a7c15) >> t.shift }
+
+// find returns the index of key's entry, or none.
+func (t *table) find(key uint64) uint32 {
+	mask := uint64(len(t.slots) - 1)
+	for s := t.home(key); ; s = (s + 1) & mask {
+		v := t.slots[s]
+		if v == 0 {
+			return none
+		}
+		if t.at(v-1).key == key {
+			return v - 1
+		}
+	}
+}
+
+// insert adds an entry for key, which must be absent, at the head of the
+// LRU list, and returns its index. The caller evicts first if full.
+func (t *table) insert(key uint64) uint32 {
+	if (t.n+1)*2 > len(t.slots) {
+		t.grow()
+	}
+	var i uint32
+	if t.free != none {
+		i = t.free
+		t.free = t.at(i).next
+	} else {
+		i = t.hi
+		if i&chunkMask == 0 {
+			t.chunks = append(t.chunks, make([]entry, 1<<chunkBits))
+		}
+		t.hi++
+	}
+	e := t.at(i)
+	*e = entry{key: key, flags: flagUsed, prev: none, next: none}
+	t.place(key, i)
+	t.pushFront(i)
+	t.n++
+	return i
+}
+
+// place puts entry i for key into the first empty slot of its probe chain.
+func (t *table) place(key uint64, i uint32) {
+	mask := uint64(len(t.slots) - 1)
+	s := t.home(key)
+	for t.slots[s] != 0 {
+		s = (s + 1) & mask
+	}
+	t.slots[s] = i + 1
+}
+
+// grow doubles the slot array and reinserts every entry.
+func (t *table) grow() {
+	old := t.slots
+	t.slots = make([]uint32, 2*len(old))
+	t.shift--
+	for _, v := range old {
+		if v != 0 {
+			t.place(t.at(v-1).key, v-1)
+		}
+	}
+}
+
+// remove deletes entry i from the table, the LRU list and the slab.
+func (t *table) remove(i uint32) {
+	e := t.at(i)
+	mask := uint64(len(t.slots) - 1)
+	s := t.home(e.key)
+	for t.slots[s] != i+1 {
+		s = (s + 1) & mask
+	}
+	// Backward-shift deletion: move later members of the probe chain
+	// into the hole when their home allows it.
+shift:
+	for {
+		t.slots[s] = 0
+		j := s
+		for {
+			j = (j + 1) & mask
+			v := t.slots[j]
+			if v == 0 {
+				break shift
+			}
+			h := t.home(t.at(v - 1).key)
+			// v may move to s if its home is not cyclically in (s, j].
+			if (j > s && (h <= s || h > j)) || (j < s && h <= s && h > j) {
+				t.slots[s] = v
+				s = j
+				break
+			}
+		}
+	}
+	t.unlink(i)
+	*e = entry{next: t.free}
+	t.free = i
+	t.n--
+}
+
+// touch moves entry i to the head of the LRU list.
+func (t *table) touch(i uint32) {
+	if t.head == i || t.tick-t.at(i).stamp < t.fresh {
+		return
+	}
+	t.unlink(i)
+	t.pushFront(i)
+}
+
+func (t *table) pushFront(i uint32) {
+	e := t.at(i)
+	e.prev, e.next, e.stamp = none, t.head, t.tick
+	t.tick++
+	if t.head != none {
+		t.at(t.head).prev = i
+	}
+	t.head = i
+	if t.tail == none {
+		t.tail = i
+	}
+}
+
+func (t *table) unlink(i uint32) {
+	e := t.at(i)
+	if e.prev != none {
+		t.at(e.prev).next = e.next
+	} else {
+		t.head = e.next
+	}
+	if e.next != none {
+		t.at(e.next).prev = e.prev
+	} else {
+		t.tail = e.prev
+	}
+	e.prev, e.next = none, none
+}
