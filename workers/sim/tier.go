@@ -15,10 +15,10 @@ import (
 // feeds it, and warm-up.
 
 // Writes to the shared tier are batched by up to storeBatch blocks, each
-// Put bounded by storeWriteTimeout of real time.
+// Put bounded by storeWriteFactor × Config.StoreTimeout of real time.
 const (
-	storeBatch        = 64
-	storeWriteTimeout = 2 * time.Second
+	storeBatch       = 64
+	storeWriteFactor = 4
 )
 
 // pcieSeconds is the modelled time of copying n blocks from the CPU tier
@@ -194,7 +194,7 @@ func (e *Engine) put(batch []storeWrite) {
 		byNS[w.ns] = append(byNS[w.ns], transfer.Block{Key: w.key, Data: *buf})
 	}
 	for ns, blocks := range byNS {
-		ctx, cancel := context.WithTimeout(e.ctx, storeWriteTimeout)
+		ctx, cancel := context.WithTimeout(e.ctx, storeWriteFactor*e.cfg.StoreTimeout)
 		err := e.store.Put(ctx, ns, blocks)
 		cancel()
 		keys := make([]uint64, len(blocks))
