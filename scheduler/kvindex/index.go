@@ -121,7 +121,9 @@ type Match struct {
 	// at the first block found nowhere.
 	GPU, CPU, Redis int
 	// Load is the worker's latest load report, and PendingTokens the
-	// prompt tokens routed to it by Predict since that report.
+	// prompt tokens routed to it by Predict since that report (at most
+	// PredictTTL ago: workers without load reports, such as HTTP engines,
+	// count the tokens routed in the last PredictTTL or so).
 	Load          Load
 	PendingTokens int64
 	// Cost is the worker's cost figures (from Info), DefaultCost's where
@@ -146,7 +148,8 @@ type worker struct {
 	synced      bool   // a snapshot was applied, and no gap seen since
 	lastSeq     uint64 // of the last event applied
 	load        Load
-	pending     int64
+	pending     int64 // prompt tokens routed by Predict since pendingAt
+	pendingAt   int64 // Unix nanoseconds: the last load report, or the first Predict after PredictTTL
 	cost        Cost
 	hasCost     bool
 	blockTokens int
@@ -242,7 +245,7 @@ func (x *Index) Apply(name string, ev *workerpb.WatchEvent) error {
 		for _, ce := range snap.GetBlocks() {
 			x.applyCache(w, ce)
 		}
-		w.setLoad(snap.GetLoad())
+		w.setLoad(snap.GetLoad(), x.cfg.Now().UnixNano())
 		w.synced, w.lastSeq = true, ev.GetSeq()
 		return nil
 	}
@@ -260,14 +263,14 @@ func (x *Index) Apply(name string, ev *workerpb.WatchEvent) error {
 	w.lastSeq = ev.GetSeq()
 	switch e := ev.GetEvent().(type) {
 	case *workerpb.WatchEvent_Load:
-		w.setLoad(e.Load)
+		w.setLoad(e.Load, x.cfg.Now().UnixNano())
 	case *workerpb.WatchEvent_Cache:
 		x.applyCache(w, e.Cache)
 	}
 	return nil
 }
 
-func (w *worker) setLoad(l *workerpb.LoadReport) {
+func (w *worker) setLoad(l *workerpb.LoadReport, now int64) {
 	w.load = Load{
 		Running:              int(l.GetRunning()),
 		Waiting:              int(l.GetWaiting()),
@@ -279,7 +282,7 @@ func (w *worker) setLoad(l *workerpb.LoadReport) {
 	}
 	// The report counts what was routed to the worker before it; the
 	// pending tokens of requests routed since are approximated as counted.
-	w.pending = 0
+	w.pending, w.pendingAt = 0, now
 }
 
 // applyCache applies one cache event of worker w. x.mu is held.
@@ -426,6 +429,9 @@ func (x *Index) Predict(name string, keys []uint64) {
 		e.pred |= bit
 		e.predUntil = until
 	}
+	if now-w.pendingAt >= int64(x.cfg.PredictTTL) {
+		w.pending, w.pendingAt = 0, now
+	}
 	w.pending += added * int64(w.blockTokens)
 }
 
@@ -471,10 +477,14 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
 		}
+		pending := w.pending
+		if now-w.pendingAt >= int64(x.cfg.PredictTTL) {
+			pending = 0
+		}
 		*m = Match{
 			Known:         true,
 			Load:          w.load,
-			PendingTokens: w.pending,
+			PendingTokens: pending,
 			Cost:          w.cost,
 			HasCost:       w.hasCost,
 			BlockTokens:   w.blockTokens,

@@ -1,0 +1,235 @@
+package routing
+
+import (
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
+)
+
+// KVAware is the name of the kv_aware strategy. It is not among the
+// builtins: it needs the KV index, so cmd/ registers it with
+// RegisterKVAware.
+const KVAware = "kv_aware"
+
+// ReasonKVAware: kv_aware chose the worker with the lowest estimated time
+// to first token among those under the threshold.
+const ReasonKVAware = "kv_aware"
+
+// tieTolerance is the relative difference under which two estimates tie
+// and the worker with fewer requests in flight wins: estimates built from
+// load reports up to a report interval old are not finer than that.
+const tieTolerance = 0.01
+
+// RegisterKVAware registers kv_aware in r, built over idx.
+func RegisterKVAware(r *Registry, idx *kvindex.Index) {
+	r.Register(KVAware, func(p Params) (Strategy, error) { return NewKVAware(p, idx) })
+}
+
+// TTFTEstimator is implemented by strategies that estimate the time to
+// first token of their choice (kv_aware). The front end calls PickEstimate
+// instead of Pick to learn the estimate, and reports the achieved TTFT to
+// the KV index (kvindex.Index.ObserveTTFT), which corrects later
+// estimates for that worker. PickEstimate follows Pick's contract.
+type TTFTEstimator interface {
+	PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error)
+}
+
+// NewKVAware returns the kv_aware strategy over idx, which the watch
+// streams of every worker feed (scheduler/watch).
+//
+// For each available worker serving the model with fewer than
+// ConcurrencyThreshold requests in flight, it estimates the time to first
+// token of the request (req.Keys, req.Tokens) from what idx knows of the
+// worker, with the worker's cost figures (kvindex.DefaultCost for workers
+// that report none, such as HTTP engines):
+//
+//	queue   = prefill of the tokens waiting on the worker (its last load
+//	          report's waiting_prefill_tokens plus those routed since),
+//	          plus one decode step if it runs sequences or has requests
+//	          in flight
+//	prefill = layers·(4·n·(n+c)·hidden + 22·n·hidden²)/flops for the n
+//	          tokens found in no tier over the c found in one
+//	copy    = kv_bytes_per_block / pcie_bytes_per_second per block found
+//	          in its CPU tier
+//	fetch   = redis_rtt + bytes / redis_bytes_per_second for the blocks
+//	          only Redis holds, or recomputing them if that is faster
+//
+// times the worker's correction factor (achieved over predicted TTFT,
+// observed). The lowest estimate wins; estimates within 1% tie and the
+// worker with fewer requests in flight wins, then the first met from a
+// random start. When the best worker is at the threshold (a hot prefix),
+// the next best under it is chosen (Spill, Home the best): it fetches the
+// prefix from Redis when Redis holds it and that is cheaper. When every
+// worker is at the threshold, the best is chosen anyway (ReasonAllFull).
+//
+// After choosing, it records the request's blocks on the chosen worker as
+// predicted (kvindex.Index.Predict), so that siblings arriving before the
+// worker's events see them. Decision.PredictedCached is the prompt tokens
+// the worker is expected to find in some tier.
+func NewKVAware(p Params, idx *kvindex.Index) (Strategy, error) {
+	if err := p.Validate(); err != nil {
+		return nil, err
+	}
+	p = p.withDefaults()
+	return &kvAware{threshold: p.ConcurrencyThreshold, rand: p.Rand, idx: idx}, nil
+}
+
+type kvAware struct {
+	threshold int
+	rand      func(uint64) uint64
+	idx       *kvindex.Index
+	scratch   sync.Pool // of *kvScratch
+}
+
+// kvScratch holds one decision's buffers, reused across decisions.
+type kvScratch struct {
+	workers []*pool.Worker
+	names   []string
+	matches []kvindex.Match
+}
+
+func (*kvAware) Name() string { return KVAware }
+
+func (*kvAware) UsesKeys() bool { return true }
+
+func (s *kvAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
+	d, _, err := s.PickEstimate(req, snap)
+	return d, err
+}
+
+// candidate is a worker's estimate.
+type candidate struct {
+	i       int     // in scratch
+	seconds float64 // estimated TTFT
+	load    int     // in flight
+	cached  int     // tokens expected cached
+}
+
+// better reports whether a beats b (b.i < 0: none yet).
+func (a candidate) better(b candidate) bool {
+	if b.i < 0 {
+		return true
+	}
+	if d := a.seconds - b.seconds; d < -tieTolerance*b.seconds || d > tieTolerance*a.seconds {
+		return d < 0
+	}
+	return a.load < b.load
+}
+
+func (s *kvAware) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error) {
+	sc, _ := s.scratch.Get().(*kvScratch)
+	if sc == nil {
+		sc = new(kvScratch)
+	}
+	defer s.scratch.Put(sc)
+	ws, names := sc.workers[:0], sc.names[:0]
+	for _, w := range snap.Workers {
+		if eligible(w, req.Model) {
+			ws = append(ws, w)
+			names = append(names, w.Name)
+		}
+	}
+	sc.workers, sc.names = ws, names
+	if len(ws) == 0 {
+		return Decision{}, 0, ErrNoWorker
+	}
+	if cap(sc.matches) < len(ws) {
+		sc.matches = make([]kvindex.Match, len(ws))
+	}
+	ms := sc.matches[:len(ws)]
+	s.idx.Lookup(req.Keys, names, ms)
+
+	best, bestAny := candidate{i: -1}, candidate{i: -1}
+	start := int(s.rand(uint64(len(ws))))
+	for k := range ws {
+		i := start + k
+		if i >= len(ws) {
+			i -= len(ws)
+		}
+		c := estimate(&ms[i], req, ws[i].InFlight())
+		c.i = i
+		if c.better(bestAny) {
+			bestAny = c
+		}
+		if c.load < s.threshold && c.better(best) {
+			best = c
+		}
+	}
+	reason := ReasonKVAware
+	if best.i < 0 {
+		best, reason = bestAny, ReasonAllFull
+	}
+	w := ws[best.i]
+	if len(req.Keys) > 0 {
+		s.idx.Predict(w.Name, req.Keys)
+	}
+	d := Decision{
+		Worker:          w,
+		Home:            ws[bestAny.i],
+		Spill:           best.i != bestAny.i,
+		PredictedCached: best.cached,
+		Reason:          reason,
+	}
+	return d, time.Duration(best.seconds * float64(time.Second)), nil
+}
+
+// estimate returns the estimated TTFT of req on the worker m describes,
+// with load requests in flight.
+func estimate(m *kvindex.Match, req *Request, load int) candidate {
+	c := &m.Cost
+	bt := m.BlockTokens
+	tokens := req.Tokens
+	if tokens <= 0 {
+		tokens = len(req.Keys) * bt
+	}
+	local := min(tokens, (m.GPU+m.CPU)*bt)
+	withRedis := min(tokens, (m.GPU+m.CPU+m.Redis)*bt)
+
+	queue := c.QueueSeconds(m.Load.WaitingPrefillTokens + m.PendingTokens)
+	if m.Load.Running > 0 || load > 0 {
+		queue += c.DecodeStepSeconds
+	}
+	copyCPU := c.CPUCopySeconds(m.CPU)
+	// The worker fetches Redis blocks when that beats recomputing them.
+	cached := local
+	work := c.PrefillSeconds(tokens-local, local)
+	if withRedis > local {
+		if fetch := c.RedisFetchSeconds(m.Redis) + c.PrefillSeconds(tokens-withRedis, withRedis); fetch < work {
+			work, cached = fetch, withRedis
+		}
+	}
+	corr := m.Correction
+	if corr <= 0 {
+		corr = 1
+	}
+	return candidate{seconds: (queue + copyCPU + work) * corr, load: load, cached: cached}
+}
+
+// RouteHit renders the X-Baton-Route header value of a decision of the
+// named strategy for a prompt of tokens tokens: for kv_aware the
+// predicted hit ratio, "kv_aware; predicted_hit=0.83" (with "; spill=true"
+// appended when the request left its best worker), else d.Route(strategy).
+// It allocates, so call it after the decision.
+func (d Decision) RouteHit(strategy string, tokens int) string {
+	if strategy != KVAware {
+		return d.Route(strategy)
+	}
+	hit := 0.0
+	if tokens > 0 && d.PredictedCached > 0 {
+		hit = min(float64(d.PredictedCached)/float64(tokens), 1)
+	}
+	r := strategy + "; predicted_hit=" + strconv.FormatFloat(hit, 'f', 2, 64)
+	if d.Spill {
+		r += "; spill=true"
+	}
+	return r
+}
+
+var (
+	_ Strategy      = (*kvAware)(nil)
+	_ KeyUser       = (*kvAware)(nil)
+	_ TTFTEstimator = (*kvAware)(nil)
+)

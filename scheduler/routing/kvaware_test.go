@@ -1,0 +1,341 @@
+package routing
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/scheduler/kvindex"
+)
+
+// kvFleet is a fleet with a KV index fed by hand, as the watcher would.
+type kvFleet struct {
+	*fleet
+	idx *kvindex.Index
+	seq map[string]uint64
+}
+
+func newKVFleet(t testing.TB, n int) *kvFleet {
+	t.Helper()
+	f := &kvFleet{fleet: newFleet(t, n), idx: kvindex.New(kvindex.Config{}), seq: map[string]uint64{}}
+	for _, w := range f.snap().Workers {
+		f.apply(w.Name, &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Snapshot{Snapshot: &workerpb.Snapshot{}}})
+	}
+	return f
+}
+
+// apply applies ev to the index as the next event of worker's stream.
+func (f *kvFleet) apply(worker string, ev *workerpb.WatchEvent) {
+	f.t.Helper()
+	if ev.GetSnapshot() != nil {
+		f.seq[worker] = 0
+	}
+	f.seq[worker]++
+	ev.Seq = f.seq[worker]
+	if err := f.idx.Apply(worker, ev); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+func (f *kvFleet) store(worker string, tier workerpb.Tier, keys []uint64) {
+	f.apply(worker, &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Cache{Cache: &workerpb.CacheEvent{
+		Kind: workerpb.CacheEvent_KIND_STORED, Tier: tier, Keys: keys}}})
+}
+
+func (f *kvFleet) report(worker string, l *workerpb.LoadReport) {
+	f.apply(worker, &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Load{Load: l}})
+}
+
+// info gives worker the simulated engine's default cost figures, with
+// Redis at redisBps bytes/s, and access to the Redis tier if redis.
+func (f *kvFleet) info(worker string, redis bool, redisBps float64) {
+	f.t.Helper()
+	c := kvindex.DefaultCost
+	err := f.idx.SetInfo(worker, &workerpb.InfoResponse{BlockChars: 64, RedisTier: redis, Cost: &workerpb.CostParams{
+		Layers: int32(c.Layers), Hidden: int32(c.Hidden), Flops: c.FLOPS, DecodeStepSeconds: c.DecodeStepSeconds,
+		KvBytesPerBlock: c.KVBytesPerBlock, PcieBytesPerSecond: c.PCIeBytesPerSecond,
+		RedisBytesPerSecond: redisBps, RedisRttSeconds: c.RedisRTTSeconds,
+	}})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+func (f *kvFleet) strategy(p Params) Strategy {
+	f.t.Helper()
+	if p.Rand == nil {
+		p.Rand = SeededRand(1)
+	}
+	var r Registry
+	RegisterKVAware(&r, f.idx)
+	s, err := r.New(KVAware, p)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return s
+}
+
+// prompt returns the keys of a 500-block (8,000-token) prompt.
+func prompt(seed uint64) []uint64 {
+	rng := rand.New(rand.NewPCG(seed, 99))
+	ks := make([]uint64, 500)
+	for i := range ks {
+		ks[i] = rng.Uint64()
+	}
+	return ks
+}
+
+func kvRequest(keys []uint64) *Request {
+	return &Request{Model: "llama", Keys: keys, Tokens: 16 * len(keys)}
+}
+
+func TestKVAwareChoosesByCache(t *testing.T) {
+	ks := prompt(1)
+	fast, slow := kvindex.DefaultCost.RedisBytesPerSecond, 1e6
+	tests := []struct {
+		name       string
+		setup      func(f *kvFleet)
+		want       string
+		wantCached int
+		wantSpill  bool
+	}{
+		{"GPU holder", func(f *kvFleet) {
+			f.store("w02", workerpb.Tier_TIER_GPU, ks[:400])
+			f.store("w01", workerpb.Tier_TIER_GPU, ks[:100])
+		}, "w02", 400 * 16, false},
+		{"CPU holder over recompute", func(f *kvFleet) {
+			f.store("w03", workerpb.Tier_TIER_CPU, ks)
+		}, "w03", 500 * 16, false},
+		{"longer GPU and CPU run over shorter GPU run", func(f *kvFleet) {
+			f.store("w01", workerpb.Tier_TIER_GPU, ks[:200])
+			f.store("w02", workerpb.Tier_TIER_GPU, ks[:100])
+			f.store("w02", workerpb.Tier_TIER_CPU, ks[100:500])
+		}, "w02", 500 * 16, false},
+		{"Redis fetch over recompute", func(f *kvFleet) {
+			f.info("w00", false, fast)
+			f.info("w01", true, fast)
+			f.store("w00", workerpb.Tier_TIER_REDIS, ks)
+			f.load("w00", 1)
+			f.load("w02", 1)
+			f.load("w03", 1)
+		}, "w01", 500 * 16, false},
+		{"recompute over a slow Redis", func(f *kvFleet) {
+			f.info("w01", true, slow)
+			f.store("w00", workerpb.Tier_TIER_REDIS, ks)
+			f.load("w00", 1)
+			f.load("w01", 1)
+			f.load("w03", 1)
+		}, "w02", 0, false},
+		{"queue wait outweighs the cache", func(f *kvFleet) {
+			f.store("w01", workerpb.Tier_TIER_GPU, ks)
+			f.report("w01", &workerpb.LoadReport{Running: 8, WaitingPrefillTokens: 200_000})
+			f.load("w00", 1)
+			f.load("w02", 1)
+		}, "w03", 0, false},
+		{"hot prefix at the threshold spreads, warming from Redis", func(f *kvFleet) {
+			f.info("w00", true, fast)
+			f.info("w02", true, fast)
+			f.store("w01", workerpb.Tier_TIER_GPU, ks)
+			f.store("w01", workerpb.Tier_TIER_REDIS, ks)
+			f.load("w01", 2)
+			f.load("w02", 1)
+		}, "w00", 500 * 16, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newKVFleet(t, 4)
+			tt.setup(f)
+			s := f.strategy(Params{ConcurrencyThreshold: 2})
+			d, err := s.Pick(kvRequest(ks), f.snap())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Worker.Name != tt.want || d.PredictedCached != tt.wantCached || d.Spill != tt.wantSpill {
+				t.Errorf("Pick = %s (cached %d, spill %t, reason %s), want %s (cached %d, spill %t)",
+					d.Worker.Name, d.PredictedCached, d.Spill, d.Reason, tt.want, tt.wantCached, tt.wantSpill)
+			}
+			if d.Reason != ReasonKVAware {
+				t.Errorf("Reason = %q, want %q", d.Reason, ReasonKVAware)
+			}
+		})
+	}
+}
+
+func TestKVAwareSiblingBurstLandsTogether(t *testing.T) {
+	f := newKVFleet(t, 8)
+	s := f.strategy(Params{})
+	ks := prompt(2)
+	var first string
+	for i := range 6 {
+		d, err := s.Pick(kvRequest(ks), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			first = d.Worker.Name
+			if d.PredictedCached != 0 {
+				t.Errorf("first request: PredictedCached = %d, want 0", d.PredictedCached)
+			}
+		} else if d.Worker.Name != first || d.PredictedCached != 500*16 {
+			t.Errorf("sibling %d: %s (cached %d), want %s (cached %d)", i, d.Worker.Name, d.PredictedCached, first, 500*16)
+		}
+		f.load(d.Worker.Name, 1) // the front end acquires it
+	}
+	// An unrelated prompt goes elsewhere: the first worker is busy.
+	d, err := s.Pick(kvRequest(prompt(3)), f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Worker.Name == first {
+		t.Errorf("unrelated prompt went to the busy %s", first)
+	}
+}
+
+func TestKVAwareOnlyAvailableWorkers(t *testing.T) {
+	f := newKVFleet(t, 3)
+	f.add("other", "mistral")
+	ks := prompt(4)
+	f.store("w00", workerpb.Tier_TIER_GPU, ks)
+	f.apply("other", &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Snapshot{Snapshot: &workerpb.Snapshot{}}})
+	f.store("other", workerpb.Tier_TIER_GPU, ks)
+	f.setHealthy("w00", false)
+	f.openBreaker("w01")
+	s := f.strategy(Params{})
+	for range 5 {
+		d, err := s.Pick(kvRequest(ks), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != "w02" {
+			t.Fatalf("Pick = %s, want w02, the only available worker serving llama", d.Worker.Name)
+		}
+	}
+	f.setHealthy("w02", false)
+	if _, err := s.Pick(kvRequest(ks), f.snap()); !errors.Is(err, ErrNoWorker) {
+		t.Fatalf("no available worker: err %v, want ErrNoWorker", err)
+	}
+}
+
+func TestKVAwareAllFull(t *testing.T) {
+	f := newKVFleet(t, 3)
+	ks := prompt(5)
+	f.store("w01", workerpb.Tier_TIER_GPU, ks)
+	for _, w := range f.snap().Workers {
+		f.load(w.Name, 1)
+	}
+	d, err := f.strategy(Params{ConcurrencyThreshold: 1}).Pick(kvRequest(ks), f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Worker.Name != "w01" || d.Reason != ReasonAllFull || d.Spill {
+		t.Errorf("Pick = %s (%s, spill %t), want w01 (%s, no spill)", d.Worker.Name, d.Reason, d.Spill, ReasonAllFull)
+	}
+}
+
+func TestKVAwareEstimateAndCorrection(t *testing.T) {
+	f := newKVFleet(t, 1)
+	s := f.strategy(Params{}).(TTFTEstimator)
+	ks := prompt(6)
+	_, est, err := s.PickEstimate(kvRequest(ks), f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := kvindex.DefaultCost
+	if want := time.Duration(c.PrefillSeconds(8000, 0) * float64(time.Second)); est != want {
+		t.Errorf("cold estimate %v, want %v (prefill of 8,000 tokens)", est, want)
+	}
+	// The first request's 8,000 tokens are pending on w00 now; the
+	// correction factor becomes 0.8 + 0.2·3 = 1.4.
+	f.idx.ObserveTTFT("w00", time.Second, 3*time.Second)
+	_, est2, err := s.PickEstimate(kvRequest(prompt(7)), f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := time.Duration((c.QueueSeconds(8000) + c.PrefillSeconds(8000, 0)) * 1.4 * float64(time.Second))
+	if d := est2 - want; d < -time.Microsecond || d > time.Microsecond {
+		t.Errorf("corrected estimate %v, want %v", est2, want)
+	}
+}
+
+func TestRouteHit(t *testing.T) {
+	tests := []struct {
+		d        Decision
+		strategy string
+		tokens   int
+		want     string
+	}{
+		{Decision{PredictedCached: 6640}, KVAware, 8000, "kv_aware; predicted_hit=0.83"},
+		{Decision{PredictedCached: 0}, KVAware, 0, "kv_aware; predicted_hit=0.00"},
+		{Decision{PredictedCached: 8000, Spill: true}, KVAware, 8000, "kv_aware; predicted_hit=1.00; spill=true"},
+		{Decision{Spill: true}, PrefixAware, 8000, "prefix_aware; spill=true"},
+	}
+	for _, tt := range tests {
+		if got := tt.d.RouteHit(tt.strategy, tt.tokens); got != tt.want {
+			t.Errorf("RouteHit(%s, %d) = %q, want %q", tt.strategy, tt.tokens, got, tt.want)
+		}
+	}
+}
+
+func TestKVAwareDoesNotAllocate(t *testing.T) {
+	f := newKVFleet(t, 16)
+	s := f.strategy(Params{})
+	req := kvRequest(prompt(8))
+	snap := f.snap()
+	if _, err := s.Pick(req, snap); err != nil { // warm the scratch and index
+		t.Fatal(err)
+	}
+	if n := testing.AllocsPerRun(100, func() { _, _ = s.Pick(req, snap) }); n != 0 {
+		t.Errorf("Pick allocates %v times, want 0", n)
+	}
+}
+
+// BenchmarkKVAware measures one kv_aware decision (index lookup, estimates,
+// prediction) for an 8,000-token prompt (500 keys) with a million blocks
+// indexed across the workers. Each prompt's first 300 blocks are held by
+// one worker; the rest are new. It reports the heap per indexed block.
+func BenchmarkKVAware(b *testing.B) {
+	for _, n := range []int{8, 64} {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
+			var before, after runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&before)
+			f := newKVFleet(b, n)
+			rng := rand.New(rand.NewPCG(5, 6))
+			const blocks = 1 << 20
+			per := blocks / n
+			held := make([][]uint64, n)
+			for i, w := range f.snap().Workers {
+				ks := make([]uint64, per)
+				for j := range ks {
+					ks[j] = rng.Uint64()
+				}
+				held[i] = ks
+				f.info(w.Name, true, kvindex.DefaultCost.RedisBytesPerSecond)
+				f.store(w.Name, workerpb.Tier_TIER_GPU, ks)
+				f.report(w.Name, &workerpb.LoadReport{Running: int32(i % 4), WaitingPrefillTokens: int64(i%3) * 1000})
+			}
+			runtime.GC()
+			runtime.ReadMemStats(&after)
+			bytesPerBlock := float64(after.HeapAlloc-before.HeapAlloc) / float64(f.idx.Len())
+			const prompts = 64
+			reqs := make([]*Request, prompts)
+			for p := range reqs {
+				ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
+				reqs[p] = kvRequest(ks)
+			}
+			s := f.strategy(Params{ConcurrencyThreshold: 1024})
+			snap := f.snap()
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				if _, err := s.Pick(reqs[i%prompts], snap); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(bytesPerBlock, "B/block")
+		})
+	}
+}
