@@ -19,7 +19,11 @@ build:
 
 # Every test, with the race detector (the scheduler, pool, adapters and
 # simulated engine are all concurrent). Tests start the servers they need
-# themselves, on loopback ports.
+# themselves, on loopback ports: redis-server too, for the shared KV tier
+# (transfer/kvstore/redistest: BATON_REDIS_SERVER or PATH's, else Debian's
+# package installed when run as root). BATON_TEST_REDIS_ADDR=host:port
+# lends them a running Redis for the tests that do not stop it (.ci/run
+# does); it must be a throwaway one.
 test:
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 9m ./...
