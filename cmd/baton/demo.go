@@ -7,6 +7,7 @@ import (
 	"io"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -39,6 +40,15 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// The fleet's shared KV tier: Redis with --redis, else one in-process
+	// store all the demo's workers share.
+	if sf.store, err = sf.openStore(); err != nil {
+		return err
+	}
+	if sf.store == nil {
+		sf.store = kvstore.NewMemory(kvstore.MemoryConfig{})
+	}
+	defer sf.store.Close()
 	count := map[string]int{}
 	for _, role := range roles {
 		name := fmt.Sprintf("%s-%d", role, count[role])

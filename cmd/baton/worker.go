@@ -7,6 +7,8 @@ import (
 	"io"
 	"strings"
 
+	"github.com/batonllm/baton/transfer"
+	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -19,6 +21,10 @@ type simFlags struct {
 	maxRunning, maxBatch int
 	role                 string
 	kvScale              int
+	cpuBlocks            int64
+	storePolicy          string
+	redis                string
+	store                transfer.Store // set by the caller from redis
 }
 
 func (f *simFlags) register(fs *flag.FlagSet) {
@@ -32,6 +38,26 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.maxRunning, "max-running", 0, "maximum running sequences (default 256)")
 	fs.IntVar(&f.maxBatch, "max-batched-tokens", 0, "token budget of one engine step (default 8192)")
 	fs.IntVar(&f.kvScale, "kv-scale", 0, "divide real KV block sizes by this for transfers, so loopback fleets stay small (default 64; 1 = real sizes)")
+	fs.Int64Var(&f.cpuBlocks, "cpu-blocks", 0, "CPU (host memory) KV tier in blocks of 16 tokens (default: 256 GiB of real KV; -1 = no CPU tier)")
+	fs.StringVar(&f.storePolicy, "store-policy", sim.PolicyDemotion, "when blocks are written to the shared tier: demotion (when they leave the local tiers) or write-through")
+	fs.StringVar(&f.redis, "redis", "", "shared KV tier: Redis `URL` (host:port or redis[s]://[user[:password]@]host[:port][/db]), behind a breaker")
+}
+
+// openStore opens the Redis tier --redis names, behind a breaker, or
+// returns nil without one. The caller closes it.
+func (f *simFlags) openStore() (transfer.Store, error) {
+	if f.redis == "" {
+		return nil, nil
+	}
+	cfg, err := kvstore.ParseRedisURL(f.redis)
+	if err != nil {
+		return nil, fmt.Errorf("-redis: %w", err)
+	}
+	r, err := kvstore.NewRedis(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("-redis: %w", err)
+	}
+	return kvstore.NewBreaker(r, kvstore.BreakerConfig{Name: "redis"}), nil
 }
 
 func (f *simFlags) config(name string) sim.Config {
@@ -39,6 +65,7 @@ func (f *simFlags) config(name string) sim.Config {
 		Name: name, Model: f.model, GPU: f.gpu, TP: f.tp, MFU: f.mfu, TimeScale: f.timeScale,
 		BlockCapacity: f.blocks, MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch,
 		Role: f.role, KVScale: f.kvScale,
+		CPUBlocks: f.cpuBlocks, StorePolicy: f.storePolicy, Store: f.store,
 	}
 	if f.served != "" {
 		c.Models = strings.Split(f.served, ",")
@@ -66,12 +93,18 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if *name == "" {
 		*name = *listen
 	}
+	if f.store, err = f.openStore(); err != nil {
+		return err
+	}
+	if f.store != nil {
+		defer f.store.Close()
+	}
 	w, err := sim.Start(f.config(*name), *listen, *httpListen, log)
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
 	defer w.Close()
-	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale)
+	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil)
 	<-ctx.Done()
 	log.Info("worker stopping")
 	return nil
