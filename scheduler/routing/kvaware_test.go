@@ -329,6 +329,12 @@ func BenchmarkKVAware(b *testing.B) {
 			}
 			s := f.strategy(Params{ConcurrencyThreshold: 1024})
 			snap := f.snap()
+			for _, r := range reqs { // index the predicted blocks
+				if _, err := s.Pick(r, snap); err != nil {
+					b.Fatal(err)
+				}
+			}
+			runtime.GC()
 			b.ReportAllocs()
 			for i := 0; b.Loop(); i++ {
 				if _, err := s.Pick(reqs[i%prompts], snap); err != nil {

@@ -1,0 +1,208 @@
+// Package watch keeps the KV index current: for each worker it holds one
+// Watch stream open, applies the stream's snapshot and events to the
+// index, and resubscribes (for a fresh snapshot) when the stream ends or
+// skips a sequence number.
+package watch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/scheduler/kvindex"
+)
+
+// ErrClosed is returned by Add after Close.
+var ErrClosed = errors.New("watcher closed")
+
+// errNoSnapshot ends a stream whose first event is not a snapshot.
+var errNoSnapshot = errors.New("watch stream did not start with a snapshot")
+
+// Source is a worker the Watcher subscribes to; grpcworker.Client
+// implements it. The Watcher calls Info, then Watch, from the worker's
+// goroutine on every (re)subscription; both may block until ctx ends.
+// The stream's Recv is called from that goroutine only, and must return
+// once the ctx passed to Watch is cancelled.
+type Source interface {
+	// Info describes the worker; its cost figures, block size and Redis
+	// tier feed kv_aware's estimates.
+	Info(ctx context.Context) (*workerpb.InfoResponse, error)
+	// Watch subscribes to the worker's load reports and cache events.
+	Watch(ctx context.Context) (workerpb.Worker_WatchClient, error)
+}
+
+// Defaults of Config.
+const (
+	DefaultMinBackoff  = 100 * time.Millisecond
+	DefaultMaxBackoff  = 5 * time.Second
+	DefaultInfoTimeout = 5 * time.Second
+)
+
+// Config configures a Watcher. The zero value means every default.
+type Config struct {
+	// MinBackoff is the wait before resubscribing after a stream that
+	// applied its snapshot ends (a gap, the worker restarting); it
+	// doubles after each failed subscription up to MaxBackoff. Defaults
+	// DefaultMinBackoff (100 ms) and DefaultMaxBackoff (5 s).
+	MinBackoff, MaxBackoff time.Duration
+	// InfoTimeout bounds each Info call. Default DefaultInfoTimeout.
+	InfoTimeout time.Duration
+	// OnResync, if set, is called from the worker's goroutine each time
+	// its subscription ends and the Watcher is about to resubscribe, with
+	// the reason (a stream error, or an error wrapping kvindex.ErrGap).
+	// It must not block. Use it for logs and metrics.
+	OnResync func(worker string, err error)
+}
+
+func (c Config) withDefaults() Config {
+	if c.MinBackoff <= 0 {
+		c.MinBackoff = DefaultMinBackoff
+	}
+	if c.MaxBackoff < c.MinBackoff {
+		c.MaxBackoff = max(DefaultMaxBackoff, c.MinBackoff)
+	}
+	if c.InfoTimeout <= 0 {
+		c.InfoTimeout = DefaultInfoTimeout
+	}
+	return c
+}
+
+// Watcher runs one goroutine per worker, feeding idx. Its methods are safe
+// for concurrent use.
+type Watcher struct {
+	idx *kvindex.Index
+	cfg Config
+
+	mu      sync.Mutex // serializes Add, Remove and Close; goroutines never take it
+	workers map[string]*watched
+	closed  bool
+}
+
+type watched struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// New returns a Watcher feeding idx, watching no worker yet.
+func New(idx *kvindex.Index, cfg Config) *Watcher {
+	return &Watcher{idx: idx, cfg: cfg.withDefaults(), workers: make(map[string]*watched)}
+}
+
+// Add starts watching src as the worker name, replacing (and stopping
+// first) any source already watched under that name. The index keeps the
+// worker's blocks until the new stream's snapshot replaces them.
+func (w *Watcher) Add(name string, src Source) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return ErrClosed
+	}
+	if old := w.workers[name]; old != nil {
+		old.stop()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	wd := &watched{cancel: cancel, done: make(chan struct{})}
+	w.workers[name] = wd
+	go w.run(ctx, wd.done, name, src)
+	return nil
+}
+
+// Remove stops watching the worker name, waits for its goroutine to end,
+// and removes the worker from the index. Removing a worker not watched
+// still removes it from the index.
+func (w *Watcher) Remove(name string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if wd := w.workers[name]; wd != nil {
+		wd.stop()
+		delete(w.workers, name)
+	}
+	w.idx.RemoveWorker(name)
+}
+
+// Close stops every worker's goroutine and waits for them. The index keeps
+// what it knows. Close is idempotent.
+func (w *Watcher) Close() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return nil
+	}
+	w.closed = true
+	for _, wd := range w.workers {
+		wd.cancel()
+	}
+	for name, wd := range w.workers {
+		<-wd.done
+		delete(w.workers, name)
+	}
+	return nil
+}
+
+func (wd *watched) stop() {
+	wd.cancel()
+	<-wd.done
+}
+
+// run subscribes to src until ctx ends, backing off between attempts.
+func (w *Watcher) run(ctx context.Context, done chan<- struct{}, name string, src Source) {
+	defer close(done)
+	backoff := w.cfg.MinBackoff
+	for {
+		synced, err := w.session(ctx, name, src)
+		if ctx.Err() != nil {
+			return
+		}
+		if synced {
+			backoff = w.cfg.MinBackoff
+		}
+		if w.cfg.OnResync != nil {
+			w.cfg.OnResync(name, err)
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		backoff = min(2*backoff, w.cfg.MaxBackoff)
+	}
+}
+
+// session runs one subscription: Info, then the stream until it fails or
+// the index refuses an event (a gap). synced reports that its snapshot was
+// applied.
+func (w *Watcher) session(ctx context.Context, name string, src Source) (synced bool, err error) {
+	ictx, cancel := context.WithTimeout(ctx, w.cfg.InfoTimeout)
+	info, err := src.Info(ictx)
+	cancel()
+	if err != nil {
+		return false, fmt.Errorf("worker %s: %w", name, err)
+	}
+	if err := w.idx.SetInfo(name, info); err != nil {
+		return false, err
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st, err := src.Watch(sctx)
+	if err != nil {
+		return false, fmt.Errorf("worker %s: %w", name, err)
+	}
+	for {
+		ev, err := st.Recv()
+		if err != nil {
+			return synced, fmt.Errorf("worker %s: watch: %w", name, err)
+		}
+		if !synced && ev.GetSnapshot() == nil {
+			return false, fmt.Errorf("worker %s: %w", name, errNoSnapshot)
+		}
+		if err := w.idx.Apply(name, ev); err != nil {
+			return synced, err
+		}
+		synced = true
+	}
+}
