@@ -44,6 +44,10 @@ type Options struct {
 	// KVBlocks overrides each simulated worker's KV capacity (0: from the
 	// cost model).
 	KVBlocks int64
+	// CPUBlocks is each worker's CPU KV tier in blocks: 0 for none (the
+	// SageMaker study's fleet had only GPU caches), -1 for the simulator's
+	// default (host memory).
+	CPUBlocks int64
 	// ConcurrencyThreshold and PrefixLength tune prefix_aware (0: default).
 	ConcurrencyThreshold int
 	PrefixLength         int
@@ -99,7 +103,7 @@ func startFleet(o *Options, strategy string) (*fleet, error) {
 	for i := range o.Workers {
 		name := fmt.Sprintf("sim-%d", i)
 		w, err := sim.Start(sim.Config{Name: name, Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup,
-			BlockCapacity: o.KVBlocks}, "127.0.0.1:0", "", nil)
+			BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}, "127.0.0.1:0", "", nil)
 		if err != nil {
 			f.close()
 			return nil, err
@@ -421,4 +425,16 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 		rep.Strategies = append(rep.Strategies, *sr)
 	}
 	return rep, nil
+}
+
+// cpuBlocks maps Options.CPUBlocks to sim.Config.CPUBlocks, whose zero means
+// the default tier and -1 none.
+func cpuBlocks(n int64) int64 {
+	switch {
+	case n == 0:
+		return -1
+	case n < 0:
+		return 0
+	}
+	return n
 }

@@ -35,6 +35,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
 	model := fs.String("model", "llama-3.1-8b", "model preset of the simulated workers (and the model requested)")
 	gpu := fs.String("gpu", "h100", "GPU preset of the simulated workers")
+	cpuBlocks := fs.Int64("cpu-blocks", 0, "CPU KV tier of each simulated worker in blocks (0: none, as in SageMaker's study; -1: the simulator's default host-memory tier)")
 	kvBlocks := fs.Int64("kv-blocks", 0, "KV capacity of each simulated worker in 16-token blocks (default: from GPU memory)")
 	threshold := fs.Int("concurrency-threshold", 0, "prefix_aware spill threshold (default 16)")
 	prefixLen := fs.Int("prefix-length", 0, "characters prefix_aware hashes (default 4096)")
@@ -76,7 +77,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
-		KVBlocks: *kvBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
+		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed}
 	if !*quiet {
 		o.Progress = stderr
