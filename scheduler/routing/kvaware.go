@@ -2,7 +2,6 @@ package routing
 
 import (
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
@@ -81,14 +80,6 @@ type kvAware struct {
 	threshold int
 	rand      func(uint64) uint64
 	idx       *kvindex.Index
-	scratch   sync.Pool // of *kvScratch
-}
-
-// kvScratch holds one decision's buffers, reused across decisions.
-type kvScratch struct {
-	workers []*pool.Worker
-	names   []string
-	matches []kvindex.Match
 }
 
 func (*kvAware) Name() string { return KVAware }
@@ -102,7 +93,7 @@ func (s *kvAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 
 // candidate is a worker's estimate.
 type candidate struct {
-	i       int     // in scratch
+	i       int     // the worker's position in its batch; -1: none
 	seconds float64 // estimated TTFT
 	load    int     // in flight
 	cached  int     // tokens expected cached
@@ -120,56 +111,61 @@ func (a candidate) better(b candidate) bool {
 }
 
 func (s *kvAware) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error) {
-	sc, _ := s.scratch.Get().(*kvScratch)
-	if sc == nil {
-		sc = new(kvScratch)
-	}
-	defer s.scratch.Put(sc)
-	ws, names := sc.workers[:0], sc.names[:0]
-	for _, w := range snap.Workers {
-		if eligible(w, req.Model) {
-			ws = append(ws, w)
-			names = append(names, w.Name)
-		}
-	}
-	sc.workers, sc.names = ws, names
-	if len(ws) == 0 {
+	all := snap.Workers
+	if len(all) == 0 {
 		return Decision{}, 0, ErrNoWorker
 	}
-	if cap(sc.matches) < len(ws) {
-		sc.matches = make([]kvindex.Match, len(ws))
-	}
-	ms := sc.matches[:len(ws)]
-	s.idx.Lookup(req.Keys, names, ms)
-
+	// Candidates go to the index in batches of up to MaxWorkers (it tracks
+	// no more), in arrays on the stack: one batch for fleets of up to 64.
+	var (
+		ws    [kvindex.MaxWorkers]*pool.Worker
+		names [kvindex.MaxWorkers]string
+		ms    [kvindex.MaxWorkers]kvindex.Match
+	)
 	best, bestAny := candidate{i: -1}, candidate{i: -1}
-	start := int(s.rand(uint64(len(ws))))
-	for k := range ws {
-		i := start + k
-		if i >= len(ws) {
-			i -= len(ws)
+	var bestW, bestAnyW *pool.Worker
+	first := int(s.rand(uint64(len(all))))
+	for k := 0; k < len(all); {
+		n := 0
+		for ; k < len(all) && n < len(ws); k++ {
+			i := first + k
+			if i >= len(all) {
+				i -= len(all)
+			}
+			if w := all[i]; eligible(w, req.Model) {
+				ws[n], names[n] = w, w.Name
+				n++
+			}
 		}
-		c := estimate(&ms[i], req, ws[i].InFlight())
-		c.i = i
-		if c.better(bestAny) {
-			bestAny = c
+		if n == 0 {
+			continue
 		}
-		if c.load < s.threshold && c.better(best) {
-			best = c
+		s.idx.Lookup(req.Keys, names[:n], ms[:n])
+		for i, w := range ws[:n] {
+			c := estimate(&ms[i], req, w.InFlight())
+			c.i = i
+			if c.better(bestAny) {
+				bestAny, bestAnyW = c, w
+			}
+			if c.load < s.threshold && c.better(best) {
+				best, bestW = c, w
+			}
 		}
+	}
+	if bestAnyW == nil {
+		return Decision{}, 0, ErrNoWorker
 	}
 	reason := ReasonKVAware
-	if best.i < 0 {
-		best, reason = bestAny, ReasonAllFull
+	if bestW == nil {
+		best, bestW, reason = bestAny, bestAnyW, ReasonAllFull
 	}
-	w := ws[best.i]
 	if len(req.Keys) > 0 {
-		s.idx.Predict(w.Name, req.Keys)
+		s.idx.Predict(bestW.Name, req.Keys)
 	}
 	d := Decision{
-		Worker:          w,
-		Home:            ws[bestAny.i],
-		Spill:           best.i != bestAny.i,
+		Worker:          bestW,
+		Home:            bestAnyW,
+		Spill:           bestW != bestAnyW,
 		PredictedCached: best.cached,
 		Reason:          reason,
 	}

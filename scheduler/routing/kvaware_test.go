@@ -22,7 +22,7 @@ type kvFleet struct {
 func newKVFleet(t testing.TB, n int) *kvFleet {
 	t.Helper()
 	f := &kvFleet{fleet: newFleet(t, n), idx: kvindex.New(kvindex.Config{}), seq: map[string]uint64{}}
-	for _, w := range f.snap().Workers {
+	for _, w := range f.snap().Workers[:min(n, kvindex.MaxWorkers)] {
 		f.apply(w.Name, &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Snapshot{Snapshot: &workerpb.Snapshot{}}})
 	}
 	return f
@@ -217,6 +217,38 @@ func TestKVAwareOnlyAvailableWorkers(t *testing.T) {
 	f.setHealthy("w02", false)
 	if _, err := s.Pick(kvRequest(ks), f.snap()); !errors.Is(err, ErrNoWorker) {
 		t.Fatalf("no available worker: err %v, want ErrNoWorker", err)
+	}
+}
+
+// TestKVAwareBeyondMaxWorkers: fleets larger than the index's slots are
+// looked up in batches; workers it cannot track count as cold.
+func TestKVAwareBeyondMaxWorkers(t *testing.T) {
+	f := newKVFleet(t, kvindex.MaxWorkers+6)
+	ks := prompt(9)
+	f.store("w40", workerpb.Tier_TIER_GPU, ks)
+	for _, w := range f.snap().Workers {
+		if w.Name != "w66" {
+			f.load(w.Name, 1)
+		}
+	}
+	s := f.strategy(Params{})
+	for i := range 20 {
+		s := f.strategy(Params{Rand: SeededRand(uint64(i))})
+		d, err := s.Pick(kvRequest(ks), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != "w40" {
+			t.Fatalf("seed %d: Pick = %s, want w40, the holder", i, d.Worker.Name)
+		}
+	}
+	// A new prompt goes to the idle worker the index does not track.
+	d, err := s.Pick(kvRequest(prompt(10)), f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Worker.Name != "w66" {
+		t.Errorf("cold prompt: Pick = %s, want w66 (idle)", d.Worker.Name)
 	}
 }
 
