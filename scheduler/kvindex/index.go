@@ -209,6 +209,18 @@ func (x *Index) slotFor(name string) (*worker, error) {
 	return nil, fmt.Errorf("worker %s: %w (%d)", name, ErrTooManyWorkers, MaxWorkers)
 }
 
+// AddWorker tracks the worker without a watch stream, so that Predict
+// records predictions for it: call it for workers that do not stream
+// cache events (OpenAI-compatible HTTP engines) when they join, and
+// RemoveWorker when they leave. Watched workers are tracked from their
+// first Info or snapshot.
+func (x *Index) AddWorker(name string) error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	_, err := x.slotFor(name)
+	return err
+}
+
 // SetInfo records what the worker's Info reported: its cost figures, block
 // size and whether it uses the Redis tier. The watcher calls it on every
 // (re)subscription.
@@ -407,15 +419,16 @@ func (x *Index) RemoveWorker(name string) {
 // worker. The blocks the worker did not hold are added to its pending
 // prefill tokens until its next load report. Predict is called on the hot
 // path after each kv_aware decision; it takes the write lock for about
-// 20 ns a key and does not allocate once the index has grown. A worker
-// beyond MaxWorkers is ignored.
+// 10 ns a key and does not allocate once the index has grown. A worker
+// the index does not track (see AddWorker) is ignored, so a request routed
+// while its worker is removed does not bring the worker back.
 func (x *Index) Predict(name string, keys []uint64) {
 	now := x.cfg.Now().UnixNano()
 	until := now + int64(x.cfg.PredictTTL)
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	w, err := x.slotFor(name)
-	if err != nil {
+	w := x.byName[name]
+	if w == nil {
 		return
 	}
 	bit := uint64(1) << w.slot

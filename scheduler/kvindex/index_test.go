@@ -224,8 +224,26 @@ func TestTooManyWorkers(t *testing.T) {
 		t.Fatalf("Apply beyond MaxWorkers: %v, want ErrTooManyWorkers", err)
 	}
 	x.Predict("extra", keys(0, 3)) // ignored
+	if err := x.AddWorker("extra"); !errors.Is(err, ErrTooManyWorkers) {
+		t.Fatalf("AddWorker beyond MaxWorkers: %v, want ErrTooManyWorkers", err)
+	}
 	x.RemoveWorker("w0")
 	mustApply(t, x, "extra", snapshot(nil))
+}
+
+func TestPredictOnlyTrackedWorkers(t *testing.T) {
+	x := New(Config{})
+	x.Predict("gone", keys(0, 5))
+	if got := x.Len(); got != 0 {
+		t.Fatalf("Predict on an untracked worker indexed %d blocks", got)
+	}
+	if err := x.AddWorker("http"); err != nil {
+		t.Fatal(err)
+	}
+	x.Predict("http", keys(0, 5))
+	if got, want := lookup(x, keys(0, 8), "http")["http"], (hit{5, 0, 0}); got != want {
+		t.Errorf("predicted on an added worker: %+v, want %+v", got, want)
+	}
 }
 
 func TestCapEvictsLeastRecentlyTouched(t *testing.T) {
