@@ -14,6 +14,7 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/workers/grpcworker"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -338,3 +339,6 @@ func TestWatchClose(t *testing.T) {
 	}
 	w.Remove("a")
 }
+
+// The baton gRPC worker client is a Source.
+var _ Source = (*grpcworker.Client)(nil)
