@@ -11,7 +11,8 @@
 //
 // Memory is bounded by Config.MaxBlocks. An indexed block costs
 // BytesPerBlock bytes or less: a 56-byte entry in a pointer-free slab plus
-// 4–8 bytes of hash table. When full, the least recently touched block
+// 8–16 bytes of hash table (measured: 64 bytes at 1 Mi blocks, 72 just
+// past it). When full, the least recently touched block
 // (stored, moved or predicted; entries touched within the latest eighth of
 // the cap's worth of touches keep their place) is forgotten. Workers occupy one of
 // MaxWorkers slots each, so per-block holder sets are 64-bit masks.
@@ -35,9 +36,9 @@ import (
 const MaxWorkers = 64
 
 // BytesPerBlock bounds the memory of one indexed block once the index has
-// grown to it: a 56-byte entry plus at most 8 bytes of hash table (more
-// only briefly, while a slab chunk of 65,536 entries fills).
-const BytesPerBlock = entrySize + 8
+// grown to it: a 56-byte entry plus at most 16 bytes of hash table (more
+// only while the first slab chunk of 65,536 entries fills).
+const BytesPerBlock = entrySize + 16
 
 // Defaults of Config.
 const (

@@ -3,8 +3,8 @@ package kvindex
 // The block table: an open-addressing hash table of uint32 entry indexes
 // over a slab of fixed-size entries, with an intrusive LRU list. No entry
 // holds a pointer, so the garbage collector never scans the slab, and the
-// memory per block is the entry (entrySize) plus 4 to 8 bytes of table
-// (load factor between 1/4 and 1/2).
+// memory per block is the entry (entrySize) plus 8 to 16 bytes of table
+// (4-byte slots at a load factor between 1/4 and 1/2).
 
 import (
 	"math/bits"
