@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -525,5 +526,11 @@ func BenchmarkApplySnapshot(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		mustApply(b, x, "w00", ev)
+	}
+}
+
+func TestEntrySize(t *testing.T) {
+	if got := unsafe.Sizeof(entry{}); got != entrySize {
+		t.Errorf("entry is %d bytes, entrySize says %d", got, entrySize)
 	}
 }
