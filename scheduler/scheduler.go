@@ -23,9 +23,11 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/frontend"
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/httpengine"
@@ -131,7 +133,7 @@ type Config struct {
 	// Listen is the HTTP listen address. Default 127.0.0.1:8080.
 	Listen string `yaml:"listen"`
 	// Strategy names the routing strategy: random (default), round_robin,
-	// least_outstanding or prefix_aware.
+	// least_outstanding, prefix_aware or kv_aware.
 	Strategy string `yaml:"strategy"`
 	// LogLevel is debug, info (default), warn or error.
 	LogLevel string `yaml:"log_level"`
@@ -253,10 +255,14 @@ type Scheduler struct {
 	Pool *pool.Pool
 	// PrefillPool holds the prefill workers; nil in a colocated fleet.
 	PrefillPool *pool.Pool
-	Metrics     *metrics.Metrics
-	Handler     *frontend.Server
-	Strategy    routing.Strategy
-	log         *slog.Logger
+	// Index knows which worker holds which KV block in which tier, fed by
+	// every baton worker's Watch stream; kv_aware routes on it.
+	Index    *kvindex.Index
+	watcher  *watch.Watcher
+	Metrics  *metrics.Metrics
+	Handler  *frontend.Server
+	Strategy routing.Strategy
+	log      *slog.Logger
 
 	mu      sync.Mutex
 	clients []engine.Client
@@ -266,7 +272,15 @@ type Scheduler struct {
 
 // New validates cfg, connects to its workers and builds the scheduler. It
 // does not listen: call Serve. A nil log discards.
+//
+// Besides the strategies of the registry, the scheduler offers kv_aware,
+// bound to its own KV index.
 func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler, error) {
+	idx := kvindex.New(kvindex.Config{})
+	strategies = strategies.Clone()
+	if !strategies.Has(routing.KVAware) {
+		routing.RegisterKVAware(strategies, idx)
+	}
 	if err := cfg.Validate(strategies); err != nil {
 		return nil, err
 	}
@@ -278,7 +292,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	if err != nil {
 		return nil, err
 	}
-	s := &Scheduler{cfg: cfg, Strategy: strategy, log: log}
+	s := &Scheduler{cfg: cfg, Strategy: strategy, log: log, Index: idx}
 	if err := s.build(cfg, strategies); err != nil {
 		s.Close()
 		return nil, err
@@ -289,6 +303,11 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 // build connects to the workers, splits them into pools by role and builds
 // the front end.
 func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
+	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
+	s.watcher = watch.New(s.Index, watch.Config{OnResync: func(worker string, err error) {
+		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
+		s.log.Info("kv index resync", "worker", worker, "err", err)
+	}})
 	var gen, pre []*pool.Worker
 	for _, wc := range cfg.Workers {
 		w, role, err := s.connect(wc)
@@ -300,11 +319,20 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		} else {
 			gen = append(gen, w)
 		}
+		// Baton workers stream their cache events into the index; other
+		// engines are known to it by name only (predictions still apply).
+		if src, ok := w.Client.(watch.Source); ok {
+			err = s.watcher.Add(w.Name, src)
+		} else {
+			err = s.Index.AddWorker(w.Name)
+		}
+		if err != nil {
+			s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
+		}
 	}
 	if len(gen) == 0 {
 		return errors.New("workers: prefill workers need at least one decode (or both) worker")
 	}
-	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
 	opts := []pool.Option{
 		pool.OnBreakerChange(func(worker string, from, to gobreaker.State) {
 			s.Metrics.BreakerChanged(worker, from, to)
@@ -334,6 +362,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}))
 		s.log.Info("disaggregated prefill/decode", "prefill_workers", len(pre), "decode_workers", len(gen), "decode_strategy", d.DecodeStrategy)
 	}
+	fopts = append(fopts, frontend.WithTTFTObserver(s.Index.ObserveTTFT))
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, genStrategy, s.Metrics, s.log, fopts...)
 	return err
 }
@@ -470,6 +499,9 @@ func (s *Scheduler) Close() error {
 	}
 	if s.PrefillPool != nil {
 		s.PrefillPool.Close()
+	}
+	if s.watcher != nil {
+		s.watcher.Close()
 	}
 	for _, c := range clients {
 		c.Close()

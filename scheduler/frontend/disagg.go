@@ -145,7 +145,7 @@ func (x *exchange) pickPrefill(tried []*pool.Worker) (*pool.Worker, error) {
 		if d.Spill && d.Home != nil {
 			x.s.metrics.Spills.WithLabelValues(dz.Strategy.Name(), d.Home.Name).Inc()
 		}
-		x.route = d.Route(dz.Strategy.Name())
+		x.route = d.RouteHit(dz.Strategy.Name(), x.rreq.Tokens)
 		return d.Worker, nil
 	}
 	best := leastLoaded(snap, x.rreq.Model, tried)

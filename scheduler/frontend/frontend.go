@@ -127,6 +127,8 @@ type Server struct {
 	disagg   *Disagg // nil: colocated serving
 	name     string  // the routing strategy's name, for metrics and headers
 	usesKeys bool    // a strategy routes on block keys: compute them
+	// observeTTFT hears estimated and achieved TTFT; may be nil.
+	observeTTFT func(worker string, predicted, achieved time.Duration)
 }
 
 func usesKeys(s routing.Strategy) bool {
@@ -136,6 +138,12 @@ func usesKeys(s routing.Strategy) bool {
 
 // Option configures a Server.
 type Option func(*Server)
+
+// WithTTFTObserver has fn hear, for strategies that estimate time to first
+// token (kv_aware), the estimate for the chosen worker and what it took.
+func WithTTFTObserver(fn func(worker string, predicted, achieved time.Duration)) Option {
+	return func(s *Server) { s.observeTTFT = fn }
+}
 
 // WithDisagg turns on disaggregated prefill/decode.
 func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }
@@ -312,7 +320,9 @@ type exchange struct {
 	// predicted is the strategy's predicted cached tokens for the worker
 	// that serves, or -1 when it made no prediction.
 	predicted int
-	disagg    string // how the prompt was prefilled, when disaggregated
+	// estimate is the strategy's TTFT estimate for the worker, 0 if none.
+	estimate time.Duration
+	disagg   string // how the prompt was prefilled, when disaggregated
 }
 
 // run routes and serves the request, writing exactly one outcome to the
@@ -365,7 +375,7 @@ func (x *exchange) run(ctx context.Context) string {
 			}
 			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
 		} else {
-			h.Set(HeaderRoute, d.Route(x.strategy))
+			h.Set(HeaderRoute, d.RouteHit(x.strategy, x.rreq.Tokens))
 		}
 
 		written, err := x.serve(ctx, wk, p)
@@ -394,7 +404,14 @@ func (x *exchange) run(ctx context.Context) string {
 func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 	snap := x.s.pool.Snapshot()
 	t0 := time.Now()
-	d, err := x.s.strategy.Pick(x.rreq, snap)
+	var d routing.Decision
+	var err error
+	x.estimate = 0
+	if est, ok := x.s.strategy.(routing.TTFTEstimator); ok && x.s.disagg == nil {
+		d, x.estimate, err = est.PickEstimate(x.rreq, snap)
+	} else {
+		d, err = x.s.strategy.Pick(x.rreq, snap)
+	}
 	x.s.metrics.Decision.WithLabelValues(x.s.strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return nil, d, err
@@ -407,6 +424,7 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 		return nil, d, routing.ErrNoWorker
 	}
 	d.Worker, d.Spill, d.Reason = best, false, "retry"
+	x.estimate = 0
 	return best, d, nil
 }
 
@@ -418,6 +436,9 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		now := time.Now()
 		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
 		x.lastTok = now
+		if x.estimate > 0 && x.s.observeTTFT != nil {
+			x.s.observeTTFT(wk.Name, x.estimate, now.Sub(x.start))
+		}
 	}
 	if p, ok := wk.Client.(engine.Proxier); ok {
 		res, err := p.Proxy(ctx, &x.req.Request, x.w, firstToken)

@@ -49,6 +49,7 @@ type Metrics struct {
 	PredictedCached *prometheus.CounterVec // strategy
 	AchievedCached  *prometheus.CounterVec // strategy
 	TierHits        *prometheus.CounterVec // tier (gpu, cpu, redis)
+	IndexResyncs    *prometheus.CounterVec // worker
 
 	// Disaggregated prefill/decode.
 	DisaggDecisions  *prometheus.CounterVec   // decision (remote, local), reason
@@ -126,6 +127,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		TierHits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_cached_tokens_by_tier_total", Help: "Cached prompt tokens by the tier the worker found them in (gpu, cpu, redis).",
 		}, []string{"tier"}),
+		IndexResyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_kv_index_resyncs_total", Help: "Times the KV index resubscribed to a worker's cache events (a sequence gap or a broken stream), by worker.",
+		}, []string{"worker"}),
 		DisaggDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_disagg_decisions_total", Help: "Disaggregation decisions: remote prefill on a prefill worker, or local prefill on the decode worker, and why.",
 		}, []string{"decision", "reason"}),
@@ -149,7 +153,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		}, []string{"phase"}),
 	}
 	for _, c := range []prometheus.Collector{
-		m.PredictedCached, m.AchievedCached, m.TierHits,
+		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
 		m.Spills, m.Retries, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,

@@ -68,6 +68,27 @@ func (r *Registry) New(name string, params Params) (Strategy, error) {
 	return s, nil
 }
 
+// Clone returns a new registry holding r's factories, to which a caller
+// can add strategies bound to its own state (kv_aware and its index)
+// without touching r.
+func (r *Registry) Clone() *Registry {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	c := &Registry{factories: make(map[string]Factory, len(r.factories))}
+	for n, f := range r.factories {
+		c.factories[n] = f
+	}
+	return c
+}
+
+// Has reports whether name is registered.
+func (r *Registry) Has(name string) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	_, ok := r.factories[name]
+	return ok
+}
+
 // Names returns the registered names, sorted.
 func (r *Registry) Names() []string {
 	r.mu.RLock()
