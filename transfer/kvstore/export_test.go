@@ -43,3 +43,10 @@ func (m *Memory) RawTTL(key string) time.Duration {
 	}
 	return e.expires.Sub(m.now())
 }
+
+// SetNow replaces m's clock.
+func (m *Memory) SetNow(now func() time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.now = now
+}

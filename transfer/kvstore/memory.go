@@ -31,6 +31,7 @@ type Memory struct {
 	used   int64
 	lru    list.List // of *memEntry, most recently used first
 	items  map[string]*list.Element
+	hot    map[string]*memHot // by model (hot.go)
 	closed bool
 }
 
@@ -49,6 +50,7 @@ func NewMemory(cfg MemoryConfig) *Memory {
 		ttl:      cfg.TTL,
 		now:      time.Now,
 		items:    make(map[string]*list.Element),
+		hot:      make(map[string]*memHot),
 	}
 	if m.capacity <= 0 {
 		m.capacity = DefaultMemoryCapacity
@@ -164,6 +166,7 @@ func (m *Memory) Close() error {
 	defer m.mu.Unlock()
 	m.closed = true
 	m.items = nil
+	m.hot = nil
 	m.lru.Init()
 	m.used = 0
 	return nil

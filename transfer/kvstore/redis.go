@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -21,6 +22,8 @@ import (
 type Redis struct {
 	client *redis.Client
 	ttl    time.Duration // 0: no expiry
+
+	touches atomic.Uint64 // Touch calls, for trimming (hot.go)
 
 	closeOnce sync.Once
 	closeErr  error

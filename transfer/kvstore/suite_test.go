@@ -34,22 +34,8 @@ type backend func(t *testing.T, ttl time.Duration) (transfer.Store, raw)
 // TestStores runs one suite against every implementation.
 func TestStores(t *testing.T) {
 	backends := map[string]backend{
-		"memory": func(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
-			m := kvstore.NewMemory(kvstore.MemoryConfig{TTL: ttl})
-			t.Cleanup(func() { m.Close() })
-			return m, memoryRaw{m}
-		},
-		"redis": func(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
-			addr := redistest.Shared(t)
-			r, err := kvstore.NewRedis(kvstore.RedisConfig{Addr: addr, TTL: ttl})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { r.Close() })
-			c := redis.NewClient(&redis.Options{Addr: addr})
-			t.Cleanup(func() { c.Close() })
-			return r, redisRaw{c}
-		},
+		"memory": memoryBackend,
+		"redis":  redisBackend,
 	}
 	tests := map[string]func(t *testing.T, open backend){
 		"RoundTrip":  testRoundTrip,
@@ -76,6 +62,24 @@ func TestStores(t *testing.T) {
 			}
 		})
 	}
+}
+
+func memoryBackend(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
+	m := kvstore.NewMemory(kvstore.MemoryConfig{TTL: ttl})
+	t.Cleanup(func() { m.Close() })
+	return m, memoryRaw{m}
+}
+
+func redisBackend(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
+	addr := redistest.Shared(t)
+	r, err := kvstore.NewRedis(kvstore.RedisConfig{Addr: addr, TTL: ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { c.Close() })
+	return r, redisRaw{c}
 }
 
 // nsFor returns a namespace of its own for t, so tests sharing one Redis

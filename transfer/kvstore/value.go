@@ -2,7 +2,8 @@
 // tier: Redis (NewRedis) for a real fleet, an in-process LRU (NewMemory)
 // when no Redis is configured, and a circuit breaker (NewBreaker) that
 // skips either while it fails, so a slow or dead tier costs a recompute,
-// never a request.
+// never a request. Both stores also track the fleet's hottest prefixes
+// (transfer.HotTracker, hot.go), for the warm-up of workers that join.
 //
 // Every value is a small header then the block's payload:
 //
