@@ -362,7 +362,10 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}))
 		s.log.Info("disaggregated prefill/decode", "prefill_workers", len(pre), "decode_workers", len(gen), "decode_strategy", d.DecodeStrategy)
 	}
-	fopts = append(fopts, frontend.WithTTFTObserver(s.Index.ObserveTTFT))
+	fopts = append(fopts, frontend.WithFirstTokenObserver(func(ft frontend.FirstToken) {
+		s.Index.ObserveTTFT(ft.Worker, ft.Estimate, ft.Achieved)
+		s.Index.Prefilled(ft.Worker, ft.Uncached)
+	}))
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, genStrategy, s.Metrics, s.log, fopts...)
 	return err
 }

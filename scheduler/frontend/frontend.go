@@ -128,7 +128,7 @@ type Server struct {
 	name     string  // the routing strategy's name, for metrics and headers
 	usesKeys bool    // a strategy routes on block keys: compute them
 	// observeTTFT hears estimated and achieved TTFT; may be nil.
-	observeTTFT func(worker string, predicted, achieved time.Duration)
+	observeTTFT func(FirstToken)
 }
 
 func usesKeys(s routing.Strategy) bool {
@@ -139,9 +139,19 @@ func usesKeys(s routing.Strategy) bool {
 // Option configures a Server.
 type Option func(*Server)
 
-// WithTTFTObserver has fn hear, for strategies that estimate time to first
-// token (kv_aware), the estimate for the chosen worker and what it took.
-func WithTTFTObserver(fn func(worker string, predicted, achieved time.Duration)) Option {
+// FirstToken describes, for strategies that estimate time to first token
+// (kv_aware), how the estimate for the chosen worker fared.
+type FirstToken struct {
+	Worker             string
+	Estimate, Achieved time.Duration
+	// Uncached is the prompt tokens the strategy expected the worker to
+	// compute.
+	Uncached int
+}
+
+// WithFirstTokenObserver has fn hear about each first token of a request
+// routed by a strategy that estimates time to first token.
+func WithFirstTokenObserver(fn func(FirstToken)) Option {
 	return func(s *Server) { s.observeTTFT = fn }
 }
 
@@ -437,7 +447,8 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
 		x.lastTok = now
 		if x.estimate > 0 && x.s.observeTTFT != nil {
-			x.s.observeTTFT(wk.Name, x.estimate, now.Sub(x.start))
+			x.s.observeTTFT(FirstToken{Worker: wk.Name, Estimate: x.estimate, Achieved: now.Sub(x.start),
+				Uncached: max(x.rreq.Tokens-x.predicted, 0)})
 		}
 	}
 	if p, ok := wk.Client.(engine.Proxier); ok {

@@ -451,6 +451,21 @@ func (x *Index) Predict(name string, keys []uint64) {
 	w.pending += added * int64(w.blockTokens)
 }
 
+// Prefilled records that a request routed to the worker has been prefilled
+// (its first token arrived): its tokens, counted as pending by Predict,
+// no longer wait. Without it a fast request would weigh on the worker's
+// queue estimate until the next load report.
+func (x *Index) Prefilled(name string, tokens int) {
+	if tokens <= 0 {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if w := x.byName[name]; w != nil {
+		w.pending = max(w.pending-int64(tokens), 0)
+	}
+}
+
 // ObserveTTFT feeds the worker's correction factor with one request's
 // achieved time to first token and the time kv_aware predicted. The front
 // end calls it when the first token arrives. Non-positive durations are
