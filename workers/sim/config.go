@@ -167,13 +167,18 @@ type Config struct {
 	// tier. Default DefaultStoreQueue.
 	StoreQueue int
 
-	// WarmupTopK, with a Store and WarmupKeys, makes a starting engine
-	// fetch the blocks of the first WarmupTopK prefixes WarmupKeys lists
-	// (see Engine.Warm). Default 0: no warm-up.
+	// WarmupTopK makes a starting engine with a Store fetch the blocks of
+	// the WarmupTopK hottest prefixes of each model it serves (see
+	// Engine.Warm), in the background, within 10 s: those WarmupKeys
+	// lists first if it is set, else those the store's hot-prefix tracker
+	// ranks (transfer.Tracker; every engine with such a store records
+	// there the prefixes it reuses). Until the warm-up ends the worker's
+	// health is NOT_SERVING. Default 0: no warm-up; 32 is a sensible value
+	// (a few hundred MiB of GPU blocks for an 8B model's typical system
+	// prompts).
 	WarmupTopK int
-	// WarmupKeys lists the hottest prefixes of the fleet. The scheduler,
-	// which sees every request, is the one to know them; the engine only
-	// calls this hook once at start.
+	// WarmupKeys, if set, lists the prefixes to warm instead of the
+	// store's tracker, hottest first. The engine calls it once at start.
 	WarmupKeys WarmupFunc
 }
 

@@ -233,6 +233,7 @@ func (e *Engine) Decode(ctx context.Context, req *engine.Request, transferID str
 		return nil, err
 	}
 	if transferID != "" {
+		s.transferred = true
 		if timeout <= 0 {
 			timeout = e.cfg.TransferTimeout
 		}

@@ -74,8 +74,27 @@
 // reports the CPU tier, whether the worker uses a shared tier, and its
 // cost figures in real seconds (workerpb.CostParams).
 //
-// Warm-up: Engine.Warm fetches one prefix's blocks from the store into the
-// cache. With Config.WarmupTopK and a Config.WarmupKeys hook, a starting
-// engine warms the WarmupTopK hottest prefixes the hook lists; the
-// scheduler, which sees every request, is the one to supply them.
+// # Warm-up
+//
+// Fleet-wide prefix popularity lives in the shared tier itself when the
+// store implements transfer.HotTracker (kvstore's Redis and Memory do,
+// and a Breaker passes it through): every time a sequence is admitted
+// with leading blocks reused from any tier (not pushed by a prefill
+// worker), the engine records one use of that reused chain, off the step
+// loop (one goroutine, a bounded queue that drops and counts what
+// overflows). Counting reused chains rather than whole prompts ranks a
+// system prompt shared by many distinct requests as the hot prefix it
+// is. The same goroutine queues the blocks of each prefix it records for
+// writing to the shared tier, at most once per 10 minutes per prefix: a
+// hot prefix stays on the GPU, and under StorePolicy "demotion" would
+// otherwise never reach the tier nor survive its TTL there.
+//
+// Engine.Warm fetches one prefix's blocks from the store into the cache.
+// With Config.WarmupTopK, a starting engine asks the tracker (or the
+// Config.WarmupKeys hook, which takes precedence) for the WarmupTopK
+// hottest prefixes of each model it serves and warms them, coldest first
+// so the hottest are the most recently used, in the background within
+// 10 s; Stats counts the prefixes and blocks warmed, and the gRPC health
+// is NOT_SERVING until the warm-up ends (Engine.WarmupDone), so that a
+// worker that joins a fleet takes traffic warm.
 package sim

@@ -72,8 +72,21 @@ type Stats struct {
 	StoreWrites       uint64
 	StoreWriteErrors  uint64
 	StoreWriteDropped uint64
-	// WarmedBlocks entered the cache by warm-up (Warm).
-	WarmedBlocks uint64
+	// WarmedBlocks entered the cache by warm-up (Warm); WarmedPrefixes
+	// counts the prefixes the start-up warm-up found (at least one block
+	// warmed, or all already cached) out of WarmupPrefixes it was given.
+	WarmedBlocks   uint64
+	WarmedPrefixes uint64
+	WarmupPrefixes uint64
+	// HotTouches counts uses of reused prefixes recorded in the shared
+	// tier's hot-prefix tracker (transfer.HotTracker); HotTouchErrors
+	// failed, HotTouchDropped were dropped because the queue was full.
+	// HotWriteBlocks counts blocks of hot prefixes queued for writing to
+	// the shared tier so that workers that join can warm them.
+	HotTouches      uint64
+	HotTouchErrors  uint64
+	HotTouchDropped uint64
+	HotWriteBlocks  uint64
 }
 
 // Engine is a simulated LLM engine: vLLM-style continuous batching with
@@ -101,6 +114,11 @@ type Engine struct {
 
 	store  transfer.Store // shared tier, or nil
 	writes chan storeWrite
+	hot    transfer.HotTracker // the store's, or nil
+	// touches feeds the toucher (hot.go); warmDone is closed when the
+	// start-up warm-up has ended (at once without one).
+	touches  chan hotTouch
+	warmDone chan struct{}
 	pcieBW float64 // bytes/s of a CPU → GPU copy of the TP group
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -139,6 +157,7 @@ func New(cfg Config) (*Engine, error) {
 		blockBytes: kvblock.Size(cost.KVBytesPerToken(), BlockTokens, cfg.KVScale),
 		store:      cfg.Store,
 		pcieBW:     cfg.pcieBandwidth(cost),
+		warmDone:   make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.hub.init(cfg.WatchBuffer)
@@ -154,13 +173,23 @@ func New(cfg Config) (*Engine, error) {
 	e.wg.Add(2)
 	go e.loop()
 	go e.reportLoad()
+	warming := false
 	if e.store != nil {
 		e.wg.Add(1)
 		go e.writer()
-		if cfg.WarmupTopK > 0 && cfg.WarmupKeys != nil {
+		if e.hot = transfer.Tracker(e.store); e.hot != nil {
+			e.touches = make(chan hotTouch, hotQueue)
+			e.wg.Add(1)
+			go e.toucher()
+		}
+		if cfg.WarmupTopK > 0 && (cfg.WarmupKeys != nil || e.hot != nil) {
+			warming = true
 			e.wg.Add(1)
 			go e.warmup()
 		}
+	}
+	if !warming {
+		close(e.warmDone)
 	}
 	return e, nil
 }
@@ -463,6 +492,9 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 		s.reserved = s.blocks - int64(hits)
 		s.cached = min(hits*BlockTokens, s.prompt-1)
 		s.tierTokens(h)
+		if hits > 0 && !s.transferred {
+			e.touch(s.ns, s.keys[:hits])
+		}
 		promoted += h.CPU
 		s.computed = s.cached
 		e.setPending(s, s.prompt-s.computed)

@@ -19,6 +19,9 @@ type seq struct {
 	hash   uint64             // prompt hash: seeds the completion
 	nat    int                // natural completion length
 	blocks int64              // blocks the sequence needs in all
+	// transferred: Decode with a transfer; its cached blocks were pushed
+	// by a prefill worker, not reused here.
+	transferred bool
 
 	// Set on admission.
 	hits   int // leading keys found cached

@@ -37,14 +37,30 @@ func WithServerTransport(tr transfer.Transport) ServerOption {
 }
 
 // NewServer returns a server of e, reporting SERVING for the whole server
-// ("") and for baton.worker.v1.Worker.
+// ("") and for baton.worker.v1.Worker once e's start-up warm-up has ended
+// (Engine.WarmupDone; NOT_SERVING until then), so that a scheduler sends
+// a worker that joins no traffic before its cache is warm.
 func NewServer(e *Engine, opts ...ServerOption) *Server {
 	s := &Server{e: e, health: health.NewServer()}
 	for _, o := range opts {
 		o(s)
 	}
-	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	s.health.SetServingStatus(workerpb.Worker_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	serving := func() {
+		s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+		s.health.SetServingStatus(workerpb.Worker_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	}
+	select {
+	case <-e.WarmupDone():
+		serving()
+	default:
+		s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+		s.health.SetServingStatus(workerpb.Worker_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
+		// Bounded by warmupTimeout; ignored after Shutdown.
+		go func() {
+			<-e.WarmupDone()
+			serving()
+		}()
+	}
 	return s
 }
 

@@ -250,22 +250,4 @@ func (e *Engine) Warm(ctx context.Context, ns transfer.Namespace, keys []uint64)
 	return n, nil
 }
 
-// warmup runs Config.WarmupKeys once and warms the first WarmupTopK
-// prefixes it lists, giving up on Close. Errors only cost the warm-up.
-func (e *Engine) warmup() {
-	defer e.wg.Done()
-	spaces, keys, err := e.cfg.WarmupKeys(e.ctx)
-	if err != nil {
-		return
-	}
-	for i := 0; i < len(spaces) && i < len(keys) && i < e.cfg.WarmupTopK; i++ {
-		ctx, cancel := context.WithTimeout(e.ctx, e.cfg.StoreTimeout)
-		_, err := e.Warm(ctx, spaces[i], keys[i])
-		cancel()
-		if err != nil && e.ctx.Err() != nil {
-			return
-		}
-	}
-}
-
 var errNoStore = errors.New("sim engine has no shared tier (Config.Store)")
