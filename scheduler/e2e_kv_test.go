@@ -294,3 +294,26 @@ func TestIndexResyncsToTheWorkersState(t *testing.T) {
 		})
 	}
 }
+
+func TestKVAwareAcrossSchedulerReplicas(t *testing.T) {
+	// Two schedulers watch the same workers, each with its own index: a
+	// prefix one of them placed is found by the other from the workers'
+	// events alone.
+	_, s1, addr1 := startTiered(t, 3, fastScale, nil, nil, nil)
+	var workers []scheduler.WorkerConfig
+	for _, w := range s1.Pool.Snapshot().Workers {
+		workers = append(workers, scheduler.WorkerConfig{Name: w.Name, Address: w.Addr})
+	}
+	s2, addr2 := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: workers})
+	c1, c2 := oaClient(t, addr1), oaClient(t, addr2)
+	for i := range 3 {
+		doc := text(fmt.Sprintf("replica-doc-%d", i), 6000)
+		first := chat(t, c1, chatParams(doc+" via one", 8))
+		indexed(t, s2, first.worker, doc)
+		second := chat(t, c2, chatParams(doc+" via two", 8))
+		if second.worker != first.worker || second.cached < second.prompt*9/10 {
+			t.Errorf("doc %d: replica two sent it to %s (%d of %d cached); replica one had placed it on %s",
+				i, second.worker, second.cached, second.prompt, first.worker)
+		}
+	}
+}
