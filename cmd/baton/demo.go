@@ -24,6 +24,9 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if sf.warmupTopK < 0 {
+		return fmt.Errorf("-warmup-top-k: must not be negative, got %d", sf.warmupTopK)
+	}
 	roles, err := demoRoles(*colocated, *nPrefill, *nDecode)
 	if err != nil {
 		return err
@@ -59,6 +62,7 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		defer w.Close()
+		go logWarmup(ctx, w.Engine, log.With("worker", name))
 		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr, Role: role})
 	}
 	fleet := fmt.Sprintf("%d prefill + %d decode simulated workers", count[sim.RolePrefill], count[sim.RoleDecode])

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"strings"
 
 	"github.com/batonllm/baton/transfer"
@@ -24,6 +25,7 @@ type simFlags struct {
 	cpuBlocks            int64
 	storePolicy          string
 	redis                string
+	warmupTopK           int
 	store                transfer.Store // set by the caller from redis
 }
 
@@ -40,6 +42,7 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.kvScale, "kv-scale", 0, "divide real KV block sizes by this for transfers, so loopback fleets stay small (default 64; 1 = real sizes)")
 	fs.Int64Var(&f.cpuBlocks, "cpu-blocks", 0, "CPU (host memory) KV tier in blocks of 16 tokens (default: 256 GiB of real KV; -1 = no CPU tier)")
 	fs.StringVar(&f.storePolicy, "store-policy", sim.PolicyDemotion, "when blocks are written to the shared tier: demotion (when they leave the local tiers) or write-through")
+	fs.IntVar(&f.warmupTopK, "warmup-top-k", 0, "at start, warm the KV cache with the blocks of the fleet's `N` hottest prefixes from the shared tier (e.g. 32; 0 = off); NOT_SERVING until done, within 10s")
 	fs.StringVar(&f.redis, "redis", "", "shared KV tier: Redis `URL` (host:port or redis[s]://[user[:password]@]host[:port][/db]), behind a breaker")
 }
 
@@ -66,6 +69,7 @@ func (f *simFlags) config(name string) sim.Config {
 		BlockCapacity: f.blocks, MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch,
 		Role: f.role, KVScale: f.kvScale,
 		CPUBlocks: f.cpuBlocks, StorePolicy: f.storePolicy, Store: f.store,
+		WarmupTopK: f.warmupTopK,
 	}
 	if f.served != "" {
 		c.Models = strings.Split(f.served, ",")
@@ -86,6 +90,9 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if f.warmupTopK < 0 {
+		return fmt.Errorf("-warmup-top-k: must not be negative, got %d", f.warmupTopK)
+	}
 	log, err := newLogger(stderr, *logLevel)
 	if err != nil {
 		return err
@@ -105,7 +112,24 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	defer w.Close()
 	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil)
+	go logWarmup(ctx, w.Engine, log)
 	<-ctx.Done()
 	log.Info("worker stopping")
 	return nil
+}
+
+// logWarmup logs what the start-up warm-up warmed, once it ends (if the
+// worker has one).
+func logWarmup(ctx context.Context, e *sim.Engine, log *slog.Logger) {
+	if e.Config().WarmupTopK == 0 || e.Config().Store == nil {
+		return
+	}
+	select {
+	case <-e.WarmupDone():
+	case <-ctx.Done():
+		return
+	}
+	st := e.Stats()
+	log.Info("warm-up done", "top_k", e.Config().WarmupTopK, "prefixes_listed", st.WarmupPrefixes,
+		"prefixes_warmed", st.WarmedPrefixes, "blocks_warmed", st.WarmedBlocks)
 }

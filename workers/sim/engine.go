@@ -119,9 +119,9 @@ type Engine struct {
 	// start-up warm-up has ended (at once without one).
 	touches  chan hotTouch
 	warmDone chan struct{}
-	pcieBW float64 // bytes/s of a CPU → GPU copy of the TP group
-	ctx    context.Context
-	cancel context.CancelFunc
+	pcieBW   float64 // bytes/s of a CPU → GPU copy of the TP group
+	ctx      context.Context
+	cancel   context.CancelFunc
 
 	running, waiting atomic.Int64
 	waitingPrefill   atomic.Int64
