@@ -61,6 +61,10 @@ func TestServeRejectsBadConfig(t *testing.T) {
 		{[]string{"serve", "--config", "/nonexistent.yaml"}, "nonexistent.yaml"},
 		{[]string{"demo", "--workers", "-1"}, "-workers"},
 		{[]string{"demo", "--decode-workers", "0"}, "-decode-workers"},
+		{[]string{"worker", "--warmup-top-k", "-1"}, "-warmup-top-k"},
+		{[]string{"worker", "--redis", "redis://:secret@"}, "-redis"},
+		{[]string{"worker", "--role", "verifier", "--listen", "127.0.0.1:0"}, "role:"},
+		{[]string{"worker", "--store-policy", "sometimes", "--listen", "127.0.0.1:0"}, "store"},
 	}
 	for _, c := range cases {
 		err := run(context.Background(), c.args, io.Discard, io.Discard)
@@ -132,5 +136,12 @@ func TestDemo(t *testing.T) {
 	}
 	if !sawDone || text.Len() == 0 {
 		t.Errorf("stream: [DONE] %v, text %q", sawDone, text.String())
+	}
+}
+
+func TestRedisErrorsHideThePassword(t *testing.T) {
+	err := run(context.Background(), []string{"worker", "--redis", "redis://:hunter2@"}, io.Discard, io.Discard)
+	if err == nil || strings.Contains(err.Error(), "hunter2") {
+		t.Fatalf("got %v: want an error that does not show the password", err)
 	}
 }
