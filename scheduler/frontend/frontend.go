@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -40,6 +41,8 @@ const (
 	DefaultPrefixLength = 4096
 	DefaultRetries      = 2
 	DefaultTimeout      = 10 * time.Minute
+	DefaultMaxQueue     = 256
+	DefaultQueueTimeout = 30 * time.Second
 )
 
 // Config tunes the front end. The zero value means every default.
@@ -61,6 +64,15 @@ type Config struct {
 	// the client gets a 504 (or an error event if streaming began).
 	// Default 10m.
 	RequestTimeout time.Duration `yaml:"request_timeout"`
+	// MaxQueue bounds the requests waiting in the scheduler when every
+	// available worker is at the concurrency threshold (strategies with a
+	// threshold: prefix_aware, kv_aware); past it requests get a 429 with
+	// Retry-After. Default 256; -1 disables the queue (such requests go to
+	// the least-loaded worker at once).
+	MaxQueue int `yaml:"max_queue"`
+	// QueueTimeout bounds a request's wait in that queue; past it the
+	// request gets a 429. Default 30s.
+	QueueTimeout time.Duration `yaml:"queue_timeout"`
 }
 
 // Default returns the configuration used for zero fields.
@@ -70,6 +82,8 @@ func Default() Config {
 		MaxBodyBytes:   openai.DefaultMaxBodyBytes,
 		Retries:        DefaultRetries,
 		RequestTimeout: DefaultTimeout,
+		MaxQueue:       DefaultMaxQueue,
+		QueueTimeout:   DefaultQueueTimeout,
 	}
 }
 
@@ -90,6 +104,12 @@ func (c Config) WithDefaults() Config {
 	if c.RequestTimeout == 0 {
 		c.RequestTimeout = d.RequestTimeout
 	}
+	if c.MaxQueue == 0 {
+		c.MaxQueue = d.MaxQueue
+	}
+	if c.QueueTimeout == 0 {
+		c.QueueTimeout = d.QueueTimeout
+	}
 	return c
 }
 
@@ -106,6 +126,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("retries: must be at most 8, got %d", c.Retries)
 	case c.RequestTimeout < 0:
 		return fmt.Errorf("request_timeout: must be positive, got %s", c.RequestTimeout)
+	case c.MaxQueue < -1 || c.MaxQueue > 1<<20:
+		return fmt.Errorf("max_queue: must be -1 (no queue) or 1–1048576, got %d", c.MaxQueue)
+	case c.QueueTimeout < 0:
+		return fmt.Errorf("queue_timeout: must be positive, got %s", c.QueueTimeout)
 	}
 	for i, m := range c.Models {
 		if m == "" {
@@ -129,6 +153,28 @@ type Server struct {
 	usesKeys bool    // a strategy routes on block keys: compute them
 	// observeTTFT hears estimated and achieved TTFT; may be nil.
 	observeTTFT func(FirstToken)
+
+	// queue holds a slot per request waiting for a worker under the
+	// threshold (nil: no queue); freed is closed and replaced each time a
+	// request releases a worker, waking the waiters.
+	queue   chan struct{}
+	freedMu sync.Mutex
+	freed   chan struct{}
+}
+
+// released wakes requests waiting in the queue: a worker has one request
+// fewer in flight.
+func (s *Server) released() {
+	s.freedMu.Lock()
+	close(s.freed)
+	s.freed = make(chan struct{})
+	s.freedMu.Unlock()
+}
+
+func (s *Server) freedChan() <-chan struct{} {
+	s.freedMu.Lock()
+	defer s.freedMu.Unlock()
+	return s.freed
 }
 
 func usesKeys(s routing.Strategy) bool {
@@ -173,6 +219,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	s := &Server{cfg: cfg.WithDefaults(), pool: p, strategy: strategy, metrics: m, log: log, mux: http.NewServeMux(), created: time.Now().Unix()}
 	for _, o := range opts {
 		o(s)
+	}
+	s.freed = make(chan struct{})
+	if s.cfg.MaxQueue > 0 {
+		s.queue = make(chan struct{}, s.cfg.MaxQueue)
 	}
 	s.name = strategy.Name()
 	s.usesKeys = usesKeys(strategy)
@@ -342,13 +392,16 @@ func (x *exchange) run(ctx context.Context) string {
 	var lastErr error
 	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
 		wk, d, err := x.pick()
+		if err == nil && d.Reason == routing.ReasonAllFull && s.queue != nil {
+			wk, d, err = x.wait(ctx, d)
+		}
 		if err != nil {
 			if lastErr != nil {
 				err = lastErr
 			}
 			return x.fail(ctx, err)
 		}
-		done, err := wk.Acquire()
+		acquired, err := wk.Acquire()
 		if err != nil {
 			// The breaker refused between the pick and the call.
 			x.tried = append(x.tried, wk)
@@ -357,6 +410,10 @@ func (x *exchange) run(ctx context.Context) string {
 				return x.fail(ctx, routing.ErrNoWorker)
 			}
 			continue
+		}
+		done := func(err error) {
+			acquired(err)
+			s.released()
 		}
 		x.worker = wk.Name
 		x.predicted = -1
@@ -406,6 +463,45 @@ func (x *exchange) run(ctx context.Context) string {
 		lastErr = err
 	}
 	return x.fail(ctx, lastErr)
+}
+
+// errOverloaded is the 429 of a request the queue could not take, or that
+// waited in it too long.
+var errOverloaded = &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeOverloaded, Code: "overloaded",
+	Message: "every worker is at its concurrency threshold and the scheduler's queue is full; retry later", RetryAfter: 1}
+
+// wait queues the request while every available worker is at the
+// concurrency threshold, picking again each time a worker frees up, until
+// a pick finds a worker under it. A full queue or a wait past QueueTimeout
+// is a 429.
+func (x *exchange) wait(ctx context.Context, d routing.Decision) (*pool.Worker, routing.Decision, error) {
+	s := x.s
+	select {
+	case s.queue <- struct{}{}:
+	default:
+		s.metrics.QueueRejections.WithLabelValues("full").Inc()
+		return nil, d, errOverloaded
+	}
+	defer func() { <-s.queue }()
+	s.metrics.QueueDepth.Inc()
+	defer s.metrics.QueueDepth.Dec()
+	timer := time.NewTimer(s.cfg.QueueTimeout)
+	defer timer.Stop()
+	for {
+		freed := s.freedChan()
+		wk, d, err := x.pick()
+		if err != nil || d.Reason != routing.ReasonAllFull {
+			return wk, d, err
+		}
+		select {
+		case <-freed:
+		case <-timer.C:
+			s.metrics.QueueRejections.WithLabelValues("timeout").Inc()
+			return nil, d, errOverloaded
+		case <-ctx.Done():
+			return nil, d, ctx.Err()
+		}
+	}
 }
 
 // pick asks the strategy for a worker, steering away from workers this
@@ -552,6 +648,8 @@ func outcomeOf(ctx context.Context, err error) string {
 		return metrics.OutcomeCanceled
 	case errors.Is(err, routing.ErrNoWorker):
 		return metrics.OutcomeNoWorker
+	case errors.Is(err, errOverloaded):
+		return metrics.OutcomeOverloaded
 	case errors.As(err, &e) && e.Status < 500,
 		errors.Is(err, engine.ErrUnknownModel), errors.Is(err, engine.ErrInvalid):
 		return metrics.OutcomeInvalid

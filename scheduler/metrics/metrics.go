@@ -20,6 +20,7 @@ const (
 	OutcomeWorkerError = "worker_error" // the worker failed it
 	OutcomeCanceled    = "canceled"     // the client went away
 	OutcomeTimeout     = "timeout"      // the request deadline passed
+	OutcomeOverloaded  = "overloaded"   // 429: every worker full and the queue too
 )
 
 // Metrics holds the scheduler's metrics and the registry that serves them.
@@ -39,6 +40,9 @@ type Metrics struct {
 	Decision   *prometheus.HistogramVec // strategy
 	Spills     *prometheus.CounterVec   // strategy, worker (the worker spilled from)
 	Retries    *prometheus.CounterVec   // reason
+
+	QueueDepth      prometheus.Gauge       //
+	QueueRejections *prometheus.CounterVec // reason (full, timeout)
 
 	BreakerTransitions *prometheus.CounterVec // worker, to
 
@@ -109,6 +113,12 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_retries_total", Help: "Requests sent to another worker after one failed before the first token, by reason.",
 		}, []string{"reason"}),
+		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_queue_depth", Help: "Requests waiting in the scheduler for a worker under the concurrency threshold.",
+		}),
+		QueueRejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_queue_rejections_total", Help: "Requests answered 429 because the queue was full or their wait timed out, by reason.",
+		}, []string{"reason"}),
 		BreakerTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_breaker_transitions_total", Help: "Worker breaker state changes, by the state entered.",
 		}, []string{"worker", "to"}),
@@ -156,7 +166,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
-		m.Spills, m.Retries, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
+		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
 		f(c)
