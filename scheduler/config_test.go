@@ -39,6 +39,8 @@ func TestConfigValidate(t *testing.T) {
 		{"body limit tiny", func(c *Config) { c.MaxBodyBytes = 10 }, "max_body_bytes:"},
 		{"too many retries", func(c *Config) { c.Retries = 9 }, "retries:"},
 		{"empty model", func(c *Config) { c.Models = []string{""} }, "models[0]:"},
+		{"queue", func(c *Config) { c.MaxQueue = -2 }, "max_queue:"},
+		{"queue timeout", func(c *Config) { c.QueueTimeout = -time.Second }, "queue_timeout:"},
 		{"pool timing", func(c *Config) { c.Pool.HealthTimeout = time.Minute; c.Pool.HealthInterval = time.Second }, "pool.health_timeout:"},
 		{"no workers", func(c *Config) { c.Workers = nil }, "workers:"},
 		{"missing address", func(c *Config) { c.Workers[0].Address = "" }, "workers[0].address:"},
