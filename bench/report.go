@@ -29,7 +29,11 @@ func quantiles(xs []float64) Quantiles {
 // StrategyReport is one strategy's measurements. Latencies and rates are
 // in modelled time (wall time × speedup).
 type StrategyReport struct {
+	// Strategy is the column's label: the strategy, with "/disagg:P:D"
+	// on a disaggregated fleet.
 	Strategy string `json:"strategy"`
+	// Fleet describes the fleet it ran on.
+	Fleet string `json:"fleet"`
 	// Requests were sent; OK completed; Errors failed.
 	Requests int `json:"requests"`
 	OK       int `json:"ok"`
@@ -50,7 +54,8 @@ type StrategyReport struct {
 	CachedTokens int64   `json:"cached_tokens"`
 	HitRate      float64 `json:"kv_hit_rate"`
 
-	// Shares are each worker's fraction of completed requests.
+	// Shares are each worker's fraction of completed requests (the decode
+	// workers' on a disaggregated fleet).
 	Shares   map[string]float64 `json:"worker_shares"`
 	MinShare float64            `json:"min_share"`
 	MaxShare float64            `json:"max_share"`
@@ -77,19 +82,21 @@ type StrategyReport struct {
 
 // Report is a whole bench run.
 type Report struct {
-	Command     string  `json:"command"`
-	Workload    string  `json:"workload"`
-	Describe    string  `json:"workload_description"`
-	Requests    int     `json:"requests"`
-	Workers     int     `json:"workers"`
-	Model       string  `json:"model"`
-	GPU         string  `json:"gpu"`
-	Target      string  `json:"target,omitempty"`
-	Speedup     float64 `json:"speedup"`
-	Rate        float64 `json:"rate"`
-	OfferedRate float64 `json:"offered_rate"`
-	Concurrency int     `json:"concurrency"`
-	Seed        uint64  `json:"seed"`
+	Command     string   `json:"command"`
+	Workload    string   `json:"workload"`
+	Describe    string   `json:"workload_description"`
+	Requests    int      `json:"requests"`
+	Workers     int      `json:"workers"`
+	Model       string   `json:"model"`
+	GPU         string   `json:"gpu"`
+	Target      string   `json:"target,omitempty"`
+	Speedup     float64  `json:"speedup"`
+	Rate        float64  `json:"rate"`
+	OfferedRate float64  `json:"offered_rate"`
+	Concurrency int      `json:"concurrency"`
+	Seed        uint64   `json:"seed"`
+	Fleets      []string `json:"fleets,omitempty"`
+	SharedTier  bool     `json:"shared_tier"`
 	// Calibration explains the rate, when it was derived from a target load.
 	Calibration string           `json:"calibration,omitempty"`
 	Limits      *Limits          `json:"limits,omitempty"`
@@ -97,7 +104,8 @@ type Report struct {
 }
 
 // summarize turns the results of one strategy into its report.
-func summarize(strategy string, rs []Result, o *Options, wall float64) *StrategyReport {
+// workers is the fleet's count of token-streaming workers.
+func summarize(strategy string, rs []Result, o *Options, workers int, wall float64) *StrategyReport {
 	sc := o.Speedup
 	r := &StrategyReport{Strategy: strategy, Requests: len(rs), Shares: map[string]float64{}}
 	var ttft, itl, e2e, lags []float64
@@ -138,7 +146,7 @@ func summarize(strategy string, rs []Result, o *Options, wall float64) *Strategy
 		r.OutputTokPerSec = float64(outTok) / r.Duration
 	}
 	r.HitRate = HitRate(r.CachedTokens, r.PromptTokens)
-	n := o.Workers
+	n := workers
 	if o.Target != "" || n == 0 {
 		n = max(len(counts), o.Workers)
 	}
@@ -248,6 +256,13 @@ func (rep *Report) Markdown(w io.Writer) {
 		fmt.Fprintf(w, "`%s`\n\n", rep.Command)
 	}
 	fleet := fmt.Sprintf("%d simulated workers (%s on %s), fresh and cold per strategy", rep.Workers, rep.Model, rep.GPU)
+	if len(rep.Fleets) > 1 || (len(rep.Fleets) == 1 && rep.Fleets[0] != fmt.Sprintf("%d colocated", rep.Workers)) {
+		fleet = fmt.Sprintf("simulated fleets %s (%s on %s), fresh and cold per column; a disagg:P:D column ran on P prefill and D decode workers, its worker shares are over the decode workers",
+			strings.Join(rep.Fleets, "; "), rep.Model, rep.GPU)
+	}
+	if rep.SharedTier {
+		fleet += "; the workers of each fleet share an in-process KV tier (--shared-tier)"
+	}
 	if rep.Target != "" {
 		fleet = "target " + rep.Target
 	}

@@ -26,6 +26,7 @@ import (
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -60,7 +61,22 @@ type Options struct {
 	Rate float64
 	// Concurrency caps requests in flight (0: open loop, no cap).
 	Concurrency int
-	Seed        uint64
+	// Seed seeds the workload, the arrivals and the in-process scheduler's
+	// random choices (routing.SeededRand, fresh per fleet), so that a run
+	// repeats.
+	Seed uint64
+	// Fleets are the in-process fleets each strategy runs on, one column
+	// per strategy and fleet; empty: one colocated fleet of Workers.
+	Fleets []Fleet
+	// SharedTier gives every in-process fleet one shared KV tier, a fresh
+	// kvstore.NewMemory store (SharedTierBytes) all its workers read at
+	// admission and write evicted blocks to: the path kv_aware fetches a
+	// prefix from Redis by. Off by default, as SageMaker's study had only
+	// GPU caches.
+	SharedTier bool
+	// SharedTierBytes bounds the shared tier (0: kvstore's default, 1 GiB
+	// of the simulator's scaled blocks).
+	SharedTierBytes int64
 	// Progress receives a progress line per second; nil: none.
 	Progress io.Writer
 }
@@ -88,28 +104,157 @@ func Arrivals(w *workload.Workload, rate float64, seed uint64) ([]float64, error
 	return at, nil
 }
 
+// Fleet is the shape of an in-process fleet: Workers colocated workers
+// (role both) when Prefill is 0, else Prefill prefill and Decode decode
+// workers serving disaggregated.
+type Fleet struct {
+	Workers int
+	Prefill int
+	Decode  int
+	// Name overrides Label (ParseFleets names colocated:N fleets).
+	Name string
+}
+
+// Disaggregated reports whether f has prefill workers.
+func (f Fleet) Disaggregated() bool { return f.Prefill > 0 }
+
+// Label is the suffix of f's columns: empty for a colocated fleet,
+// "disagg:P:D" for a disaggregated one.
+func (f Fleet) Label() string {
+	if f.Name != "" {
+		return f.Name
+	}
+	if !f.Disaggregated() {
+		return ""
+	}
+	return fmt.Sprintf("disagg:%d:%d", f.Prefill, f.Decode)
+}
+
+// String describes f.
+func (f Fleet) String() string {
+	if !f.Disaggregated() {
+		return fmt.Sprintf("%d colocated", f.Workers)
+	}
+	return fmt.Sprintf("%d prefill + %d decode", f.Prefill, f.Decode)
+}
+
+// generators is the number of workers that stream tokens (the
+// X-Baton-Worker of a response): the decode workers of a disaggregated
+// fleet, else all.
+func (f Fleet) generators() int {
+	if f.Disaggregated() {
+		return f.Decode
+	}
+	return f.Workers
+}
+
+// ParseFleets parses a comma-separated list of fleets: "colocated"
+// (workers colocated workers, columns labelled by the strategy alone),
+// "colocated:N" (N colocated workers, columns strategy/colocated:N) and
+// "disagg:P:D" (P prefill and D decode workers, columns
+// strategy/disagg:P:D).
+func ParseFleets(spec string, workers int) ([]Fleet, error) {
+	var out []Fleet
+	for _, f := range strings.Split(spec, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		parts := strings.Split(f, ":")
+		num := func(s string) (int, error) {
+			var n int
+			if _, err := fmt.Sscanf(s, "%d", &n); err != nil || fmt.Sprint(n) != s || n < 1 || n > 64 {
+				return 0, fmt.Errorf("fleet %q: %q is not a worker count 1–64", f, s)
+			}
+			return n, nil
+		}
+		switch {
+		case parts[0] == "colocated" && len(parts) == 1:
+			out = append(out, Fleet{Workers: workers})
+		case parts[0] == "colocated" && len(parts) == 2:
+			n, err := num(parts[1])
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, Fleet{Workers: n, Name: f})
+		case parts[0] == "disagg" && len(parts) == 3:
+			p, err := num(parts[1])
+			if err != nil {
+				return nil, err
+			}
+			d, err := num(parts[2])
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, Fleet{Workers: p + d, Prefill: p, Decode: d})
+		default:
+			return nil, fmt.Errorf("fleet %q: want colocated, colocated:N or disagg:P:D", f)
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no fleet given")
+	}
+	seen := map[string]bool{}
+	for _, f := range out {
+		if seen[f.Label()] {
+			return nil, fmt.Errorf("fleet %s given twice (columns would share a label)", f)
+		}
+		seen[f.Label()] = true
+	}
+	return out, nil
+}
+
 // fleet is an in-process scheduler and its simulated workers.
 type fleet struct {
 	url     string
 	sched   *scheduler.Scheduler
 	workers []*sim.Worker
+	store   *kvstore.Memory
 }
 
-func startFleet(o *Options, strategy string) (*fleet, error) {
+func startFleet(o *Options, strategy string, shape Fleet) (*fleet, error) {
 	f := &fleet{}
 	cfg := scheduler.Config{Listen: "127.0.0.1:0", Strategy: strategy, LogLevel: "error"}
 	cfg.ConcurrencyThreshold = o.ConcurrencyThreshold
 	cfg.PrefixLength = o.PrefixLength
-	for i := range o.Workers {
-		name := fmt.Sprintf("sim-%d", i)
-		w, err := sim.Start(sim.Config{Name: name, Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup,
-			BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}, "127.0.0.1:0", "", nil)
+	// Every fleet draws the same random choices: random's (and the
+	// tie-breaks of the others) repeat from run to run.
+	cfg.Rand = routing.SeededRand(o.Seed)
+	if o.SharedTier {
+		f.store = kvstore.NewMemory(kvstore.MemoryConfig{Capacity: o.SharedTierBytes})
+	}
+	var roles []string
+	if shape.Disaggregated() {
+		for range shape.Prefill {
+			roles = append(roles, sim.RolePrefill)
+		}
+		for range shape.Decode {
+			roles = append(roles, sim.RoleDecode)
+		}
+	} else {
+		for range shape.Workers {
+			roles = append(roles, sim.RoleBoth)
+		}
+	}
+	count := map[string]int{}
+	for _, role := range roles {
+		name := fmt.Sprintf("sim-%d", count[role])
+		if shape.Disaggregated() {
+			name = fmt.Sprintf("%s-%d", role, count[role])
+		}
+		count[role]++
+		sc := sim.Config{Name: name, Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup, Role: role,
+			BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}
+		if f.store != nil {
+			sc.Store = f.store
+		}
+		w, err := sim.Start(sc, "127.0.0.1:0", "", nil)
 		if err != nil {
 			f.close()
 			return nil, err
 		}
 		f.workers = append(f.workers, w)
-		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr})
+		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr, Role: role})
 	}
 	reg := &routing.Registry{}
 	routing.RegisterBuiltins(reg)
@@ -146,6 +291,9 @@ func (f *fleet) close() {
 	}
 	for _, w := range f.workers {
 		w.Close()
+	}
+	if f.store != nil {
+		f.store.Close()
 	}
 }
 
@@ -265,14 +413,24 @@ func (c *cpuWatch) finish(ws []*sim.Worker, timeScale float64) float64 {
 	return busy.Seconds() / (modelled / timeScale)
 }
 
-// runOne replays the workload against one strategy.
-func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string) (*StrategyReport, error) {
+// Column is the label of strategy's column on shape: the strategy, with
+// "/" and the fleet's label for a disaggregated fleet.
+func Column(strategy string, shape Fleet) string {
+	if l := shape.Label(); l != "" {
+		return strategy + "/" + l
+	}
+	return strategy
+}
+
+// runOne replays the workload against one strategy on one fleet.
+func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string, shape Fleet) (*StrategyReport, error) {
 	var f *fleet
 	base := strings.TrimSuffix(o.Target, "/")
+	label := Column(strategy, shape)
 	if o.Target == "" {
 		var err error
-		if f, err = startFleet(o, strategy); err != nil {
-			return nil, fmt.Errorf("%s: start fleet: %w", strategy, err)
+		if f, err = startFleet(o, strategy, shape); err != nil {
+			return nil, fmt.Errorf("%s: start fleet: %w", label, err)
 		}
 		defer f.close()
 		base = f.url
@@ -307,7 +465,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		line := func(end string) {
 			el := time.Since(start).Seconds()
 			fmt.Fprintf(o.Progress, "\r[%s] %4.0fs  sent %d/%d  done %d  errors %d  in flight %d  max lag %.0f ms%s",
-				strategy, el, sent.Load(), n, done.Load(), failed.Load(), inflight.Load(),
+				label, el, sent.Load(), n, done.Load(), failed.Load(), inflight.Load(),
 				float64(maxLag.Load())/1e6, end)
 		}
 		for {
@@ -377,7 +535,11 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	if cpu != nil {
 		stretch = cpu.finish(f.workers, o.Speedup)
 	}
-	rep := summarize(strategy, results[:sent.Load()], o, wall)
+	rep := summarize(label, results[:sent.Load()], o, shape.generators(), wall)
+	rep.Fleet = shape.String()
+	if o.Target != "" {
+		rep.Fleet = "target"
+	}
 	rep.CPUStretch = stretch
 	after, err := gather(f, base)
 	if err == nil {
@@ -407,22 +569,30 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 	if o.GPU == "" {
 		o.GPU = "h100"
 	}
+	if len(o.Fleets) == 0 || o.Target != "" {
+		o.Fleets = []Fleet{{Workers: o.Workers}}
+	}
 	arrivals, err := Arrivals(w, o.Rate, o.Seed)
 	if err != nil {
 		return nil, err
 	}
 	rep := &Report{Workload: w.Name, Describe: w.Describe, Requests: len(w.Requests), Workers: o.Workers,
 		Speedup: o.Speedup, Rate: o.Rate, Concurrency: o.Concurrency, Seed: o.Seed, Target: o.Target,
-		Model: o.Model, GPU: o.GPU}
+		Model: o.Model, GPU: o.GPU, SharedTier: o.SharedTier}
+	for _, f := range o.Fleets {
+		rep.Fleets = append(rep.Fleets, f.String())
+	}
 	if len(arrivals) > 1 {
 		rep.OfferedRate = float64(len(arrivals)-1) / arrivals[len(arrivals)-1]
 	}
 	for _, s := range o.Strategies {
-		sr, err := runOne(ctx, &o, w, arrivals, s)
-		if err != nil {
-			return nil, err
+		for _, shape := range o.Fleets {
+			sr, err := runOne(ctx, &o, w, arrivals, s, shape)
+			if err != nil {
+				return nil, err
+			}
+			rep.Strategies = append(rep.Strategies, *sr)
 		}
-		rep.Strategies = append(rep.Strategies, *sr)
 	}
 	return rep, nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/batonllm/baton/bench"
 	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -28,7 +29,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
 	speedup := fs.Float64("speedup", 1, "time compression: arrivals and the simulated engines' clock (TimeScale) run this many times faster")
 	conc := fs.Int("concurrency", 0, "cap on requests in flight (0: open loop)")
-	seed := fs.Uint64("seed", 1, "seed of the workload and the arrivals")
+	seed := fs.Uint64("seed", 1, "seed of the workload, the arrivals and the in-process scheduler's random choices")
 	out := fs.String("out", "bench/out", "`directory` for report.md, report.json, summary.csv and the PNG plots")
 	trace := fs.String("trace", "", "trace file (default: mooncake_conversation_trace.jsonl or azure2023_conv.csv in $BATON_TRACES or a shared/traces folder beside the working directory or a parent)")
 	docs := fs.Int("docs", 200, "long-context: shared documents")
@@ -39,6 +40,9 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	kvBlocks := fs.Int64("kv-blocks", 0, "KV capacity of each simulated worker in 16-token blocks (default: from GPU memory)")
 	threshold := fs.Int("concurrency-threshold", 0, "prefix_aware spill threshold (default 16)")
 	prefixLen := fs.Int("prefix-length", 0, "characters prefix_aware hashes (default 4096)")
+	fleetsFlag := fs.String("fleets", "colocated", "comma-separated in-process fleets each strategy runs on, one column each: colocated (--workers role-both workers; columns labelled by the strategy), colocated:N (columns strategy/colocated:N), disagg:P:D (P prefill + D decode workers; columns strategy/disagg:P:D)")
+	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
+	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -58,7 +62,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			strats = append(strats, s)
 		}
 	}
-	known := strategies().Names()
+	// kv_aware is registered by every scheduler over its own KV index.
+	known := append(strategies().Names(), routing.KVAware)
 	for _, s := range strats {
 		found := false
 		for _, k := range known {
@@ -72,13 +77,21 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return errors.New("-strategies: none given")
 	}
 
+	fleets, err := bench.ParseFleets(*fleetsFlag, *workers)
+	if err != nil {
+		return fmt.Errorf("-fleets: %w", err)
+	}
+	if *target != "" && (*fleetsFlag != "colocated" || *sharedTier) {
+		return errors.New("-fleets and -shared-tier apply to in-process fleets, not -target")
+	}
 	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop)
 	if err != nil {
 		return err
 	}
 	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
-		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed}
+		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
+		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes}
 	if !*quiet {
 		o.Progress = stderr
 	}

@@ -1,0 +1,120 @@
+package bench
+
+import (
+	"context"
+	"maps"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/bench/workload"
+)
+
+func TestParseFleets(t *testing.T) {
+	fs, err := ParseFleets("colocated, disagg:2:5,colocated:3", 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Fleet{{Workers: 7}, {Workers: 7, Prefill: 2, Decode: 5}, {Workers: 3, Name: "colocated:3"}}
+	if len(fs) != len(want) {
+		t.Fatalf("got %v", fs)
+	}
+	for i := range want {
+		if fs[i] != want[i] {
+			t.Errorf("fleet %d: got %+v, want %+v", i, fs[i], want[i])
+		}
+	}
+	if got := Column("kv_aware", fs[1]); got != "kv_aware/disagg:2:5" {
+		t.Errorf("column %q", got)
+	}
+	if got := Column("kv_aware", fs[0]); got != "kv_aware" {
+		t.Errorf("column %q", got)
+	}
+	if got := Column("random", fs[2]); got != "random/colocated:3" {
+		t.Errorf("column %q", got)
+	}
+	for _, bad := range []string{"", "disagg", "disagg:0:2", "disagg:2", "colocated:x", "gpu", "colocated,colocated", "disagg:1:1,disagg:1:1", "disagg:1:99", "colocated:03"} {
+		if _, err := ParseFleets(bad, 7); err == nil {
+			t.Errorf("ParseFleets(%q): no error", bad)
+		}
+	}
+}
+
+// A tiny colocated versus disaggregated comparison with the shared tier,
+// end to end: every column completes the identical sequence, and a
+// disaggregated column's responses stream from its decode workers.
+func TestBenchDisaggregated(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts fleets")
+	}
+	w, err := workload.LongContext(workload.DefaultLongContext(3), 12, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"prefix_aware", "kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7,
+		Fleets: []Fleet{{Workers: 2}, {Workers: 2, Prefill: 1, Decode: 1}}, SharedTier: true}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, o, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var labels []string
+	for _, s := range rep.Strategies {
+		labels = append(labels, s.Strategy)
+	}
+	if got := strings.Join(labels, ","); got != "prefix_aware,prefix_aware/disagg:1:1,kv_aware,kv_aware/disagg:1:1" {
+		t.Fatalf("columns %s", got)
+	}
+	for _, s := range rep.Strategies {
+		if s.OK != 12 || s.Errors != 0 {
+			t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
+		}
+		if strings.Contains(s.Strategy, "disagg") {
+			if s.Fleet != "1 prefill + 1 decode" || s.Ideal != 1 || len(s.Shares) != 1 || s.Shares["decode-0"] != 1 {
+				t.Errorf("%s: fleet %q ideal %v shares %v; want all on decode-0", s.Strategy, s.Fleet, s.Ideal, s.Shares)
+			}
+		} else if s.Fleet != "2 colocated" || s.Ideal != 0.5 {
+			t.Errorf("%s: fleet %q ideal %v", s.Strategy, s.Fleet, s.Ideal)
+		}
+		if s.HitRate <= 0 {
+			t.Errorf("%s: no KV reuse over 3 documents", s.Strategy)
+		}
+	}
+	if !rep.SharedTier || len(rep.Fleets) != 2 {
+		t.Errorf("report fleets %v shared %v", rep.Fleets, rep.SharedTier)
+	}
+	var md strings.Builder
+	rep.Markdown(&md)
+	for _, want := range []string{"| kv_aware/disagg:1:1 |", "1 prefill + 1 decode", "--shared-tier"} {
+		if !strings.Contains(md.String(), want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+}
+
+// The in-process scheduler's random choices are seeded: two runs of random
+// on the same sequence send the same number of requests to each worker.
+func TestBenchSeededRandomRepeats(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts fleets")
+	}
+	w, err := workload.LongContext(workload.DefaultLongContext(4), 24, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"random", "random"}, Workers: 3, Speedup: 20, Rate: 4, Seed: 3}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, o, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := rep.Strategies[0], rep.Strategies[1]
+	if a.OK != 24 || b.OK != 24 {
+		t.Fatalf("%d and %d ok", a.OK, b.OK)
+	}
+	if !maps.Equal(a.Shares, b.Shares) {
+		t.Errorf("shares differ between runs with one seed: %v and %v", a.Shares, b.Shares)
+	}
+}
