@@ -74,6 +74,15 @@ func TestBenchDisaggregated(t *testing.T) {
 			if s.Fleet != "1 prefill + 1 decode" || s.Ideal != 1 || len(s.Shares) != 1 || s.Shares["decode-0"] != 1 {
 				t.Errorf("%s: fleet %q ideal %v shares %v; want all on decode-0", s.Strategy, s.Fleet, s.Ideal, s.Shares)
 			}
+			n := 0.0
+			for k, v := range s.Counters {
+				if strings.HasPrefix(k, "disagg_decisions_total{") {
+					n += v
+				}
+			}
+			if n != 12 {
+				t.Errorf("%s: %v disaggregation decisions counted, want 12 (counters %v)", s.Strategy, n, s.Counters)
+			}
 		} else if s.Fleet != "2 colocated" || s.Ideal != 0.5 {
 			t.Errorf("%s: fleet %q ideal %v", s.Strategy, s.Fleet, s.Ideal)
 		}

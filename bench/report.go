@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -73,8 +74,12 @@ type StrategyReport struct {
 	LagMaxms float64 `json:"send_lag_max_ms"`
 	// CPUStretch is the simulated engines' busy wall time over their
 	// modelled step time: about 1 when the CPU keeps up.
-	CPUStretch float64  `json:"cpu_stretch"`
-	Warnings   []string `json:"warnings,omitempty"`
+	CPUStretch float64 `json:"cpu_stretch"`
+	// Counters are the scheduler counters that moved during the run
+	// (disaggregation decisions, fallbacks, breaker trips, cached tokens
+	// by tier, ...), by name{labels}.
+	Counters map[string]float64 `json:"scheduler_counters,omitempty"`
+	Warnings []string           `json:"warnings,omitempty"`
 
 	// TTFTs are every successful request's TTFT, for the CDF plot.
 	TTFTs []float64 `json:"-"`
@@ -311,6 +316,17 @@ func (rep *Report) Markdown(w io.Writer) {
 	if rep.Limits != nil {
 		fmt.Fprintf(w, "\nHit-rate limits of this request sequence (no router exceeds them): infinite cache %.1f%%; "+
 			"one pooled LRU of the fleet's %d blocks %.1f%%.\n", rep.Limits.Infinite*100, rep.Limits.PooledBlocks, rep.Limits.Pooled*100)
+	}
+	for _, s := range rep.Strategies {
+		if len(s.Counters) == 0 {
+			continue
+		}
+		keys := slices.Sorted(maps.Keys(s.Counters))
+		var parts []string
+		for _, k := range keys {
+			parts = append(parts, fmt.Sprintf("%s %.0f", k, s.Counters[k]))
+		}
+		fmt.Fprintf(w, "\nScheduler counters (%s): %s.\n", s.Strategy, strings.Join(parts, "; "))
 	}
 	for _, s := range rep.Strategies {
 		for _, wr := range s.Warnings {

@@ -14,6 +14,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -356,6 +357,35 @@ func decisionHistogram(mfs []*dto.MetricFamily) (bounds, cum []float64) {
 	return bounds, cum
 }
 
+// explained are the scheduler's counters a report lists per column, when
+// they moved: how disaggregated requests were prefilled, fallbacks and
+// failures, breaker trips, queue rejections, and cached tokens by tier.
+var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total", "baton_transfer_failures_total",
+	"baton_breaker_transitions_total", "baton_queue_rejections_total", "baton_retries_total", "baton_cached_tokens_by_tier_total"}
+
+// counters returns the explained counters of mfs by name{label=value,...}.
+func counters(mfs []*dto.MetricFamily) map[string]float64 {
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if !slices.Contains(explained, mf.GetName()) {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if m.GetCounter() == nil {
+				continue
+			}
+			var ls []string
+			for _, l := range m.GetLabel() {
+				if l.GetValue() != "" {
+					ls = append(ls, l.GetName()+"="+l.GetValue())
+				}
+			}
+			out[strings.TrimPrefix(mf.GetName(), "baton_")+"{"+strings.Join(ls, ",")+"}"] += m.GetCounter().GetValue()
+		}
+	}
+	return out
+}
+
 // cpuWatch samples the in-process engines to compare the wall time they
 // were busy with the modelled time of the steps they ran: on an overloaded
 // CPU, steps overrun their modelled time and the ratio climbs above 1.
@@ -548,6 +578,15 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		if len(c0) == len(c1) {
 			for i := range c1 {
 				c1[i] -= c0[i]
+			}
+		}
+		c0s := counters(before)
+		for k, v := range counters(after) {
+			if d := v - c0s[k]; d > 0 {
+				if rep.Counters == nil {
+					rep.Counters = map[string]float64{}
+				}
+				rep.Counters[k] = d
 			}
 		}
 		rep.DecisionP50us = bucketQuantile(0.5, b1, c1) * 1e6
