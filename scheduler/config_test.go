@@ -105,3 +105,26 @@ func TestReadmeConfigLoads(t *testing.T) {
 		t.Errorf("README config decoded as %+v", cfg)
 	}
 }
+
+// FuzzLoadConfig: no configuration file, however malformed, panics the
+// loader or the validation; an accepted one names at least one worker.
+func FuzzLoadConfig(f *testing.F) {
+	f.Add([]byte("strategy: prefix_aware\nworkers: [{address: '127.0.0.1:1'}]\n"))
+	f.Add([]byte("pool: {health_interval: 1s, health_timeout: 2s}\nworkers: [{address: 'http://x:1', kind: http, role: prefill}]\n"))
+	f.Add([]byte("disaggregation: {min_remote_prefill_tokens: -4}\nmax_queue: -1\n"))
+	reg := registry()
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, b []byte) {
+		path := filepath.Join(dir, "c.yaml")
+		if err := os.WriteFile(path, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := LoadConfig(path)
+		if err != nil {
+			return
+		}
+		if cfg.Validate(reg) == nil && len(cfg.Workers) == 0 {
+			t.Fatal("a configuration without workers validated")
+		}
+	})
+}
