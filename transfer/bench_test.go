@@ -3,7 +3,9 @@ package transfer
 import (
 	"io"
 	"net"
+	"syscall"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 )
@@ -67,8 +69,28 @@ func benchGRPCServer(b *testing.B, blocks []Block, gopts []grpc.ServerOption, op
 	b.SetBytes(totalBytes(blocks))
 	b.ReportAllocs()
 	b.ResetTimer()
+	cpu := cpuTime()
 	for b.Loop() {
 		push()
+	}
+	reportCPU(b, cpu, totalBytes(blocks))
+}
+
+// cpuTime is the CPU time (user and system) the process has used.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// reportCPU reports the CPU time, sender's and receiver's together, spent
+// per byte moved since start: unlike MB/s, it barely depends on what else
+// the machine runs, so it compares transports on a busy machine.
+func reportCPU(b *testing.B, start time.Duration, bytesPerOp int64) {
+	if n := b.N; n > 0 && bytesPerOp > 0 {
+		b.ReportMetric(float64(cpuTime()-start)/float64(int64(n)*bytesPerOp), "cpu-ns/B")
 	}
 }
 
@@ -127,9 +149,11 @@ func benchTCP(b *testing.B, blocks []Block) {
 	b.SetBytes(total)
 	b.ReportAllocs()
 	b.ResetTimer()
+	cpu := cpuTime()
 	for b.Loop() {
 		push()
 	}
+	reportCPU(b, cpu, total)
 }
 
 func repeat(v, n int) []int {
