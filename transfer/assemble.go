@@ -44,7 +44,8 @@ type assembler struct {
 	key     uint64 // the block in progress
 	size    int
 	crc     uint32
-	n       int // bytes received of it, possibly more than size
+	n       int    // bytes received of it, possibly more than size
+	sum     uint32 // CRC-32C of the bytes kept so far, buf[:n] while n <= size
 
 	accepted, rejected int
 	bytes              int64
@@ -68,7 +69,7 @@ func newAssembler(recv Receiver, maxBlock int) *assembler {
 // progress.
 func (a *assembler) begin(key uint64, size, crc uint32) {
 	a.endBlock()
-	a.open, a.key, a.size, a.crc, a.n = true, key, int(size), crc, 0
+	a.open, a.key, a.size, a.crc, a.n, a.sum = true, key, int(size), crc, 0, 0
 	a.discard = int64(size) > int64(a.maxBlock)
 	if !a.discard && cap(*a.buf) < a.size {
 		*a.buf = make([]byte, a.size)
@@ -78,6 +79,7 @@ func (a *assembler) begin(key uint64, size, crc uint32) {
 // reserve accounts for n more payload bytes of the block in progress and
 // returns where to copy them, or nil if they are to be dropped (the block
 // is oversized or already longer than announced, and will be rejected).
+// The caller copies them there and passes them to sum, in order.
 func (a *assembler) reserve(n int) ([]byte, error) {
 	if n == 0 {
 		return nil, nil
@@ -94,11 +96,22 @@ func (a *assembler) reserve(n int) ([]byte, error) {
 	return (*a.buf)[off:a.n], nil
 }
 
+// sumPiece is the most bytes copied before they are checksummed: small
+// enough that they are still in cache when the checksum reads them.
+const sumPiece = 32 << 10
+
+// summed adds bytes just copied into the block in progress (a slice
+// returned by reserve) to its checksum, so that endBlock need not read
+// the block again to verify it.
+func (a *assembler) summed(p []byte) { a.sum = kvblock.UpdateChecksum(a.sum, p) }
+
 // write copies p into the block in progress.
 func (a *assembler) write(p []byte) error {
 	dst, err := a.reserve(len(p))
-	if dst != nil {
-		copy(dst, p)
+	for len(dst) > 0 {
+		n := copy(dst[:min(len(dst), sumPiece)], p)
+		a.summed(dst[:n])
+		dst, p = dst[n:], p[n:]
 	}
 	return err
 }
@@ -114,7 +127,8 @@ func (a *assembler) endBlock() {
 		return
 	}
 	data := (*a.buf)[:a.size]
-	if err := kvblock.Verify(a.key, data, a.size, a.crc); err != nil {
+	// The checksum was computed as the bytes were copied in (summed).
+	if err := kvblock.VerifySum(a.key, data, a.size, a.crc, a.sum); err != nil {
 		a.rejected++
 		return
 	}

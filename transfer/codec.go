@@ -173,7 +173,7 @@ func (m *chunkIn) decode(s mem.BufferSlice) error {
 				return err
 			}
 			if dst != nil {
-				err = r.read(dst)
+				err = r.readSummed(dst, m.a)
 			} else {
 				err = r.skip(int(n))
 			}
@@ -226,6 +226,21 @@ func (r *cursor) read(dst []byte) error {
 			return errTruncated
 		}
 		n := copy(dst, b)
+		dst, r.off = dst[n:], r.off+n
+	}
+	return nil
+}
+
+// readSummed is read for the block in progress of a: it adds each piece
+// to the block's checksum as soon as it is copied, while it is in cache.
+func (r *cursor) readSummed(dst []byte, a *assembler) error {
+	for len(dst) > 0 {
+		b := r.cur()
+		if len(b) == 0 {
+			return errTruncated
+		}
+		n := copy(dst[:min(len(dst), sumPiece)], b)
+		a.summed(dst[:n])
 		dst, r.off = dst[n:], r.off+n
 	}
 	return nil

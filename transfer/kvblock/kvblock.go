@@ -36,6 +36,12 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // Checksum returns the CRC-32C of data.
 func Checksum(data []byte) uint32 { return crc32.Checksum(data, castagnoli) }
 
+// UpdateChecksum returns the CRC-32C of the bytes summed by crc followed by
+// p: Checksum(a+b) == UpdateChecksum(Checksum(a), b), and
+// UpdateChecksum(0, p) == Checksum(p). It lets a receiver checksum a block
+// piece by piece as it arrives, while the bytes are in cache.
+func UpdateChecksum(crc uint32, p []byte) uint32 { return crc32.Update(crc, castagnoli, p) }
+
 // Fill writes the contents of block key into dst: a splitmix64 stream
 // seeded by the key, 8 bytes at a time (a short tail takes the stream's
 // leading bytes). len(dst) is the block size.
@@ -73,7 +79,19 @@ func Verify(key uint64, data []byte, size int, crc uint32) error {
 	if len(data) != size {
 		return fmt.Errorf("%w: got %d bytes, want %d", ErrSize, len(data), size)
 	}
-	if Checksum(data) != crc {
+	return VerifySum(key, data, size, crc, Checksum(data))
+}
+
+// VerifySum is Verify for a caller that has already computed the CRC-32C
+// of data (sum, e.g. with UpdateChecksum as the bytes arrived): it checks
+// the size, that sum is the expected crc, and the key's contents, without
+// reading data a second time for the checksum. sum must be the checksum of
+// exactly data. It does not allocate.
+func VerifySum(key uint64, data []byte, size int, crc, sum uint32) error {
+	if len(data) != size {
+		return fmt.Errorf("%w: got %d bytes, want %d", ErrSize, len(data), size)
+	}
+	if sum != crc {
 		return ErrChecksum
 	}
 	// A block with the right checksum but another key's contents would mean

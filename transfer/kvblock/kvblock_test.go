@@ -59,6 +59,31 @@ func TestFillVerify(t *testing.T) {
 	}
 }
 
+func TestUpdateChecksumVerifySum(t *testing.T) {
+	a := make([]byte, 1000)
+	Fill(a, 42)
+	crc := Checksum(a)
+	var sum uint32
+	for _, p := range [][]byte{a[:1], a[1:333], a[333:333], a[333:]} {
+		sum = UpdateChecksum(sum, p)
+	}
+	if sum != crc {
+		t.Fatalf("piecewise checksum %x, want %x", sum, crc)
+	}
+	if err := VerifySum(42, a, 1000, crc, sum); err != nil {
+		t.Fatalf("good block: %v", err)
+	}
+	if err := VerifySum(42, a, 1000, crc, sum^1); !errors.Is(err, ErrChecksum) {
+		t.Errorf("wrong sum: got %v", err)
+	}
+	if err := VerifySum(43, a, 1000, Checksum(a), Checksum(a)); !errors.Is(err, ErrContents) {
+		t.Errorf("wrong key: got %v", err)
+	}
+	if err := VerifySum(42, a[:999], 1000, crc, Checksum(a[:999])); !errors.Is(err, ErrSize) {
+		t.Errorf("short block: got %v", err)
+	}
+}
+
 func BenchmarkFill1MiB(b *testing.B) {
 	buf := make([]byte, 1<<20)
 	b.SetBytes(int64(len(buf)))
