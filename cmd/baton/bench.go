@@ -34,6 +34,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	trace := fs.String("trace", "", "trace file (default: mooncake_conversation_trace.jsonl or azure2023_conv.csv in $BATON_TRACES or a shared/traces folder beside the working directory or a parent)")
 	docs := fs.Int("docs", 200, "long-context: shared documents")
 	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
+	convs := fs.Int("conversations", 32, "sharegpt: conversations open at once (each request continues a random one)")
 	model := fs.String("model", "llama-3.1-8b", "model preset of the simulated workers (and the model requested)")
 	gpu := fs.String("gpu", "h100", "GPU preset of the simulated workers")
 	cpuBlocks := fs.Int64("cpu-blocks", 0, "CPU KV tier of each simulated worker in blocks (0: none, as in SageMaker's study; -1: the simulator's default host-memory tier)")
@@ -84,7 +85,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *target != "" && (*fleetsFlag != "colocated" || *sharedTier) {
 		return errors.New("-fleets and -shared-tier apply to in-process fleets, not -target")
 	}
-	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop)
+	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop, *convs)
 	if err != nil {
 		return err
 	}
@@ -156,7 +157,7 @@ func tracesDir() string {
 	}
 }
 
-func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop string) (*workload.Workload, error) {
+func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop string, convs int) (*workload.Workload, error) {
 	synthetic := n
 	if synthetic == 0 {
 		synthetic = 1200
@@ -171,7 +172,7 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		cfg.Popularity = pop
 		return workload.LongContext(cfg, synthetic, seed)
 	case "sharegpt":
-		return workload.ShareGPT(workload.ShareGPTConfig{}, synthetic, seed)
+		return workload.ShareGPT(workload.ShareGPTConfig{Active: convs}, synthetic, seed)
 	case "agentic":
 		return workload.Agentic(workload.AgenticConfig{}, synthetic, seed)
 	case "mooncake":
