@@ -70,7 +70,7 @@ func (c kvCodec) Marshal(v any) (mem.BufferSlice, error) {
 	if len(m.data) > 0 {
 		n += 1 + protowire.SizeBytes(len(m.data))
 	}
-	pool := mem.DefaultBufferPool()
+	pool := kvPool
 	buf := pool.Get(n)
 	b := (*buf)[:0]
 	if m.transferID != "" {
