@@ -9,6 +9,8 @@ import (
 	_ "google.golang.org/grpc/encoding/proto" // registers the codec kvCodec delegates to
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/batonllm/baton/transfer/kvblock"
 )
 
 // codecName is the content-subtype of pushes that use kvCodec
@@ -40,6 +42,55 @@ type chunkOut struct {
 	data       []byte
 }
 
+// chunkReady is a BlockChunk already encoded, by encodeBlock, in a buffer
+// from kvPool. Sending it hands the buffer to gRPC, which returns it to
+// the pool once written; a chunk is sent at most once.
+type chunkReady struct {
+	buf *[]byte
+	n   int // data bytes
+}
+
+// encodeBlock encodes the chunks of a block, of at most chunk bytes of
+// data each, into buffers from kvPool, appending them to out. It copies
+// the block's data once and checksums each piece just after copying it,
+// while it is in cache, so the sender reads the caller's bytes only once;
+// the first chunk's header, which carries the checksum, is written last.
+func encodeBlock(out []chunkReady, key uint64, data []byte, chunk int) []chunkReady {
+	size := uint32(len(data))
+	var crc uint32
+	var first *[]byte
+	for i := 0; i == 0 || len(data) > 0; i++ {
+		n := min(len(data), chunk)
+		h := 1 + protowire.SizeVarint(uint64(n)) // data's tag and length
+		if i == 0 {
+			h += 1 + 8 + 1 + protowire.SizeVarint(uint64(size)) + 1 + 4
+		}
+		buf := kvPool.Get(h + n)
+		dst := (*buf)[h:]
+		for off := 0; off < n; {
+			k := copy(dst[off:min(n, off+sumPiece)], data[off:])
+			crc = kvblock.UpdateChecksum(crc, dst[off:off+k])
+			off += k
+		}
+		b := (*buf)[:0]
+		if i == 0 {
+			first = buf
+			b = b[:h-1-protowire.SizeVarint(uint64(n))] // the block header, below
+		}
+		b = protowire.AppendTag(b, fieldData, protowire.BytesType)
+		protowire.AppendVarint(b, uint64(n))
+		out = append(out, chunkReady{buf: buf, n: n})
+		data = data[n:]
+	}
+	b := protowire.AppendTag((*first)[:0], fieldKey, protowire.Fixed64Type)
+	b = protowire.AppendFixed64(b, key)
+	b = protowire.AppendTag(b, fieldSize, protowire.VarintType)
+	b = protowire.AppendVarint(b, uint64(size))
+	b = protowire.AppendTag(b, fieldCRC, protowire.Fixed32Type)
+	protowire.AppendFixed32(b, crc)
+	return out
+}
+
 // chunkIn is a BlockChunk received into an assembler: the codec sets the
 // transfer id, begins blocks and copies their data as it decodes.
 type chunkIn struct {
@@ -56,6 +107,9 @@ const (
 )
 
 func (c kvCodec) Marshal(v any) (mem.BufferSlice, error) {
+	if r, ok := v.(*chunkReady); ok {
+		return mem.BufferSlice{mem.NewBuffer(r.buf, kvPool)}, nil
+	}
 	m, ok := v.(*chunkOut)
 	if !ok {
 		return c.proto.Marshal(v)

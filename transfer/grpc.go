@@ -75,6 +75,13 @@ func (t *GRPCTransport) Has(ctx context.Context, addr string, keys []uint64) ([]
 // Push implements Transport. Each block goes as chunks of at most the
 // chunk size (WithChunkBytes), the first carrying its key, size and
 // CRC-32C.
+//
+// With kvCodec, a block of at most maxEncodeAhead bytes is encoded whole
+// before its first chunk is sent (encodeBlock): its data is copied once
+// into pooled buffers, which gRPC owns once sent and frees when written,
+// and checksummed as it is copied. The caller's bytes are read once and
+// never referenced by gRPC, so nothing of them is retained after Push
+// returns, however the push ends.
 func (t *GRPCTransport) Push(ctx context.Context, addr, transferID string, blocks []Block) (PushStats, error) {
 	if err := checkBlocks(transferID, blocks); err != nil {
 		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
@@ -89,6 +96,10 @@ func (t *GRPCTransport) Push(ctx context.Context, addr, transferID string, block
 	}
 	return stats, nil
 }
+
+// maxEncodeAhead bounds the block a push encodes whole before sending it;
+// a larger one is checksummed first, then copied chunk by chunk as sent.
+const maxEncodeAhead = 16 << 20
 
 func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, transferID string, blocks []Block) (PushStats, error) {
 	// Cancelling on return ends the stream on every path, so gRPC does not
@@ -107,6 +118,7 @@ func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, t
 		stats PushStats
 		out   workerpb.BlockChunk // with the proto codec
 		raw   chunkOut            // with kvCodec
+		ready []chunkReady        // with kvCodec: a block's chunks, encoded
 	)
 	send := func(id string, key uint64, size, crc uint32, data []byte) error {
 		if t.o.codec {
@@ -127,6 +139,20 @@ func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, t
 			if err := sleep(ctx, t.o.delay(b.Key)); err != nil {
 				return stats, err
 			}
+		}
+		if t.o.codec && t.o.fault == nil && len(b.Data) <= maxEncodeAhead {
+			ready = encodeBlock(ready[:0], b.Key, b.Data, t.o.chunk)
+			for i := range ready {
+				if err := st.SendMsg(&ready[i]); err != nil {
+					for _, r := range ready[i+1:] { // never handed to gRPC
+						kvPool.Put(r.buf)
+					}
+					return stats, sendError(st, err)
+				}
+				stats.Bytes += int64(ready[i].n)
+			}
+			clear(ready)
+			continue
 		}
 		crc := kvblock.Checksum(b.Data)
 		data := t.o.faulted(b)
