@@ -54,6 +54,11 @@ type StrategyReport struct {
 	PromptTokens int64   `json:"prompt_tokens"`
 	CachedTokens int64   `json:"cached_tokens"`
 	HitRate      float64 `json:"kv_hit_rate"`
+	// ShortHitRate is the hit rate of the prompts of at most ShortPrompt
+	// tokens: those prefix_aware hashes whole (PrefixLength characters
+	// cover about 1,024 tokens), whose key changes with every turn.
+	ShortHitRate float64 `json:"kv_hit_rate_short_prompts"`
+	ShortPrompts int     `json:"short_prompts"`
 
 	// Shares are each worker's fraction of completed requests (the decode
 	// workers' on a disaggregated fleet).
@@ -108,13 +113,18 @@ type Report struct {
 	Strategies  []StrategyReport `json:"strategies"`
 }
 
+// ShortPrompt is the prompt length, in tokens, up to which the report
+// counts a prompt as short: prefix_aware's default 4,096-character prefix
+// at about 4 characters per token.
+const ShortPrompt = 1024
+
 // summarize turns the results of one strategy into its report.
 // workers is the fleet's count of token-streaming workers.
 func summarize(strategy string, rs []Result, o *Options, workers int, wall float64) *StrategyReport {
 	sc := o.Speedup
 	r := &StrategyReport{Strategy: strategy, Requests: len(rs), Shares: map[string]float64{}}
 	var ttft, itl, e2e, lags []float64
-	var outTok int64
+	var outTok, shortPrompt, shortCached int64
 	first, last := math.Inf(1), 0.0
 	counts := map[string]int{}
 	for i := range rs {
@@ -135,6 +145,11 @@ func summarize(strategy string, rs []Result, o *Options, workers int, wall float
 		}
 		r.PromptTokens += int64(x.PromptTokens)
 		r.CachedTokens += int64(x.CachedTokens)
+		if x.PromptTokens <= ShortPrompt {
+			shortPrompt += int64(x.PromptTokens)
+			shortCached += int64(x.CachedTokens)
+			r.ShortPrompts++
+		}
 		outTok += int64(x.CompletionTokens)
 		if x.Spill {
 			r.Spills++
@@ -151,6 +166,7 @@ func summarize(strategy string, rs []Result, o *Options, workers int, wall float
 		r.OutputTokPerSec = float64(outTok) / r.Duration
 	}
 	r.HitRate = HitRate(r.CachedTokens, r.PromptTokens)
+	r.ShortHitRate = HitRate(shortCached, shortPrompt)
 	n := workers
 	if o.Target != "" || n == 0 {
 		n = max(len(counts), o.Workers)
@@ -234,6 +250,12 @@ var rows = []row{
 	{"throughput (req/s)", func(r *StrategyReport) float64 { return r.RequestsPerSec }, 1, 2, true},
 	{"output tokens/s", func(r *StrategyReport) float64 { return r.OutputTokPerSec }, 1, 0, true},
 	{"KV hit rate (%)", func(r *StrategyReport) float64 { return r.HitRate }, 100, 1, true},
+	{"KV hit rate, prompts ≤ 1,024 tok (%)", func(r *StrategyReport) float64 {
+		if r.ShortPrompts == 0 {
+			return math.NaN()
+		}
+		return r.ShortHitRate
+	}, 100, 1, true},
 	{"min worker share (%)", func(r *StrategyReport) float64 { return r.MinShare }, 100, 1, false},
 	{"max worker share (%)", func(r *StrategyReport) float64 { return r.MaxShare }, 100, 1, false},
 	{"overflow spills", func(r *StrategyReport) float64 { return float64(r.Spills) }, 1, 0, false},
@@ -242,7 +264,12 @@ var rows = []row{
 	{"routing decision p50 (µs)", func(r *StrategyReport) float64 { return r.DecisionP50us }, 1, 2, false},
 	{"routing decision p99 (µs)", func(r *StrategyReport) float64 { return r.DecisionP99us }, 1, 2, false},
 	{"send lag p99 (wall ms)", func(r *StrategyReport) float64 { return r.LagP99ms }, 1, 1, false},
-	{"CPU stretch (wall/modelled)", func(r *StrategyReport) float64 { return r.CPUStretch }, 1, 2, false},
+	{"CPU stretch (wall/modelled)", func(r *StrategyReport) float64 {
+		if r.CPUStretch == 0 {
+			return math.NaN()
+		}
+		return r.CPUStretch
+	}, 1, 2, false},
 }
 
 func (rep *Report) base() *StrategyReport {
@@ -302,8 +329,11 @@ func (rep *Report) Markdown(w io.Writer) {
 			if base != nil && s.Strategy != "random" {
 				c := "|"
 				if rw.change {
-					if rw.name == "KV hit rate (%)" {
-						c = fmt.Sprintf(" %+.1f pp |", (rw.value(s)-rw.value(base))*100)
+					if strings.HasPrefix(rw.name, "KV hit rate") {
+						c = " – |"
+						if d := (rw.value(s) - rw.value(base)) * 100; !math.IsNaN(d) {
+							c = fmt.Sprintf(" %+.1f pp |", d)
+						}
 					} else {
 						c = " " + pct(Change(rw.value(s), rw.value(base))) + " |"
 					}

@@ -438,7 +438,7 @@ func (c *cpuWatch) finish(ws []*sim.Worker, timeScale float64) float64 {
 		modelled += w.Engine.Stats().ModelledSeconds - c.modelled[i]
 	}
 	if modelled <= 0 {
-		return math.NaN()
+		return 0 // unknown (JSON has no NaN)
 	}
 	return busy.Seconds() / (modelled / timeScale)
 }
@@ -561,7 +561,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	stretch := math.NaN()
+	stretch := 0.0 // unknown for a target (JSON has no NaN)
 	if cpu != nil {
 		stretch = cpu.finish(f.workers, o.Speedup)
 	}

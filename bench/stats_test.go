@@ -2,6 +2,7 @@ package bench
 
 import (
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/batonllm/baton/bench/workload"
@@ -114,5 +115,28 @@ func TestCalibrate(t *testing.T) {
 	}
 	if got := expectedOutput(32); got != 32 {
 		t.Errorf("expected output capped %v", got)
+	}
+}
+
+// The short-prompt hit rate counts only prompts of at most ShortPrompt
+// tokens, and is absent (NaN in the table) when there are none.
+func TestShortPromptHitRate(t *testing.T) {
+	rs := []Result{
+		{PromptTokens: 1000, CachedTokens: 500, CompletionTokens: 1, Worker: "a", E2E: 1, Done: 1},
+		{PromptTokens: 8000, CachedTokens: 8000, CompletionTokens: 1, Worker: "a", E2E: 1, Done: 2},
+	}
+	o := &Options{Speedup: 1, Workers: 1}
+	r := summarize("x", rs, o, 1, 2)
+	if r.ShortPrompts != 1 || r.ShortHitRate != 0.5 || r.HitRate != 8500.0/9000 {
+		t.Errorf("short %d at %v, overall %v", r.ShortPrompts, r.ShortHitRate, r.HitRate)
+	}
+	r = summarize("x", rs[1:], o, 1, 2)
+	if r.ShortPrompts != 0 {
+		t.Errorf("%d short prompts", r.ShortPrompts)
+	}
+	var md strings.Builder
+	(&Report{Strategies: []StrategyReport{*r}}).Markdown(&md)
+	if !strings.Contains(md.String(), "| KV hit rate, prompts ≤ 1,024 tok (%) | – |") {
+		t.Errorf("no dash for an absent short-prompt hit rate:\n%s", md.String())
 	}
 }
