@@ -308,6 +308,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
 		s.log.Info("kv index resync", "worker", worker, "err", err)
 	}})
+	// Watching every worker costs the scheduler CPU on each of their cache
+	// events: do it only for strategies that read the index.
+	watchWorkers := usesIndex(s.Strategy) || cfg.Disaggregation.WithDefaults().DecodeStrategy == routing.KVAware
 	var gen, pre []*pool.Worker
 	for _, wc := range cfg.Workers {
 		w, role, err := s.connect(wc)
@@ -321,9 +324,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}
 		// Baton workers stream their cache events into the index; other
 		// engines are known to it by name only (predictions still apply).
-		if src, ok := w.Client.(watch.Source); ok {
+		if src, ok := w.Client.(watch.Source); ok && watchWorkers {
 			err = s.watcher.Add(w.Name, src)
-		} else {
+		} else if watchWorkers {
 			err = s.Index.AddWorker(w.Name)
 		}
 		if err != nil {
@@ -368,6 +371,12 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	}))
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, genStrategy, s.Metrics, s.log, fopts...)
 	return err
+}
+
+// usesIndex reports whether a strategy routes on the KV index.
+func usesIndex(s routing.Strategy) bool {
+	k, ok := s.(routing.KeyUser)
+	return ok && k.UsesKeys()
 }
 
 // snapshot returns a reader of *p's snapshot for the metrics, nil while
