@@ -40,6 +40,7 @@ func TestConfigValidate(t *testing.T) {
 		{"too many retries", func(c *Config) { c.Retries = 9 }, "retries:"},
 		{"empty model", func(c *Config) { c.Models = []string{""} }, "models[0]:"},
 		{"queue", func(c *Config) { c.MaxQueue = -2 }, "max_queue:"},
+		{"capacity", func(c *Config) { c.MaxInFlight = -1 }, "max_in_flight:"},
 		{"queue timeout", func(c *Config) { c.QueueTimeout = -time.Second }, "queue_timeout:"},
 		{"pool timing", func(c *Config) { c.Pool.HealthTimeout = time.Minute; c.Pool.HealthInterval = time.Second }, "pool.health_timeout:"},
 		{"no workers", func(c *Config) { c.Workers = nil }, "workers:"},

@@ -10,13 +10,14 @@ import (
 	"github.com/batonllm/baton/scheduler/frontend"
 )
 
-// startQueued starts one slow worker behind a prefix_aware scheduler whose
-// threshold is 1, so a second concurrent request finds every worker full.
+// startQueued starts one slow worker behind a prefix_aware scheduler that
+// keeps at most one request in flight on it, so a second concurrent request
+// finds every worker full.
 func startQueued(t *testing.T, fc frontend.Config) (*scheduler.Scheduler, string) {
 	_, workers := startWorkers(t, 1, 5)
 	fc.Models = nil
 	cfg := scheduler.Config{Strategy: "prefix_aware", Config: fc, Workers: workers, Pool: fastPool()}
-	cfg.ConcurrencyThreshold = 1
+	cfg.MaxInFlight = 1
 	return startScheduler(t, cfg)
 }
 

@@ -42,6 +42,7 @@ const (
 	DefaultRetries      = 2
 	DefaultTimeout      = 10 * time.Minute
 	DefaultMaxQueue     = 256
+	DefaultMaxInFlight  = 256
 	DefaultQueueTimeout = 30 * time.Second
 )
 
@@ -64,9 +65,16 @@ type Config struct {
 	// the client gets a 504 (or an error event if streaming began).
 	// Default 10m.
 	RequestTimeout time.Duration `yaml:"request_timeout"`
+	// MaxInFlight is a worker's capacity: the most requests the scheduler
+	// keeps in flight on one worker. A request whose worker is full goes to
+	// the least-loaded worker with room, and waits in the scheduler's queue
+	// when every worker is full. Default 256, vLLM's max_num_seqs: past it
+	// an engine only queues, and the scheduler queue lets a request go to
+	// whichever worker frees up first. (The concurrency threshold is not a
+	// capacity: it only makes prefix_aware and kv_aware spill.)
+	MaxInFlight int `yaml:"max_in_flight"`
 	// MaxQueue bounds the requests waiting in the scheduler when every
-	// available worker is at the concurrency threshold (strategies with a
-	// threshold: prefix_aware, kv_aware); past it requests get a 429 with
+	// available worker is full; past it requests get a 429 with
 	// Retry-After. Default 256; -1 disables the queue (such requests go to
 	// the least-loaded worker at once).
 	MaxQueue int `yaml:"max_queue"`
@@ -83,6 +91,7 @@ func Default() Config {
 		Retries:        DefaultRetries,
 		RequestTimeout: DefaultTimeout,
 		MaxQueue:       DefaultMaxQueue,
+		MaxInFlight:    DefaultMaxInFlight,
 		QueueTimeout:   DefaultQueueTimeout,
 	}
 }
@@ -107,6 +116,9 @@ func (c Config) WithDefaults() Config {
 	if c.MaxQueue == 0 {
 		c.MaxQueue = d.MaxQueue
 	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = d.MaxInFlight
+	}
 	if c.QueueTimeout == 0 {
 		c.QueueTimeout = d.QueueTimeout
 	}
@@ -126,6 +138,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("retries: must be at most 8, got %d", c.Retries)
 	case c.RequestTimeout < 0:
 		return fmt.Errorf("request_timeout: must be positive, got %s", c.RequestTimeout)
+	case c.MaxInFlight < 1 || c.MaxInFlight > 1<<20:
+		return fmt.Errorf("max_in_flight: must be 1–1048576, got %d", c.MaxInFlight)
 	case c.MaxQueue < -1 || c.MaxQueue > 1<<20:
 		return fmt.Errorf("max_queue: must be -1 (no queue) or 1–1048576, got %d", c.MaxQueue)
 	case c.QueueTimeout < 0:
@@ -392,8 +406,8 @@ func (x *exchange) run(ctx context.Context) string {
 	var lastErr error
 	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
 		wk, d, err := x.pick()
-		if err == nil && d.Reason == routing.ReasonAllFull && s.queue != nil {
-			wk, d, err = x.wait(ctx, d)
+		if err == nil && wk.InFlight() >= s.cfg.MaxInFlight {
+			wk, d, err = x.room(ctx, d)
 		}
 		if err != nil {
 			if lastErr != nil {
@@ -468,14 +482,31 @@ func (x *exchange) run(ctx context.Context) string {
 // errOverloaded is the 429 of a request the queue could not take, or that
 // waited in it too long.
 var errOverloaded = &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeOverloaded, Code: "overloaded",
-	Message: "every worker is at its concurrency threshold and the scheduler's queue is full; retry later", RetryAfter: 1}
+	Message: "every worker is at capacity and the scheduler's queue is full; retry later", RetryAfter: 1}
 
-// wait queues the request while every available worker is at the
-// concurrency threshold, picking again each time a worker frees up, until
-// a pick finds a worker under it. A full queue or a wait past QueueTimeout
-// is a 429.
-func (x *exchange) wait(ctx context.Context, d routing.Decision) (*pool.Worker, routing.Decision, error) {
+// room is called when the picked worker is full (MaxInFlight): the
+// request goes to the least-loaded worker with room or, when every worker
+// is full, waits in the scheduler's bounded queue, picking again each time
+// a worker frees up. A full queue or a wait past QueueTimeout is a 429.
+func (x *exchange) room(ctx context.Context, d routing.Decision) (*pool.Worker, routing.Decision, error) {
 	s := x.s
+	withRoom := func(d routing.Decision) (*pool.Worker, routing.Decision, bool) {
+		if d.Worker.InFlight() < s.cfg.MaxInFlight {
+			return d.Worker, d, true
+		}
+		if alt := leastLoaded(s.pool.Snapshot(), x.rreq.Model, x.tried); alt != nil && alt.InFlight() < s.cfg.MaxInFlight {
+			d.Worker, d.Spill, d.Reason, d.PredictedCached = alt, d.Home != nil && alt != d.Home, "full", 0
+			x.estimate = 0
+			return alt, d, true
+		}
+		return nil, d, false
+	}
+	if wk, d, ok := withRoom(d); ok || s.queue == nil {
+		if !ok {
+			wk = d.Worker // no queue: the least loaded takes it anyway
+		}
+		return wk, d, nil
+	}
 	select {
 	case s.queue <- struct{}{}:
 	default:
@@ -489,9 +520,12 @@ func (x *exchange) wait(ctx context.Context, d routing.Decision) (*pool.Worker, 
 	defer timer.Stop()
 	for {
 		freed := s.freedChan()
-		wk, d, err := x.pick()
-		if err != nil || d.Reason != routing.ReasonAllFull {
-			return wk, d, err
+		_, d, err := x.pick()
+		if err != nil {
+			return nil, d, err
+		}
+		if wk, d, ok := withRoom(d); ok {
+			return wk, d, nil
 		}
 		select {
 		case <-freed:

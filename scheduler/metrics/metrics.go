@@ -20,7 +20,7 @@ const (
 	OutcomeWorkerError = "worker_error" // the worker failed it
 	OutcomeCanceled    = "canceled"     // the client went away
 	OutcomeTimeout     = "timeout"      // the request deadline passed
-	OutcomeOverloaded  = "overloaded"   // 429: every worker full and the queue too
+	OutcomeOverloaded  = "overloaded"   // 429: every worker at capacity and the queue full
 )
 
 // Metrics holds the scheduler's metrics and the registry that serves them.
@@ -114,7 +114,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 			Name: "baton_retries_total", Help: "Requests sent to another worker after one failed before the first token, by reason.",
 		}, []string{"reason"}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "baton_queue_depth", Help: "Requests waiting in the scheduler for a worker under the concurrency threshold.",
+			Name: "baton_queue_depth", Help: "Requests waiting in the scheduler for a worker with room (max_in_flight).",
 		}),
 		QueueRejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_queue_rejections_total", Help: "Requests answered 429 because the queue was full or their wait timed out, by reason.",
