@@ -310,7 +310,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	}})
 	// Watching every worker costs the scheduler CPU on each of their cache
 	// events: do it only for strategies that read the index.
-	watchWorkers := usesIndex(s.Strategy) || cfg.Disaggregation.WithDefaults().DecodeStrategy == routing.KVAware
+	watchWorkers := routing.UsesKeys(s.Strategy) || cfg.Disaggregation.WithDefaults().DecodeStrategy == routing.KVAware
 	var gen, pre []*pool.Worker
 	for _, wc := range cfg.Workers {
 		w, role, err := s.connect(wc)
@@ -371,12 +371,6 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	}))
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, genStrategy, s.Metrics, s.log, fopts...)
 	return err
-}
-
-// usesIndex reports whether a strategy routes on the KV index.
-func usesIndex(s routing.Strategy) bool {
-	k, ok := s.(routing.KeyUser)
-	return ok && k.UsesKeys()
 }
 
 // snapshot returns a reader of *p's snapshot for the metrics, nil while

@@ -191,10 +191,6 @@ func (s *Server) freedChan() <-chan struct{} {
 	return s.freed
 }
 
-func usesKeys(s routing.Strategy) bool {
-	k, ok := s.(routing.KeyUser)
-	return ok && k.UsesKeys()
-}
 
 // Option configures a Server.
 type Option func(*Server)
@@ -239,10 +235,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 		s.queue = make(chan struct{}, s.cfg.MaxQueue)
 	}
 	s.name = strategy.Name()
-	s.usesKeys = usesKeys(strategy)
+	s.usesKeys = routing.UsesKeys(strategy)
 	if s.disagg != nil {
 		s.name = s.disagg.Strategy.Name()
-		s.usesKeys = s.usesKeys || usesKeys(s.disagg.Strategy)
+		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.Strategy)
 	}
 	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
 	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })

@@ -42,6 +42,12 @@ type KeyUser interface {
 	UsesKeys() bool
 }
 
+// UsesKeys reports whether s routes on block keys (and the KV index).
+func UsesKeys(s Strategy) bool {
+	k, ok := s.(KeyUser)
+	return ok && k.UsesKeys()
+}
+
 // Decision is a strategy's choice.
 type Decision struct {
 	// Worker serves the request.
