@@ -191,7 +191,6 @@ func (s *Server) freedChan() <-chan struct{} {
 	return s.freed
 }
 
-
 // Option configures a Server.
 type Option func(*Server)
 
