@@ -2,7 +2,6 @@ package sim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -19,11 +18,12 @@ import (
 var (
 	// ErrClosed: the engine is closed. It wraps engine.ErrUnavailable.
 	ErrClosed = fmt.Errorf("sim engine closed: %w", engine.ErrUnavailable)
-	// ErrUnknownModel: the engine does not serve the requested model.
-	ErrUnknownModel = errors.New("unknown model")
+	// ErrUnknownModel: the engine does not serve the requested model
+	// (engine.ErrUnknownModel, so callers need not know the engine).
+	ErrUnknownModel = engine.ErrUnknownModel
 	// ErrInvalid: the request can never be served (empty prompt, negative
-	// max tokens, more blocks than the cache holds).
-	ErrInvalid = errors.New("invalid request")
+	// max tokens, more blocks than the cache holds); engine.ErrInvalid.
+	ErrInvalid = engine.ErrInvalid
 )
 
 // Load is the engine's instantaneous load.
