@@ -356,8 +356,16 @@ type CostParams struct {
 	RedisBytesPerSecond float64 `protobuf:"fixed64,7,opt,name=redis_bytes_per_second,json=redisBytesPerSecond,proto3" json:"redis_bytes_per_second,omitempty"`
 	// Fixed seconds per Redis round trip (× 1/time scale).
 	RedisRttSeconds float64 `protobuf:"fixed64,8,opt,name=redis_rtt_seconds,json=redisRttSeconds,proto3" json:"redis_rtt_seconds,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Effective bytes/s of GPU memory (× time scale): every step reads the
+	// weights and the KV of the sequences it decodes at this rate, so a
+	// worker running many long sequences takes longer per prefill chunk.
+	HbmBytesPerSecond float64 `protobuf:"fixed64,9,opt,name=hbm_bytes_per_second,json=hbmBytesPerSecond,proto3" json:"hbm_bytes_per_second,omitempty"`
+	// Token budget of one step (prefill chunk plus decode tokens), as
+	// vLLM's max_num_batched_tokens: a prompt of n tokens needs about
+	// n / (budget − running) steps.
+	MaxBatchedTokens int32 `protobuf:"varint,10,opt,name=max_batched_tokens,json=maxBatchedTokens,proto3" json:"max_batched_tokens,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *CostParams) Reset() {
@@ -442,6 +450,20 @@ func (x *CostParams) GetRedisBytesPerSecond() float64 {
 func (x *CostParams) GetRedisRttSeconds() float64 {
 	if x != nil {
 		return x.RedisRttSeconds
+	}
+	return 0
+}
+
+func (x *CostParams) GetHbmBytesPerSecond() float64 {
+	if x != nil {
+		return x.HbmBytesPerSecond
+	}
+	return 0
+}
+
+func (x *CostParams) GetMaxBatchedTokens() int32 {
+	if x != nil {
+		return x.MaxBatchedTokens
 	}
 	return 0
 }
@@ -1662,7 +1684,7 @@ const file_worker_proto_rawDesc = "" +
 	"cpu_blocks\x18\a \x01(\x03R\tcpuBlocks\x12/\n" +
 	"\x04cost\x18\b \x01(\v2\x1b.baton.worker.v1.CostParamsR\x04cost\x12\x1d\n" +
 	"\n" +
-	"redis_tier\x18\t \x01(\bR\tredisTier\"\xc3\x02\n" +
+	"redis_tier\x18\t \x01(\bR\tredisTier\"\xa2\x03\n" +
 	"\n" +
 	"CostParams\x12\x16\n" +
 	"\x06layers\x18\x01 \x01(\x05R\x06layers\x12\x16\n" +
@@ -1672,7 +1694,10 @@ const file_worker_proto_rawDesc = "" +
 	"\x12kv_bytes_per_block\x18\x05 \x01(\x03R\x0fkvBytesPerBlock\x121\n" +
 	"\x15pcie_bytes_per_second\x18\x06 \x01(\x01R\x12pcieBytesPerSecond\x123\n" +
 	"\x16redis_bytes_per_second\x18\a \x01(\x01R\x13redisBytesPerSecond\x12*\n" +
-	"\x11redis_rtt_seconds\x18\b \x01(\x01R\x0fredisRttSeconds\"\xa9\x01\n" +
+	"\x11redis_rtt_seconds\x18\b \x01(\x01R\x0fredisRttSeconds\x12/\n" +
+	"\x14hbm_bytes_per_second\x18\t \x01(\x01R\x11hbmBytesPerSecond\x12,\n" +
+	"\x12max_batched_tokens\x18\n" +
+	" \x01(\x05R\x10maxBatchedTokens\"\xa9\x01\n" +
 	"\x0fGenerateRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +

@@ -17,6 +17,10 @@ type Cost struct {
 	PCIeBytesPerSecond  float64
 	RedisBytesPerSecond float64
 	RedisRTTSeconds     float64
+	// HBMBytesPerSecond is the GPU memory bandwidth every step reads the
+	// decoded sequences' KV at; MaxBatchedTokens is a step's token budget.
+	HBMBytesPerSecond float64
+	MaxBatchedTokens  int
 }
 
 // DefaultCost is the cost assumed for workers that report none (OpenAI
@@ -25,8 +29,9 @@ type Cost struct {
 // model it — 32 layers, hidden size 4,096, 989 TFLOP/s × 0.5 MFU, a 5.6 ms
 // decode step (16 GB of weights at 3.35 TB/s × 0.85), 2 MiB of KV per
 // 16-token block, a PCIe 5 x16 host copy at 64 GB/s, and a Redis tier at
-// 10 GB/s (a 100 Gb/s NIC) with 0.5 ms round trips. At these figures a
-// block fetched from Redis (0.21 ms) beats recomputing it (0.38 ms).
+// 10 GB/s (a 100 Gb/s NIC) with 0.5 ms round trips, and vLLM's default
+// step budget of 8,192 tokens. At these figures a block fetched from Redis
+// (0.21 ms) beats recomputing it (0.38 ms).
 var DefaultCost = Cost{
 	Layers:              32,
 	Hidden:              4096,
@@ -36,6 +41,8 @@ var DefaultCost = Cost{
 	PCIeBytesPerSecond:  64e9,
 	RedisBytesPerSecond: 10e9,
 	RedisRTTSeconds:     0.5e-3,
+	HBMBytesPerSecond:   3.35e12 * 0.85,
+	MaxBatchedTokens:    8192,
 }
 
 // Coefficients of the prefill FLOPs: a·n·(n+c)·d + b·n·d² per layer.
@@ -83,6 +90,32 @@ func (c Cost) RedisFetchSeconds(blocks int) float64 {
 	return c.RedisRTTSeconds + float64(blocks)*float64(c.KVBytesPerBlock)/c.RedisBytesPerSecond
 }
 
+// StepSeconds is the time one step of the worker spends beyond its
+// prefill compute: reading the weights (DecodeStepSeconds) and the KV of
+// the sequences it holds, usedBlocks blocks, which it decodes alongside.
+func (c Cost) StepSeconds(usedBlocks int64) float64 {
+	s := c.DecodeStepSeconds
+	if usedBlocks > 0 && c.HBMBytesPerSecond > 0 {
+		s += float64(usedBlocks) * float64(c.KVBytesPerBlock) / c.HBMBytesPerSecond
+	}
+	return s
+}
+
+// Steps is the number of steps a worker running running sequences takes
+// to prefill tokens tokens (the request's own and those queued ahead of
+// it): each step's budget less one token per running sequence goes to
+// prefill, but never less than a quarter of the budget (a worker that
+// full admits nothing new until some sequences finish, which the queue
+// term of the estimate does not see either). At least 1.
+func (c Cost) Steps(tokens int64, running int) int64 {
+	budget := int64(c.MaxBatchedTokens)
+	if budget <= 0 {
+		budget = int64(DefaultCost.MaxBatchedTokens)
+	}
+	per := max(budget-int64(max(running, 0)), budget/4, 1)
+	return max((tokens+per-1)/per, 1)
+}
+
 // costFrom converts p, filling every zero or missing figure from
 // DefaultCost; ok reports whether p was present.
 func costFrom(p *workerpb.CostParams) (c Cost, ok bool) {
@@ -113,6 +146,12 @@ func costFrom(p *workerpb.CostParams) (c Cost, ok bool) {
 	}
 	if p.RedisRttSeconds > 0 {
 		c.RedisRTTSeconds = p.RedisRttSeconds
+	}
+	if p.HbmBytesPerSecond > 0 {
+		c.HBMBytesPerSecond = p.HbmBytesPerSecond
+	}
+	if p.MaxBatchedTokens > 0 {
+		c.MaxBatchedTokens = int(p.MaxBatchedTokens)
 	}
 	return c, true
 }

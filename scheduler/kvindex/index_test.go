@@ -110,7 +110,8 @@ func TestLookupReportsWorkerState(t *testing.T) {
 	x := New(Config{})
 	load := &workerpb.LoadReport{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GpuBlocksUsed: 10, GpuBlocksTotal: 100}
 	mustApply(t, x, "a", snapshot(load))
-	cost := &workerpb.CostParams{Layers: 80, Hidden: 8192, Flops: 1e15, KvBytesPerBlock: 5 << 20}
+	cost := &workerpb.CostParams{Layers: 80, Hidden: 8192, Flops: 1e15, KvBytesPerBlock: 5 << 20,
+		HbmBytesPerSecond: 4e12, MaxBatchedTokens: 2048}
 	if err := x.SetInfo("a", &workerpb.InfoResponse{BlockChars: 128, Cost: cost}); err != nil {
 		t.Fatal(err)
 	}
@@ -118,6 +119,7 @@ func TestLookupReportsWorkerState(t *testing.T) {
 	x.Lookup(nil, []string{"a", "b"}, out)
 	wantCost := DefaultCost
 	wantCost.Layers, wantCost.Hidden, wantCost.FLOPS, wantCost.KVBytesPerBlock = 80, 8192, 1e15, 5<<20
+	wantCost.HBMBytesPerSecond, wantCost.MaxBatchedTokens = 4e12, 2048
 	want := []Match{
 		{Known: true, Load: Load{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GPUBlocksUsed: 10, GPUBlocksTotal: 100},
 			Cost: wantCost, HasCost: true, BlockTokens: 32, Correction: 1},

@@ -46,11 +46,15 @@ type TTFTEstimator interface {
 // that report none, such as HTTP engines):
 //
 //	queue   = prefill of the tokens waiting on the worker (its last load
-//	          report's waiting_prefill_tokens plus those routed since),
-//	          plus one decode step if it runs sequences or has requests
-//	          in flight
+//	          report's waiting_prefill_tokens plus those routed since)
 //	prefill = layers·(4·n·(n+c)·hidden + 22·n·hidden²)/flops for the n
 //	          tokens found in no tier over the c found in one
+//	steps   = the steps the queued and the n tokens take in the worker's
+//	          step budget (max_batched_tokens less one per running
+//	          sequence), each reading the weights and the KV of the
+//	          worker's sequences (gpu_blocks_used) from GPU memory: a
+//	          worker decoding many long sequences prefills more slowly,
+//	          which spreads prompts no worker has cached across the fleet
 //	copy    = kv_bytes_per_block / pcie_bytes_per_second per block found
 //	          in its CPU tier
 //	fetch   = redis_rtt + bytes / redis_bytes_per_second for the blocks
@@ -184,24 +188,31 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 	local := min(tokens, (m.GPU+m.CPU)*bt)
 	withRedis := min(tokens, (m.GPU+m.CPU+m.Redis)*bt)
 
-	queue := c.QueueSeconds(m.Load.WaitingPrefillTokens + m.PendingTokens)
-	if m.Load.Running > 0 || load > 0 {
-		queue += c.DecodeStepSeconds
+	ahead := m.Load.WaitingPrefillTokens + m.PendingTokens
+	queue := c.QueueSeconds(ahead)
+	step := c.StepSeconds(m.Load.GPUBlocksUsed)
+	// work is the time to prefill what is not cached once cached tokens
+	// are: the compute, plus every step it takes (with those of the
+	// tokens queued ahead) paying for the weights and the running
+	// sequences' KV.
+	work := func(cached int) float64 {
+		return c.PrefillSeconds(tokens-cached, cached) +
+			float64(c.Steps(ahead+int64(tokens-cached), m.Load.Running))*step
 	}
 	copyCPU := c.CPUCopySeconds(m.CPU)
 	// The worker fetches Redis blocks when that beats recomputing them.
 	cached := local
-	work := c.PrefillSeconds(tokens-local, local)
+	cost := work(local)
 	if withRedis > local {
-		if fetch := c.RedisFetchSeconds(m.Redis) + c.PrefillSeconds(tokens-withRedis, withRedis); fetch < work {
-			work, cached = fetch, withRedis
+		if fetch := c.RedisFetchSeconds(m.Redis) + work(withRedis); fetch < cost {
+			cost, cached = fetch, withRedis
 		}
 	}
 	corr := m.Correction
 	if corr <= 0 {
 		corr = 1
 	}
-	return candidate{seconds: (queue + copyCPU + work) * corr, load: load, cached: cached}
+	return candidate{seconds: (queue + copyCPU + cost) * corr, load: load, cached: cached}
 }
 
 // RouteHit renders the X-Baton-Route header value of a decision of the

@@ -277,8 +277,9 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := kvindex.DefaultCost
-	if want := time.Duration(c.PrefillSeconds(8000, 0) * float64(time.Second)); est != want {
-		t.Errorf("cold estimate %v, want %v (prefill of 8,000 tokens)", est, want)
+	// One step of the 8,192-token budget, reading the weights only.
+	if want := time.Duration((c.PrefillSeconds(8000, 0) + c.DecodeStepSeconds) * float64(time.Second)); est != want {
+		t.Errorf("cold estimate %v, want %v (prefill of 8,000 tokens in one step)", est, want)
 	}
 	// The first request's 8,000 tokens are pending on w00 now; the
 	// correction factor becomes 0.8 + 0.2·3 = 1.4.
@@ -287,9 +288,45 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := time.Duration((c.QueueSeconds(8000) + c.PrefillSeconds(8000, 0)) * 1.4 * float64(time.Second))
+	// 16,000 tokens to prefill (8,000 ahead) take two steps.
+	want := time.Duration((c.QueueSeconds(8000) + c.PrefillSeconds(8000, 0) + 2*c.DecodeStepSeconds) * 1.4 * float64(time.Second))
 	if d := est2 - want; d < -time.Microsecond || d > time.Microsecond {
 		t.Errorf("corrected estimate %v, want %v", est2, want)
+	}
+}
+
+// A prompt no worker holds goes to the worker whose steps read the least
+// KV, not to whichever the random start met first; a cached prompt stays
+// with its holder however much that worker decodes.
+func TestKVAwareSpreadsByDecodeLoad(t *testing.T) {
+	f := newKVFleet(t, 3)
+	for _, w := range f.snap().Workers {
+		f.info(w.Name, false, 0)
+	}
+	cached := prompt(11)
+	f.store("w02", workerpb.Tier_TIER_GPU, cached)
+	for seed := uint64(1); seed <= 8; seed++ {
+		// w00 and w02 decode 40 sequences of 8,000 tokens (20,000 blocks);
+		// w01 decodes 10 of them. A report also clears what the previous
+		// picks predicted.
+		f.report("w00", &workerpb.LoadReport{Running: 40, GpuBlocksUsed: 20000})
+		f.report("w01", &workerpb.LoadReport{Running: 10, GpuBlocksUsed: 5000})
+		f.report("w02", &workerpb.LoadReport{Running: 40, GpuBlocksUsed: 20000})
+		s := f.strategy(Params{Rand: SeededRand(seed)})
+		d, err := s.Pick(kvRequest(prompt(100+seed)), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != "w01" {
+			t.Errorf("seed %d: cold prompt went to %s, want w01 (least KV decoded)", seed, d.Worker.Name)
+		}
+		d, err = s.Pick(kvRequest(cached), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != "w02" {
+			t.Errorf("seed %d: cached prompt went to %s, want its holder w02", seed, d.Worker.Name)
+		}
 	}
 }
 

@@ -47,8 +47,9 @@ func (e *Engine) FetchSeconds(n int) float64 { return e.fetchSeconds(n) }
 // CostParams returns the engine's cost figures in real seconds (modelled
 // figures over TimeScale), for a scheduler to estimate time to first
 // token: effective FLOP/s × TimeScale, the decode step at batch 1 and
-// empty context ÷ TimeScale, the real KV bytes of a block, PCIe and Redis
-// bytes/s × TimeScale, Redis RTT ÷ TimeScale.
+// empty context ÷ TimeScale, the real KV bytes of a block, PCIe, Redis and
+// HBM bytes/s × TimeScale, Redis RTT ÷ TimeScale, and the step's token
+// budget.
 func (e *Engine) CostParams() *workerpb.CostParams {
 	ts := e.cfg.TimeScale
 	return &workerpb.CostParams{
@@ -60,6 +61,8 @@ func (e *Engine) CostParams() *workerpb.CostParams {
 		PcieBytesPerSecond:  e.pcieBW * ts,
 		RedisBytesPerSecond: e.cfg.RedisBandwidth * ts,
 		RedisRttSeconds:     e.cfg.RedisRTT.Seconds() / ts,
+		HbmBytesPerSecond:   e.cost.Bandwidth() * ts,
+		MaxBatchedTokens:    int32(e.cfg.MaxBatchedTokens),
 	}
 }
 
