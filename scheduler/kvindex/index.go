@@ -51,6 +51,11 @@ const (
 	// its events to arrive, short enough that a request that failed stops
 	// attracting its siblings quickly.
 	DefaultPredictTTL = 2 * time.Second
+	// DefaultRoutedHalfLife is the half-life of Match.Routed: a minute,
+	// long enough to reflect the traffic the prefixes a worker holds
+	// attract (which its instantaneous load does not yet show), short
+	// enough to follow a shift of that traffic.
+	DefaultRoutedHalfLife = time.Minute
 )
 
 // correctionAlpha is the weight of each new observation in the EWMA of
@@ -82,6 +87,9 @@ type Config struct {
 	// PredictTTL is how long Predict's entries count unconfirmed; 0 means
 	// DefaultPredictTTL.
 	PredictTTL time.Duration
+	// RoutedHalfLife is the half-life of Match.Routed; 0 means
+	// DefaultRoutedHalfLife.
+	RoutedHalfLife time.Duration
 	// Now returns the current time; nil means time.Now. Tests set it.
 	Now func() time.Time
 }
@@ -92,6 +100,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PredictTTL <= 0 {
 		c.PredictTTL = DefaultPredictTTL
+	}
+	if c.RoutedHalfLife <= 0 {
+		c.RoutedHalfLife = DefaultRoutedHalfLife
 	}
 	if c.Now == nil {
 		c.Now = time.Now
@@ -136,6 +147,10 @@ type Match struct {
 	BlockTokens int
 	// Correction is the EWMA of achieved/predicted TTFT (1 until observed).
 	Correction float64
+	// Routed is the requests Predict routed to the worker, each weighing
+	// half as much every RoutedHalfLife: its share of recent traffic,
+	// including the requests the prefixes it was given keep attracting.
+	Routed float64
 }
 
 // defaultBlockTokens is 64 characters at 4 characters a token.
@@ -156,6 +171,16 @@ type worker struct {
 	blockTokens int
 	redisTier   bool
 	correction  atomic.Uint64 // float64 bits
+	routed      float64       // Match.Routed as of routedAt
+	routedAt    int64         // Unix nanoseconds
+}
+
+// routedNow returns w.routed decayed to now, with halfLife in nanoseconds.
+func (w *worker) routedNow(now, halfLife int64) float64 {
+	if w.routed == 0 || now <= w.routedAt {
+		return w.routed
+	}
+	return w.routed * math.Exp2(-float64(now-w.routedAt)/float64(halfLife))
 }
 
 // Index is the KV index. Its methods are safe for concurrent use.
@@ -420,7 +445,8 @@ func (x *Index) RemoveWorker(name string) {
 // worker. The blocks the worker did not hold are added to its pending
 // prefill tokens until its next load report. Predict is called on the hot
 // path after each kv_aware decision; it takes the write lock for about
-// 10 ns a key and does not allocate once the index has grown. A worker
+// 10 ns a key and does not allocate once the index has grown. It also
+// counts the request in the worker's Routed. A worker
 // the index does not track (see AddWorker) is ignored, so a request routed
 // while its worker is removed does not bring the worker back.
 func (x *Index) Predict(name string, keys []uint64) {
@@ -449,6 +475,7 @@ func (x *Index) Predict(name string, keys []uint64) {
 		w.pending, w.pendingAt = 0, now
 	}
 	w.pending += added * int64(w.blockTokens)
+	w.routed, w.routedAt = w.routedNow(now, int64(x.cfg.RoutedHalfLife))+1, now
 }
 
 // Prefilled records that a request routed to the worker has been prefilled
@@ -520,6 +547,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 			HasCost:       w.hasCost,
 			BlockTokens:   w.blockTokens,
 			Correction:    math.Float64frombits(w.correction.Load()),
+			Routed:        w.routedNow(now, int64(x.cfg.RoutedHalfLife)),
 		}
 		bit := uint64(1) << w.slot
 		alive |= bit

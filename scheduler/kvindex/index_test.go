@@ -318,6 +318,34 @@ func TestPredict(t *testing.T) {
 	}
 }
 
+func TestRoutedDecays(t *testing.T) {
+	clk := &clock{now: time.Unix(1000, 0)}
+	x := New(Config{Now: clk.Now, RoutedHalfLife: time.Minute})
+	mustApply(t, x, "a", snapshot(nil))
+	mustApply(t, x, "b", snapshot(nil))
+	routed := func() (a, b float64) {
+		out := make([]Match, 2)
+		x.Lookup(nil, []string{"a", "b"}, out)
+		return out[0].Routed, out[1].Routed
+	}
+	x.Predict("a", keys(0, 4))
+	x.Predict("a", keys(4, 8))
+	if a, b := routed(); a != 2 || b != 0 {
+		t.Fatalf("Routed = %v, %v; want 2, 0", a, b)
+	}
+	// A load report clears pending tokens, not the traffic routed.
+	mustApply(t, x, "a", &workerpb.WatchEvent{Seq: 2, Event: &workerpb.WatchEvent_Load{Load: &workerpb.LoadReport{}}})
+	clk.Add(time.Minute)
+	if a, _ := routed(); math.Abs(a-1) > 1e-9 {
+		t.Errorf("after one half-life Routed = %v, want 1", a)
+	}
+	x.Predict("a", keys(8, 9))
+	clk.Add(2 * time.Minute)
+	if a, _ := routed(); math.Abs(a-0.5) > 1e-9 {
+		t.Errorf("Routed = %v, want (1+1)/4 = 0.5", a)
+	}
+}
+
 func TestObserveTTFT(t *testing.T) {
 	x := New(Config{})
 	mustApply(t, x, "a", snapshot(nil))

@@ -17,10 +17,17 @@ const KVAware = "kv_aware"
 // to first token among those under the threshold.
 const ReasonKVAware = "kv_aware"
 
-// tieTolerance is the relative difference under which two estimates tie
-// and the worker with fewer requests in flight wins: estimates built from
-// load reports up to a report interval old are not finer than that.
-const tieTolerance = 0.01
+// tieTolerance is the relative difference under which two estimates tie:
+// estimates built from load reports up to a report interval old, and
+// corrected by a noisy factor, are not finer than that. Of tied workers
+// the one routed the fewest requests lately (kvindex.Match.Routed) wins:
+// placing prompts no worker holds by recent traffic rather than by the
+// instantaneous load balances the traffic their prefixes attract later.
+const tieTolerance = 0.03
+
+// routedTie is the difference in recently routed requests under which two
+// tied workers still tie, and the one with fewer requests in flight wins.
+const routedTie = 0.5
 
 // RegisterKVAware registers kv_aware in r, built over idx.
 func RegisterKVAware(r *Registry, idx *kvindex.Index) {
@@ -61,9 +68,10 @@ type TTFTEstimator interface {
 //	          only Redis holds, or recomputing them if that is faster
 //
 // times the worker's correction factor (achieved over predicted TTFT,
-// observed). The lowest estimate wins; estimates within 1% tie and the
-// worker with fewer requests in flight wins, then the first met from a
-// random start. When the best worker is at the threshold (a hot prefix),
+// observed). The lowest estimate wins; estimates within 3% tie and the
+// worker routed fewer requests lately wins (kvindex.Match.Routed, a
+// minute's half-life), then the one with fewer requests in flight, then
+// the first met from a random start. When the best worker is at the threshold (a hot prefix),
 // the next best under it is chosen (Spill, Home the best): it fetches the
 // prefix from Redis when Redis holds it and that is cheaper. When every
 // worker is at the threshold, the best is chosen anyway (ReasonAllFull).
@@ -100,6 +108,7 @@ type candidate struct {
 	i       int     // the worker's position in its batch; -1: none
 	seconds float64 // estimated TTFT
 	load    int     // in flight
+	routed  float64 // recently routed requests
 	cached  int     // tokens expected cached
 }
 
@@ -109,6 +118,9 @@ func (a candidate) better(b candidate) bool {
 		return true
 	}
 	if d := a.seconds - b.seconds; d < -tieTolerance*b.seconds || d > tieTolerance*a.seconds {
+		return d < 0
+	}
+	if d := a.routed - b.routed; d < -routedTie || d > routedTie {
 		return d < 0
 	}
 	return a.load < b.load
@@ -212,7 +224,7 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 	if corr <= 0 {
 		corr = 1
 	}
-	return candidate{seconds: (queue + copyCPU + cost) * corr, load: load, cached: cached}
+	return candidate{seconds: (queue + copyCPU + cost) * corr, load: load, routed: m.Routed, cached: cached}
 }
 
 // RouteHit renders the X-Baton-Route header value of a decision of the

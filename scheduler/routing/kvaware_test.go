@@ -330,6 +330,35 @@ func TestKVAwareSpreadsByDecodeLoad(t *testing.T) {
 	}
 }
 
+// Of workers whose estimates tie, a prompt no worker holds goes to the
+// one routed the fewest requests lately, whatever the random start.
+func TestKVAwareTiesGoToLeastRouted(t *testing.T) {
+	f := newKVFleet(t, 3)
+	for _, w := range f.snap().Workers {
+		f.info(w.Name, false, 0)
+	}
+	routed := map[string]int{"w00": 1, "w01": 2, "w02": 0}
+	f.idx.Predict("w00", prompt(50))
+	f.idx.Predict("w01", prompt(51))
+	f.idx.Predict("w01", prompt(52))
+	for seed := uint64(1); seed <= 12; seed++ {
+		// Reports clear the pending tokens of every prediction so far, so
+		// that the three estimates are equal again.
+		for _, w := range f.snap().Workers {
+			f.report(w.Name, &workerpb.LoadReport{})
+		}
+		d, err := f.strategy(Params{Rand: SeededRand(seed)}).Pick(kvRequest(prompt(200+seed)), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		least := min(routed["w00"], routed["w01"], routed["w02"])
+		if got := routed[d.Worker.Name]; got != least {
+			t.Fatalf("pick %d went to %s, routed %d before; want one routed %d (%v)", seed, d.Worker.Name, got, least, routed)
+		}
+		routed[d.Worker.Name]++
+	}
+}
+
 func TestRouteHit(t *testing.T) {
 	tests := []struct {
 		d        Decision
