@@ -22,7 +22,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.SetOutput(stderr)
 	wl := fs.String("workload", "long-context", "workload: "+strings.Join(workload.Names, ", "))
 	n := fs.Int("requests", 0, "requests to send (default: 1200 for synthetic workloads, 1000 trace records)")
-	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware", "comma-separated strategies, each run on the identical request sequence")
+	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies, each run on the identical request sequence")
 	workers := fs.Int("workers", 7, "simulated workers per fleet (with -target: the fleet size for the ideal share)")
 	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
 	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")

@@ -58,11 +58,16 @@ const (
 	DefaultRoutedHalfLife = time.Minute
 )
 
-// correctionAlpha is the weight of each new observation in the EWMA of
-// achieved/predicted TTFT; ratios are clamped to [1/4, 4] so one outlier
-// (a GC pause, a cold start) cannot swing routing.
+// The correction factor is the ratio of two EWMAs, of achieved and of
+// predicted TTFT, each observation weighing correctionAlpha: long prompts,
+// whose estimates decide where uncached prefixes go, weigh more than the
+// short prefills of cache hits, and twenty-odd requests make the factor
+// rather than the last few. Until then it is drawn toward 1 by the
+// evidence missing; an achieved TTFT counts at most 4 times the predicted
+// one and at least a quarter of it, so one outlier (a GC pause, a cold
+// start) cannot swing routing.
 const (
-	correctionAlpha = 0.2
+	correctionAlpha = 0.05
 	minCorrection   = 0.25
 	maxCorrection   = 4
 )
@@ -156,7 +161,7 @@ type Match struct {
 // defaultBlockTokens is 64 characters at 4 characters a token.
 const defaultBlockTokens = 16
 
-// worker is the per-worker state. Fields other than correction are
+// worker is the per-worker state. Fields other than the correction's are
 // guarded by Index.mu.
 type worker struct {
 	name        string
@@ -170,7 +175,11 @@ type worker struct {
 	hasCost     bool
 	blockTokens int
 	redisTier   bool
-	correction  atomic.Uint64 // float64 bits
+	correction  atomic.Uint64 // float64 bits, read by Lookup
+	corrMu      sync.Mutex    // guards the EWMAs below
+	achieved    float64       // EWMA of achieved TTFT, seconds
+	predicted   float64       // EWMA of predicted TTFT, seconds
+	evidence    float64       // 1 − (1−correctionAlpha)^observations
 	routed      float64       // Match.Routed as of routedAt
 	routedAt    int64         // Unix nanoseconds
 }
@@ -501,20 +510,21 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 	if predicted <= 0 || achieved <= 0 {
 		return
 	}
-	r := min(max(float64(achieved)/float64(predicted), minCorrection), maxCorrection)
+	p := predicted.Seconds()
+	a := min(max(achieved.Seconds(), p*minCorrection), p*maxCorrection)
 	x.mu.RLock()
 	w := x.byName[name]
 	x.mu.RUnlock()
 	if w == nil {
 		return
 	}
-	for {
-		old := w.correction.Load()
-		c := (1-correctionAlpha)*math.Float64frombits(old) + correctionAlpha*r
-		if w.correction.CompareAndSwap(old, math.Float64bits(c)) {
-			return
-		}
-	}
+	w.corrMu.Lock()
+	defer w.corrMu.Unlock()
+	w.achieved = (1-correctionAlpha)*w.achieved + correctionAlpha*a
+	w.predicted = (1-correctionAlpha)*w.predicted + correctionAlpha*p
+	w.evidence = (1-correctionAlpha)*w.evidence + correctionAlpha
+	c := 1 + w.evidence*(w.achieved/w.predicted-1)
+	w.correction.Store(math.Float64bits(c))
 }
 
 // Lookup fills out[i] with what workers[i] would find of the request whose

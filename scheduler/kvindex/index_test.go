@@ -349,19 +349,32 @@ func TestRoutedDecays(t *testing.T) {
 func TestObserveTTFT(t *testing.T) {
 	x := New(Config{})
 	mustApply(t, x, "a", snapshot(nil))
+	correction := func() float64 {
+		out := make([]Match, 1)
+		x.Lookup(nil, []string{"a"}, out)
+		return out[0].Correction
+	}
 	x.ObserveTTFT("a", 100*time.Millisecond, 200*time.Millisecond)
 	x.ObserveTTFT("a", 0, time.Second)                // ignored
 	x.ObserveTTFT("nobody", time.Second, time.Second) // ignored
-	out := make([]Match, 1)
-	x.Lookup(nil, []string{"a"}, out)
-	if got, want := out[0].Correction, 1.2; math.Abs(got-want) > 1e-9 {
+	// One observation of ratio 2 is 5% of the evidence: 1 + 0.05·(2−1).
+	if got, want := correction(), 1.05; math.Abs(got-want) > 1e-9 {
 		t.Errorf("Correction = %v, want %v", got, want)
 	}
-	for range 100 {
-		x.ObserveTTFT("a", time.Millisecond, time.Hour) // clamped to 4
+	// Long prompts weigh more than short ones: after many pairs of a 20 ms
+	// hit taking 40 ms and a 300 ms prefill taking 300 ms, the factor is
+	// (40+300)/(20+300), not the mean ratio 1.5.
+	for range 200 {
+		x.ObserveTTFT("a", 20*time.Millisecond, 40*time.Millisecond)
+		x.ObserveTTFT("a", 300*time.Millisecond, 300*time.Millisecond)
 	}
-	x.Lookup(nil, []string{"a"}, out)
-	if c := out[0].Correction; c > maxCorrection || c < 3.9 {
+	if got, want := correction(), 340.0/320; math.Abs(got-want) > 0.01 {
+		t.Errorf("Correction = %v, want about %v", got, want)
+	}
+	for range 400 {
+		x.ObserveTTFT("a", time.Millisecond, time.Hour) // counted as 4 ms
+	}
+	if c := correction(); c > maxCorrection || c < 3.9 {
 		t.Errorf("Correction = %v, want just under %v", c, maxCorrection)
 	}
 }

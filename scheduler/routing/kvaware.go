@@ -68,7 +68,7 @@ type TTFTEstimator interface {
 //	          only Redis holds, or recomputing them if that is faster
 //
 // times the worker's correction factor (achieved over predicted TTFT,
-// observed). The lowest estimate wins; estimates within 3% tie and the
+// observed; beyond a dead band, see deadBand). The lowest estimate wins; estimates within 3% tie and the
 // worker routed fewer requests lately wins (kvindex.Match.Routed, a
 // minute's half-life), then the one with fewer requests in flight, then
 // the first met from a random start. When the best worker is at the threshold (a hot prefix),
@@ -220,11 +220,29 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 			cost, cached = fetch, withRedis
 		}
 	}
-	corr := m.Correction
-	if corr <= 0 {
-		corr = 1
+	return candidate{seconds: (queue + copyCPU + cost) * deadBand(m.Correction), load: load, routed: m.Routed, cached: cached}
+}
+
+// correctionDeadBand is how far a worker's correction factor may stray
+// from 1 before kv_aware applies it: identical workers' factors wander by
+// a few percent with the mix of requests they happened to serve, which is
+// noise; a worker whose cost figures are wrong by more (a slower GPU, an
+// HTTP engine estimated with DefaultCost) is corrected by the excess.
+const correctionDeadBand = 0.1
+
+// deadBand returns the factor kv_aware applies for correction c: 1 within
+// correctionDeadBand of 1, else c moved toward 1 by the band, so that the
+// factor applied grows continuously.
+func deadBand(c float64) float64 {
+	switch {
+	case c <= 0:
+		return 1
+	case c > 1+correctionDeadBand:
+		return c - correctionDeadBand
+	case c < 1-correctionDeadBand:
+		return c + correctionDeadBand
 	}
-	return candidate{seconds: (queue + copyCPU + cost) * corr, load: load, routed: m.Routed, cached: cached}
+	return 1
 }
 
 // RouteHit renders the X-Baton-Route header value of a decision of the

@@ -3,6 +3,7 @@ package routing
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"testing"
@@ -281,15 +282,20 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	if want := time.Duration((c.PrefillSeconds(8000, 0) + c.DecodeStepSeconds) * float64(time.Second)); est != want {
 		t.Errorf("cold estimate %v, want %v (prefill of 8,000 tokens in one step)", est, want)
 	}
-	// The first request's 8,000 tokens are pending on w00 now; the
-	// correction factor becomes 0.8 + 0.2·3 = 1.4.
-	f.idx.ObserveTTFT("w00", time.Second, 3*time.Second)
+	// The first request's 8,000 tokens are pending on w00 now. Twenty
+	// requests that took three times their estimate make the correction
+	// factor 1 + (1 − 0.95²⁰)·(3 − 1), of which kv_aware applies the excess
+	// over the 10% dead band.
+	for range 20 {
+		f.idx.ObserveTTFT("w00", time.Second, 3*time.Second)
+	}
+	corr := 1 + (1-math.Pow(0.95, 20))*2 - 0.1 // less the dead band
 	_, est2, err := s.PickEstimate(kvRequest(prompt(7)), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
 	// 16,000 tokens to prefill (8,000 ahead) take two steps.
-	want := time.Duration((c.QueueSeconds(8000) + c.PrefillSeconds(8000, 0) + 2*c.DecodeStepSeconds) * 1.4 * float64(time.Second))
+	want := time.Duration((c.QueueSeconds(8000) + c.PrefillSeconds(8000, 0) + 2*c.DecodeStepSeconds) * corr * float64(time.Second))
 	if d := est2 - want; d < -time.Microsecond || d > time.Microsecond {
 		t.Errorf("corrected estimate %v, want %v", est2, want)
 	}
@@ -441,5 +447,16 @@ func BenchmarkKVAware(b *testing.B) {
 			}
 			b.ReportMetric(bytesPerBlock, "B/block")
 		})
+	}
+}
+
+func TestDeadBand(t *testing.T) {
+	for _, tt := range []struct{ c, want float64 }{
+		{0, 1}, {-1, 1}, {1, 1}, {0.95, 1}, {1.1, 1}, {0.9, 1},
+		{1.5, 1.4}, {0.5, 0.6}, {4, 3.9},
+	} {
+		if got := deadBand(tt.c); math.Abs(got-tt.want) > 1e-12 {
+			t.Errorf("deadBand(%v) = %v, want %v", tt.c, got, tt.want)
+		}
 	}
 }
