@@ -45,3 +45,22 @@ func TestStepSeconds(t *testing.T) {
 		t.Errorf("StepSeconds without a bandwidth = %g, want %g", got, c.DecodeStepSeconds)
 	}
 }
+
+func TestQueueSeconds(t *testing.T) {
+	c := DefaultCost
+	// A queue of one 8,000-token prompt costs what prefilling it does.
+	if got, want := c.QueueSeconds(8000, 8000), c.PrefillSeconds(8000, 0); math.Abs(got-want) > 1e-12 {
+		t.Errorf("QueueSeconds(8000, 8000) = %g, want PrefillSeconds(8000, 0) = %g", got, want)
+	}
+	// Three of them: three times that.
+	if got, want := c.QueueSeconds(24000, 8000), 3*c.PrefillSeconds(8000, 0); math.Abs(got-want) > 1e-12 {
+		t.Errorf("QueueSeconds(24000, 8000) = %g, want %g", got, want)
+	}
+	// A short queue ahead of a long prompt is one short prompt.
+	if got, want := c.QueueSeconds(100, 8000), c.PrefillSeconds(100, 0); math.Abs(got-want) > 1e-12 {
+		t.Errorf("QueueSeconds(100, 8000) = %g, want %g", got, want)
+	}
+	if got := c.QueueSeconds(0, 8000); got != 0 {
+		t.Errorf("QueueSeconds(0, …) = %g, want 0", got)
+	}
+}

@@ -58,19 +58,44 @@ const (
 	DefaultRoutedHalfLife = time.Minute
 )
 
-// The correction factor is the ratio of two EWMAs, of achieved and of
-// predicted TTFT, each observation weighing correctionAlpha: long prompts,
-// whose estimates decide where uncached prefixes go, weigh more than the
-// short prefills of cache hits, and twenty-odd requests make the factor
-// rather than the last few. Until then it is drawn toward 1 by the
-// evidence missing; an achieved TTFT counts at most 4 times the predicted
-// one and at least a quarter of it, so one outlier (a GC pause, a cold
-// start) cannot swing routing.
+// The correction factor is (A + k)/(P + k), where A and P sum the achieved
+// and the predicted TTFT (seconds) of the worker's observed requests, each
+// weighing half as much every correctionHalfLife, and k is correctionPrior:
+// long prefills, whose estimates decide where uncached prefixes go, weigh
+// more than short ones; a handful of requests cannot swing it far from 1;
+// and a worker that stops being observed drifts back to 1 rather than
+// keeping a factor that keeps traffic away from it. Requests predicted to
+// take less than minObservedSteps decode steps are not observed: their
+// TTFT is mostly the rest of the step they arrived in, which no estimate
+// sees, and says nothing of the worker's cost figures. An achieved TTFT
+// counts at most maxCorrection times the predicted one and at least
+// minCorrection of it, so one outlier (a GC pause, a cold start) cannot
+// swing routing.
 const (
-	correctionAlpha = 0.05
-	minCorrection   = 0.25
-	maxCorrection   = 4
+	correctionHalfLife = 30 * time.Second
+	correctionPrior    = 1.0 // seconds of predicted TTFT
+	minObservedSteps   = 10
+	minCorrection      = 0.25
+	maxCorrection      = 4
 )
+
+// correctionSums are a worker's decayed sums, as of at.
+type correctionSums struct {
+	achieved, predicted float64
+	at                  int64 // Unix nanoseconds
+}
+
+// factor returns the correction factor at now.
+func (c *correctionSums) factor(now int64) float64 {
+	if c == nil {
+		return 1
+	}
+	f := 1.0
+	if now > c.at {
+		f = math.Exp2(-float64(now-c.at) / float64(correctionHalfLife))
+	}
+	return (c.achieved*f + correctionPrior) / (c.predicted*f + correctionPrior)
+}
 
 // Errors of Apply. The watcher resubscribes (for a fresh snapshot) on
 // ErrGap and ErrNoSnapshot.
@@ -150,7 +175,8 @@ type Match struct {
 	// BlockTokens is the tokens of one block (Info's block_chars ÷ 4;
 	// 16 by default).
 	BlockTokens int
-	// Correction is the EWMA of achieved/predicted TTFT (1 until observed).
+	// Correction is achieved over predicted TTFT as observed (see
+	// ObserveTTFT): 1 until observed, and drifting back to 1 unobserved.
 	Correction float64
 	// Routed is the requests Predict routed to the worker, each weighing
 	// half as much every RoutedHalfLife: its share of recent traffic,
@@ -161,8 +187,8 @@ type Match struct {
 // defaultBlockTokens is 64 characters at 4 characters a token.
 const defaultBlockTokens = 16
 
-// worker is the per-worker state. Fields other than the correction's are
-// guarded by Index.mu.
+// worker is the per-worker state. Fields other than corrMu and correction
+// are guarded by Index.mu.
 type worker struct {
 	name        string
 	slot        int
@@ -175,13 +201,10 @@ type worker struct {
 	hasCost     bool
 	blockTokens int
 	redisTier   bool
-	correction  atomic.Uint64 // float64 bits, read by Lookup
-	corrMu      sync.Mutex    // guards the EWMAs below
-	achieved    float64       // EWMA of achieved TTFT, seconds
-	predicted   float64       // EWMA of predicted TTFT, seconds
-	evidence    float64       // 1 − (1−correctionAlpha)^observations
-	routed      float64       // Match.Routed as of routedAt
-	routedAt    int64         // Unix nanoseconds
+	corrMu      sync.Mutex                     // serializes ObserveTTFT's updates
+	correction  atomic.Pointer[correctionSums] // read by Lookup
+	routed      float64                        // Match.Routed as of routedAt
+	routedAt    int64                          // Unix nanoseconds
 }
 
 // routedNow returns w.routed decayed to now, with halfLife in nanoseconds.
@@ -235,7 +258,6 @@ func (x *Index) slotFor(name string) (*worker, error) {
 	for i, w := range x.slots {
 		if w == nil {
 			w = &worker{name: name, slot: i, cost: DefaultCost, blockTokens: defaultBlockTokens}
-			w.correction.Store(math.Float64bits(1))
 			x.slots[i] = w
 			x.byName[name] = w
 			return w, nil
@@ -504,27 +526,38 @@ func (x *Index) Prefilled(name string, tokens int) {
 
 // ObserveTTFT feeds the worker's correction factor with one request's
 // achieved time to first token and the time kv_aware predicted. The front
-// end calls it when the first token arrives. Non-positive durations are
-// ignored.
+// end calls it when the first token arrives. Non-positive durations, and
+// predictions shorter than ten of the worker's decode steps, are ignored
+// (see the comment on correctionHalfLife).
 func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 	if predicted <= 0 || achieved <= 0 {
 		return
 	}
 	p := predicted.Seconds()
 	a := min(max(achieved.Seconds(), p*minCorrection), p*maxCorrection)
+	now := x.cfg.Now().UnixNano()
 	x.mu.RLock()
 	w := x.byName[name]
+	var step float64
+	if w != nil {
+		step = w.cost.DecodeStepSeconds
+	}
 	x.mu.RUnlock()
-	if w == nil {
+	if w == nil || p < minObservedSteps*step {
 		return
 	}
 	w.corrMu.Lock()
 	defer w.corrMu.Unlock()
-	w.achieved = (1-correctionAlpha)*w.achieved + correctionAlpha*a
-	w.predicted = (1-correctionAlpha)*w.predicted + correctionAlpha*p
-	w.evidence = (1-correctionAlpha)*w.evidence + correctionAlpha
-	c := 1 + w.evidence*(w.achieved/w.predicted-1)
-	w.correction.Store(math.Float64bits(c))
+	next := &correctionSums{achieved: a, predicted: p, at: now}
+	if old := w.correction.Load(); old != nil {
+		f := 1.0
+		if now > old.at {
+			f = math.Exp2(-float64(now-old.at) / float64(correctionHalfLife))
+		}
+		next.achieved += old.achieved * f
+		next.predicted += old.predicted * f
+	}
+	w.correction.Store(next)
 }
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
@@ -556,7 +589,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 			Cost:          w.cost,
 			HasCost:       w.hasCost,
 			BlockTokens:   w.blockTokens,
-			Correction:    math.Float64frombits(w.correction.Load()),
+			Correction:    w.correction.Load().factor(now),
 			Routed:        w.routedNow(now, int64(x.cfg.RoutedHalfLife)),
 		}
 		bit := uint64(1) << w.slot

@@ -347,32 +347,51 @@ func TestRoutedDecays(t *testing.T) {
 }
 
 func TestObserveTTFT(t *testing.T) {
-	x := New(Config{})
-	mustApply(t, x, "a", snapshot(nil))
+	clk := &clock{now: time.Unix(1000, 0)}
+	x := New(Config{Now: clk.Now})
+	mustApply(t, x, "a", snapshot(nil)) // DefaultCost: 5.6 ms decode steps
 	correction := func() float64 {
 		out := make([]Match, 1)
 		x.Lookup(nil, []string{"a"}, out)
 		return out[0].Correction
 	}
-	x.ObserveTTFT("a", 100*time.Millisecond, 200*time.Millisecond)
+	if got := correction(); got != 1 {
+		t.Fatalf("Correction before any observation = %v, want 1", got)
+	}
 	x.ObserveTTFT("a", 0, time.Second)                // ignored
 	x.ObserveTTFT("nobody", time.Second, time.Second) // ignored
-	// One observation of ratio 2 is 5% of the evidence: 1 + 0.05·(2−1).
-	if got, want := correction(), 1.05; math.Abs(got-want) > 1e-9 {
-		t.Errorf("Correction = %v, want %v", got, want)
+	// Shorter than ten decode steps: ignored.
+	x.ObserveTTFT("a", 20*time.Millisecond, 200*time.Millisecond)
+	if got := correction(); got != 1 {
+		t.Errorf("Correction after ignored observations = %v, want 1", got)
 	}
-	// Long prompts weigh more than short ones: after many pairs of a 20 ms
-	// hit taking 40 ms and a 300 ms prefill taking 300 ms, the factor is
-	// (40+300)/(20+300), not the mean ratio 1.5.
+	// One second predicted, two achieved, against the 1 s prior.
+	x.ObserveTTFT("a", time.Second, 2*time.Second)
+	if got, want := correction(), 1.5; math.Abs(got-want) > 1e-9 {
+		t.Errorf("Correction = %v, want (2+1)/(1+1) = %v", got, want)
+	}
+	// Long prompts weigh more than short ones: 100 ms predictions taking
+	// 200 ms and 900 ms ones taking 900 ms make (200+900)/(100+900).
+	clk.Add(time.Hour) // forget the first
 	for range 200 {
-		x.ObserveTTFT("a", 20*time.Millisecond, 40*time.Millisecond)
-		x.ObserveTTFT("a", 300*time.Millisecond, 300*time.Millisecond)
+		x.ObserveTTFT("a", 100*time.Millisecond, 200*time.Millisecond)
+		x.ObserveTTFT("a", 900*time.Millisecond, 900*time.Millisecond)
 	}
-	if got, want := correction(), 340.0/320; math.Abs(got-want) > 0.01 {
+	if got, want := correction(), 1.1; math.Abs(got-want) > 0.01 {
 		t.Errorf("Correction = %v, want about %v", got, want)
 	}
+	// Unobserved, it drifts back to 1: after one half-life the sums
+	// weigh half, after twenty next to nothing.
+	clk.Add(correctionHalfLife)
+	if got, want := correction(), (110+1)/(100+1.0); math.Abs(got-want) > 1e-9 {
+		t.Errorf("Correction a half-life later = %v, want %v", got, want)
+	}
+	clk.Add(19 * correctionHalfLife)
+	if got := correction(); math.Abs(got-1) > 0.001 {
+		t.Errorf("Correction twenty half-lives later = %v, want about 1", got)
+	}
 	for range 400 {
-		x.ObserveTTFT("a", time.Millisecond, time.Hour) // counted as 4 ms
+		x.ObserveTTFT("a", time.Second, time.Hour) // counted as 4 s
 	}
 	if c := correction(); c > maxCorrection || c < 3.9 {
 		t.Errorf("Correction = %v, want just under %v", c, maxCorrection)

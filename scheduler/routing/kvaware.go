@@ -20,9 +20,13 @@ const ReasonKVAware = "kv_aware"
 // tieTolerance is the relative difference under which two estimates tie:
 // estimates built from load reports up to a report interval old, and
 // corrected by a noisy factor, are not finer than that. Of tied workers
-// the one routed the fewest requests lately (kvindex.Match.Routed) wins:
-// placing prompts no worker holds by recent traffic rather than by the
-// instantaneous load balances the traffic their prefixes attract later.
+// the one expected to find more of the prompt cached wins, since it
+// computes less (a sibling queued behind its prefix's first request waits
+// about as long as recomputing it elsewhere, and costs the fleet
+// nothing); then the one routed the fewest requests lately
+// (kvindex.Match.Routed): placing prompts no worker holds by recent
+// traffic rather than by the instantaneous load balances the traffic
+// their prefixes attract later.
 const tieTolerance = 0.03
 
 // routedTie is the difference in recently routed requests under which two
@@ -53,7 +57,8 @@ type TTFTEstimator interface {
 // that report none, such as HTTP engines):
 //
 //	queue   = prefill of the tokens waiting on the worker (its last load
-//	          report's waiting_prefill_tokens plus those routed since)
+//	          report's waiting_prefill_tokens plus those routed since), as
+//	          prompts as long as this one
 //	prefill = layers·(4·n·(n+c)·hidden + 22·n·hidden²)/flops for the n
 //	          tokens found in no tier over the c found in one
 //	steps   = the steps the queued and the n tokens take in the worker's
@@ -68,10 +73,16 @@ type TTFTEstimator interface {
 //	          only Redis holds, or recomputing them if that is faster
 //
 // times the worker's correction factor (achieved over predicted TTFT,
-// observed; beyond a dead band, see deadBand). The lowest estimate wins; estimates within 3% tie and the
-// worker routed fewer requests lately wins (kvindex.Match.Routed, a
-// minute's half-life), then the one with fewer requests in flight, then
-// the first met from a random start. When the best worker is at the threshold (a hot prefix),
+// observed; beyond a dead band, see deadBand). It ranks workers by that
+// estimate plus the prefill compute the request would cost there, so that
+// a prefix is recomputed next to a worker holding it only when that saves
+// more time to first token than the recomputation burns (for a prompt no
+// worker holds, the same compute everywhere). The lowest wins; scores
+// within 3% tie, and the worker expected to find more of the
+// prompt cached wins, then the one routed fewer requests lately
+// (kvindex.Match.Routed, a minute's half-life), then the one with fewer
+// requests in flight, then the first met from a random start. When the
+// best worker is at the threshold (a hot prefix),
 // the next best under it is chosen (Spill, Home the best): it fetches the
 // prefix from Redis when Redis holds it and that is cheaper. When every
 // worker is at the threshold, the best is chosen anyway (ReasonAllFull).
@@ -107,6 +118,7 @@ func (s *kvAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 type candidate struct {
 	i       int     // the worker's position in its batch; -1: none
 	seconds float64 // estimated TTFT
+	score   float64 // seconds plus the compute the request costs the fleet
 	load    int     // in flight
 	routed  float64 // recently routed requests
 	cached  int     // tokens expected cached
@@ -117,8 +129,11 @@ func (a candidate) better(b candidate) bool {
 	if b.i < 0 {
 		return true
 	}
-	if d := a.seconds - b.seconds; d < -tieTolerance*b.seconds || d > tieTolerance*a.seconds {
+	if d := a.score - b.score; d < -tieTolerance*b.score || d > tieTolerance*a.score {
 		return d < 0
+	}
+	if a.cached != b.cached {
+		return a.cached > b.cached
 	}
 	if d := a.routed - b.routed; d < -routedTie || d > routedTie {
 		return d < 0
@@ -201,7 +216,7 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 	withRedis := min(tokens, (m.GPU+m.CPU+m.Redis)*bt)
 
 	ahead := m.Load.WaitingPrefillTokens + m.PendingTokens
-	queue := c.QueueSeconds(ahead)
+	queue := c.QueueSeconds(ahead, tokens)
 	step := c.StepSeconds(m.Load.GPUBlocksUsed)
 	// work is the time to prefill what is not cached once cached tokens
 	// are: the compute, plus every step it takes (with those of the
@@ -220,15 +235,25 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 			cost, cached = fetch, withRedis
 		}
 	}
-	return candidate{seconds: (queue + copyCPU + cost) * deadBand(m.Correction), load: load, routed: m.Routed, cached: cached}
+	corr := deadBand(m.Correction)
+	ttft := (queue + copyCPU + cost) * corr
+	// The score adds the compute the request costs the fleet, so that a
+	// worker recomputes a prefix another holds only when that saves more
+	// time to first token than the recomputation burns; for prompts no
+	// worker holds it adds the same everywhere.
+	compute := c.PrefillSeconds(tokens-cached, cached) * corr
+	return candidate{seconds: ttft, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
 }
 
 // correctionDeadBand is how far a worker's correction factor may stray
-// from 1 before kv_aware applies it: identical workers' factors wander by
-// a few percent with the mix of requests they happened to serve, which is
-// noise; a worker whose cost figures are wrong by more (a slower GPU, an
-// HTTP engine estimated with DefaultCost) is corrected by the excess.
-const correctionDeadBand = 0.1
+// from 1 before kv_aware applies it. Identical workers' factors wander by
+// up to a fifth with the mix and timing of the requests they happened to
+// serve, and a factor below its peers' draws uncached prompts, which load
+// the worker and move its factor further: within the band that is noise
+// the router must not amplify. A worker whose cost figures are wrong by
+// more (a slower GPU, an HTTP engine estimated with DefaultCost) is
+// corrected by the excess.
+const correctionDeadBand = 0.25
 
 // deadBand returns the factor kv_aware applies for correction c: 1 within
 // correctionDeadBand of 1, else c moved toward 1 by the band, so that the
