@@ -90,11 +90,17 @@ func (c *correctionSums) factor(now int64) float64 {
 	if c == nil {
 		return 1
 	}
-	f := 1.0
-	if now > c.at {
-		f = math.Exp2(-float64(now-c.at) / float64(correctionHalfLife))
-	}
+	f := decay(c.at, now, correctionHalfLife)
 	return (c.achieved*f + correctionPrior) / (c.predicted*f + correctionPrior)
+}
+
+// decay returns the weight at now of a value recorded at, halving every
+// halfLife: 1 if now is not after at. Times are Unix nanoseconds.
+func decay(at, now int64, halfLife time.Duration) float64 {
+	if now <= at {
+		return 1
+	}
+	return math.Exp2(-float64(now-at) / float64(halfLife))
 }
 
 // Errors of Apply. The watcher resubscribes (for a fresh snapshot) on
@@ -208,11 +214,11 @@ type worker struct {
 }
 
 // routedNow returns w.routed decayed to now, with halfLife in nanoseconds.
-func (w *worker) routedNow(now, halfLife int64) float64 {
-	if w.routed == 0 || now <= w.routedAt {
-		return w.routed
+func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
+	if w.routed == 0 {
+		return 0
 	}
-	return w.routed * math.Exp2(-float64(now-w.routedAt)/float64(halfLife))
+	return w.routed * decay(w.routedAt, now, halfLife)
 }
 
 // Index is the KV index. Its methods are safe for concurrent use.
@@ -506,7 +512,7 @@ func (x *Index) Predict(name string, keys []uint64) {
 		w.pending, w.pendingAt = 0, now
 	}
 	w.pending += added * int64(w.blockTokens)
-	w.routed, w.routedAt = w.routedNow(now, int64(x.cfg.RoutedHalfLife))+1, now
+	w.routed, w.routedAt = w.routedNow(now, x.cfg.RoutedHalfLife)+1, now
 }
 
 // Prefilled records that a request routed to the worker has been prefilled
@@ -550,10 +556,7 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 	defer w.corrMu.Unlock()
 	next := &correctionSums{achieved: a, predicted: p, at: now}
 	if old := w.correction.Load(); old != nil {
-		f := 1.0
-		if now > old.at {
-			f = math.Exp2(-float64(now-old.at) / float64(correctionHalfLife))
-		}
+		f := decay(old.at, now, correctionHalfLife)
 		next.achieved += old.achieved * f
 		next.predicted += old.predicted * f
 	}
@@ -590,7 +593,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 			HasCost:       w.hasCost,
 			BlockTokens:   w.blockTokens,
 			Correction:    w.correction.Load().factor(now),
-			Routed:        w.routedNow(now, int64(x.cfg.RoutedHalfLife)),
+			Routed:        w.routedNow(now, x.cfg.RoutedHalfLife),
 		}
 		bit := uint64(1) << w.slot
 		alive |= bit

@@ -244,6 +244,19 @@ func (m *Memory) Touch(ctx context.Context, ns transfer.Namespace, keys []uint64
 // trimHot drops expired entries, then the lowest ranked beyond
 // MaxHotPrefixes. m.mu is held.
 func (m *Memory) trimHot(h *memHot, now time.Time) {
+	ids := h.live(now)
+	if len(ids) <= MaxHotPrefixes {
+		return
+	}
+	sortHot(ids, h.entries)
+	for _, id := range ids[MaxHotPrefixes:] {
+		delete(h.entries, id)
+	}
+}
+
+// live drops h's entries expired at now and returns the ids of the rest,
+// in no order. m.mu is held.
+func (h *memHot) live(now time.Time) []string {
 	ids := make([]string, 0, len(h.entries))
 	for id, e := range h.entries {
 		if !e.expires.IsZero() && !now.Before(e.expires) {
@@ -252,13 +265,7 @@ func (m *Memory) trimHot(h *memHot, now time.Time) {
 		}
 		ids = append(ids, id)
 	}
-	if len(ids) <= MaxHotPrefixes {
-		return
-	}
-	sortHot(ids, h.entries)
-	for _, id := range ids[MaxHotPrefixes:] {
-		delete(h.entries, id)
-	}
+	return ids
 }
 
 // sortHot sorts ids most used first, ties by id descending (Redis's
@@ -287,15 +294,7 @@ func (m *Memory) Hottest(ctx context.Context, model string, k int) ([]transfer.H
 	if k <= 0 || h == nil {
 		return nil, nil
 	}
-	now := m.now()
-	ids := make([]string, 0, len(h.entries))
-	for id, e := range h.entries {
-		if !e.expires.IsZero() && !now.Before(e.expires) {
-			delete(h.entries, id)
-			continue
-		}
-		ids = append(ids, id)
-	}
+	ids := h.live(m.now())
 	sortHot(ids, h.entries)
 	out := make([]transfer.HotPrefix, 0, min(k, len(ids)))
 	for _, id := range ids[:min(k, len(ids))] {
