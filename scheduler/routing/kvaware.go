@@ -17,16 +17,10 @@ const KVAware = "kv_aware"
 // to first token among those under the threshold.
 const ReasonKVAware = "kv_aware"
 
-// tieTolerance is the relative difference under which two estimates tie:
-// estimates built from load reports up to a report interval old, and
-// corrected by a noisy factor, are not finer than that. Of tied workers
-// the one expected to find more of the prompt cached wins, since it
-// computes less (a sibling queued behind its prefix's first request waits
-// about as long as recomputing it elsewhere, and costs the fleet
-// nothing); then the one routed the fewest requests lately
-// (kvindex.Match.Routed): placing prompts no worker holds by recent
-// traffic rather than by the instantaneous load balances the traffic
-// their prefixes attract later.
+// tieTolerance is the relative difference under which two workers' scores
+// tie (see NewKVAware for what breaks the tie): estimates built from load
+// reports up to a report interval old, and corrected by a noisy factor,
+// are not finer than that.
 const tieTolerance = 0.03
 
 // routedTie is the difference in recently routed requests under which two
@@ -77,13 +71,17 @@ type TTFTEstimator interface {
 // estimate plus the prefill compute the request would cost there, so that
 // a prefix is recomputed next to a worker holding it only when that saves
 // more time to first token than the recomputation burns (for a prompt no
-// worker holds, the same compute everywhere). The lowest wins; scores
-// within 3% tie, and the worker expected to find more of the
-// prompt cached wins, then the one routed fewer requests lately
-// (kvindex.Match.Routed, a minute's half-life), then the one with fewer
-// requests in flight, then the first met from a random start. When the
-// best worker is at the threshold (a hot prefix),
-// the next best under it is chosen (Spill, Home the best): it fetches the
+// worker holds, the same compute everywhere). The lowest wins. Scores
+// within 3% tie, and the worker expected to find more of the prompt cached
+// wins, since it computes less (a request queued behind its prefix's first
+// prefill waits about as long as recomputing it elsewhere, and costs the
+// fleet nothing); then the one routed fewer requests lately
+// (kvindex.Match.Routed, a minute's half-life), which places prompts no
+// worker holds where the traffic their prefixes attract later keeps the
+// fleet balanced; then the one with fewer requests in flight; then the
+// first met from a random start. When the best worker is at the threshold
+// (a hot prefix), the next best under it is chosen (Spill, Home the
+// best): it fetches the
 // prefix from Redis when Redis holds it and that is cheaper. When every
 // worker is at the threshold, the best is chosen anyway (ReasonAllFull).
 //
