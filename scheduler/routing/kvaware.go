@@ -81,9 +81,9 @@ type TTFTEstimator interface {
 // fleet balanced; then the one with fewer requests in flight; then the
 // first met from a random start. When the best worker is at the threshold
 // (a hot prefix), the next best under it is chosen (Spill, Home the
-// best): it fetches the
-// prefix from Redis when Redis holds it and that is cheaper. When every
-// worker is at the threshold, the best is chosen anyway (ReasonAllFull).
+// best): it fetches the prefix from Redis when Redis holds it and that is
+// cheaper. When every worker is at the threshold, the best is chosen
+// anyway (ReasonAllFull).
 //
 // After choosing, it records the request's blocks on the chosen worker as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
