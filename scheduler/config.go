@@ -232,4 +232,3 @@ func LoadConfig(path string) (Config, error) {
 	}
 	return c, nil
 }
-
