@@ -32,8 +32,9 @@ test:
 test-short:
 	$(GO) test -count=1 ./...
 
+# ARGS are passed to baton demo: make demo ARGS="--listen 127.0.0.1:9090".
 demo: build
-	./$(BIN)/baton demo
+	./$(BIN)/baton demo $(ARGS)
 
 # The routing benchmark: every strategy replays the same long-context
 # workload on a fresh simulated fleet (see bench/RESULTS.md). Time runs
