@@ -106,6 +106,32 @@ func TestParseErrors(t *testing.T) {
 	}
 }
 
+// Type errors say what the field must be, in OpenAI's terms.
+func TestParseTypeErrorMessages(t *testing.T) {
+	const chat = `{"model":"m","messages":[{"role":"user","content":"x"}],`
+	cases := []struct {
+		name, body, param, message string
+	}{
+		{"max_tokens a fraction", chat + `"max_tokens":3.5}`, "max_tokens", "max_tokens must be an integer, got 3.5"},
+		{"max_completion_tokens an exponent", chat + `"max_completion_tokens":1.5e1}`, "max_completion_tokens", "max_completion_tokens must be an integer, got 1.5e1"},
+		{"max_tokens too large", chat + `"max_tokens":1e40}`, "max_tokens", "max_tokens is out of range, got 1e40"},
+		{"max_tokens a string", chat + `"max_tokens":"5"}`, "max_tokens", "max_tokens must be of type integer, got string"},
+		{"model a number", `{"model":7,"messages":[]}`, "model", "model must be of type string, got number"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Parse(Chat, []byte(c.body))
+			var e *Error
+			if !errors.As(err, &e) {
+				t.Fatalf("got %v, want an *Error", err)
+			}
+			if e.Param != c.param || e.Message != c.message || e.Status != http.StatusBadRequest {
+				t.Errorf("got %d param %q message %q; want 400 param %q message %q", e.Status, e.Param, e.Message, c.param, c.message)
+			}
+		})
+	}
+}
+
 func TestWriteErrorShape(t *testing.T) {
 	rec := httptest.NewRecorder()
 	WriteError(rec, NoWorker("none"))

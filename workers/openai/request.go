@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
 	"strings"
 
 	"github.com/batonllm/baton/workers/engine"
@@ -170,14 +172,23 @@ func decodeError(err error) *Error {
 		if te.Field == "" {
 			return Invalid("", "invalid_json", "the request body must be a JSON object, got "+te.Value)
 		}
-		return Invalid(te.Field, "invalid_type", fmt.Sprintf("%s must be of type %s, got %s", te.Field, jsonType(te.Type.Kind().String()), te.Value))
+		want := jsonType(te.Type.Kind().String())
+		if num, ok := strings.CutPrefix(te.Value, "number "); ok && want == "integer" {
+			if f, err := strconv.ParseFloat(num, 64); err == nil && math.Abs(f) >= math.MaxInt64 {
+				return Invalid(te.Field, "invalid_value", fmt.Sprintf("%s is out of range, got %s", te.Field, num))
+			}
+			return Invalid(te.Field, "invalid_type", fmt.Sprintf("%s must be an integer, got %s", te.Field, num))
+		}
+		return Invalid(te.Field, "invalid_type", fmt.Sprintf("%s must be of type %s, got %s", te.Field, want, te.Value))
 	}
 	return Invalid("", "invalid_json", "we could not parse the JSON body of your request: "+err.Error())
 }
 
 func jsonType(goKind string) string {
 	switch goKind {
-	case "int", "int64", "float64":
+	case "int", "int8", "int16", "int32", "int64", "uint", "uint8", "uint16", "uint32", "uint64":
+		return "integer"
+	case "float32", "float64":
 		return "number"
 	case "bool":
 		return "boolean"
