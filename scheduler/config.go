@@ -1,13 +1,15 @@
 package scheduler
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
+	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -174,7 +176,7 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	}
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(c.LogLevel)); err != nil {
-		return fmt.Errorf("log_level: %v", err)
+		return fmt.Errorf("log_level: must be debug, info, warn or error, got %q", c.LogLevel)
 	}
 	if err := c.Params.Validate(); err != nil {
 		return err
@@ -218,17 +220,277 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	return nil
 }
 
-// LoadConfig reads a YAML configuration file. Unknown fields are errors.
+// LoadConfig reads a YAML configuration file. Its errors name the field by
+// its path (pool.breaker_failures, workers[1].address) and its line; unknown
+// fields are errors that suggest the closest known one.
 func LoadConfig(path string) (Config, error) {
 	var c Config
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return c, err
 	}
-	dec := yaml.NewDecoder(bytes.NewReader(b))
-	dec.KnownFields(true)
-	if err := dec.Decode(&c); err != nil {
+	var doc yaml.Node
+	if err := yaml.Unmarshal(b, &doc); err != nil {
 		return c, fmt.Errorf("%s: %w", path, err)
 	}
+	if len(doc.Content) == 0 {
+		return c, nil // empty, or only comments: every default
+	}
+	if err := decodeYAML(doc.Content[0], reflect.ValueOf(&c).Elem(), "", 0); err != nil {
+		return Config{}, fmt.Errorf("%s: %w", path, err)
+	}
 	return c, nil
+}
+
+var durationType = reflect.TypeFor[time.Duration]()
+
+// maxYAMLDepth bounds the nesting decodeYAML follows, with aliases and
+// merges expanded, so that a self-referencing anchor ends in an error.
+const maxYAMLDepth = 32
+
+// decodeYAML decodes n into v, which field names in errors ("" for the
+// whole document). It decodes what yaml.v3 with KnownFields would, but
+// says which field is wrong and why in the configuration's terms.
+func decodeYAML(n *yaml.Node, v reflect.Value, field string, depth int) error {
+	if n.Kind == yaml.AliasNode {
+		n = n.Alias
+	}
+	if n.Tag == "!!null" {
+		return nil // an empty value keeps the default
+	}
+	fail := func(format string, args ...any) error {
+		msg := fmt.Sprintf("line %d: ", n.Line) + fmt.Sprintf(format, args...)
+		if field == "" {
+			return errors.New(msg)
+		}
+		return fmt.Errorf("%s: %s", field, msg)
+	}
+	if depth > maxYAMLDepth {
+		return fail("nested too deeply (a recursive alias?)")
+	}
+	switch {
+	case v.Kind() == reflect.Struct:
+		if n.Kind != yaml.MappingNode {
+			return fail("%s is not a mapping of fields", yamlValue(n))
+		}
+		return decodeYAMLStruct(n, v, field, depth)
+	case v.Kind() == reflect.Slice && v.Type().Elem().Kind() != reflect.Uint8:
+		if n.Kind != yaml.SequenceNode {
+			return fail("%s is not a list", yamlValue(n))
+		}
+		s := reflect.MakeSlice(v.Type(), 0, len(n.Content))
+		for i, item := range n.Content {
+			if item.Kind == yaml.AliasNode {
+				item = item.Alias
+			}
+			if item.Tag == "!!null" {
+				continue // as yaml.v3 does
+			}
+			s = reflect.Append(s, reflect.Zero(v.Type().Elem()))
+			if err := decodeYAML(item, s.Index(s.Len()-1), fmt.Sprintf("%s[%d]", field, i), depth+1); err != nil {
+				return err
+			}
+		}
+		v.Set(s)
+		return nil
+	}
+	if want, ok := decodeYAMLScalar(n, v); !ok {
+		return fail("%s is not %s", yamlValue(n), want)
+	}
+	return nil
+}
+
+// decodeYAMLScalar decodes the scalar n into v. If it cannot, it returns
+// false and what v's value must be.
+func decodeYAMLScalar(n *yaml.Node, v reflect.Value) (want string, ok bool) {
+	scalar := n.Kind == yaml.ScalarNode
+	switch v.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		if v.Type() == durationType {
+			d, err := time.ParseDuration(n.Value)
+			if !scalar || err != nil {
+				return "a duration (e.g. 30s, 10m)", false
+			}
+			v.SetInt(int64(d))
+			return "", true
+		}
+		// yaml.v3 would truncate 2.5 to 2.
+		var f float64
+		if !scalar || n.ShortTag() == "!!float" && (n.Decode(&f) != nil || f != math.Trunc(f)) {
+			return "an integer", false
+		}
+		var i int64
+		if n.Decode(&i) != nil {
+			return "an integer", false
+		}
+		if v.OverflowInt(i) {
+			return fmt.Sprintf("a %d-bit integer", v.Type().Bits()), false
+		}
+		v.SetInt(i)
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		var i uint64
+		if !scalar || n.Decode(&i) != nil {
+			return "a non-negative integer", false
+		}
+		if v.OverflowUint(i) {
+			return fmt.Sprintf("a non-negative %d-bit integer", v.Type().Bits()), false
+		}
+		v.SetUint(i)
+	case reflect.Float32, reflect.Float64:
+		var f float64
+		if !scalar || n.Decode(&f) != nil {
+			return "a number", false
+		}
+		v.SetFloat(f)
+	case reflect.Bool:
+		var b bool
+		if !scalar || n.Decode(&b) != nil {
+			return "true or false", false
+		}
+		v.SetBool(b)
+	case reflect.String:
+		if !scalar {
+			return "a string", false
+		}
+		v.SetString(n.Value)
+	default:
+		if err := n.Decode(v.Addr().Interface()); err != nil {
+			return fmt.Sprintf("a %s (%v)", v.Type(), err), false
+		}
+	}
+	return "", true
+}
+
+// decodeYAMLStruct decodes the mapping n into the struct v.
+func decodeYAMLStruct(n *yaml.Node, v reflect.Value, field string, depth int) error {
+	fields := map[string][]int{}
+	var names []string
+	yamlFields(v.Type(), nil, fields, &names)
+	prefix := field
+	if prefix != "" {
+		prefix += "."
+	}
+	// Merged mappings (<<: *defaults) first: the mapping's own keys
+	// override them.
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		if k, val := n.Content[i], n.Content[i+1]; k.Tag == "!!merge" {
+			if val.Kind == yaml.AliasNode {
+				val = val.Alias
+			}
+			merged := []*yaml.Node{val}
+			if val.Kind == yaml.SequenceNode {
+				merged = val.Content
+			}
+			for _, m := range merged {
+				if err := decodeYAML(m, v, field, depth+1); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	seen := map[string]int{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, val := n.Content[i], n.Content[i+1]
+		if k.Tag == "!!merge" {
+			continue
+		}
+		if k.Kind == yaml.AliasNode {
+			k = k.Alias
+		}
+		key := k.Value
+		if k.Kind != yaml.ScalarNode || k.Tag == "!!null" {
+			if field == "" {
+				return fmt.Errorf("line %d: a field must be named", k.Line)
+			}
+			return fmt.Errorf("%s: line %d: a field must be named", field, k.Line)
+		}
+		if line, dup := seen[key]; dup {
+			return fmt.Errorf("%s%s: line %d: set twice (first on line %d)", prefix, key, k.Line, line)
+		}
+		seen[key] = k.Line
+		idx, ok := fields[key]
+		if !ok {
+			if near := closest(key, names); near != "" {
+				return fmt.Errorf("%s%s: line %d: unknown field; did you mean %s?", prefix, key, k.Line, near)
+			}
+			return fmt.Errorf("%s%s: line %d: unknown field (known: %s)", prefix, key, k.Line, strings.Join(names, ", "))
+		}
+		if err := decodeYAML(val, v.FieldByIndex(idx), prefix+key, depth+1); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// yamlFields adds t's fields to fields by their YAML names, with those of
+// inlined structs, and appends the names to names.
+func yamlFields(t reflect.Type, index []int, fields map[string][]int, names *[]string) {
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		name, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+		idx := append(slices.Clone(index), i)
+		switch {
+		case name == "-":
+			continue
+		case opts == "inline" || strings.HasPrefix(opts, "inline,") || strings.HasSuffix(opts, ",inline"):
+			yamlFields(f.Type, idx, fields, names)
+			continue
+		case name == "":
+			name = strings.ToLower(f.Name)
+		}
+		fields[name] = idx
+		*names = append(*names, name)
+	}
+}
+
+// yamlValue renders the value of n for an error: numbers and booleans as
+// written, other scalars quoted, collections by their kind.
+func yamlValue(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	}
+	switch n.Tag {
+	case "!!int", "!!float", "!!bool":
+		return n.Value
+	}
+	return strconv.Quote(n.Value)
+}
+
+// closest returns the name nearest to s by edit distance, if one is near
+// enough to be a likely typo, else "".
+func closest(s string, names []string) string {
+	best, bestDist := "", max(2, len(s)/4)+1
+	for _, name := range names {
+		if d := editDistance(s, name); d < bestDist {
+			best, bestDist = name, d
+		}
+	}
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b, in bytes.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
