@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -12,14 +11,14 @@ import (
 
 	"github.com/batonllm/baton/bench"
 	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/sim"
 )
 
 // benchCmd runs baton bench: one workload replayed against each strategy.
 func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("bench", "[flags]\n\nReplays one workload against each routing strategy, side by side.")
 	wl := fs.String("workload", "long-context", "workload: "+strings.Join(workload.Names, ", "))
 	n := fs.Int("requests", 0, "requests to send (default: 1200 for synthetic workloads, 1000 trace records)")
 	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies, each run on the identical request sequence")
@@ -45,17 +44,37 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	if *workers < 1 || *workers > 64 {
-		return fmt.Errorf("-workers: must be 1–64, got %d", *workers)
-	}
-	if !(*speedup > 0) {
-		return fmt.Errorf("-speedup: must be positive, got %v", *speedup)
+	set := setFlags(fs)
+	switch {
+	case *workers < 1 || *workers > 64:
+		return fmt.Errorf("--workers: must be 1–64, got %d", *workers)
+	case !(*speedup > 0):
+		return fmt.Errorf("--speedup: must be positive, got %v", *speedup)
+	case *n < 0 || set["requests"] && *n == 0:
+		return fmt.Errorf("--requests: must be at least 1, got %d", *n)
+	case *rate < 0 || set["rate"] && !(*rate > 0):
+		return fmt.Errorf("--rate: must be positive, got %v", *rate)
+	case !(*load > 0):
+		return fmt.Errorf("--load: must be positive, got %v", *load)
+	case *conc < 0:
+		return fmt.Errorf("--concurrency: must not be negative (0: open loop), got %d", *conc)
+	case *docs < 1:
+		return fmt.Errorf("--docs: must be at least 1, got %d", *docs)
+	case *convs < 1:
+		return fmt.Errorf("--conversations: must be at least 1, got %d", *convs)
+	case *kvBlocks < 0 || set["kv-blocks"] && *kvBlocks == 0:
+		return fmt.Errorf("--kv-blocks: must be at least 1, got %d", *kvBlocks)
+	case *cpuBlocks < -1:
+		return fmt.Errorf("--cpu-blocks: must be at least -1 (0: none; -1: the simulator's default), got %d", *cpuBlocks)
+	case *sharedTierBytes < 0 || set["shared-tier-bytes"] && *sharedTierBytes == 0:
+		return fmt.Errorf("--shared-tier-bytes: must be positive, got %d", *sharedTierBytes)
+	case set["concurrency-threshold"] && (*threshold < routing.MinConcurrencyThreshold || *threshold > routing.MaxConcurrencyThreshold):
+		return fmt.Errorf("--concurrency-threshold: must be %d–%d, got %d", routing.MinConcurrencyThreshold, routing.MaxConcurrencyThreshold, *threshold)
+	case set["prefix-length"] && (*prefixLen < frontend.MinPrefixLength || *prefixLen > frontend.MaxPrefixLength):
+		return fmt.Errorf("--prefix-length: must be %d–%d, got %d", frontend.MinPrefixLength, frontend.MaxPrefixLength, *prefixLen)
 	}
 	var strats []string
 	for _, s := range strings.Split(*strategiesFlag, ",") {
@@ -63,27 +82,26 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			strats = append(strats, s)
 		}
 	}
-	// kv_aware is registered by every scheduler over its own KV index.
-	known := append(strategies().Names(), routing.KVAware)
+	known := strategyNames()
 	for _, s := range strats {
 		found := false
 		for _, k := range known {
 			found = found || k == s
 		}
 		if !found {
-			return fmt.Errorf("-strategies: unknown %q (known: %s)", s, strings.Join(known, ", "))
+			return fmt.Errorf("--strategies: unknown %q (known: %s)", s, strings.Join(known, ", "))
 		}
 	}
 	if len(strats) == 0 {
-		return errors.New("-strategies: none given")
+		return errors.New("--strategies: none given")
 	}
 
 	fleets, err := bench.ParseFleets(*fleetsFlag, *workers)
 	if err != nil {
-		return fmt.Errorf("-fleets: %w", err)
+		return fmt.Errorf("--fleets: %w", err)
 	}
 	if *target != "" && (*fleetsFlag != "colocated" || *sharedTier) {
-		return errors.New("-fleets and -shared-tier apply to in-process fleets, not -target")
+		return errors.New("--fleets and --shared-tier apply to in-process fleets, not --target")
 	}
 	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop, *convs)
 	if err != nil {
@@ -194,5 +212,5 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		}
 		return workload.Azure(recs, seed), nil
 	}
-	return nil, fmt.Errorf("-workload: unknown %q (known: %s)", name, strings.Join(workload.Names, ", "))
+	return nil, fmt.Errorf("--workload: unknown %q (known: %s)", name, strings.Join(workload.Names, ", "))
 }

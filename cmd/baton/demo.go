@@ -2,30 +2,30 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
 )
 
 func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("demo", "[flags]\n\nRuns a scheduler and a simulated fleet in one process.")
 	var f schedulerFlags
-	f.register(fs, "127.0.0.1:8080")
+	// The demo shows what baton is for: prefix-aware routing.
+	f.register(fs, "127.0.0.1:8080", routing.PrefixAware)
 	var sf simFlags
 	sf.register(fs)
-	colocated := fs.Int("workers", 0, "run this many colocated (role both) workers instead of a prefill/decode fleet")
-	nPrefill := fs.Int("prefill-workers", 2, "prefill workers of the disaggregated fleet")
-	nDecode := fs.Int("decode-workers", 2, "decode workers of the disaggregated fleet")
-	if err := fs.Parse(args); err != nil {
+	colocated := fs.Int("workers", 0, "run this many colocated (role both) workers instead of a prefill/decode fleet, 0–64")
+	nPrefill := fs.Int("prefill-workers", 2, "prefill workers of the disaggregated fleet, 0–32")
+	nDecode := fs.Int("decode-workers", 2, "decode workers of the disaggregated fleet, 1–32")
+	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
-	if sf.warmupTopK < 0 {
-		return fmt.Errorf("-warmup-top-k: must not be negative, got %d", sf.warmupTopK)
+	if err := sf.check(fs); err != nil {
+		return err
 	}
 	roles, err := demoRoles(*colocated, *nPrefill, *nDecode)
 	if err != nil {
@@ -35,9 +35,8 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if cfg.Strategy == "" {
-		// The demo shows what baton is for.
-		cfg.Strategy = "prefix_aware"
+	if err := f.check(fs, cfg, true); err != nil {
+		return err
 	}
 	log, err := newLogger(stderr, cfg.WithDefaults().LogLevel)
 	if err != nil {
@@ -88,16 +87,16 @@ func demoRoles(colocated, prefill, decode int) ([]string, error) {
 	var roles []string
 	switch {
 	case colocated < 0 || colocated > 64:
-		return nil, fmt.Errorf("-workers: must be 0–64, got %d", colocated)
+		return nil, fmt.Errorf("--workers: must be 0–64, got %d", colocated)
 	case colocated > 0:
 		for range colocated {
 			roles = append(roles, sim.RoleBoth)
 		}
 		return roles, nil
 	case prefill < 0 || prefill > 32:
-		return nil, fmt.Errorf("-prefill-workers: must be 0–32, got %d", prefill)
+		return nil, fmt.Errorf("--prefill-workers: must be 0–32, got %d", prefill)
 	case decode < 1 || decode > 32:
-		return nil, fmt.Errorf("-decode-workers: must be 1–32, got %d", decode)
+		return nil, fmt.Errorf("--decode-workers: must be 1–32, got %d", decode)
 	}
 	for range prefill {
 		roles = append(roles, sim.RolePrefill)

@@ -365,7 +365,7 @@ func checkWorkersMatchStatefulSets(t *testing.T, cfg scheduler.Config, ms []mani
 func definedFlags(t *testing.T, cmd string) map[string]bool {
 	t.Helper()
 	var usage bytes.Buffer
-	if err := run(context.Background(), []string{cmd, "-h"}, io.Discard, &usage); !errors.Is(err, flag.ErrHelp) {
+	if err := run(context.Background(), []string{cmd, "-h"}, &usage, io.Discard); !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("baton %s -h: %v", cmd, err)
 	}
 	flags := map[string]bool{}

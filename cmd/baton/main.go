@@ -4,6 +4,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -13,6 +14,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strings"
 	"syscall"
 )
 
@@ -28,19 +30,24 @@ Usage:
   baton bench   [flags]   benchmark routing strategies on a workload, side by side
   baton version           print the version
 
-Run "baton COMMAND -h" for a command's flags.
+Run "baton COMMAND -h" or "baton help COMMAND" for a command's flags.
 `
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "baton:", err)
-		}
-		stop()
-		os.Exit(2)
+	code := exitCode(run(ctx, os.Args[1:], os.Stdout, os.Stderr), os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// exitCode reports err, the result of run, on stderr and returns the exit
+// code: 0 on success and when help was asked for, else 2.
+func exitCode(err error, stderr io.Writer) int {
+	if err == nil || errors.Is(err, flag.ErrHelp) {
+		return 0
 	}
+	fmt.Fprintln(stderr, "baton:", err)
+	return 2
 }
 
 // run runs the command args until it ends or ctx is done.
@@ -61,7 +68,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "version", "-version", "--version":
 		fmt.Fprintln(stdout, "baton", buildVersion())
 		return nil
-	case "help", "-h", "--help":
+	case "help", "-h", "-help", "--help":
+		if len(args) > 1 && args[1] != "help" && args[1] != "version" {
+			return run(ctx, []string{args[1], "-h"}, stdout, stderr)
+		}
 		fmt.Fprint(stdout, usage)
 		return nil
 	}
@@ -83,11 +93,66 @@ func buildVersion() string {
 	return version
 }
 
-// newLogger returns a text logger on w at the named level.
+// newLogger returns a text logger on w at the level --log-level names.
 func newLogger(w io.Writer, level string) (*slog.Logger, error) {
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(level)); err != nil {
-		return nil, fmt.Errorf("log level: %w", err)
+		return nil, fmt.Errorf("--log-level: must be debug, info, warn or error, got %q", level)
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})), nil
+}
+
+// newFlagSet returns the flag set of the command name, whose usage shows
+// synopsis (its arguments and what it does) above the flags.
+func newFlagSet(name, synopsis string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: baton %s %s\n\nFlags:\n", name, synopsis)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// parseFlags parses args into fs. Help asked for with -h or --help goes
+// to stdout, and the error is flag.ErrHelp (exit code 0); a bad flag is
+// reported on stderr with the usage. Arguments left after the flags are
+// an error: no command takes any.
+func parseFlags(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) error {
+	var out bytes.Buffer
+	fs.SetOutput(&out)
+	err := fs.Parse(args)
+	fs.SetOutput(stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		stdout.Write(out.Bytes())
+		return err
+	}
+	stderr.Write(out.Bytes())
+	if err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q (flags go before them; see baton %s -h)", fs.Args(), fs.Name())
+	}
+	return nil
+}
+
+// setFlags returns the names of the flags set on fs's command line.
+func setFlags(fs *flag.FlagSet) map[string]bool {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	return set
+}
+
+// renameField names the flag that set the field a validation error
+// begins with ("field: why"): flagOf returns the flag (with its dashes)
+// or "" when no flag set the field, and err is returned as it is.
+func renameField(err error, flagOf func(field string) string) error {
+	field, why, ok := strings.Cut(err.Error(), ": ")
+	if !ok {
+		return err
+	}
+	if name := flagOf(field); name != "" {
+		return fmt.Errorf("%s: %s", name, why)
+	}
+	return err
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
 	"strings"
 	"time"
 
@@ -23,61 +24,115 @@ type schedulerFlags struct {
 	threshold int
 	prefixLen int
 	logLevel  string
+	workers   workerList // serve's --worker flags
 }
 
-func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen string) {
-	fs.StringVar(&f.config, "config", "", "YAML configuration `file` (see README)")
+// register defines the flags on fs, with the command's own defaults.
+func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrategy string) {
+	fs.StringVar(&f.config, "config", "", "YAML configuration `file` (see README); set flags override it")
 	fs.StringVar(&f.listen, "listen", defaultListen, "HTTP listen `address`")
-	fs.StringVar(&f.strategy, "strategy", "", "routing strategy: random, round_robin, least_outstanding, prefix_aware (default random)")
-	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "in-flight requests at which prefix_aware spills to a less busy worker, 1–1024 (default 16)")
+	fs.StringVar(&f.strategy, "strategy", defaultStrategy, "routing strategy, by `name`: "+strings.Join(strategyNames(), ", "))
+	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "in-flight requests at which prefix_aware and kv_aware spill to a less busy worker, 1–1024 (default 16)")
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "characters (bytes on /invocations) of routing text prefix_aware hashes, 1024–65536 (default 4096)")
 	fs.StringVar(&f.logLevel, "log-level", "", "log level: debug, info, warn, error (default info)")
 }
 
-// load reads the config file, if any, and applies the flags set on fs.
+// load reads the config file, if any, and applies the flags set on fs,
+// the listen address and strategy also when the file leaves them unset.
 func (f *schedulerFlags) load(fs *flag.FlagSet) (scheduler.Config, error) {
 	var cfg scheduler.Config
 	if f.config != "" {
 		var err error
 		if cfg, err = scheduler.LoadConfig(f.config); err != nil {
-			return cfg, err
+			return cfg, fmt.Errorf("--config: %w", err)
 		}
 	}
-	set := map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	set := setFlags(fs)
 	if set["listen"] || cfg.Listen == "" {
 		cfg.Listen = f.listen
 	}
-	if f.strategy != "" {
+	if set["strategy"] || cfg.Strategy == "" {
 		cfg.Strategy = f.strategy
 	}
 	// In the config file zero means "default"; on the command line it is a
 	// value the user typed, and out of range.
 	if set["concurrency-threshold"] {
 		if f.threshold == 0 {
-			return cfg, errors.New("concurrency_threshold: must be 1–1024, got 0")
+			return cfg, errors.New("--concurrency-threshold: must be 1–1024, got 0")
 		}
 		cfg.ConcurrencyThreshold = f.threshold
 	}
 	if set["prefix-length"] {
 		if f.prefixLen == 0 {
-			return cfg, errors.New("prefix_length: must be 1024–65536, got 0")
+			return cfg, errors.New("--prefix-length: must be 1024–65536, got 0")
 		}
 		cfg.PrefixLength = f.prefixLen
 	}
-	if f.logLevel != "" {
+	if set["log-level"] {
 		cfg.LogLevel = f.logLevel
 	}
+	cfg.Workers = append(cfg.Workers, f.workers.workers...)
 	return cfg, nil
 }
 
-// workerList is a repeatable -worker flag: [name=]address, with an http://
-// address meaning an OpenAI-compatible HTTP engine.
-type workerList []scheduler.WorkerConfig
+// check validates cfg as the scheduler will. Its error names the flag
+// that set the bad field, or the config file and the field. A demo adds
+// its workers later: withoutWorkers skips the rule that there be some.
+func (f *schedulerFlags) check(fs *flag.FlagSet, cfg scheduler.Config, withoutWorkers bool) error {
+	if withoutWorkers && len(cfg.Workers) == 0 {
+		cfg.Workers = []scheduler.WorkerConfig{{Address: "127.0.0.1:1"}}
+	}
+	err := cfg.Validate(withKVAware(strategies()))
+	if err == nil {
+		return nil
+	}
+	set := setFlags(fs)
+	fromFile := len(cfg.Workers) - len(f.workers.workers)
+	err = renameField(err, func(field string) string {
+		if i, ok := workerIndex(field); ok && i >= fromFile {
+			return fmt.Sprintf("--worker %s", f.workers.raw[i-fromFile])
+		}
+		if field == "workers" && fs.Lookup("worker") != nil {
+			return "--worker"
+		}
+		for _, name := range []string{"listen", "strategy", "concurrency-threshold", "prefix-length", "log-level"} {
+			if set[name] && field == strings.ReplaceAll(name, "-", "_") {
+				return "--" + name
+			}
+		}
+		return ""
+	})
+	if f.config != "" && !strings.HasPrefix(err.Error(), "--") {
+		return fmt.Errorf("--config: %s: %w", f.config, err)
+	}
+	return err
+}
 
-func (l *workerList) String() string { return fmt.Sprint(len(*l), " workers") }
+// workerIndex returns i of a field workers[i] or workers[i].name.
+func workerIndex(field string) (int, bool) {
+	rest, ok := strings.CutPrefix(field, "workers[")
+	if !ok {
+		return 0, false
+	}
+	n, _, ok := strings.Cut(rest, "]")
+	if !ok {
+		return 0, false
+	}
+	i, err := strconv.Atoi(n)
+	return i, err == nil
+}
+
+// workerList is a repeatable --worker flag: [name=]address, with an
+// http:// address meaning an OpenAI-compatible HTTP engine.
+type workerList struct {
+	workers []scheduler.WorkerConfig
+	raw     []string // the flags' values, for errors
+}
+
+func (l *workerList) String() string { return fmt.Sprint(len(l.workers), " workers") }
 
 func (l *workerList) Set(v string) error {
+	l.raw = append(l.raw, v)
 	var w scheduler.WorkerConfig
 	if name, addr, ok := strings.Cut(v, "="); ok {
 		w.Name, v = name, addr
@@ -87,8 +142,25 @@ func (l *workerList) Set(v string) error {
 	if strings.HasPrefix(v, "http://") || strings.HasPrefix(v, "https://") {
 		w.Kind = scheduler.KindHTTP
 	}
-	*l = append(*l, w)
+	l.workers = append(l.workers, w)
 	return nil
+}
+
+// strategyNames lists every strategy a scheduler serves: the built-ins and
+// kv_aware, which each scheduler registers over its own KV index.
+func strategyNames() []string {
+	return withKVAware(strategies()).Names()
+}
+
+// withKVAware returns r with kv_aware registered, for validation only: the
+// factory is never called.
+func withKVAware(r *routing.Registry) *routing.Registry {
+	if !r.Has(routing.KVAware) {
+		r.Register(routing.KVAware, func(routing.Params) (routing.Strategy, error) {
+			return nil, errors.New("kv_aware is built by the scheduler")
+		})
+	}
+	return r
 }
 
 func strategies() *routing.Registry {
@@ -98,20 +170,20 @@ func strategies() *routing.Registry {
 }
 
 func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("serve", "[flags]\n\nRuns the scheduler in front of the workers of --config and --worker.")
 	var f schedulerFlags
-	f.register(fs, scheduler.DefaultListen)
-	var workers workerList
-	fs.Var(&workers, "worker", "a worker, `[name=]host:port` (baton gRPC) or [name=]http://host:port (OpenAI-compatible engine); repeatable, added to the config's workers")
-	if err := fs.Parse(args); err != nil {
+	f.register(fs, scheduler.DefaultListen, scheduler.DefaultStrategy)
+	fs.Var(&f.workers, "worker", "a worker, `[name=]host:port` (baton gRPC) or [name=]http://host:port (OpenAI-compatible engine); repeatable, added to the config's workers")
+	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
 	cfg, err := f.load(fs)
 	if err != nil {
 		return err
 	}
-	cfg.Workers = append(cfg.Workers, workers...)
+	if err := f.check(fs, cfg, false); err != nil {
+		return err
+	}
 	return runScheduler(ctx, cfg, stdout, stderr, nil)
 }
 

@@ -46,6 +46,46 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.redis, "redis", "", "shared KV tier: Redis `URL` (host:port or redis[s]://[user[:password]@]host[:port][/db]), behind a breaker")
 }
 
+// check rejects flag values out of range, naming the flag. In sim.Config
+// zero means the default; typed on the command line it is out of range,
+// unless the flag's help gives it a meaning.
+func (f *simFlags) check(fs *flag.FlagSet) error {
+	set := setFlags(fs)
+	switch {
+	case set["tp"] && f.tp < 1:
+		return fmt.Errorf("--tp: must be at least 1, got %d", f.tp)
+	case set["mfu"] && !(f.mfu > 0 && f.mfu <= 1):
+		return fmt.Errorf("--mfu: must be in (0, 1], got %v", f.mfu)
+	case !(f.timeScale > 0):
+		return fmt.Errorf("--time-scale: must be positive, got %v", f.timeScale)
+	case set["kv-blocks"] && f.blocks < 1:
+		return fmt.Errorf("--kv-blocks: must be at least 1, got %d", f.blocks)
+	case set["max-running"] && f.maxRunning < 1:
+		return fmt.Errorf("--max-running: must be at least 1, got %d", f.maxRunning)
+	case set["max-batched-tokens"] && f.maxBatch < 1:
+		return fmt.Errorf("--max-batched-tokens: must be at least 1, got %d", f.maxBatch)
+	case set["kv-scale"] && f.kvScale < 1:
+		return fmt.Errorf("--kv-scale: must be at least 1, got %d", f.kvScale)
+	case set["cpu-blocks"] && f.cpuBlocks < 1 && f.cpuBlocks != -1:
+		return fmt.Errorf("--cpu-blocks: must be at least 1, or -1 for no CPU tier, got %d", f.cpuBlocks)
+	case f.warmupTopK < 0:
+		return fmt.Errorf("--warmup-top-k: must not be negative, got %d", f.warmupTopK)
+	}
+	flags := map[string]string{"models": "served-model-name", "model": "model-preset", "gpu": "gpu", "tp": "tp",
+		"mfu": "mfu", "time_scale": "time-scale", "block_capacity": "kv-blocks", "max_running": "max-running",
+		"max_batched_tokens": "max-batched-tokens", "role": "role", "kv_scale": "kv-scale",
+		"store_policy": "store-policy", "warmup_top_k": "warmup-top-k"}
+	if err := f.config("").Validate(); err != nil {
+		return renameField(err, func(field string) string {
+			if name, ok := flags[field]; ok && fs.Lookup(name) != nil {
+				return "--" + name
+			}
+			return ""
+		})
+	}
+	return nil
+}
+
 // openStore opens the Redis tier --redis names, behind a breaker, or
 // returns nil without one. The caller closes it.
 func (f *simFlags) openStore() (transfer.Store, error) {
@@ -54,11 +94,11 @@ func (f *simFlags) openStore() (transfer.Store, error) {
 	}
 	cfg, err := kvstore.ParseRedisURL(f.redis)
 	if err != nil {
-		return nil, fmt.Errorf("-redis: %w", err)
+		return nil, fmt.Errorf("--redis: %w", err)
 	}
 	r, err := kvstore.NewRedis(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("-redis: %w", err)
+		return nil, fmt.Errorf("--redis: %w", err)
 	}
 	return kvstore.NewBreaker(r, kvstore.BreakerConfig{Name: "redis"}), nil
 }
@@ -78,8 +118,7 @@ func (f *simFlags) config(name string) sim.Config {
 }
 
 func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("worker", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("worker", "[flags]\n\nRuns a simulated engine worker.")
 	var f simFlags
 	f.register(fs)
 	listen := fs.String("listen", "127.0.0.1:9000", "gRPC listen `address` (the worker API and gRPC health)")
@@ -87,11 +126,11 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	name := fs.String("name", "", "worker name (default: the listen address)")
 	fs.StringVar(&f.role, "role", "both", "role in disaggregated serving: both (colocated), prefill or decode")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
-	if f.warmupTopK < 0 {
-		return fmt.Errorf("-warmup-top-k: must not be negative, got %d", f.warmupTopK)
+	if err := f.check(fs); err != nil {
+		return err
 	}
 	log, err := newLogger(stderr, *logLevel)
 	if err != nil {
