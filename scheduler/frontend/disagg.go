@@ -44,6 +44,7 @@ const (
 	reasonNoPrefillWorker = "no_prefill_worker" // every prefill worker unavailable (breakers open)
 	reasonPrefillFailed   = "prefill_failed"    // prefill workers failed, retries spent
 	reasonNotDisagg       = "decode_colocated"  // the decode worker's engine cannot take transfers
+	reasonRequest         = "request_rejected"  // the prefill worker rejected the request itself
 )
 
 // plan is the outcome of a remote prefill: the decode worker waits for the
@@ -98,6 +99,11 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 		done(classify(err))
 		if ctx.Err() != nil {
 			return nil // the client is gone; serving fails with ctx
+		}
+		if err != nil && !pool.IsWorkerFault(err) {
+			// The request's own fault: no prefill worker will do better,
+			// and the decode worker answers it to the client.
+			return local(reasonRequest)
 		}
 		if err != nil {
 			m.TransferFailures.WithLabelValues(failureReason(err)).Inc()

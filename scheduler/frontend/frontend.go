@@ -460,11 +460,16 @@ func (x *exchange) run(ctx context.Context) string {
 			return metrics.OutcomeOK
 		}
 		if written || ctx.Err() != nil || !retryable(err) {
-			if written {
-				s.log.Warn("stream broken after first token", "id", x.req.ID, "worker", wk.Name, "err", err)
-				return outcomeOf(ctx, err)
+			if !written {
+				return x.fail(ctx, err)
 			}
-			return x.fail(ctx, err)
+			outcome := outcomeOf(ctx, err)
+			if outcome == metrics.OutcomeCanceled {
+				s.log.Debug("client went away mid-stream", "id", x.req.ID, "worker", wk.Name, "err", err)
+			} else {
+				s.log.Warn("stream broken after first token", "id", x.req.ID, "worker", wk.Name, "err", err)
+			}
+			return outcome
 		}
 		s.log.Info("worker failed before first token; retrying", "id", x.req.ID, "worker", wk.Name, "err", err)
 		s.metrics.Retries.WithLabelValues("worker_error").Inc()
@@ -654,6 +659,10 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 	case errors.Is(err, engine.ErrInvalid):
 		e = openai.Invalid("", "invalid_request", "the worker rejected the request: "+err.Error())
 		outcome = metrics.OutcomeInvalid
+	case errors.Is(err, engine.ErrTooLarge):
+		e = &openai.Error{Status: http.StatusRequestEntityTooLarge, Type: openai.TypeInvalidRequest, Code: "request_too_large",
+			Message: "the request is larger than the workers accept: " + err.Error()}
+		outcome = metrics.OutcomeInvalid
 	case errors.Is(err, engine.ErrUnavailable):
 		e = openai.NoWorker("every worker tried was unavailable: " + err.Error())
 		outcome = metrics.OutcomeNoWorker
@@ -673,14 +682,14 @@ func outcomeOf(ctx context.Context, err error) string {
 	switch {
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return metrics.OutcomeTimeout
-	case errors.Is(err, context.Canceled) || ctx.Err() != nil:
+	case errors.Is(err, context.Canceled) || errors.Is(err, engine.ErrClientGone) || ctx.Err() != nil:
 		return metrics.OutcomeCanceled
 	case errors.Is(err, routing.ErrNoWorker):
 		return metrics.OutcomeNoWorker
 	case errors.Is(err, errOverloaded):
 		return metrics.OutcomeOverloaded
 	case errors.As(err, &e) && e.Status < 500,
-		errors.Is(err, engine.ErrUnknownModel), errors.Is(err, engine.ErrInvalid):
+		errors.Is(err, engine.ErrUnknownModel), errors.Is(err, engine.ErrInvalid), errors.Is(err, engine.ErrTooLarge):
 		return metrics.OutcomeInvalid
 	}
 	return metrics.OutcomeWorkerError

@@ -297,6 +297,8 @@ func TestIsWorkerFault(t *testing.T) {
 		{"wrapped client error", fmt.Errorf("generate: %w", ClientError(errors.New("bad request"))), false},
 		{"invalid request", fmt.Errorf("generate: %w", engine.ErrInvalid), false},
 		{"unknown model", fmt.Errorf("generate: %w", engine.ErrUnknownModel), false},
+		{"too large", fmt.Errorf("generate: %w", engine.ErrTooLarge), false},
+		{"client gone", fmt.Errorf("writing: %w: broken pipe", engine.ErrClientGone), false},
 		{"deadline", context.DeadlineExceeded, true},
 		{"unavailable", fmt.Errorf("dial: %w", engine.ErrUnavailable), true},
 		{"other", errors.New("boom"), true},

@@ -144,13 +144,16 @@ func ClientError(err error) error {
 }
 
 // IsWorkerFault reports whether err, as passed to Acquire's done, counts as
-// the worker's failure. nil, context.Canceled (the client went away), the
-// request faults engine.ErrInvalid and engine.ErrUnknownModel, and errors
-// marked with ClientError do not; everything else does, including
-// context.DeadlineExceeded (the worker was too slow).
+// the worker's failure. It classifies by where the error came from:
+// nil, context.Canceled and engine.ErrClientGone (the client went away),
+// the request faults engine.ErrInvalid, engine.ErrUnknownModel and
+// engine.ErrTooLarge, and errors marked with ClientError do not count;
+// everything else does, including context.DeadlineExceeded (the worker was
+// too slow).
 func IsWorkerFault(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) ||
-		errors.Is(err, engine.ErrInvalid) || errors.Is(err, engine.ErrUnknownModel) {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, engine.ErrClientGone) ||
+		errors.Is(err, engine.ErrInvalid) || errors.Is(err, engine.ErrUnknownModel) ||
+		errors.Is(err, engine.ErrTooLarge) {
 		return false
 	}
 	var ce clientError

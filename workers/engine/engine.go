@@ -119,6 +119,17 @@ var ErrUnknownModel = errors.New("unknown model")
 // invalid. It is the request's fault, not the engine's.
 var ErrInvalid = errors.New("invalid request")
 
+// ErrTooLarge is returned (wrapped) when the engine refuses the request for
+// its size (a gRPC message over the worker's receive limit, an HTTP 413).
+// It is the request's fault, not the engine's: no other engine of the same
+// fleet takes it either.
+var ErrTooLarge = errors.New("request too large for the engine")
+
+// ErrClientGone is returned (wrapped) when the response could not be
+// written to the client: it hung up. It is the client's doing, never the
+// engine's, whatever the engine was doing at the time.
+var ErrClientGone = errors.New("client gone")
+
 // PrefillRequest asks a prefill engine to compute a prompt's KV blocks and
 // push those the decode engine lacks straight to it.
 type PrefillRequest struct {

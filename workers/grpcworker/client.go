@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strings"
 	"sync"
 	"time"
 
@@ -347,7 +348,14 @@ func mapError(err error) error {
 		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
 	}
 	switch st.Code() {
-	case codes.Unavailable, codes.ResourceExhausted, codes.Unimplemented:
+	case codes.ResourceExhausted:
+		if strings.Contains(st.Message(), "larger than max") {
+			// The message exceeded a gRPC size limit, the worker's or
+			// ours: the request is too large, for every worker alike.
+			return fmt.Errorf("%w: %w", engine.ErrTooLarge, err)
+		}
+		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)
+	case codes.Unavailable, codes.Unimplemented:
 		// Unimplemented: the worker's role (or version) does not serve
 		// the call; another worker may.
 		return fmt.Errorf("%w: %w", engine.ErrUnavailable, err)

@@ -49,7 +49,8 @@ func (e *StatusError) Error() string {
 // Unwrap returns what callers branch on: engine.ErrUnavailable for the
 // statuses by which an engine refuses work it could do elsewhere or later
 // (429, 502, 503, 504); engine.ErrUnknownModel for 404 (vLLM's and
-// SGLang's answer for a model they do not serve); engine.ErrInvalid for
+// SGLang's answer for a model they do not serve); engine.ErrTooLarge for
+// 413; engine.ErrInvalid for
 // the other 4xx, the request's own fault; nil for the rest (500: the
 // engine failed on this very request).
 func (e *StatusError) Unwrap() error {
@@ -59,6 +60,8 @@ func (e *StatusError) Unwrap() error {
 		return engine.ErrUnavailable
 	case s == http.StatusNotFound:
 		return engine.ErrUnknownModel
+	case s == http.StatusRequestEntityTooLarge:
+		return engine.ErrTooLarge
 	case s/100 == 4:
 		return engine.ErrInvalid
 	}

@@ -88,14 +88,14 @@ type relayWriter struct {
 
 func (rw *relayWriter) write(b []byte) error {
 	if _, err := rw.w.Write(b); err != nil {
-		return fmt.Errorf("writing to client: %w", err)
+		return fmt.Errorf("writing to client: %w: %w", engine.ErrClientGone, err)
 	}
 	return nil
 }
 
 func (rw *relayWriter) flush() error {
 	if err := rw.rc.Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
-		return fmt.Errorf("flushing to client: %w", err)
+		return fmt.Errorf("flushing to client: %w: %w", engine.ErrClientGone, err)
 	}
 	return nil
 }

@@ -81,8 +81,10 @@ func writeJSON(w http.ResponseWriter, r *Request, id string, s engine.Stream, ob
 			if err != nil {
 				return nil, false, err
 			}
-			_, err = w.Write(append(b, '\n'))
-			return ev.Final, true, err
+			if _, err := w.Write(append(b, '\n')); err != nil {
+				return ev.Final, true, clientGone(err)
+			}
+			return ev.Final, true, nil
 		}
 	}
 }
@@ -228,9 +230,17 @@ func (cw *chunkWriter) fail(e *Error) error {
 
 func (cw *chunkWriter) flush(b []byte) error {
 	if _, err := cw.w.Write(b); err != nil {
-		return err
+		return clientGone(err)
 	}
-	return cw.rc.Flush()
+	if err := cw.rc.Flush(); err != nil {
+		return clientGone(err)
+	}
+	return nil
+}
+
+// clientGone marks an error writing to the client as the client's doing.
+func clientGone(err error) error {
+	return fmt.Errorf("writing to the client: %w: %w", engine.ErrClientGone, err)
 }
 
 func writeStream(w http.ResponseWriter, r *Request, id string, s engine.Stream, obs *Observer) (*engine.Final, bool, error) {

@@ -41,7 +41,20 @@ type Worker struct {
 type StartOption func(*startOptions)
 
 type startOptions struct {
-	transport transfer.Transport
+	transport       transfer.Transport
+	maxRequestBytes int
+}
+
+// DefaultMaxRequestBytes bounds one gRPC request a worker accepts (a
+// prompt and its parameters): 64 MiB, far above the scheduler's default
+// body limit (6 MiB), so that any request the scheduler accepts fits.
+const DefaultMaxRequestBytes = 64 << 20
+
+// WithMaxRequestBytes replaces DefaultMaxRequestBytes. A larger request is
+// refused with gRPC ResourceExhausted, which the scheduler answers with a
+// 413 and does not count against the worker.
+func WithMaxRequestBytes(n int) StartOption {
+	return func(o *startOptions) { o.maxRequestBytes = n }
 }
 
 // WithTransport makes the worker push KV blocks (Prefill) over tr instead
@@ -89,8 +102,13 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...
 		w.Transport, w.ownTransport = transfer.NewGRPC(), true
 	}
 	w.server = NewServer(e, WithServerTransport(w.Transport))
+	maxReq := o.maxRequestBytes
+	if maxReq <= 0 {
+		maxReq = DefaultMaxRequestBytes
+	}
 	w.grpc = grpc.NewServer(append(transfer.ServerOptions(),
-		grpc.KeepaliveEnforcementPolicy(grpcworker.KeepaliveEnforcement))...)
+		grpc.KeepaliveEnforcementPolicy(grpcworker.KeepaliveEnforcement),
+		grpc.MaxRecvMsgSize(maxReq))...)
 	w.server.Register(w.grpc)
 	transfer.NewGRPCServer(e).Register(w.grpc)
 	if hl != nil {
