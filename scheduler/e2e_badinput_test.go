@@ -113,7 +113,7 @@ func TestNoWorkerAvailable(t *testing.T) {
 	l.Close() // nothing listens there any more
 	s, addr := startScheduler(t, scheduler.Config{
 		Strategy: "round_robin",
-		Workers:  []scheduler.WorkerConfig{{Name: "dead", Address: dead, Models: []string{model}}},
+		Workers:  []scheduler.WorkerConfig{{Name: "dead", Address: dead, Models: []string{model}, Role: "both"}},
 		Pool:     fastPool(),
 	})
 	hc := httpClient(t)

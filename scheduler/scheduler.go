@@ -16,7 +16,6 @@ import (
 
 	"github.com/sony/gobreaker/v2"
 
-	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
@@ -33,8 +32,11 @@ type Scheduler struct {
 	cfg Config
 	// Pool holds the workers that generate tokens (roles both and decode).
 	Pool *pool.Pool
-	// PrefillPool holds the prefill workers; nil in a colocated fleet.
+	// PrefillPool holds the prefill workers; empty in a colocated fleet.
 	PrefillPool *pool.Pool
+	// pending holds the workers whose models or role are not known yet:
+	// never routed to, health-checked until they describe themselves.
+	pending *pool.Pool
 	// Index knows which worker holds which KV block in which tier, fed by
 	// every baton worker's Watch stream; kv_aware routes on it.
 	Index    *kvindex.Index
@@ -43,6 +45,10 @@ type Scheduler struct {
 	Handler  *frontend.Server
 	Strategy routing.Strategy
 	log      *slog.Logger
+
+	placeMu sync.Mutex            // serializes moves between pools
+	where   map[string]*pool.Pool // each worker's pool, by name
+	roles   map[string]string     // configured roles; "" asks the engine
 
 	mu      sync.Mutex
 	clients []engine.Client
@@ -88,19 +94,43 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
 		s.log.Info("kv index resync", "worker", worker, "err", err)
 	}})
+	d := cfg.Disaggregation.WithDefaults()
 	// Watching every worker costs the scheduler CPU on each of their cache
 	// events: do it only for strategies that read the index.
-	watchWorkers := routing.UsesKeys(s.Strategy) || cfg.Disaggregation.WithDefaults().DecodeStrategy == routing.KVAware
-	var gen, pre []*pool.Worker
+	watchWorkers := routing.UsesKeys(s.Strategy) || d.DecodeStrategy == routing.KVAware
+	opts := []pool.Option{
+		pool.OnBreakerChange(func(worker string, from, to gobreaker.State) {
+			s.Metrics.BreakerChanged(worker, from, to)
+			if to == gobreaker.StateOpen {
+				s.log.Warn("breaker changed", "worker", worker, "from", from.String(), "to", to.String())
+			} else {
+				s.log.Info("breaker changed", "worker", worker, "from", from.String(), "to", to.String())
+			}
+		}),
+		pool.OnHealthChange(func(worker string, healthy bool) {
+			if healthy {
+				s.log.Info("worker health changed", "worker", worker, "healthy", healthy)
+			} else {
+				s.log.Warn("worker health changed", "worker", worker, "healthy", healthy)
+			}
+		}),
+		pool.OnDescribe(s.described),
+	}
+	s.where = make(map[string]*pool.Pool)
+	s.roles = make(map[string]string) // read-only once the pools exist
 	for _, wc := range cfg.Workers {
-		w, role, err := s.connect(wc)
-		if err != nil {
+		s.roles[wc.Name] = wc.Role
+	}
+	var err error
+	for _, pp := range []**pool.Pool{&s.Pool, &s.PrefillPool, &s.pending} {
+		if *pp, err = pool.New(cfg.Pool, opts...); err != nil {
 			return err
 		}
-		if role == RolePrefill {
-			pre = append(pre, w)
-		} else {
-			gen = append(gen, w)
+	}
+	for _, wc := range cfg.Workers {
+		w, desc, err := s.connect(wc)
+		if err != nil {
+			return err
 		}
 		// Baton workers stream their cache events into the index; other
 		// engines are known to it by name only (predictions still apply).
@@ -112,44 +142,36 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		if err != nil {
 			s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
 		}
+		if desc == nil {
+			// Not known yet: the pending pool's health checks ask again
+			// until the worker answers; it serves nothing until then.
+			s.log.Warn("worker info unavailable; not routing to it until it answers", "worker", wc.Name, "addr", wc.Address)
+			s.place(w, s.pending)
+			continue
+		}
+		s.apply(w, *desc)
 	}
-	if len(gen) == 0 {
+	if len(s.Pool.Snapshot().Workers) == 0 && len(s.pending.Snapshot().Workers) == 0 {
 		return errors.New("workers: prefill workers need at least one decode (or both) worker")
 	}
-	opts := []pool.Option{
-		pool.OnBreakerChange(func(worker string, from, to gobreaker.State) {
-			s.Metrics.BreakerChanged(worker, from, to)
-			s.log.Warn("breaker changed", "worker", worker, "from", from.String(), "to", to.String())
-		}),
-		pool.OnHealthChange(func(worker string, healthy bool) {
-			s.log.Warn("worker health changed", "worker", worker, "healthy", healthy)
-		}),
-	}
-	var err error
-	if s.Pool, err = newPool(cfg.Pool, gen, opts); err != nil {
+	decode, err := strategies.New(d.DecodeStrategy, cfg.Params)
+	if err != nil {
 		return err
 	}
-	genStrategy := s.Strategy
-	var fopts []frontend.Option
-	if len(pre) > 0 {
-		if s.PrefillPool, err = newPool(cfg.Pool, pre, opts); err != nil {
-			return err
-		}
-		d := cfg.Disaggregation.WithDefaults()
-		if genStrategy, err = strategies.New(d.DecodeStrategy, cfg.Params); err != nil {
-			return err
-		}
-		fopts = append(fopts, frontend.WithDisagg(&frontend.Disagg{
-			Pool: s.PrefillPool, Strategy: s.Strategy,
-			MinRemoteTokens: d.MinRemotePrefillTokens, TransferTimeout: d.TransferTimeout, Retries: d.PrefillRetries,
-		}))
-		s.log.Info("disaggregated prefill/decode", "prefill_workers", len(pre), "decode_workers", len(gen), "decode_strategy", d.DecodeStrategy)
+	if n := len(s.PrefillPool.Snapshot().Workers); n > 0 {
+		s.log.Info("disaggregated prefill/decode", "prefill_workers", n, "decode_workers", len(s.Pool.Snapshot().Workers), "decode_strategy", d.DecodeStrategy)
 	}
-	fopts = append(fopts, frontend.WithFirstTokenObserver(func(ft frontend.FirstToken) {
-		s.Index.ObserveTTFT(ft.Worker, ft.Estimate, ft.Achieved)
-		s.Index.Prefilled(ft.Worker, ft.Uncached)
-	}))
-	s.Handler, err = frontend.New(cfg.Config, s.Pool, genStrategy, s.Metrics, s.log, fopts...)
+	fopts := []frontend.Option{
+		frontend.WithDisagg(&frontend.Disagg{
+			Pool: s.PrefillPool, DecodeStrategy: decode,
+			MinRemoteTokens: d.MinRemotePrefillTokens, TransferTimeout: d.TransferTimeout, Retries: d.PrefillRetries,
+		}),
+		frontend.WithFirstTokenObserver(func(ft frontend.FirstToken) {
+			s.Index.ObserveTTFT(ft.Worker, ft.Estimate, ft.Achieved)
+			s.Index.Prefilled(ft.Worker, ft.Uncached)
+		}),
+	}
+	s.Handler, err = frontend.New(cfg.Config, s.Pool, s.Strategy, s.Metrics, s.log, fopts...)
 	return err
 }
 
@@ -164,70 +186,99 @@ func (s *Scheduler) snapshot(p **pool.Pool) func() *pool.Snapshot {
 	}
 }
 
-func newPool(cfg pool.Config, workers []*pool.Worker, opts []pool.Option) (*pool.Pool, error) {
-	p, err := pool.New(cfg, opts...)
-	if err != nil {
-		return nil, err
-	}
-	if err := p.Set(workers); err != nil {
-		p.Close()
-		return nil, err
-	}
-	return p, nil
-}
-
-// connect builds the engine client of one worker and finds its role.
-func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, string, error) {
+// connect builds the engine client of one worker. When the configuration
+// leaves the worker's models or role to the engine, it asks once; a nil
+// description means the engine did not answer (yet).
+func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description, error) {
 	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models}
-	role := wc.Role
 	switch wc.Kind {
 	case KindHTTP:
 		c, err := httpengine.New(wc.Address)
 		if err != nil {
-			return nil, "", fmt.Errorf("worker %s: %w", wc.Name, err)
+			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
 		w.Client = c
+		w.Discover = len(wc.Models) == 0
 	default:
 		c, err := grpcworker.Dial(wc.Address)
 		if err != nil {
-			return nil, "", fmt.Errorf("worker %s: %w", wc.Name, err)
+			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
 		w.Client = c
-		if len(w.Models) == 0 || role == "" {
-			// Ask the worker; one that is not up yet serves any model, as
-			// role both, until it is configured explicitly.
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			info, err := c.Info(ctx)
-			cancel()
-			if err == nil {
-				if len(w.Models) == 0 {
-					w.Models = info.Models
-				}
-				if role == "" {
-					role = roleName(info.Role)
-				}
-			} else {
-				s.log.Warn("worker info unavailable; routing any model to it as role both", "worker", wc.Name, "err", err)
-			}
-		}
+		w.Discover = len(wc.Models) == 0 || wc.Role == ""
 	}
 	s.mu.Lock()
 	s.clients = append(s.clients, w.Client)
 	s.mu.Unlock()
-	if role == "" {
-		role = RoleBoth
+	desc := &engine.Description{Models: wc.Models, Role: wc.Role}
+	if w.Discover {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		d, err := w.Client.(engine.Describer).Describe(ctx)
+		cancel()
+		if err != nil {
+			return w, nil, nil
+		}
+		desc = &d
 	}
-	return w, role, nil
+	return w, desc, nil
 }
 
-func roleName(r workerpb.Role) string {
-	switch r {
-	case workerpb.Role_ROLE_PREFILL:
-		return RolePrefill
-	case workerpb.Role_ROLE_DECODE:
-		return RoleDecode
+// described hears a worker's description from its pool's health checks:
+// a pending worker joins the pool of its role, a worker that restarted
+// with another role moves, and its models are updated.
+func (s *Scheduler) described(w *pool.Worker, d engine.Description) {
+	s.placeMu.Lock()
+	from := s.where[w.Name]
+	s.placeMu.Unlock()
+	if from == s.pending {
+		s.log.Info("worker info known; routing to it", "worker", w.Name, "role", s.roleOf(w.Name, d), "models", d.Models)
 	}
-	return RoleBoth
+	s.apply(w, d)
+}
+
+// roleOf returns the worker's configured role, else the engine's.
+func (s *Scheduler) roleOf(name string, d engine.Description) string {
+	if r := s.roles[name]; r != "" {
+		return r
+	}
+	if d.Role == "" {
+		return RoleBoth
+	}
+	return d.Role
+}
+
+// apply sets a worker's models from its description (unless configured)
+// and puts it in the pool of its role.
+func (s *Scheduler) apply(w *pool.Worker, d engine.Description) {
+	if len(w.Models) == 0 {
+		w.SetModels(d.Models)
+	}
+	target := s.Pool
+	if s.roleOf(w.Name, d) == RolePrefill {
+		target = s.PrefillPool
+	}
+	s.place(w, target)
+}
+
+// place moves the worker named w.Name into target. A worker belongs to
+// one pool, so a move makes a new pool.Worker over the same client: its
+// breaker and health start afresh.
+func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
+	s.placeMu.Lock()
+	defer s.placeMu.Unlock()
+	from := s.where[w.Name]
+	if from == target {
+		return
+	}
+	if from != nil {
+		from.Remove(w.Name)
+		w = &pool.Worker{Name: w.Name, Addr: w.Addr, Models: w.ServedModels(), Discover: w.Discover, Client: w.Client}
+	}
+	if err := target.Add(w); err != nil {
+		s.log.Error("adding worker to its pool", "worker", w.Name, "err", err)
+		return
+	}
+	s.where[w.Name] = target
 }
 
 // Serve serves HTTP on l until Close. It returns nil after Close.
@@ -285,6 +336,9 @@ func (s *Scheduler) Close() error {
 	}
 	if s.PrefillPool != nil {
 		s.PrefillPool.Close()
+	}
+	if s.pending != nil {
+		s.pending.Close()
 	}
 	if s.watcher != nil {
 		s.watcher.Close()

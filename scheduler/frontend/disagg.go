@@ -18,14 +18,15 @@ import (
 // prompt.
 const HeaderPrefillWorker = "X-Baton-Prefill-Worker"
 
-// Disagg turns on disaggregated prefill/decode: the server's own pool and
-// strategy then choose the decode worker (by load), and Disagg's the
-// prefill worker (by prefix).
+// Disagg turns on disaggregated prefill/decode whenever its pool has
+// prefill workers: the server's strategy then picks the prefill worker (by
+// prefix) from that pool, and DecodeStrategy the decode worker (by load)
+// from the server's pool. While the pool is empty, serving is colocated.
 type Disagg struct {
-	// Pool holds the prefill workers.
+	// Pool holds the prefill workers; it may be empty, and fill later.
 	Pool *pool.Pool
-	// Strategy picks the prefill worker.
-	Strategy routing.Strategy
+	// DecodeStrategy picks the decode worker.
+	DecodeStrategy routing.Strategy
 	// MinRemoteTokens: prompts with fewer tokens left to compute on the
 	// decode worker are prefilled there, with no transfer.
 	MinRemoteTokens int
@@ -59,7 +60,7 @@ type plan struct {
 // It never fails the request: when no remote prefill happens it returns nil
 // and the decode worker prefills locally.
 func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
-	s, dz := x.s, x.s.disagg
+	s, dz := x.s, x.dz
 	m := s.metrics
 	local := func(reason string) *plan {
 		m.DisaggDecisions.WithLabelValues("local", reason).Inc()
@@ -139,19 +140,19 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 // pickPrefill picks a prefill worker by the prefill strategy, steering away
 // from those already tried.
 func (x *exchange) pickPrefill(tried []*pool.Worker) (*pool.Worker, error) {
-	dz := x.s.disagg
-	snap := dz.Pool.Snapshot()
+	strategy := x.s.strategy
+	snap := x.dz.Pool.Snapshot()
 	t0 := time.Now()
-	d, err := dz.Strategy.Pick(x.rreq, snap)
-	x.s.metrics.Decision.WithLabelValues(dz.Strategy.Name()).Observe(time.Since(t0).Seconds())
+	d, err := strategy.Pick(x.rreq, snap)
+	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return nil, err
 	}
 	if !slices.Contains(tried, d.Worker) {
 		if d.Spill && d.Home != nil {
-			x.s.metrics.Spills.WithLabelValues(dz.Strategy.Name(), d.Home.Name).Inc()
+			x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
 		}
-		x.route = d.RouteHit(dz.Strategy.Name(), x.rreq.Tokens)
+		x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
 		return d.Worker, nil
 	}
 	best := leastLoaded(snap, x.rreq.Model, tried)
@@ -191,7 +192,7 @@ func failureReason(err error) string {
 func (x *exchange) decode(ctx context.Context, wk *pool.Worker, p *plan) (engine.Stream, error) {
 	dz := wk.Client.(engine.Disaggregator)
 	t0 := time.Now()
-	stream, err := dz.Decode(ctx, &x.req.Request, p.transferID, x.s.disagg.TransferTimeout)
+	stream, err := dz.Decode(ctx, &x.req.Request, p.transferID, x.dz.TransferTimeout)
 	if err != nil {
 		return nil, fmt.Errorf("decode on %s: %w", wk.Name, err)
 	}

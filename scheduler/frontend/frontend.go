@@ -162,7 +162,7 @@ type Server struct {
 	log      *slog.Logger
 	mux      *http.ServeMux
 	created  int64
-	disagg   *Disagg // nil: colocated serving
+	disagg   *Disagg // nil: colocated serving only
 	name     string  // the routing strategy's name, for metrics and headers
 	usesKeys bool    // a strategy routes on block keys: compute them
 	// observeTTFT hears estimated and achieved TTFT; may be nil.
@@ -213,11 +213,12 @@ func WithFirstTokenObserver(fn func(FirstToken)) Option {
 // WithDisagg turns on disaggregated prefill/decode.
 func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }
 
-// New returns a Server routing with strategy over p. A nil log discards.
+// New returns a Server routing with strategy over p, the workers that
+// generate (colocated and decode workers). A nil log discards.
 //
-// With WithDisagg, p holds the workers that generate (decode and colocated
-// workers) and strategy picks among them; the prefill worker is picked by
-// the Disagg's strategy, which names the route in metrics and headers.
+// With WithDisagg, while the Disagg's pool has prefill workers, strategy
+// picks the prefill worker and the Disagg's DecodeStrategy the decode
+// worker from p; strategy names the route in metrics and headers.
 func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics, log *slog.Logger, opts ...Option) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -236,8 +237,7 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	s.name = strategy.Name()
 	s.usesKeys = routing.UsesKeys(strategy)
 	if s.disagg != nil {
-		s.name = s.disagg.Strategy.Name()
-		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.Strategy)
+		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.DecodeStrategy)
 	}
 	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
 	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
@@ -260,7 +260,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	models := s.cfg.Models
 	if len(models) == 0 {
 		for _, wk := range s.pool.Snapshot().Workers {
-			for _, m := range wk.Models {
+			for _, m := range wk.ServedModels() {
 				if !slices.Contains(models, m) {
 					models = append(models, m)
 				}
@@ -307,7 +307,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	strategy := s.name
 	req, rreq, err := s.parse(w, r, rt)
 	if err != nil {
-		s.metrics.Requests.WithLabelValues(strategy, "", metrics.OutcomeInvalid).Inc()
+		outcome := metrics.OutcomeInvalid
+		if e, ok := err.(*openai.Error); ok && e.Status == http.StatusServiceUnavailable {
+			outcome = metrics.OutcomeNoWorker
+		}
+		s.metrics.Requests.WithLabelValues(strategy, "", outcome).Inc()
 		openai.WriteError(w, err)
 		return
 	}
@@ -316,7 +320,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
-	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1}
+	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, dz: s.disaggregated()}
 	outcome := x.run(ctx)
 
 	s.metrics.Requests.WithLabelValues(strategy, x.worker, outcome).Inc()
@@ -358,6 +362,11 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 		}
 	}
 	if !s.knownModel(req.Model) {
+		if len(s.cfg.Models) == 0 && len(s.pool.Snapshot().Workers) == 0 {
+			// No worker has said what it serves yet: not the client's
+			// fault, and worth a retry.
+			return nil, nil, openai.NoWorker("no worker is available yet")
+		}
 		return nil, nil, openai.ModelNotFound(req.Model)
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
@@ -392,6 +401,26 @@ type exchange struct {
 	// estimate is the strategy's TTFT estimate for the worker, 0 if none.
 	estimate time.Duration
 	disagg   string // how the prompt was prefilled, when disaggregated
+	// dz is the server's Disagg when the fleet had prefill workers as the
+	// request arrived, else nil: the request is served colocated.
+	dz *Disagg
+}
+
+// disaggregated returns s.disagg while it has prefill workers, else nil.
+func (s *Server) disaggregated() *Disagg {
+	if s.disagg == nil || len(s.disagg.Pool.Snapshot().Workers) == 0 {
+		return nil
+	}
+	return s.disagg
+}
+
+// genStrategy picks the worker that generates: the decode strategy when
+// the request is disaggregated.
+func (x *exchange) genStrategy() routing.Strategy {
+	if x.dz != nil {
+		return x.dz.DecodeStrategy
+	}
+	return x.s.strategy
 }
 
 // run routes and serves the request, writing exactly one outcome to the
@@ -426,7 +455,7 @@ func (x *exchange) run(ctx context.Context) string {
 		}
 		x.worker = wk.Name
 		x.predicted = -1
-		if s.disagg == nil && s.usesKeys && d.Reason != "retry" {
+		if x.dz == nil && s.usesKeys && d.Reason != "retry" {
 			x.predicted = d.PredictedCached
 		}
 		if d.Spill && d.Home != nil {
@@ -435,7 +464,7 @@ func (x *exchange) run(ctx context.Context) string {
 		h := x.w.Header()
 		h.Set(HeaderWorker, wk.Name)
 		var p *plan
-		if s.disagg != nil {
+		if x.dz != nil {
 			h.Del(HeaderPrefillWorker)
 			if attempt == 0 {
 				// Later attempts prefill on their decode worker: the
@@ -547,12 +576,13 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 	var d routing.Decision
 	var err error
 	x.estimate = 0
-	if est, ok := x.s.strategy.(routing.TTFTEstimator); ok && x.s.disagg == nil {
+	strategy := x.genStrategy()
+	if est, ok := strategy.(routing.TTFTEstimator); ok && x.dz == nil {
 		d, x.estimate, err = est.PickEstimate(x.rreq, snap)
 	} else {
-		d, err = x.s.strategy.Pick(x.rreq, snap)
+		d, err = strategy.Pick(x.rreq, snap)
 	}
-	x.s.metrics.Decision.WithLabelValues(x.s.strategy.Name()).Observe(time.Since(t0).Seconds())
+	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return nil, d, err
 	}

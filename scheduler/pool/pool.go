@@ -22,6 +22,7 @@ import (
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/batonllm/baton/scheduler/ring"
+	"github.com/batonllm/baton/workers/engine"
 )
 
 // Snapshot is the pool's membership at one moment. It is immutable: never
@@ -62,12 +63,22 @@ func OnHealthChange(fn func(worker string, healthy bool)) Option {
 	return func(p *Pool) { p.onHealthChange = fn }
 }
 
+// OnDescribe sets a hook called when a worker with Discover set describes
+// itself for the first time, or differently from the last time. It is
+// called from the health-check goroutines, after the worker's check
+// passed, and may take the pool's membership lock (Add, Remove, Set) and
+// other pools'.
+func OnDescribe(fn func(w *Worker, d engine.Description)) Option {
+	return func(p *Pool) { p.onDescribe = fn }
+}
+
 // Pool is a set of workers and the loop that checks their health. Its
 // methods are safe for concurrent use.
 type Pool struct {
 	cfg             Config
 	onBreakerChange func(worker string, from, to gobreaker.State)
 	onHealthChange  func(worker string, healthy bool)
+	onDescribe      func(w *Worker, d engine.Description)
 
 	mu      sync.Mutex // serializes membership changes
 	workers map[string]*Worker
@@ -277,11 +288,31 @@ func (p *Pool) check1(ctx context.Context, w *Worker) {
 	if err == nil {
 		w.failedChecks = 0
 		p.setHealthy(w, true)
+		p.describe(ctx, w)
 		return
 	}
 	w.failedChecks++
 	if w.failedChecks >= p.cfg.UnhealthyAfter {
 		p.setHealthy(w, false)
+	}
+}
+
+// describe asks a worker with Discover set what it serves and tells the
+// OnDescribe hook when that changed.
+func (p *Pool) describe(ctx context.Context, w *Worker) {
+	dc, ok := w.Client.(engine.Describer)
+	if !ok || !w.Discover {
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.HealthTimeout)
+	d, err := dc.Describe(cctx)
+	cancel()
+	if err != nil || (w.described != nil && w.described.Role == d.Role && slices.Equal(w.described.Models, d.Models)) {
+		return
+	}
+	w.described = &d
+	if p.onDescribe != nil {
+		p.onDescribe(w, d)
 	}
 }
 

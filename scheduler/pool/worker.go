@@ -29,14 +29,20 @@ type Worker struct {
 	Name string
 	// Addr is the engine's address, for logs.
 	Addr string
-	// Models lists the models the engine serves; empty means any model.
+	// Models lists the models the engine serves at first; empty means any
+	// model. SetModels replaces the list later.
 	Models []string
+	// Discover has the pool ask the engine what it serves (its client's
+	// engine.Describer) after every passing health check; the pool's
+	// OnDescribe hook hears each new answer.
+	Discover bool
 	// Client drives the engine. The pool calls Check on it; it does not
 	// Close it: whoever created the client closes it once the worker is
 	// removed and its calls have ended.
 	Client engine.Client
 
 	pool     *Pool // set once by Pool.Add or Pool.Set
+	models   atomic.Pointer[[]string]
 	breaker  *gobreaker.TwoStepCircuitBreaker[struct{}]
 	inFlight atomic.Int64
 	healthy  atomic.Bool
@@ -45,9 +51,27 @@ type Worker struct {
 	// nanoseconds (the breaker only changes state when next asked).
 	state     atomic.Int32
 	openUntil atomic.Int64
-	// failedChecks counts consecutive failed health checks; only the
-	// pool's health round, which is serialized, touches it.
+	// failedChecks counts consecutive failed health checks, and described
+	// is the engine's latest description; only the pool's health round,
+	// which is serialized, touches them.
 	failedChecks int
+	described    *engine.Description
+}
+
+// ServedModels returns the models the worker serves; empty means any. The
+// slice must not be modified.
+func (w *Worker) ServedModels() []string {
+	if m := w.models.Load(); m != nil {
+		return *m
+	}
+	return w.Models
+}
+
+// SetModels replaces the models the worker serves (empty: any), as its
+// engine reports them. It is safe for concurrent use.
+func (w *Worker) SetModels(models []string) {
+	models = slices.Clone(models)
+	w.models.Store(&models)
 }
 
 // InFlight returns the number of calls acquired and not yet done.
@@ -69,7 +93,8 @@ func (w *Worker) BreakerState() gobreaker.State {
 
 // Serves reports whether the worker serves model.
 func (w *Worker) Serves(model string) bool {
-	return len(w.Models) == 0 || slices.Contains(w.Models, model)
+	m := w.ServedModels()
+	return len(m) == 0 || slices.Contains(m, model)
 }
 
 // Available reports whether the worker may be routed to: healthy and its

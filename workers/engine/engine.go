@@ -78,6 +78,23 @@ type Client interface {
 	Close() error
 }
 
+// Description is what an engine says it serves.
+type Description struct {
+	// Models the engine serves; empty means it does not say (any model).
+	Models []string
+	// Role is "both", "prefill" or "decode"; engines without
+	// disaggregation are "both".
+	Role string
+}
+
+// Describer is implemented by clients that can ask their engine what it
+// serves (a baton worker's Info, an OpenAI server's /v1/models). The
+// scheduler's pool calls it from its health-check goroutine, with a
+// deadline; it may block that long.
+type Describer interface {
+	Describe(ctx context.Context) (Description, error)
+}
+
 // ErrUnavailable is returned (wrapped) by clients when the engine cannot be
 // reached or refused the request for lack of capacity; callers may retry the
 // request on another engine.

@@ -258,6 +258,22 @@ func (c *Client) Info(ctx context.Context) (*workerpb.InfoResponse, error) {
 	return resp, nil
 }
 
+// Describe returns the models the worker serves and its role, from Info.
+func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
+	info, err := c.Info(ctx)
+	if err != nil {
+		return engine.Description{}, err
+	}
+	role := "both"
+	switch info.GetRole() {
+	case workerpb.Role_ROLE_PREFILL:
+		role = "prefill"
+	case workerpb.Role_ROLE_DECODE:
+		role = "decode"
+	}
+	return engine.Description{Models: info.GetModels(), Role: role}, nil
+}
+
 // Watch subscribes to the worker's load reports and cache events. The
 // stream lives until ctx is cancelled or the worker ends it; the caller
 // must cancel ctx when done with it.
@@ -383,4 +399,5 @@ func clampInt32(n int) int32 {
 
 var _ engine.Client = (*Client)(nil)
 var _ engine.Disaggregator = (*Client)(nil)
+var _ engine.Describer = (*Client)(nil)
 var _ engine.Stream = (*stream)(nil)

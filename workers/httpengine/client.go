@@ -16,11 +16,13 @@ package httpengine
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -170,6 +172,46 @@ func (c *Client) Check(ctx context.Context) error {
 	}
 	return nil
 }
+
+// Describe lists the models the engine serves, from its /v1/models (the
+// OpenAI model list vLLM, SGLang and llama-server all answer). An engine
+// without that route (404) serves any model. Role is always "both".
+func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
+	d := engine.Description{Role: "both"}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+"/v1/models", nil)
+	if err != nil {
+		return d, fmt.Errorf("listing models: %w", err)
+	}
+	c.setAuth(req)
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return d, fmt.Errorf("listing models: %w", transportError(ctx, err))
+	}
+	defer resp.Body.Close()
+	switch {
+	case resp.StatusCode == http.StatusNotFound:
+		return d, nil
+	case resp.StatusCode != http.StatusOK:
+		return d, fmt.Errorf("listing models: %w: status %d", engine.ErrUnavailable, resp.StatusCode)
+	}
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelList)).Decode(&list); err != nil {
+		return d, fmt.Errorf("listing models: %w: %w", engine.ErrUnavailable, err)
+	}
+	for _, m := range list.Data {
+		if m.ID != "" && !slices.Contains(d.Models, m.ID) {
+			d.Models = append(d.Models, m.ID)
+		}
+	}
+	return d, nil
+}
+
+// maxModelList bounds the /v1/models answer read.
+const maxModelList = 4 << 20
 
 // Close releases idle connections. It is idempotent; calls in flight go on.
 func (c *Client) Close() error {

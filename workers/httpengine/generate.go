@@ -196,3 +196,4 @@ func choiceText(c *chunkJSON) string {
 
 var _ engine.Client = (*Client)(nil)
 var _ engine.Stream = (*stream)(nil)
+var _ engine.Describer = (*Client)(nil)
