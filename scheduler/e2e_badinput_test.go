@@ -94,7 +94,7 @@ func TestBadInput(t *testing.T) {
 		if got := do(t, hc, http.MethodGet, base+"/healthz", "", nil).status; got != http.StatusOK {
 			t.Errorf("GET /healthz = %d, want 200", got)
 		}
-		m := scrape(t, hc, addr)
+		m := scrapeSettled(t, hc, addr)
 		if v, _ := metric(m, "baton_requests_total", `outcome="invalid"`); v < float64(len(tests)-1) {
 			t.Errorf(`baton_requests_total{outcome="invalid"} = %v, want >= %d`, v, len(tests)-1)
 		}
@@ -148,7 +148,7 @@ func TestNoWorkerAvailable(t *testing.T) {
 	if got := do(t, hc, http.MethodGet, "http://"+addr+"/readyz", "", nil); got.status != http.StatusServiceUnavailable {
 		t.Errorf("GET /readyz = %d, want 503 with no worker available", got.status)
 	}
-	m := scrape(t, hc, addr)
+	m := scrapeSettled(t, hc, addr)
 	if v, _ := metric(m, "baton_requests_failed_total", `outcome="no_worker"`); v != 2 {
 		t.Errorf(`baton_requests_failed_total{outcome="no_worker"} = %v, want 2`, v)
 	}
@@ -182,7 +182,7 @@ func TestRequestTimeout(t *testing.T) {
 		}
 		return nil
 	})
-	if v, _ := metric(scrape(t, hc, addr), "baton_requests_failed_total", `outcome="timeout"`); v != 1 {
+	if v, _ := metric(scrapeSettled(t, hc, addr), "baton_requests_failed_total", `outcome="timeout"`); v != 1 {
 		t.Errorf(`baton_requests_failed_total{outcome="timeout"} = %v, want 1`, v)
 	}
 }

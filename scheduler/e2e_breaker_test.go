@@ -34,7 +34,7 @@ func TestWorkerFailover(t *testing.T) {
 		t.Errorf("requests served per worker = %v, want every worker before the stop", served)
 	}
 
-	m := scrape(t, hc, addr)
+	m := scrapeSettled(t, hc, addr)
 	if v, _ := metric(m, "baton_breaker_transitions_total", `worker="`+victim+`"`, `to="open"`); v < 1 {
 		t.Errorf(`baton_breaker_transitions_total{worker=%q,to="open"} = %v, want >= 1`, victim, v)
 	}
@@ -65,7 +65,7 @@ func TestWorkerFailover(t *testing.T) {
 		}
 		return nil
 	})
-	m = scrape(t, hc, addr)
+	m = scrapeSettled(t, hc, addr)
 	if v, ok := metric(m, "baton_worker_breaker_state", `worker="`+victim+`"`); !ok || v != 0 {
 		t.Errorf(`baton_worker_breaker_state{worker=%q} = %v (present %v), want 0 (closed)`, victim, v, ok)
 	}

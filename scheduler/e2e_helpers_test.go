@@ -283,6 +283,26 @@ func scrape(t testing.TB, hc *http.Client, addr string) string {
 	return string(r.body)
 }
 
+// scrapeSettled returns the scheduler's /metrics text once every accepted
+// request has been counted as completed or failed. A client sees the end
+// of its response before the scheduler counts it, so a test that reads
+// request counters right after its responses waits on this, not on time.
+func scrapeSettled(t testing.TB, hc *http.Client, addr string) string {
+	t.Helper()
+	var m string
+	eventually(t, 10*time.Second, func() error {
+		m = scrape(t, hc, addr)
+		acc, _ := metric(m, "baton_requests_accepted_total")
+		done, _ := metric(m, "baton_requests_completed_total")
+		failed, _ := metric(m, "baton_requests_failed_total")
+		if acc != done+failed {
+			return fmt.Errorf("accepted %v != completed %v + failed %v: requests still in flight", acc, done, failed)
+		}
+		return nil
+	})
+	return m
+}
+
 // metric sums the samples of the metric called name whose labels include
 // every label="value" pair in labels (e.g. `worker="w0"`). It reports
 // whether any sample matched.

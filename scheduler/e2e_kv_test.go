@@ -230,8 +230,11 @@ func TestRedisDownNeverFailsARequest(t *testing.T) {
 			t.Fatalf("request %d with Redis down: empty answer", i)
 		}
 	}
-	if st := store.State(); st != gobreaker.StateOpen {
-		t.Errorf("breaker %v with Redis down, want open", st)
+	// Open, or half-open once its timeout passed (a slow run may take
+	// longer than that to get here): either way it opened, and with Redis
+	// still down no probe can close it.
+	if st := store.State(); st == gobreaker.StateClosed {
+		t.Errorf("breaker %v with Redis down, want it opened", st)
 	}
 	srv.Restart()
 	before := ws[0].Engine.Stats().StoreWrites + ws[1].Engine.Stats().StoreWrites

@@ -142,7 +142,7 @@ func TestOpenAIClient(t *testing.T) {
 		if err == nil {
 			t.Fatal("n=2 succeeded, want a 400")
 		}
-		m := scrape(t, hc, addr)
+		m := scrapeSettled(t, hc, addr)
 		for _, name := range []string{"baton_requests_total", "baton_cached_tokens_total", "baton_prompt_tokens_total"} {
 			if v, _ := metric(m, name); v <= 0 {
 				t.Errorf("%s = %v, want > 0", name, v)

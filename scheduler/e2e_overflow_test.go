@@ -67,7 +67,7 @@ func TestPrefixAwareOverflow(t *testing.T) {
 	if spilled == 0 || len(used) < 2 {
 		t.Errorf("%d concurrent same-prefix requests: %d spilled, workers %v; want some spilled to more than one worker", n, spilled, used)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	if v, _ := metric(m, "baton_overflow_spills_total", `strategy="prefix_aware"`); v != float64(spilled) {
 		t.Errorf("baton_overflow_spills_total = %v, want %d (the responses marked spill=true)", v, spilled)
 	}

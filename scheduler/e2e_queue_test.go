@@ -52,7 +52,7 @@ func TestQueueWhenEveryWorkerIsFull(t *testing.T) {
 	if first, second := <-long, <-queued; first.content == "" || second.content == "" {
 		t.Errorf("queued request lost: %+v %+v", first, second)
 	}
-	m := scrape(t, hc, addr)
+	m := scrapeSettled(t, hc, addr)
 	if v, _ := metric(m, "baton_queue_rejections_total", `reason="full"`); v != 1 {
 		t.Errorf("rejections for a full queue = %v, want 1", v)
 	}
