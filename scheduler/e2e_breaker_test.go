@@ -2,6 +2,8 @@ package scheduler_test
 
 import (
 	"fmt"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,7 +18,8 @@ import (
 // address, it serves again with its breaker closed.
 func TestWorkerFailover(t *testing.T) {
 	ws, workers := startWorkers(t, 3, fastScale)
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "round_robin", Workers: workers, Pool: fastPool()})
+	logs := &logRecorder{level: slog.LevelInfo}
+	s, addr := startSchedulerLog(t, scheduler.Config{Strategy: "round_robin", Workers: workers, Pool: fastPool()}, slog.New(logs))
 	c := oaClient(t, addr)
 	hc := httpClient(t)
 	const victim = "w1"
@@ -71,5 +74,24 @@ func TestWorkerFailover(t *testing.T) {
 	}
 	if v, _ := metric(m, "baton_worker_healthy", `worker="`+victim+`"`); v != 1 {
 		t.Errorf(`baton_worker_healthy{worker=%q} = %v, want 1`, victim, v)
+	}
+	// Failures are warnings; recoveries are news, not warnings.
+	var opened, closed bool
+	for _, l := range logs.messages() {
+		switch {
+		case strings.Contains(l, "breaker changed") && strings.Contains(l, "to=open"):
+			opened = true
+			if !strings.HasPrefix(l, "WARN ") {
+				t.Errorf("breaker opening logged as %q, want WARN", l)
+			}
+		case strings.Contains(l, "to=closed"), strings.Contains(l, "healthy=true"):
+			closed = true
+			if !strings.HasPrefix(l, "INFO ") {
+				t.Errorf("recovery logged as %q, want INFO", l)
+			}
+		}
+	}
+	if !opened || !closed {
+		t.Errorf("logs lack the breaker opening (%t) or the recovery (%t):\n%s", opened, closed, strings.Join(logs.messages(), "\n"))
 	}
 }

@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -26,6 +27,12 @@ type fleet struct {
 // at the given time scales, prefill workers pushing over tr if not nil,
 // and a prefix_aware scheduler in front of them.
 func startFleet(t *testing.T, nPrefill, nDecode int, pScale, dScale float64, tr func() transfer.Transport, edit func(*scheduler.Config)) *fleet {
+	t.Helper()
+	return startFleetLog(t, nPrefill, nDecode, pScale, dScale, tr, edit, nil)
+}
+
+// startFleetLog is startFleet with the scheduler logging to log.
+func startFleetLog(t *testing.T, nPrefill, nDecode int, pScale, dScale float64, tr func() transfer.Transport, edit func(*scheduler.Config), log *slog.Logger) *fleet {
 	t.Helper()
 	f := &fleet{workers: map[string]*sim.Worker{}}
 	cfg := scheduler.Config{Strategy: "prefix_aware", Pool: fastPool()}
@@ -53,7 +60,7 @@ func startFleet(t *testing.T, nPrefill, nDecode int, pScale, dScale float64, tr 
 	if edit != nil {
 		edit(&cfg)
 	}
-	f.s, f.addr = startScheduler(t, cfg)
+	f.s, f.addr = startSchedulerLog(t, cfg, log)
 	return f
 }
 

@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"bufio"
 	"fmt"
+	"log/slog"
 	"net"
 	"strings"
 	"sync"
@@ -21,19 +22,20 @@ func TestMassDisconnectOpensNoBreaker(t *testing.T) {
 	const cut, after = 200, 400
 	for _, tc := range []struct {
 		name  string
-		fleet func(t *testing.T) (*scheduler.Scheduler, string)
+		fleet func(t *testing.T, log *slog.Logger) (*scheduler.Scheduler, string)
 	}{
-		{"disaggregated", func(t *testing.T) (*scheduler.Scheduler, string) {
-			f := startFleet(t, 2, 2, fastScale, fastScale, nil, func(c *scheduler.Config) { c.Pool = pool.Config{} })
+		{"disaggregated", func(t *testing.T, log *slog.Logger) (*scheduler.Scheduler, string) {
+			f := startFleetLog(t, 2, 2, fastScale, fastScale, nil, func(c *scheduler.Config) { c.Pool = pool.Config{} }, log)
 			return f.s, f.addr
 		}},
-		{"colocated", func(t *testing.T) (*scheduler.Scheduler, string) {
+		{"colocated", func(t *testing.T, log *slog.Logger) (*scheduler.Scheduler, string) {
 			_, wcs := startWorkers(t, 2, fastScale)
-			return startScheduler(t, scheduler.Config{Strategy: "prefix_aware", Workers: wcs})
+			return startSchedulerLog(t, scheduler.Config{Strategy: "prefix_aware", Workers: wcs}, log)
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, addr := tc.fleet(t)
+			warnings := &logRecorder{level: slog.LevelWarn}
+			s, addr := tc.fleet(t, slog.New(warnings))
 			body := func(i int) string {
 				return fmt.Sprintf(`{"model":%q,"stream":true,"max_tokens":2000,"messages":[{"role":"user","content":%q}]}`,
 					model, text(fmt.Sprintf("shared document %d", i%4), 3000))
@@ -109,6 +111,10 @@ func TestMassDisconnectOpensNoBreaker(t *testing.T) {
 						t.Errorf("worker %s breaker = %s, want closed", w.Name, st)
 					}
 				}
+			}
+			// A client that hangs up is routine: nothing to warn about.
+			if msgs := warnings.messages(); len(msgs) != 0 {
+				t.Errorf("%d warnings logged for client disconnects, want none; first: %s", len(msgs), msgs[0])
 			}
 			// Every accepted request ended in one outcome: the cut ones
 			// as canceled, none as a worker error.

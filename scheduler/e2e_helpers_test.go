@@ -6,10 +6,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -79,9 +81,15 @@ func startWorkers(t testing.TB, n int, scale float64) ([]*sim.Worker, []schedule
 // checks that Serve returned nil.
 func startScheduler(t testing.TB, cfg scheduler.Config) (*scheduler.Scheduler, string) {
 	t.Helper()
+	return startSchedulerLog(t, cfg, nil)
+}
+
+// startSchedulerLog is startScheduler with the scheduler logging to log.
+func startSchedulerLog(t testing.TB, cfg scheduler.Config, log *slog.Logger) (*scheduler.Scheduler, string) {
+	t.Helper()
 	var reg routing.Registry
 	routing.RegisterBuiltins(&reg)
-	s, err := scheduler.New(cfg, &reg, nil)
+	s, err := scheduler.New(cfg, &reg, log)
 	if err != nil {
 		t.Fatalf("scheduler.New: %v", err)
 	}
@@ -118,6 +126,36 @@ func oaClient(t testing.TB, addr string) openai.Client {
 		option.WithMaxRetries(0),
 		option.WithHTTPClient(httpClient(t)),
 	)
+}
+
+// logRecorder is a slog handler that keeps the records at or above a
+// level, as "LEVEL message key=value ...".
+type logRecorder struct {
+	level slog.Level
+	mu    sync.Mutex
+	msgs  []string
+}
+
+func (r *logRecorder) Enabled(_ context.Context, l slog.Level) bool { return l >= r.level }
+func (r *logRecorder) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	msg := rec.Level.String() + " " + rec.Message
+	rec.Attrs(func(a slog.Attr) bool {
+		msg += " " + a.String()
+		return true
+	})
+	r.msgs = append(r.msgs, msg)
+	return nil
+}
+func (r *logRecorder) WithAttrs([]slog.Attr) slog.Handler { return r }
+func (r *logRecorder) WithGroup(string) slog.Handler      { return r }
+
+// messages returns the records kept so far.
+func (r *logRecorder) messages() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.msgs...)
 }
 
 // ctxT returns a context that ends with the test or after d.
