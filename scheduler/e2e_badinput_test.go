@@ -1,6 +1,8 @@
 package scheduler_test
 
 import (
+	"bytes"
+	"compress/gzip"
 	"fmt"
 	"net"
 	"net/http"
@@ -184,5 +186,64 @@ func TestRequestTimeout(t *testing.T) {
 	})
 	if v, _ := metric(scrapeSettled(t, hc, addr), "baton_requests_failed_total", `outcome="timeout"`); v != 1 {
 		t.Errorf(`baton_requests_failed_total{outcome="timeout"} = %v, want 1`, v)
+	}
+}
+
+// gzipped compresses s.
+func gzipped(t *testing.T, s string) string {
+	t.Helper()
+	var b bytes.Buffer
+	zw := gzip.NewWriter(&b)
+	if _, err := zw.Write([]byte(s)); err != nil {
+		t.Fatal(err)
+	}
+	if err := zw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.String()
+}
+
+// TestBodyEncodingsAndMethods: a gzip body is decoded (and held to
+// max_body_bytes once decoded), other encodings are a 415, and a known
+// route called with the wrong method is a 405 naming the right one.
+func TestBodyEncodingsAndMethods(t *testing.T) {
+	_, workers := startWorkers(t, 1, fastScale)
+	_, addr := startScheduler(t, scheduler.Config{Strategy: "random", Workers: workers, Pool: fastPool(),
+		Config: frontend.Config{MaxBodyBytes: 64 << 10}})
+	hc := httpClient(t)
+	base := "http://" + addr
+	chatBody := `{"model":"` + model + `","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`
+	bomb := `{"model":"` + model + `","messages":[{"role":"user","content":"` + strings.Repeat("x", 1<<20) + `"}]}`
+
+	for _, tt := range []struct {
+		name, method, path, body string
+		header                   map[string]string
+		status                   int
+		code, allow              string
+	}{
+		{"gzip body", "POST", "/v1/chat/completions", gzipped(t, chatBody), map[string]string{"Content-Encoding": "gzip"}, 200, "", ""},
+		{"identity body", "POST", "/v1/chat/completions", chatBody, map[string]string{"Content-Encoding": "identity"}, 200, "", ""},
+		{"gzip over the limit once decoded", "POST", "/v1/chat/completions", gzipped(t, bomb), map[string]string{"Content-Encoding": "gzip"}, 413, "request_too_large", ""},
+		{"corrupt gzip", "POST", "/v1/chat/completions", "not gzip at all", map[string]string{"Content-Encoding": "gzip"}, 400, "invalid_body", ""},
+		{"brotli", "POST", "/v1/chat/completions", chatBody, map[string]string{"Content-Encoding": "br"}, 415, "unsupported_encoding", ""},
+		{"GET on chat", "GET", "/v1/chat/completions", "", nil, 405, "method_not_allowed", "POST"},
+		{"GET on invocations", "GET", "/invocations", "", nil, 405, "method_not_allowed", "POST"},
+		{"POST on models", "POST", "/v1/models", chatBody, nil, 405, "method_not_allowed", "GET, HEAD"},
+		{"unknown route", "GET", "/v2/nothing", "", nil, 404, "unknown_route", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := do(t, hc, tt.method, base+tt.path, tt.body, tt.header)
+			if r.status != tt.status {
+				t.Fatalf("status %d, want %d: %.300s", r.status, tt.status, r.body)
+			}
+			if tt.code != "" {
+				if _, _, code, _ := decodeError(t, r.body); code != tt.code {
+					t.Errorf("code %q, want %q", code, tt.code)
+				}
+			}
+			if got := r.header.Get("Allow"); got != tt.allow {
+				t.Errorf("Allow %q, want %q", got, tt.allow)
+			}
+		})
 	}
 }

@@ -291,8 +291,10 @@ func (s *Scheduler) Serve(l net.Listener) error {
 	s.srv = &http.Server{
 		Handler:           s.Handler,
 		ReadHeaderTimeout: 10 * time.Second,
-		// No write timeout: streams last as long as generation does, bounded
-		// by the front end's request timeout.
+		IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
+		// No read or write timeout here: the front end sets them per
+		// request (the body; a non-streamed response), as streams last as
+		// long as generation does, bounded by the request timeout.
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
 	srv := s.srv

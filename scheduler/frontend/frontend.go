@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -44,6 +45,11 @@ const (
 	DefaultMaxQueue     = 256
 	DefaultMaxInFlight  = 256
 	DefaultQueueTimeout = 30 * time.Second
+	DefaultReadTimeout  = time.Minute
+	DefaultIdleTimeout  = 2 * time.Minute
+	// writeTimeoutSlack is how much longer than request_timeout a
+	// non-streamed response may take to write by default.
+	writeTimeoutSlack = 30 * time.Second
 )
 
 // Config tunes the front end. The zero value means every default.
@@ -81,6 +87,19 @@ type Config struct {
 	// QueueTimeout bounds a request's wait in that queue; past it the
 	// request gets a 429. Default 30s.
 	QueueTimeout time.Duration `yaml:"queue_timeout"`
+	// ReadTimeout bounds reading a request, from its arrival to the end of
+	// its body; a client that stalls mid-body gets a 408 and its
+	// connection is closed. Default 1m: a 6 MiB body over a slow link.
+	ReadTimeout time.Duration `yaml:"read_timeout"`
+	// WriteTimeout bounds a non-streamed exchange, from the request's
+	// arrival to the last byte of its response, so that a client that
+	// stops reading cannot hold a connection. Streams are bounded by
+	// request_timeout only. Default request_timeout + 30s, which no
+	// legitimate response reaches.
+	WriteTimeout time.Duration `yaml:"write_timeout"`
+	// IdleTimeout closes a kept-alive connection that carries no request
+	// for this long. Default 2m.
+	IdleTimeout time.Duration `yaml:"idle_timeout"`
 }
 
 // Default returns the configuration used for zero fields.
@@ -93,6 +112,9 @@ func Default() Config {
 		MaxQueue:       DefaultMaxQueue,
 		MaxInFlight:    DefaultMaxInFlight,
 		QueueTimeout:   DefaultQueueTimeout,
+		ReadTimeout:    DefaultReadTimeout,
+		WriteTimeout:   DefaultTimeout + writeTimeoutSlack,
+		IdleTimeout:    DefaultIdleTimeout,
 	}
 }
 
@@ -122,6 +144,15 @@ func (c Config) WithDefaults() Config {
 	if c.QueueTimeout == 0 {
 		c.QueueTimeout = d.QueueTimeout
 	}
+	if c.ReadTimeout == 0 {
+		c.ReadTimeout = d.ReadTimeout
+	}
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = c.RequestTimeout + writeTimeoutSlack
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = d.IdleTimeout
+	}
 	return c
 }
 
@@ -144,6 +175,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("max_queue: must be -1 (no queue) or 1–1048576, got %d", c.MaxQueue)
 	case c.QueueTimeout < 0:
 		return fmt.Errorf("queue_timeout: must be positive, got %s", c.QueueTimeout)
+	case c.ReadTimeout < 0:
+		return fmt.Errorf("read_timeout: must be positive, got %s", c.ReadTimeout)
+	case c.WriteTimeout < 0:
+		return fmt.Errorf("write_timeout: must be positive, got %s", c.WriteTimeout)
+	case c.IdleTimeout < 0:
+		return fmt.Errorf("idle_timeout: must be positive, got %s", c.IdleTimeout)
 	}
 	for i, m := range c.Models {
 		if m == "" {
@@ -239,15 +276,29 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	if s.disagg != nil {
 		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.DecodeStrategy)
 	}
-	s.mux.HandleFunc("POST "+openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
-	s.mux.HandleFunc("POST "+openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
-	s.mux.HandleFunc("POST /invocations", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{native: true}) })
-	s.mux.HandleFunc("GET /v1/models", s.models)
-	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
-	s.mux.HandleFunc("GET /readyz", s.ready)
-	s.mux.HandleFunc("GET /ping", s.ready) // SageMaker's health route
-	s.mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	allow := map[string][]string{} // path → methods, for 405s
+	handle := func(method, path string, h http.HandlerFunc) {
+		s.mux.HandleFunc(method+" "+path, h)
+		allow[path] = append(allow[path], method)
+		if method == http.MethodGet {
+			allow[path] = append(allow[path], http.MethodHead)
+		}
+	}
+	handle(http.MethodPost, openai.ChatPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Chat}) })
+	handle(http.MethodPost, openai.CompletionPath, func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{kind: openai.Completion}) })
+	handle(http.MethodPost, "/invocations", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, route{native: true}) })
+	handle(http.MethodGet, "/v1/models", s.models)
+	handle(http.MethodGet, "/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	handle(http.MethodGet, "/readyz", s.ready)
+	handle(http.MethodGet, "/ping", s.ready) // SageMaker's health route
+	handle(http.MethodGet, "/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}).ServeHTTP)
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if methods, ok := allow[r.URL.Path]; ok {
+			w.Header().Set("Allow", strings.Join(methods, ", "))
+			openai.WriteError(w, &openai.Error{Status: http.StatusMethodNotAllowed, Type: openai.TypeInvalidRequest, Code: "method_not_allowed",
+				Message: fmt.Sprintf("%s %s: use %s", r.Method, r.URL.Path, strings.Join(methods, " or "))})
+			return
+		}
 		openai.WriteError(w, &openai.Error{Status: http.StatusNotFound, Type: openai.TypeNotFound, Code: "unknown_route",
 			Message: fmt.Sprintf("no route %s %s", r.Method, r.URL.Path)})
 	})
@@ -318,6 +369,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	s.metrics.Accepted.Inc()
 	req.ID = openai.NewID(req.Kind)
 
+	if !req.Stream {
+		_ = http.NewResponseController(w).SetWriteDeadline(start.Add(s.cfg.WriteTimeout))
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
 	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, dz: s.disaggregated()}
@@ -335,10 +389,16 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 
 // parse reads and validates the request and derives its routing request.
 func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*openai.Request, *routing.Request, error) {
+	// The read deadline covers the body only. It stays when reading
+	// failed, so that net/http's drain of an unread body fails at once and
+	// the connection closes.
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Now().Add(s.cfg.ReadTimeout))
 	body, err := openai.ReadBody(w, r, s.cfg.MaxBodyBytes)
 	if err != nil {
 		return nil, nil, err
 	}
+	_ = rc.SetReadDeadline(time.Time{})
 	kind := rt.kind
 	if rt.native {
 		if kind, err = openai.DetectKind(body); err != nil {

@@ -1,13 +1,17 @@
 package openai
 
 import (
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/batonllm/baton/workers/engine"
@@ -17,21 +21,53 @@ import (
 // SageMaker's invocation payload limit.
 const DefaultMaxBodyBytes = 6 << 20
 
-// ReadBody reads r's body, at most limit bytes; a larger body is a 413
-// *Error.
+// ReadBody reads r's body, at most limit bytes, decoding a gzip
+// Content-Encoding (the decoded body is held to limit too). A larger body
+// is a 413 *Error, another encoding a 415.
 func ReadBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, error) {
 	if r.ContentLength > limit {
 		return nil, TooLarge(limit)
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
-	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return nil, TooLarge(limit)
+	var body io.Reader = http.MaxBytesReader(w, r.Body, limit)
+	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
+	case "", "identity":
+	case "gzip":
+		zr, err := gzip.NewReader(body)
+		if err != nil {
+			return nil, readError(w, err)
 		}
-		return nil, Invalid("", "invalid_body", "reading the request body: "+err.Error())
+		defer zr.Close()
+		body = io.LimitReader(zr, limit+1)
+	default:
+		w.Header().Set("Connection", "close")
+		return nil, &Error{Status: http.StatusUnsupportedMediaType, Type: TypeInvalidRequest, Code: "unsupported_encoding",
+			Message: "Content-Encoding " + strconv.Quote(enc) + " is not supported; send gzip or no encoding"}
 	}
-	return body, nil
+	b, err := io.ReadAll(body)
+	if err != nil {
+		return nil, readError(w, err)
+	}
+	if int64(len(b)) > limit {
+		return nil, TooLarge(limit)
+	}
+	return b, nil
+}
+
+// readError turns an error reading a body into the client's error.
+func readError(w http.ResponseWriter, err error) error {
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		return TooLarge(mbe.Limit)
+	}
+	// The rest of the body will not be read: the connection cannot carry
+	// another request (and net/http would otherwise try to drain the body
+	// before answering).
+	w.Header().Set("Connection", "close")
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return &Error{Status: http.StatusRequestTimeout, Type: TypeInvalidRequest, Code: "request_timeout",
+			Message: "the request body did not arrive in time"}
+	}
+	return Invalid("", "invalid_body", "reading the request body: "+err.Error())
 }
 
 // WriteModels writes the /v1/models list.
