@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"iter"
+	"slices"
 	"sync"
 
 	"google.golang.org/grpc"
@@ -90,7 +92,27 @@ func (t *GRPCTransport) Push(ctx context.Context, addr, transferID string, block
 	if err != nil {
 		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
 	}
-	stats, err := t.push(ctx, c, transferID, blocks)
+	stats, err := t.push(ctx, c, transferID, slices.Values(blocks))
+	if err != nil {
+		return stats, fmt.Errorf("push %s to %s: %w", transferID, addr, rpcError(ctx, err))
+	}
+	return stats, nil
+}
+
+// PushFill implements FillPusher: blocks are filled one at a time into a
+// pooled buffer, which the push copies from as it sends (as it does the
+// caller's bytes in Push).
+func (t *GRPCTransport) PushFill(ctx context.Context, addr, transferID string, keys []uint64, size int, fill FillFunc) (PushStats, error) {
+	if err := checkFill(transferID, keys, size); err != nil {
+		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
+	}
+	c, err := t.client(addr)
+	if err != nil {
+		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
+	}
+	buf := kvPool.Get(max(size, 0))
+	defer kvPool.Put(buf)
+	stats, err := t.push(ctx, c, transferID, filled(keys, *buf, fill))
 	if err != nil {
 		return stats, fmt.Errorf("push %s to %s: %w", transferID, addr, rpcError(ctx, err))
 	}
@@ -101,7 +123,9 @@ func (t *GRPCTransport) Push(ctx context.Context, addr, transferID string, block
 // a larger one is checksummed first, then copied chunk by chunk as sent.
 const maxEncodeAhead = 16 << 20
 
-func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, transferID string, blocks []Block) (PushStats, error) {
+// push sends blocks; a block's Data need only stay valid until the next
+// block is asked for, as every path copies it before then.
+func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, transferID string, blocks iter.Seq[Block]) (PushStats, error) {
 	// Cancelling on return ends the stream on every path, so gRPC does not
 	// leak it when we give up before CloseAndRecv.
 	sctx, cancel := context.WithCancel(ctx)
@@ -134,7 +158,7 @@ func (t *GRPCTransport) push(ctx context.Context, c workerpb.KVTransferClient, t
 	if err := send(transferID, 0, 0, 0, nil); err != nil {
 		return stats, sendError(st, err)
 	}
-	for _, b := range blocks {
+	for b := range blocks {
 		if t.o.delay != nil {
 			if err := sleep(ctx, t.o.delay(b.Key)); err != nil {
 				return stats, err
@@ -229,4 +253,7 @@ func (t *GRPCTransport) Close() error {
 	return errors.Join(errs...)
 }
 
-var _ Transport = (*GRPCTransport)(nil)
+var (
+	_ Transport  = (*GRPCTransport)(nil)
+	_ FillPusher = (*GRPCTransport)(nil)
+)

@@ -3,6 +3,8 @@ package transfer
 import (
 	"context"
 	"fmt"
+	"iter"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -88,6 +90,20 @@ func (t *inmemTransport) Push(ctx context.Context, addr, transferID string, bloc
 	if err := checkBlocks(transferID, blocks); err != nil {
 		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
 	}
+	return t.push(ctx, addr, transferID, slices.Values(blocks))
+}
+
+// PushFill implements FillPusher, filling one buffer block after block.
+func (t *inmemTransport) PushFill(ctx context.Context, addr, transferID string, keys []uint64, size int, fill FillFunc) (PushStats, error) {
+	if err := checkFill(transferID, keys, size); err != nil {
+		return PushStats{}, fmt.Errorf("push %s to %s: %w", transferID, addr, err)
+	}
+	return t.push(ctx, addr, transferID, filled(keys, make([]byte, max(size, 0)), fill))
+}
+
+// push delivers blocks; a block's Data need only stay valid until the next
+// block is asked for (the assembler copies it).
+func (t *inmemTransport) push(ctx context.Context, addr, transferID string, blocks iter.Seq[Block]) (PushStats, error) {
 	recv, err := t.receiver(addr)
 	if err == nil {
 		err = ctx.Err()
@@ -98,7 +114,7 @@ func (t *inmemTransport) Push(ctx context.Context, addr, transferID string, bloc
 	a := newAssembler(recv, DefaultMaxBlockBytes)
 	a.id = transferID
 	var stats PushStats
-	for _, b := range blocks {
+	for b := range blocks {
 		if t.o.delay != nil {
 			err = sleep(ctx, t.o.delay(b.Key))
 		}
@@ -129,4 +145,7 @@ func (t *inmemTransport) Close() error {
 	return nil
 }
 
-var _ Transport = (*inmemTransport)(nil)
+var (
+	_ Transport  = (*inmemTransport)(nil)
+	_ FillPusher = (*inmemTransport)(nil)
+)

@@ -185,6 +185,47 @@ func testTransport(t *testing.T, mk mkTransport) {
 		}
 	})
 
+	t.Run("PushFill", func(t *testing.T) {
+		for _, size := range []int{64, 32 << 10, 1<<20 + 8} {
+			t.Run(fmt.Sprint(size, " bytes"), func(t *testing.T) {
+				recv := newRecorder()
+				tr, addr := mk(t, recv, WithChunkBytes(16<<10))
+				blocks := makeBlocks(7, size, size, size, size)
+				fp, ok := tr.(FillPusher)
+				if !ok {
+					t.Fatalf("%T is no FillPusher", tr)
+				}
+				got, err := fp.PushFill(t.Context(), addr, "f1", keysOf(blocks), size, kvblock.Fill)
+				if err != nil {
+					t.Fatalf("PushFill: %v", err)
+				}
+				want := PushStats{Accepted: len(blocks), Bytes: totalBytes(blocks)}
+				if diff := cmp.Diff(want, got); diff != "" {
+					t.Errorf("PushFill stats (-want +got):\n%s", diff)
+				}
+				if diff := cmp.Diff(keysOf(blocks), recv.acceptedKeys("f1")); diff != "" {
+					t.Errorf("accepted keys (-want +got):\n%s", diff)
+				}
+				if diff := cmp.Diff([]finish{{Accepted: len(blocks)}}, recv.finishes(t, "f1"), cmpFinish); diff != "" {
+					t.Errorf("Finish calls (-want +got):\n%s", diff)
+				}
+				recv.check(t)
+			})
+		}
+		t.Run("invalid", func(t *testing.T) {
+			tr, addr := mk(t, newRecorder())
+			for _, tc := range []struct {
+				name string
+				id   string
+				size int
+			}{{"empty transfer id", "", 64}, {"empty blocks", "f", 0}} {
+				if _, err := PushFill(t.Context(), tr, addr, tc.id, []uint64{1}, tc.size, kvblock.Fill); err == nil {
+					t.Errorf("%s: PushFill succeeded, want an error", tc.name)
+				}
+			}
+		})
+	})
+
 	t.Run("NoBlocks", func(t *testing.T) {
 		recv := newRecorder()
 		tr, addr := mk(t, recv)

@@ -4,7 +4,10 @@ import (
 	"net"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc"
+
+	"github.com/batonllm/baton/transfer/kvblock"
 )
 
 func TestInMem(t *testing.T) {
@@ -57,4 +60,27 @@ func serveGRPC(t testing.TB, recv Receiver, gopts []grpc.ServerOption, opts ...S
 		<-done
 	})
 	return l.Addr().String()
+}
+
+// plainTransport hides a transport's PushFill.
+type plainTransport struct{ Transport }
+
+// PushFill falls back to Push for a transport that is no FillPusher.
+func TestPushFillFallback(t *testing.T) {
+	recv := newRecorder()
+	n := NewInMem()
+	t.Cleanup(n.Listen("decode-0", recv))
+	tr := plainTransport{n.Transport()}
+	blocks := makeBlocks(3, 4<<10, 4<<10)
+	got, err := PushFill(t.Context(), tr, "decode-0", "f", keysOf(blocks), 4<<10, kvblock.Fill)
+	if err != nil {
+		t.Fatalf("PushFill: %v", err)
+	}
+	if want := (PushStats{Accepted: 2, Bytes: totalBytes(blocks)}); got != want {
+		t.Errorf("PushFill = %+v, want %+v", got, want)
+	}
+	if diff := cmp.Diff(keysOf(blocks), recv.acceptedKeys("f")); diff != "" {
+		t.Errorf("accepted keys (-want +got):\n%s", diff)
+	}
+	recv.check(t)
 }
