@@ -135,7 +135,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		s.cancel()
 		<-s.pre.done // the loop drops it (or hands it over just before)
 		if s.pre.handed {
-			e.cache.Release(s.keys[:s.held], 0)
+			e.releaseHanded(s)
 		}
 		return nil, ctx.Err()
 	}
@@ -145,47 +145,51 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		}
 		return nil, s.pre.err
 	}
-	defer e.cache.Release(s.keys[:s.held], 0)
+	defer e.releaseHanded(s)
 	res.CachedTokens = s.cached
 	res.Queue = s.pre.admitted.Sub(s.queued)
 	res.Prefill = s.pre.prefilled.Sub(s.pre.admitted)
 
-	// Push the blocks the decode worker lacks.
+	// Push the blocks the decode worker lacks, their payloads written as
+	// they are sent (transfer.PushFill): a push holds one block's payload,
+	// not the prompt's.
 	pushStart := time.Now()
-	blocks := make([]transfer.Block, 0, len(s.keys))
+	keys := make([]uint64, 0, len(s.keys))
 	for i, k := range s.keys {
 		if held[i] {
 			res.BlocksHeld++
 			continue
 		}
-		buf := e.getBuf()
-		kvblock.Fill(*buf, k)
-		blocks = append(blocks, transfer.Block{Key: k, Data: *buf})
+		keys = append(keys, k)
 	}
-	defer func() {
-		for _, b := range blocks {
-			e.putBuf(b.Data)
-		}
-	}()
 	pctx, cancel := bounded()
 	defer cancel()
-	stats, err := e.push(pctx, tr, req.DecodeAddr, req.TransferID, blocks)
+	stats, err := e.push(pctx, tr, req.DecodeAddr, req.TransferID, keys)
 	res.Transfer = time.Since(pushStart)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		return nil, fmt.Errorf("%w: pushing %d blocks to %s: %w", ErrTransfer, len(blocks), req.DecodeAddr, err)
+		return nil, fmt.Errorf("%w: pushing %d blocks to %s: %w", ErrTransfer, len(keys), req.DecodeAddr, err)
 	}
-	res.BlocksSent = len(blocks)
+	res.BlocksSent = len(keys)
 	res.BytesSent = stats.Bytes
 	res.BlocksRejected = stats.Rejected
 	return res, nil
 }
 
-// push sleeps the modelled link time of blocks, then pushes them.
-func (e *Engine) push(ctx context.Context, tr transfer.Transport, addr, id string, blocks []transfer.Block) (transfer.PushStats, error) {
-	if d := e.linkDelay(len(blocks)); d > 0 {
+// releaseHanded releases the blocks a prefill-only sequence handed over
+// (handOver) and wakes the step loop: the head of its queue may have been
+// waiting for them, and nothing else would wake it.
+func (e *Engine) releaseHanded(s *seq) {
+	e.cache.Release(s.keys[:s.held], 0)
+	e.wake()
+}
+
+// push sleeps the modelled link time of the blocks of keys, then pushes
+// them.
+func (e *Engine) push(ctx context.Context, tr transfer.Transport, addr, id string, keys []uint64) (transfer.PushStats, error) {
+	if d := e.linkDelay(len(keys)); d > 0 {
 		t := time.NewTimer(d)
 		select {
 		case <-t.C:
@@ -197,7 +201,7 @@ func (e *Engine) push(ctx context.Context, tr transfer.Transport, addr, id strin
 			return transfer.PushStats{}, ErrClosed
 		}
 	}
-	return tr.Push(ctx, addr, id, blocks)
+	return transfer.PushFill(ctx, tr, addr, id, keys, e.blockBytes, kvblock.Fill)
 }
 
 func (e *Engine) getBuf() *[]byte {

@@ -516,3 +516,66 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(2 * time.Millisecond)
 	}
 }
+
+// holdTransport holds its first push until release is closed; entered is
+// closed when that push arrives.
+type holdTransport struct {
+	transfer.Transport
+	once             sync.Once
+	entered, release chan struct{}
+}
+
+func (h *holdTransport) hold() {
+	first := false
+	h.once.Do(func() { first = true })
+	if first {
+		close(h.entered)
+		<-h.release
+	}
+}
+
+func (h *holdTransport) Push(ctx context.Context, addr, id string, blocks []transfer.Block) (transfer.PushStats, error) {
+	h.hold()
+	return h.Transport.Push(ctx, addr, id, blocks)
+}
+
+func (h *holdTransport) PushFill(ctx context.Context, addr, id string, keys []uint64, size int, fill transfer.FillFunc) (transfer.PushStats, error) {
+	h.hold()
+	return transfer.PushFill(ctx, h.Transport, addr, id, keys, size, fill)
+}
+
+// A prefill queued for blocks that a push holds runs as soon as the push
+// releases them, with no other request to wake the step loop.
+func TestDisaggPrefillWaitsForPushedBlocks(t *testing.T) {
+	ctx := context.Background()
+	p := newEngine(t, Config{Role: RolePrefill, BlockCapacity: 64})
+	d := newEngine(t, Config{Role: RoleDecode})
+	n := transfer.NewInMem()
+	t.Cleanup(n.Listen("d", d))
+	tr := &holdTransport{Transport: closeTransport(t, n.Transport()), entered: make(chan struct{}), release: make(chan struct{})}
+
+	prefill := func(tag string) chan error {
+		done := make(chan error, 1)
+		go func() {
+			req := &engine.Request{Model: testModel, Prompt: longPrompt(tag, 40)}
+			_, err := p.Prefill(ctx, &engine.PrefillRequest{Request: req, TransferID: tag, DecodeAddr: "d"}, tr)
+			done <- err
+		}()
+		return done
+	}
+	first := prefill("first")
+	<-tr.entered // its 40 blocks are held by the push
+	second := prefill("second")
+	waitFor(t, "the second prefill to queue", func() bool { return p.Load().Waiting == 1 })
+	close(tr.release)
+	for _, done := range []chan error{first, second} {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("Prefill: %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("prefill still waiting: %+v", p.Load())
+		}
+	}
+}

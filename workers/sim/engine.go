@@ -109,7 +109,7 @@ type Engine struct {
 	wg     sync.WaitGroup
 
 	blockBytes int       // payload bytes of one block in transfers
-	bufs       sync.Pool // of *[]byte of blockBytes: push payloads
+	bufs       sync.Pool // of *[]byte of blockBytes: payloads written to the store
 	xfers      xfers     // transfers received
 
 	store  transfer.Store // shared tier, or nil
