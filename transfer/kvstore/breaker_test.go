@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/batonllm/baton/transfer"
@@ -200,5 +201,39 @@ func TestBreakerClosesStore(t *testing.T) {
 	}
 	if f.closed != 1 {
 		t.Errorf("store closed %d times, want 1", f.closed)
+	}
+}
+
+// OnError sees the store's errors and the breaker's refusals, by
+// operation, and not cancelled calls.
+func TestBreakerOnError(t *testing.T) {
+	f := &fakeStore{err: errDown}
+	type report struct {
+		op       kvstore.Op
+		bypassed bool
+	}
+	var got []report
+	b := kvstore.NewBreaker(f, kvstore.BreakerConfig{Failures: 2, OpenTimeout: time.Minute},
+		kvstore.OnError(func(op kvstore.Op, err error) {
+			got = append(got, report{op, errors.Is(err, transfer.ErrBypassed)})
+		}))
+	ctx := context.Background()
+	ns := transfer.Namespace{Model: "m"}
+	b.Put(ctx, ns, nil)
+	b.Exists(ctx, ns, nil) // opens
+	b.Get(ctx, ns, nil, 64)
+	want := []report{{kvstore.OpPut, false}, {kvstore.OpExists, false}, {kvstore.OpGet, true}}
+	if diff := cmp.Diff(want, got, cmp.AllowUnexported(report{})); diff != "" {
+		t.Errorf("reports (-want +got):\n%s", diff)
+	}
+
+	got = nil
+	f.set(context.Canceled)
+	c := kvstore.NewBreaker(f, kvstore.BreakerConfig{}, kvstore.OnError(func(op kvstore.Op, err error) {
+		got = append(got, report{op, false})
+	}))
+	c.Put(ctx, ns, nil)
+	if len(got) != 0 {
+		t.Errorf("cancelled call reported: %v", got)
 	}
 }

@@ -316,7 +316,7 @@ func (b *Breaker) Touch(ctx context.Context, ns transfer.Namespace, keys []uint6
 	_, err := b.cb.Execute(func() (struct{}, error) {
 		return struct{}{}, h.Touch(ctx, ns, keys)
 	})
-	return b.wrap(err)
+	return b.wrap(OpTouch, err)
 }
 
 // Hottest calls the store's Hottest unless the breaker is open. It fails
@@ -333,7 +333,7 @@ func (b *Breaker) Hottest(ctx context.Context, model string, k int) ([]transfer.
 		out, err = h.Hottest(ctx, model, k)
 		return struct{}{}, err
 	})
-	return out, b.wrap(err)
+	return out, b.wrap(OpHottest, err)
 }
 
 // Unwrap returns the store the breaker guards (see transfer.Tracker).
