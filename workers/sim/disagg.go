@@ -166,6 +166,15 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 	defer cancel()
 	stats, err := e.push(pctx, tr, req.DecodeAddr, req.TransferID, keys)
 	res.Transfer = time.Since(pushStart)
+	e.statsMu.Lock()
+	e.stats.Pushes++
+	if err != nil {
+		e.stats.PushFailures++
+	} else {
+		e.stats.PushBlocks += uint64(len(keys))
+		e.stats.PushBytes += uint64(stats.Bytes)
+	}
+	e.statsMu.Unlock()
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -297,7 +306,15 @@ func (e *Engine) validBlock(key uint64, data []byte) bool {
 // Finish ends a transfer and wakes the Decode calls waiting for it
 // (transfer.Receiver).
 func (e *Engine) Finish(transferID string, accepted, rejected int, err error) {
-	e.xfers.finish(transferID, accepted, rejected, err)
+	st := e.xfers.finish(transferID, accepted, rejected, err)
+	e.statsMu.Lock()
+	e.stats.TransfersReceived++
+	if err != nil {
+		e.stats.TransferFailures++
+	}
+	e.stats.ReceivedBlocks += uint64(st.Accepted)
+	e.stats.RejectedBlocks += uint64(st.Rejected)
+	e.statsMu.Unlock()
 }
 
 // TransferStatus is what a decode engine knows of one transfer.
@@ -387,7 +404,8 @@ func (t *xfers) accept(id string, ok bool) {
 	}
 }
 
-func (t *xfers) finish(id string, accepted, rejected int, err error) {
+// finish ends transfer id and returns its final status.
+func (t *xfers) finish(id string, accepted, rejected int, err error) TransferStatus {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	x := t.get(id)
@@ -405,6 +423,7 @@ func (t *xfers) finish(id string, accepted, rejected int, err error) {
 	close(x.done)
 	t.ended = append(t.ended, endedXfer{id, x})
 	t.expire(x.ended)
+	return x.status
 }
 
 // expire forgets finished transfers older than transferRetention, and the

@@ -87,6 +87,22 @@ type Stats struct {
 	HotTouchErrors  uint64
 	HotTouchDropped uint64
 	HotWriteBlocks  uint64
+
+	// Pushes counts the KV pushes Prefill started to a decode worker,
+	// PushFailures those that failed; PushBlocks and PushBytes are what
+	// the successful ones moved.
+	Pushes       uint64
+	PushFailures uint64
+	PushBlocks   uint64
+	PushBytes    uint64
+	// TransfersReceived counts the pushes this worker received to their
+	// end (Finish), TransferFailures those that broke off;
+	// ReceivedBlocks entered the cache, RejectedBlocks were dropped as
+	// corrupt.
+	TransfersReceived uint64
+	TransferFailures  uint64
+	ReceivedBlocks    uint64
+	RejectedBlocks    uint64
 }
 
 // Engine is a simulated LLM engine: vLLM-style continuous batching with
