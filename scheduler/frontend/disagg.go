@@ -75,7 +75,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	}
 	var tried []*pool.Worker
 	for attempt := 0; attempt <= dz.Retries; attempt++ {
-		pw, err := x.pickPrefill(tried)
+		pd, err := x.pickPrefill(tried)
 		if err != nil {
 			if attempt == 0 {
 				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
@@ -83,6 +83,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 			}
 			break
 		}
+		pw := pd.Worker
 		tried = append(tried, pw)
 		pz, ok := pw.Client.(engine.Disaggregator)
 		if !ok {
@@ -92,6 +93,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 		if err != nil {
 			continue
 		}
+		routing.Commit(s.strategy, x.rreq, pd)
 		id := x.req.ID + "-" + strconv.Itoa(attempt)
 		res, err := pz.Prefill(ctx, &engine.PrefillRequest{
 			Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
@@ -139,27 +141,28 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 
 // pickPrefill picks a prefill worker by the prefill strategy, steering away
 // from those already tried.
-func (x *exchange) pickPrefill(tried []*pool.Worker) (*pool.Worker, error) {
+func (x *exchange) pickPrefill(tried []*pool.Worker) (routing.Decision, error) {
 	strategy := x.s.strategy
 	snap := x.dz.Pool.Snapshot()
 	t0 := time.Now()
 	d, err := strategy.Pick(x.rreq, snap)
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
-		return nil, err
+		return d, err
 	}
 	if !slices.Contains(tried, d.Worker) {
 		if d.Spill && d.Home != nil {
 			x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
 		}
 		x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
-		return d.Worker, nil
+		return d, nil
 	}
 	best := leastLoaded(snap, x.rreq.Model, tried)
 	if best == nil {
-		return nil, routing.ErrNoWorker
+		return d, routing.ErrNoWorker
 	}
-	return best, nil
+	d.Worker, d.Spill, d.Reason, d.PredictedCached = best, false, routing.ReasonRetry, 0
+	return d, nil
 }
 
 // leastLoaded returns the available worker of snap serving model, not in

@@ -515,7 +515,8 @@ func (x *exchange) run(ctx context.Context) string {
 		}
 		x.worker = wk.Name
 		x.predicted = -1
-		if x.dz == nil && s.usesKeys && d.Reason != "retry" {
+		routing.Commit(x.genStrategy(), x.rreq, d)
+		if x.dz == nil && s.usesKeys && d.Reason != routing.ReasonRetry {
 			x.predicted = d.PredictedCached
 		}
 		if d.Spill && d.Home != nil {
@@ -584,7 +585,7 @@ func (x *exchange) room(ctx context.Context, d routing.Decision) (*pool.Worker, 
 			return d.Worker, d, true
 		}
 		if alt := leastLoaded(s.pool.Snapshot(), x.rreq.Model, x.tried); alt != nil && alt.InFlight() < s.cfg.MaxInFlight {
-			d.Worker, d.Spill, d.Reason, d.PredictedCached = alt, d.Home != nil && alt != d.Home, "full", 0
+			d.Worker, d.Spill, d.Reason, d.PredictedCached = alt, d.Home != nil && alt != d.Home, routing.ReasonFull, 0
 			x.estimate = 0
 			return alt, d, true
 		}
@@ -653,7 +654,7 @@ func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
 	if best == nil {
 		return nil, d, routing.ErrNoWorker
 	}
-	d.Worker, d.Spill, d.Reason = best, false, "retry"
+	d.Worker, d.Spill, d.Reason, d.PredictedCached = best, false, routing.ReasonRetry, 0
 	x.estimate = 0
 	return best, d, nil
 }

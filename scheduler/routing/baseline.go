@@ -92,7 +92,7 @@ func countEligible(ws []*pool.Worker, model string) int {
 // nthEligible returns the k-th (from 0) worker eligible for model. Workers
 // may turn unavailable after they were counted; then it settles for the
 // last eligible worker it saw.
-func nthEligible(ws []*pool.Worker, model string, k int, reason string) (Decision, error) {
+func nthEligible(ws []*pool.Worker, model string, k int, reason Reason) (Decision, error) {
 	var last *pool.Worker
 	for _, w := range ws {
 		if !eligible(w, model) {

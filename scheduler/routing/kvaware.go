@@ -13,10 +13,6 @@ import (
 // RegisterKVAware.
 const KVAware = "kv_aware"
 
-// ReasonKVAware: kv_aware chose the worker with the lowest estimated time
-// to first token among those under the threshold.
-const ReasonKVAware = "kv_aware"
-
 // tieTolerance is the relative difference under which two workers' scores
 // tie (see NewKVAware for what breaks the tie): estimates built from load
 // reports up to a report interval old, and corrected by a noisy factor,
@@ -85,10 +81,11 @@ type TTFTEstimator interface {
 // cheaper. When every worker is at the threshold, the best is chosen
 // anyway (ReasonAllFull).
 //
-// After choosing, it records the request's blocks on the chosen worker as
+// Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
-// worker's events see them. Decision.PredictedCached is the prompt tokens
-// the worker is expected to find in some tier.
+// worker's events see them, and counts the request in its Routed.
+// Decision.PredictedCached is the prompt tokens the worker is expected to
+// find in some tier.
 func NewKVAware(p Params, idx *kvindex.Index) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
@@ -188,9 +185,6 @@ func (s *kvAware) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, tim
 	if bestW == nil {
 		best, bestW, reason = bestAny, bestAnyW, ReasonAllFull
 	}
-	if len(req.Keys) > 0 {
-		s.idx.Predict(bestW.Name, req.Keys)
-	}
 	d := Decision{
 		Worker:          bestW,
 		Home:            bestAnyW,
@@ -199,6 +193,13 @@ func (s *kvAware) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, tim
 		Reason:          reason,
 	}
 	return d, time.Duration(best.seconds * float64(time.Second)), nil
+}
+
+// Commit records req's blocks on the worker that serves it, as predicted.
+func (s *kvAware) Commit(req *Request, d Decision) {
+	if len(req.Keys) > 0 && d.Worker != nil {
+		s.idx.Predict(d.Worker.Name, req.Keys)
+	}
 }
 
 // estimate returns the estimated TTFT of req on the worker m describes,
@@ -292,4 +293,5 @@ var (
 	_ Strategy      = (*kvAware)(nil)
 	_ KeyUser       = (*kvAware)(nil)
 	_ TTFTEstimator = (*kvAware)(nil)
+	_ Committer     = (*kvAware)(nil)
 )

@@ -160,7 +160,7 @@ func TestKVAwareChoosesByCache(t *testing.T) {
 					d.Worker.Name, d.PredictedCached, d.Spill, d.Reason, tt.want, tt.wantCached, tt.wantSpill)
 			}
 			if d.Reason != ReasonKVAware {
-				t.Errorf("Reason = %q, want %q", d.Reason, ReasonKVAware)
+				t.Errorf("Reason = %v, want %v", d.Reason, ReasonKVAware)
 			}
 		})
 	}
@@ -172,10 +172,12 @@ func TestKVAwareSiblingBurstLandsTogether(t *testing.T) {
 	ks := prompt(2)
 	var first string
 	for i := range 6 {
-		d, err := s.Pick(kvRequest(ks), f.snap())
+		req := kvRequest(ks)
+		d, err := s.Pick(req, f.snap())
 		if err != nil {
 			t.Fatal(err)
 		}
+		Commit(s, req, d) // the front end, once it acquired the worker
 		if i == 0 {
 			first = d.Worker.Name
 			if d.PredictedCached != 0 {
@@ -193,6 +195,52 @@ func TestKVAwareSiblingBurstLandsTogether(t *testing.T) {
 	}
 	if d.Worker.Name == first {
 		t.Errorf("unrelated prompt went to the busy %s", first)
+	}
+}
+
+// TestKVAwarePickChangesNothing: a pick records nothing; only a commit,
+// for the worker that serves, predicts blocks and counts the request.
+func TestKVAwarePickChangesNothing(t *testing.T) {
+	f := newKVFleet(t, 4)
+	s := f.strategy(Params{})
+	req := kvRequest(prompt(5))
+	names := []string{"w00", "w01", "w02", "w03"}
+	ms := make([]kvindex.Match, len(names))
+	var first Decision
+	for i := range 5 { // a request re-picking while it waits in the queue
+		d, err := s.Pick(req, f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			first = d
+		}
+	}
+	f.idx.Lookup(req.Keys, names, ms)
+	for i, m := range ms {
+		if m.GPU != 0 || m.Routed != 0 || m.PendingTokens != 0 {
+			t.Errorf("%s after picks alone: %d blocks, routed %v, pending %d; want nothing", names[i], m.GPU, m.Routed, m.PendingTokens)
+		}
+	}
+	// The caller replaced the choice (a full worker); the commit goes to
+	// the worker that serves.
+	served := first
+	for _, w := range f.snap().Workers {
+		if w != first.Worker {
+			served.Worker, served.Reason = w, ReasonFull
+			break
+		}
+	}
+	Commit(s, req, served)
+	f.idx.Lookup(req.Keys, names, ms)
+	for i, m := range ms {
+		wantBlocks, wantRouted := 0, 0.0
+		if names[i] == served.Worker.Name {
+			wantBlocks, wantRouted = len(req.Keys), 1
+		}
+		if m.GPU != wantBlocks || math.Abs(m.Routed-wantRouted) > 0.01 {
+			t.Errorf("%s after the commit: %d predicted blocks, routed %.2f; want %d, %.0f", names[i], m.GPU, m.Routed, wantBlocks, wantRouted)
+		}
 	}
 }
 
@@ -265,7 +313,7 @@ func TestKVAwareAllFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	if d.Worker.Name != "w01" || d.Reason != ReasonAllFull || d.Spill {
-		t.Errorf("Pick = %s (%s, spill %t), want w01 (%s, no spill)", d.Worker.Name, d.Reason, d.Spill, ReasonAllFull)
+		t.Errorf("Pick = %s (%v, spill %t), want w01 (%v, no spill)", d.Worker.Name, d.Reason, d.Spill, ReasonAllFull)
 	}
 }
 
@@ -273,10 +321,11 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	f := newKVFleet(t, 1)
 	s := f.strategy(Params{}).(TTFTEstimator)
 	ks := prompt(6)
-	_, est, err := s.PickEstimate(kvRequest(ks), f.snap())
+	d, est, err := s.PickEstimate(kvRequest(ks), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
+	Commit(s.(Strategy), kvRequest(ks), d)
 	c := kvindex.DefaultCost
 	// One step of the 8,192-token budget, reading the weights only.
 	if want := time.Duration((c.PrefillSeconds(8000, 0) + c.DecodeStepSeconds) * float64(time.Second)); est != want {
@@ -355,10 +404,13 @@ func TestKVAwareTiesGoToLeastRouted(t *testing.T) {
 		for _, w := range f.snap().Workers {
 			f.report(w.Name, &workerpb.LoadReport{})
 		}
-		d, err := f.strategy(Params{Rand: SeededRand(seed)}).Pick(kvRequest(prompt(200+seed)), f.snap())
+		st := f.strategy(Params{Rand: SeededRand(seed)})
+		req := kvRequest(prompt(200 + seed))
+		d, err := st.Pick(req, f.snap())
 		if err != nil {
 			t.Fatal(err)
 		}
+		Commit(st, req, d)
 		least := min(routed["w00"], routed["w01"], routed["w02"])
 		if got := routed[d.Worker.Name]; got != least {
 			t.Fatalf("pick %d went to %s, routed %d before; want one routed %d (%v)", seed, d.Worker.Name, got, least, routed)
@@ -436,9 +488,11 @@ func BenchmarkKVAware(b *testing.B) {
 			s := f.strategy(Params{ConcurrencyThreshold: 1024})
 			snap := f.snap()
 			for _, r := range reqs { // index the predicted blocks
-				if _, err := s.Pick(r, snap); err != nil {
+				d, err := s.Pick(r, snap)
+				if err != nil {
 					b.Fatal(err)
 				}
+				Commit(s, r, d)
 			}
 			runtime.GC()
 			b.ReportAllocs()

@@ -48,7 +48,9 @@ func UsesKeys(s Strategy) bool {
 	return ok && k.UsesKeys()
 }
 
-// Decision is a strategy's choice.
+// Decision is a strategy's choice. It is read-only until the caller
+// commits it (Commit), once the worker is final: a retry or a full worker
+// may replace Worker first.
 type Decision struct {
 	// Worker serves the request.
 	Worker *pool.Worker
@@ -60,28 +62,65 @@ type Decision struct {
 	// because that worker was at the concurrency threshold.
 	Spill bool
 	// PredictedCached is the number of prompt tokens the strategy expects
-	// the worker to find cached in some tier (kv_aware), or -1 when the
-	// strategy makes no prediction.
+	// the worker to find cached in some tier (kv_aware), 0 when it makes
+	// no prediction.
 	PredictedCached int
-	// Reason says briefly why Worker was chosen, for logs and metrics
-	// labels: one of the Reason constants.
-	Reason string
+	// Reason says why Worker was chosen.
+	Reason Reason
 }
+
+// Reason says why a Decision chose its worker.
+type Reason uint8
 
 // Reasons for a Decision.
 const (
-	ReasonRandom           = "random"
-	ReasonRoundRobin       = "round_robin"
-	ReasonLeastOutstanding = "least_outstanding"
+	ReasonRandom Reason = iota
+	ReasonRoundRobin
+	ReasonLeastOutstanding
 	// ReasonHome: the worker the prefix maps to, under the threshold.
-	ReasonHome = "home"
+	ReasonHome
 	// ReasonSpill: the home was at the threshold; the least-loaded worker
 	// was under it.
-	ReasonSpill = "spill"
+	ReasonSpill
 	// ReasonAllFull: every available worker was at the threshold; the
 	// least loaded was chosen anyway and the front end may queue.
-	ReasonAllFull = "all_full"
+	ReasonAllFull
+	// ReasonKVAware: kv_aware chose the worker with the lowest estimated
+	// time to first token among those under the threshold.
+	ReasonKVAware
+	// ReasonRetry: the caller replaced the strategy's choice, a worker
+	// the request had already tried, with the least-loaded untried one.
+	ReasonRetry
+	// ReasonFull: the caller replaced the strategy's choice, a worker at
+	// capacity (max_in_flight), with the least-loaded one with room.
+	ReasonFull
 )
+
+var reasonNames = [...]string{"random", "round_robin", "least_outstanding", "home", "spill", "all_full", "kv_aware", "retry", "full"}
+
+func (r Reason) String() string {
+	if int(r) < len(reasonNames) {
+		return reasonNames[r]
+	}
+	return "reason(" + strconv.Itoa(int(r)) + ")"
+}
+
+// Committer is implemented by strategies that keep state about their
+// choices (kv_aware: the blocks a request will create on its worker, and
+// the traffic each worker was given). Commit is called once per request
+// and worker, after the worker was acquired and will serve the request,
+// with the final decision: never for a choice the caller replaced, nor for
+// a pick repeated while the request waited in the queue.
+type Committer interface {
+	Commit(req *Request, d Decision)
+}
+
+// Commit commits d to s if s keeps state about its choices.
+func Commit(s Strategy, req *Request, d Decision) {
+	if c, ok := s.(Committer); ok {
+		c.Commit(req, d)
+	}
+}
 
 // Route renders the X-Baton-Route header value of the decision made by the
 // named strategy, such as "prefix_aware; spill=false". It allocates, so call
@@ -94,7 +133,10 @@ func (d Decision) Route(strategy string) string {
 //
 // Pick is called concurrently from request goroutines, on the hot path of
 // every request: it must not block, must not allocate, and reads only snap
-// (immutable) and the workers' atomic state (health, breaker, in-flight).
+// (immutable), the workers' atomic state (health, breaker, in-flight) and
+// what the strategy reads of the fleet (the KV index); it changes nothing:
+// the caller may discard its decision, or pick again. What a strategy
+// records of its choices it records in Commit (see Committer).
 // It considers only workers that are Available and Serve req.Model; a
 // strategy with a concurrency threshold also prefers workers under it. It
 // returns ErrNoWorker when no worker is available for the request, and no

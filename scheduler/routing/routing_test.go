@@ -279,7 +279,7 @@ func TestPrefixAwareSticky(t *testing.T) {
 	req := &Request{Model: "llama", Tenant: "acme", PrefixKey: prefixKey("llama", "acme", "You are a helpful assistant.")}
 	first := pick(t, s, req, f.snap())
 	if first.Spill || first.Reason != ReasonHome {
-		t.Errorf("first pick = spill %t, reason %q; want no spill, reason %q", first.Spill, first.Reason, ReasonHome)
+		t.Errorf("first pick = spill %t, reason %v; want no spill, reason %v", first.Spill, first.Reason, ReasonHome)
 	}
 	for i := range 100 {
 		if got := pick(t, s, req, f.snap()).Worker; got != first.Worker {
@@ -314,7 +314,7 @@ func TestPrefixAwareSpill(t *testing.T) {
 		load      map[string]int // by role: "home" or a worker's offset after the home in name order
 		wantWhom  string         // "home", or the offset after home
 		wantSpill bool
-		wantWhy   string
+		wantWhy   Reason
 	}{
 		{"home under threshold", map[string]int{"home": 1}, "home", false, ReasonHome},
 		{"home at threshold", map[string]int{"home": 2}, "+1", true, ReasonSpill},
@@ -351,7 +351,7 @@ func TestPrefixAwareSpill(t *testing.T) {
 				t.Errorf("picked %s, want %s (%s)", got.Worker.Name, want.Name, tt.wantWhom)
 			}
 			if got.Spill != tt.wantSpill || got.Reason != tt.wantWhy {
-				t.Errorf("spill %t, reason %q; want spill %t, reason %q", got.Spill, got.Reason, tt.wantSpill, tt.wantWhy)
+				t.Errorf("spill %t, reason %v; want spill %t, reason %v", got.Spill, got.Reason, tt.wantSpill, tt.wantWhy)
 			}
 		})
 	}
