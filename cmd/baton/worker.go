@@ -87,8 +87,8 @@ func (f *simFlags) check(fs *flag.FlagSet) error {
 }
 
 // openStore opens the Redis tier --redis names, behind a breaker, or
-// returns nil without one. The caller closes it.
-func (f *simFlags) openStore() (transfer.Store, error) {
+// returns nil without one. The caller closes it. opts observe the breaker.
+func (f *simFlags) openStore(opts ...kvstore.BreakerOption) (transfer.Store, error) {
 	if f.redis == "" {
 		return nil, nil
 	}
@@ -100,7 +100,7 @@ func (f *simFlags) openStore() (transfer.Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--redis: %w", err)
 	}
-	return kvstore.NewBreaker(r, kvstore.BreakerConfig{Name: "redis"}), nil
+	return kvstore.NewBreaker(r, kvstore.BreakerConfig{Name: "redis"}, opts...), nil
 }
 
 func (f *simFlags) config(name string) sim.Config {
@@ -126,11 +126,18 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	name := fs.String("name", "", "worker name (default: the listen address)")
 	fs.StringVar(&f.role, "role", "both", "role in disaggregated serving: both (colocated), prefill or decode")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	metricsListen := fs.String("metrics-listen", "", "listen `address` of the worker's Prometheus /metrics (off when empty)")
+	pprofListen := fs.String("pprof-listen", "", "loopback listen `address` of net/http/pprof under /debug/pprof/ (off when empty)")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
 	if err := f.check(fs); err != nil {
 		return err
+	}
+	if *pprofListen != "" {
+		if err := loopbackAddr(*pprofListen); err != nil {
+			return fmt.Errorf("--pprof-listen: %w", err)
+		}
 	}
 	log, err := newLogger(stderr, *logLevel)
 	if err != nil {
@@ -139,7 +146,10 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if *name == "" {
 		*name = *listen
 	}
-	if f.store, err = f.openStore(); err != nil {
+	// The breaker's transitions are logged and counted even without a
+	// metrics listener: a Redis outage must leave a trace.
+	metrics := sim.NewMetrics(log)
+	if f.store, err = f.openStore(metrics.StoreOptions("redis")...); err != nil {
 		return err
 	}
 	if f.store != nil {
@@ -150,11 +160,34 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return fmt.Errorf("worker: %w", err)
 	}
 	defer w.Close()
-	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil)
+	metrics.Engine(w.Engine)
+	var metricsSrv, pprofSrv *debugServer
+	if *metricsListen != "" {
+		if metricsSrv, err = serveDebug("metrics-listen", *metricsListen, metricsHandler(metrics), log); err != nil {
+			return err
+		}
+		defer metricsSrv.Close()
+	}
+	if *pprofListen != "" {
+		if pprofSrv, err = serveDebug("pprof-listen", *pprofListen, pprofHandler(), log); err != nil {
+			return err
+		}
+		defer pprofSrv.Close()
+	}
+	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil,
+		"metrics", debugAddr(metricsSrv), "pprof", debugAddr(pprofSrv))
 	go logWarmup(ctx, w.Engine, log)
 	<-ctx.Done()
 	log.Info("worker stopping")
 	return nil
+}
+
+// debugAddr returns s's bound address, or "" without s.
+func debugAddr(s *debugServer) string {
+	if s == nil {
+		return ""
+	}
+	return s.addr
 }
 
 // logWarmup logs what the start-up warm-up warmed, once it ends (if the

@@ -1,0 +1,76 @@
+package main
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestWorkerPprofMustBeLoopback(t *testing.T) {
+	for _, addr := range []string{"0.0.0.0:6060", ":6060", "10.1.2.3:6060", "example.com:6060", "nonsense"} {
+		err := run(context.Background(), []string{"worker", "--listen", "127.0.0.1:0", "--pprof-listen", addr}, io.Discard, io.Discard)
+		if err == nil || !strings.Contains(err.Error(), "pprof-listen") {
+			t.Errorf("--pprof-listen %s: error %v, want one naming the flag", addr, err)
+		}
+	}
+}
+
+// A worker serves /metrics and pprof on the listeners its flags name.
+func TestWorkerMetricsAndPprof(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"worker", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+			"--pprof-listen", "127.0.0.1:0", "--kv-blocks", "1000"}, io.Discard, &logs)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("worker ended with %v", err)
+		}
+	})
+	var metricsAddr, pprofAddr string
+	deadline := time.Now().Add(10 * time.Second)
+	for metricsAddr == "" && time.Now().Before(deadline) {
+		if m := regexp.MustCompile(`metrics=(\S+) pprof=(\S+)`).FindStringSubmatch(logs.String()); m != nil {
+			metricsAddr, pprofAddr = m[1], m[2]
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if metricsAddr == "" {
+		t.Fatalf("no listener addresses logged:\n%s", logs.String())
+	}
+	get := func(url string) string {
+		t.Helper()
+		res, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		if err != nil || res.StatusCode != http.StatusOK {
+			t.Fatalf("GET %s: %d %v", url, res.StatusCode, err)
+		}
+		return string(b)
+	}
+	body := get("http://" + metricsAddr + "/metrics")
+	for _, want := range []string{
+		`baton_worker_kv_blocks_capacity{tier="gpu"} 1000`,
+		`baton_worker_sequences{state="running"} 0`,
+		`baton_worker_transfers_total{direction="sent"} 0`,
+		"process_resident_memory_bytes ",
+		"go_goroutines ",
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+	if body := get("http://" + pprofAddr + "/debug/pprof/"); !strings.Contains(body, "heap") {
+		t.Errorf("/debug/pprof/ lists no heap profile")
+	}
+}
