@@ -59,6 +59,13 @@ var KeepaliveEnforcement = keepalive.EnforcementPolicy{
 	PermitWithoutStream: false,
 }
 
+// maxRetryBuffer bounds the request bytes gRPC keeps per call to retry it
+// transparently (a call that never reached the worker). A longer request
+// is not kept: a Prefill holds its call open for its whole transfer, and
+// a burst of them kept a pooled copy of every prompt (1 MiB buffers for
+// 32 KiB prompts). The front end retries such calls itself.
+const maxRetryBuffer = 16 << 10
+
 // Option configures Dial.
 type Option func(*options)
 
@@ -110,6 +117,7 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 	dialOpts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(o.creds),
 		grpc.WithKeepaliveParams(o.keepalive),
+		grpc.WithDefaultCallOptions(grpc.MaxRetryRPCBufferSize(maxRetryBuffer)),
 	}, o.extra...)
 	conn, err := grpc.NewClient(addr, dialOpts...)
 	if err != nil {
