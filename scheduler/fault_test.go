@@ -29,6 +29,10 @@ func (w *codeWorker) Generate(*workerpb.GenerateRequest, workerpb.Worker_Generat
 	return status.Error(w.code, "answered "+w.code.String())
 }
 
+func (w *codeWorker) Prefill(context.Context, *workerpb.PrefillRequest) (*workerpb.PrefillResult, error) {
+	return nil, status.Error(w.code, "answered "+w.code.String())
+}
+
 // TestWhichErrorsCountAgainstAWorker: over real gRPC and HTTP, the
 // statuses an engine answers with, and whether each feeds the worker's
 // breaker. An error caused by the request never does.
@@ -72,6 +76,41 @@ func TestWhichErrorsCountAgainstAWorker(t *testing.T) {
 			}
 			if got := pool.IsWorkerFault(err); got != tt.counts {
 				t.Errorf("%s (%d-byte prompt): counts against the worker = %t, want %t (err %v)", tt.code, tt.prompt, got, tt.counts, err)
+			}
+		}
+	})
+	t.Run("grpc prefill", func(t *testing.T) {
+		cw := &codeWorker{}
+		srv := grpc.NewServer()
+		workerpb.RegisterWorkerServer(srv, cw)
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(l)
+		t.Cleanup(srv.Stop)
+		c, err := grpcworker.Dial(l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		for _, tt := range []struct {
+			code   codes.Code
+			counts bool
+		}{
+			{codes.Aborted, false}, // the KV transfer to the decode worker failed
+			{codes.Unavailable, true},
+			{codes.Internal, true},
+			{codes.InvalidArgument, false},
+		} {
+			cw.code = tt.code
+			req := &engine.PrefillRequest{Request: &engine.Request{Model: "m", Prompt: "x", MaxTokens: 1}, TransferID: "t"}
+			_, err := c.Prefill(context.Background(), req)
+			if err == nil {
+				t.Fatalf("%s: Prefill succeeded", tt.code)
+			}
+			if got := pool.IsWorkerFault(err); got != tt.counts {
+				t.Errorf("Prefill %s: counts against the prefill worker = %t, want %t (err %v)", tt.code, got, tt.counts, err)
 			}
 		}
 	})

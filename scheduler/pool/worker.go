@@ -172,13 +172,14 @@ func ClientError(err error) error {
 // the worker's failure. It classifies by where the error came from:
 // nil, context.Canceled and engine.ErrClientGone (the client went away),
 // the request faults engine.ErrInvalid, engine.ErrUnknownModel and
-// engine.ErrTooLarge, and errors marked with ClientError do not count;
+// engine.ErrTooLarge, engine.ErrTransfer (the other side of a KV
+// transfer failed), and errors marked with ClientError do not count;
 // everything else does, including context.DeadlineExceeded (the worker was
 // too slow).
 func IsWorkerFault(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, engine.ErrClientGone) ||
 		errors.Is(err, engine.ErrInvalid) || errors.Is(err, engine.ErrUnknownModel) ||
-		errors.Is(err, engine.ErrTooLarge) {
+		errors.Is(err, engine.ErrTooLarge) || errors.Is(err, engine.ErrTransfer) {
 		return false
 	}
 	var ce clientError

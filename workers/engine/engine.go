@@ -142,6 +142,13 @@ var ErrInvalid = errors.New("invalid request")
 // fleet takes it either.
 var ErrTooLarge = errors.New("request too large for the engine")
 
+// ErrTransfer is returned (wrapped, with ErrUnavailable) by Prefill when
+// the prefill engine computed the prompt but could not hand its KV blocks
+// to the decode engine: that side, or the link, was slow or gone. It is
+// no fault of the prefill engine; the decode engine recomputes what it
+// lacks.
+var ErrTransfer = errors.New("kv transfer failed")
+
 // ErrClientGone is returned (wrapped) when the response could not be
 // written to the client: it hung up. It is the client's doing, never the
 // engine's, whatever the engine was doing at the time.

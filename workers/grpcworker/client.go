@@ -147,8 +147,9 @@ func (c *Client) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 // Prefill runs req's prefill on the worker (role prefill or both), which
 // pushes the KV blocks the decode worker lacks straight to it. Errors are
 // mapped as Generate's; a worker whose role does not serve Prefill (gRPC
-// Unimplemented) gives engine.ErrUnavailable, as does a failed transfer
-// (the worker reports Unavailable), so the caller may retry elsewhere.
+// Unimplemented) gives engine.ErrUnavailable, so the caller may retry
+// elsewhere; a failed transfer (the worker reports Aborted) gives
+// engine.ErrTransfer and engine.ErrUnavailable.
 func (c *Client) Prefill(ctx context.Context, req *engine.PrefillRequest) (*engine.PrefillResult, error) {
 	if req == nil || req.Request == nil {
 		return nil, fmt.Errorf("prefill: %w: nil request", ErrInvalid)
@@ -161,6 +162,9 @@ func (c *Client) Prefill(ctx context.Context, req *engine.PrefillRequest) (*engi
 		TransferTimeoutMs:      millis(req.TransferTimeout),
 	})
 	if err != nil {
+		if status.Code(err) == codes.Aborted {
+			return nil, fmt.Errorf("prefill: %w: %w: %w", engine.ErrTransfer, engine.ErrUnavailable, err)
+		}
 		return nil, fmt.Errorf("prefill: %w", mapError(err))
 	}
 	return &engine.PrefillResult{

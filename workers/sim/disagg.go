@@ -19,9 +19,10 @@ var (
 	// decode worker, Decode on a prefill worker).
 	ErrRole = errors.New("not served by this worker's role")
 	// ErrTransfer: asking the decode worker what it holds, or pushing the
-	// blocks to it, failed. It wraps engine.ErrUnavailable; the decode
-	// worker recomputes whatever it lacks.
-	ErrTransfer = fmt.Errorf("kv transfer failed: %w", engine.ErrUnavailable)
+	// blocks to it, failed. It wraps engine.ErrTransfer and
+	// engine.ErrUnavailable; the decode worker recomputes whatever it
+	// lacks.
+	ErrTransfer = fmt.Errorf("%w: %w", engine.ErrTransfer, engine.ErrUnavailable)
 )
 
 // SkipShort is PrefillResult.SkipReason when the decode worker lacks fewer

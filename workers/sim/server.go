@@ -272,8 +272,9 @@ func toStatus(err error) error {
 	switch {
 	case errors.Is(err, ErrTransfer):
 		// Before the context checks: a push that timed out is the
-		// transfer's failure, not the caller's deadline.
-		code = codes.Unavailable
+		// transfer's failure, not the caller's deadline. Aborted tells it
+		// from the worker's own unavailability (grpcworker.Client.Prefill).
+		code = codes.Aborted
 	case errors.Is(err, ErrRole):
 		code = codes.Unimplemented
 	case errors.Is(err, ErrUnknownModel):

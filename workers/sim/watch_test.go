@@ -35,6 +35,9 @@ func TestSubscribeSnapshotThenEvents(t *testing.T) {
 	e := newEngine(t, Config{LoadInterval: 5 * time.Millisecond, BlockCapacity: 30, TimeScale: 10, CPUBlocks: -1})
 	before := strings.Repeat("b", 64*2)
 	generate(t, e, &engine.Request{Prompt: before})
+	// The final event reaches the client before the engine frees the
+	// sequence: the snapshot below must see it freed.
+	waitIdle(t, e)
 
 	sub, err := e.Subscribe()
 	if err != nil {
