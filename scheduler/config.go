@@ -134,6 +134,22 @@ type Config struct {
 	Disaggregation DisaggConfig `yaml:"disaggregation"`
 	// Workers is the static worker list.
 	Workers []WorkerConfig `yaml:"workers"`
+	// Profiles are custom routing strategies built from the pipeline's
+	// parts (filters, weighted scorers, a picker); strategy and
+	// disaggregation.decode_strategy may name them.
+	Profiles []routing.ProfileConfig `yaml:"profiles"`
+}
+
+// RegisterProfiles returns a copy of strategies with c's custom profiles
+// registered. Its errors name the field, as "profiles[0].scorers[1].name".
+func (c Config) RegisterProfiles(strategies *routing.Registry) (*routing.Registry, error) {
+	r := strategies.Clone()
+	for i, pc := range c.Profiles {
+		if err := r.RegisterProfile(pc); err != nil {
+			return nil, fmt.Errorf("profiles[%d].%w", i, err)
+		}
+	}
+	return r, nil
 }
 
 // Defaults of Config fields.
@@ -168,6 +184,10 @@ func (c Config) WithDefaults() Config {
 // Validate reports the first invalid field, by its configuration name.
 func (c Config) Validate(strategies *routing.Registry) error {
 	c = c.WithDefaults()
+	strategies, err := c.RegisterProfiles(strategies)
+	if err != nil {
+		return err
+	}
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("listen: %v", err)
 	}

@@ -70,6 +70,10 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	if err := cfg.Validate(strategies); err != nil {
 		return nil, err
 	}
+	strategies, err := cfg.RegisterProfiles(strategies)
+	if err != nil {
+		return nil, err
+	}
 	cfg = cfg.WithDefaults()
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

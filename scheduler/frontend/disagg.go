@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"time"
 
@@ -46,6 +45,7 @@ const (
 	reasonPrefillFailed   = "prefill_failed"    // prefill workers failed, retries spent
 	reasonNotDisagg       = "decode_colocated"  // the decode worker's engine cannot take transfers
 	reasonRequest         = "request_rejected"  // the prefill worker rejected the request itself
+	reasonTransferFailed  = "transfer_failed"   // the blocks did not reach the decode worker
 )
 
 // plan is the outcome of a remote prefill: the decode worker waits for the
@@ -103,6 +103,13 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 		if ctx.Err() != nil {
 			return nil // the client is gone; serving fails with ctx
 		}
+		if errors.Is(err, engine.ErrTransfer) {
+			// The blocks did not reach the decode worker: another prefill
+			// worker would push to it too. It prefills locally.
+			m.TransferFailures.WithLabelValues("transfer").Inc()
+			s.log.Info("kv transfer failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
+			return local(reasonTransferFailed)
+		}
 		if err != nil && !pool.IsWorkerFault(err) {
 			// The request's own fault: no prefill worker will do better,
 			// and the decode worker answers it to the client.
@@ -139,45 +146,22 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	return local(reasonPrefillFailed)
 }
 
-// pickPrefill picks a prefill worker by the prefill strategy, steering away
-// from those already tried.
+// pickPrefill picks a prefill worker by the prefill strategy, skipping
+// those already tried.
 func (x *exchange) pickPrefill(tried []*pool.Worker) (routing.Decision, error) {
 	strategy := x.s.strategy
-	snap := x.dz.Pool.Snapshot()
+	x.rreq.Tried, x.rreq.MaxInFlight = tried, 0
 	t0 := time.Now()
-	d, err := strategy.Pick(x.rreq, snap)
+	d, err := strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return d, err
 	}
-	if !slices.Contains(tried, d.Worker) {
-		if d.Spill && d.Home != nil {
-			x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
-		}
-		x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
-		return d, nil
+	if d.Spill && d.Home != nil {
+		x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
 	}
-	best := leastLoaded(snap, x.rreq.Model, tried)
-	if best == nil {
-		return d, routing.ErrNoWorker
-	}
-	d.Worker, d.Spill, d.Reason, d.PredictedCached = best, false, routing.ReasonRetry, 0
+	x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
 	return d, nil
-}
-
-// leastLoaded returns the available worker of snap serving model, not in
-// skip, with the fewest requests in flight; nil if none.
-func leastLoaded(snap *pool.Snapshot, model string, skip []*pool.Worker) *pool.Worker {
-	var best *pool.Worker
-	for _, wk := range snap.Workers {
-		if slices.Contains(skip, wk) || !wk.Available() || !wk.Serves(model) {
-			continue
-		}
-		if best == nil || wk.InFlight() < best.InFlight() {
-			best = wk
-		}
-	}
-	return best
 }
 
 // failureReason labels a prefill failure.

@@ -199,9 +199,10 @@ type Server struct {
 	log      *slog.Logger
 	mux      *http.ServeMux
 	created  int64
-	disagg   *Disagg // nil: colocated serving only
-	name     string  // the routing strategy's name, for metrics and headers
-	usesKeys bool    // a strategy routes on block keys: compute them
+	disagg   *Disagg          // nil: colocated serving only
+	fallback routing.Strategy // least_outstanding: takes requests when there is no queue
+	name     string           // the routing strategy's name, for metrics and headers
+	usesKeys bool             // a strategy routes on block keys: compute them
 	// observeTTFT hears estimated and achieved TTFT; may be nil.
 	observeTTFT func(FirstToken)
 
@@ -273,6 +274,11 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	}
 	s.name = strategy.Name()
 	s.usesKeys = routing.UsesKeys(strategy)
+	fallback, err := routing.NewLeastOutstanding(routing.Params{})
+	if err != nil {
+		return nil, err
+	}
+	s.fallback = fallback
 	if s.disagg != nil {
 		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.DecodeStrategy)
 	}
@@ -489,10 +495,11 @@ func (x *exchange) run(ctx context.Context) string {
 	s := x.s
 	var lastErr error
 	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
-		wk, d, err := x.pick()
-		if err == nil && wk.InFlight() >= s.cfg.MaxInFlight {
-			wk, d, err = x.room(ctx, d)
+		d, err := x.pick(true)
+		if errors.Is(err, routing.ErrFull) {
+			d, err = x.wait(ctx)
 		}
+		wk := d.Worker
 		if err != nil {
 			if lastErr != nil {
 				err = lastErr
@@ -516,7 +523,7 @@ func (x *exchange) run(ctx context.Context) string {
 		x.worker = wk.Name
 		x.predicted = -1
 		routing.Commit(x.genStrategy(), x.rreq, d)
-		if x.dz == nil && s.usesKeys && d.Reason != routing.ReasonRetry {
+		if x.dz == nil && s.usesKeys {
 			x.predicted = d.PredictedCached
 		}
 		if d.Spill && d.Home != nil {
@@ -574,34 +581,21 @@ func (x *exchange) run(ctx context.Context) string {
 var errOverloaded = &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeOverloaded, Code: "overloaded",
 	Message: "every worker is at capacity and the scheduler's queue is full; retry later", RetryAfter: 1}
 
-// room is called when the picked worker is full (MaxInFlight): the
-// request goes to the least-loaded worker with room or, when every worker
-// is full, waits in the scheduler's bounded queue, picking again each time
-// a worker frees up. A full queue or a wait past QueueTimeout is a 429.
-func (x *exchange) room(ctx context.Context, d routing.Decision) (*pool.Worker, routing.Decision, error) {
+// wait is called when every worker that could serve the request is at
+// capacity (MaxInFlight): the request waits in the scheduler's bounded
+// queue, running the pipeline again each time a worker frees up. A full
+// queue or a wait past QueueTimeout is a 429. Without a queue, the
+// least-loaded worker takes the request at once.
+func (x *exchange) wait(ctx context.Context) (routing.Decision, error) {
 	s := x.s
-	withRoom := func(d routing.Decision) (*pool.Worker, routing.Decision, bool) {
-		if d.Worker.InFlight() < s.cfg.MaxInFlight {
-			return d.Worker, d, true
-		}
-		if alt := leastLoaded(s.pool.Snapshot(), x.rreq.Model, x.tried); alt != nil && alt.InFlight() < s.cfg.MaxInFlight {
-			d.Worker, d.Spill, d.Reason, d.PredictedCached = alt, d.Home != nil && alt != d.Home, routing.ReasonFull, 0
-			x.estimate = 0
-			return alt, d, true
-		}
-		return nil, d, false
-	}
-	if wk, d, ok := withRoom(d); ok || s.queue == nil {
-		if !ok {
-			wk = d.Worker // no queue: the least loaded takes it anyway
-		}
-		return wk, d, nil
+	if s.queue == nil {
+		return x.pickWith(s.fallback, false)
 	}
 	select {
 	case s.queue <- struct{}{}:
 	default:
 		s.metrics.QueueRejections.WithLabelValues("full").Inc()
-		return nil, d, errOverloaded
+		return routing.Decision{}, errOverloaded
 	}
 	defer func() { <-s.queue }()
 	s.metrics.QueueDepth.Inc()
@@ -610,53 +604,45 @@ func (x *exchange) room(ctx context.Context, d routing.Decision) (*pool.Worker, 
 	defer timer.Stop()
 	for {
 		freed := s.freedChan()
-		_, d, err := x.pick()
-		if err != nil {
-			return nil, d, err
-		}
-		if wk, d, ok := withRoom(d); ok {
-			return wk, d, nil
+		d, err := x.pick(true)
+		if !errors.Is(err, routing.ErrFull) {
+			return d, err
 		}
 		select {
 		case <-freed:
 		case <-timer.C:
 			s.metrics.QueueRejections.WithLabelValues("timeout").Inc()
-			return nil, d, errOverloaded
+			return d, errOverloaded
 		case <-ctx.Done():
-			return nil, d, ctx.Err()
+			return d, ctx.Err()
 		}
 	}
 }
 
-// pick asks the strategy for a worker, steering away from workers this
-// request already tried: if the strategy insists on one, the least loaded
-// untried available worker serves instead.
-func (x *exchange) pick() (*pool.Worker, routing.Decision, error) {
+// pick runs the pipeline of the strategy that picks the generating
+// worker, skipping the workers this request already tried and, with
+// capacity, those at MaxInFlight (then routing.ErrFull when all are).
+func (x *exchange) pick(capacity bool) (routing.Decision, error) {
+	return x.pickWith(x.genStrategy(), capacity)
+}
+
+func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.Decision, error) {
 	snap := x.s.pool.Snapshot()
+	x.rreq.Tried, x.rreq.MaxInFlight = x.tried, 0
+	if capacity {
+		x.rreq.MaxInFlight = x.s.cfg.MaxInFlight
+	}
 	t0 := time.Now()
 	var d routing.Decision
 	var err error
 	x.estimate = 0
-	strategy := x.genStrategy()
 	if est, ok := strategy.(routing.TTFTEstimator); ok && x.dz == nil {
 		d, x.estimate, err = est.PickEstimate(x.rreq, snap)
 	} else {
 		d, err = strategy.Pick(x.rreq, snap)
 	}
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
-	if err != nil {
-		return nil, d, err
-	}
-	if !slices.Contains(x.tried, d.Worker) {
-		return d.Worker, d, nil
-	}
-	best := leastLoaded(snap, x.rreq.Model, x.tried)
-	if best == nil {
-		return nil, d, routing.ErrNoWorker
-	}
-	d.Worker, d.Spill, d.Reason, d.PredictedCached = best, false, routing.ReasonRetry, 0
-	x.estimate = 0
-	return best, d, nil
+	return d, err
 }
 
 // serve runs the request on wk and reports whether anything reached the

@@ -23,9 +23,12 @@ const tieTolerance = 0.03
 // tied workers still tie, and the one with fewer requests in flight wins.
 const routedTie = 0.5
 
-// RegisterKVAware registers kv_aware in r, built over idx.
+// RegisterKVAware registers in r kv_aware and the scorers that read idx
+// (kv, kv_usage).
 func RegisterKVAware(r *Registry, idx *kvindex.Index) {
 	r.Register(KVAware, func(p Params) (Strategy, error) { return NewKVAware(p, idx) })
+	r.RegisterScorer("kv", func(p Params) (Scorer, error) { return &kvScorer{threshold: p.ConcurrencyThreshold, idx: idx}, nil })
+	r.RegisterScorer("kv_usage", func(Params) (Scorer, error) { return kvUsageScorer{idx}, nil })
 }
 
 // TTFTEstimator is implemented by strategies that estimate the time to
@@ -37,14 +40,12 @@ type TTFTEstimator interface {
 	PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error)
 }
 
-// NewKVAware returns the kv_aware strategy over idx, which the watch
-// streams of every worker feed (scheduler/watch).
-//
-// For each available worker serving the model with fewer than
-// ConcurrencyThreshold requests in flight, it estimates the time to first
-// token of the request (req.Keys, req.Tokens) from what idx knows of the
-// worker, with the worker's cost figures (kvindex.DefaultCost for workers
-// that report none, such as HTTP engines):
+// NewKVAware returns the kv_aware profile over idx, which the watch
+// streams of every worker feed (scheduler/watch): its one scorer, kv,
+// estimates each available worker's time to first token for the request
+// (req.Keys, req.Tokens) from what idx knows of the worker, with the
+// worker's cost figures (kvindex.DefaultCost for workers that report none,
+// such as HTTP engines):
 //
 //	queue   = prefill of the tokens waiting on the worker (its last load
 //	          report's waiting_prefill_tokens plus those routed since), as
@@ -91,27 +92,39 @@ func NewKVAware(p Params, idx *kvindex.Index) (Strategy, error) {
 		return nil, err
 	}
 	p = p.withDefaults()
-	return &kvAware{threshold: p.ConcurrencyThreshold, rand: p.Rand, idx: idx}, nil
+	kv := &kvScorer{threshold: p.ConcurrencyThreshold, idx: idx}
+	return &Profile{
+		name:      KVAware,
+		filters:   defaultFilters,
+		scorers:   []weighted{{kv, 1}},
+		picker:    maxPicker{},
+		rand:      p.Rand,
+		threshold: p.ConcurrencyThreshold,
+		base:      ReasonKVAware,
+		rule:      reasonThreshold,
+		usesKeys:  true,
+		committer: []Committer{kv},
+	}, nil
 }
 
-type kvAware struct {
+// kvScorer is kv_aware's scorer (see NewKVAware). Its choice scores 1;
+// every other candidate its score relative to the choice's (lower
+// estimates score higher), below 1, and a thousandth of that when it is at
+// the threshold and the choice is not, so that alone in a profile it
+// picks exactly as its ranking says, and beside other scorers it weighs
+// by how much worse each worker is.
+type kvScorer struct {
 	threshold int
-	rand      func(uint64) uint64
 	idx       *kvindex.Index
 }
 
-func (*kvAware) Name() string { return KVAware }
+func (*kvScorer) Name() string { return "kv" }
 
-func (*kvAware) UsesKeys() bool { return true }
-
-func (s *kvAware) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
-	d, _, err := s.PickEstimate(req, snap)
-	return d, err
-}
+func (*kvScorer) UsesKeys() bool { return true }
 
 // candidate is a worker's estimate.
 type candidate struct {
-	i       int     // the worker's position in its batch; -1: none
+	i       int     // the worker's position among the candidates; -1: none
 	seconds float64 // estimated TTFT
 	score   float64 // seconds plus the compute the request costs the fleet
 	load    int     // in flight
@@ -136,67 +149,61 @@ func (a candidate) better(b candidate) bool {
 	return a.load < b.load
 }
 
-func (s *kvAware) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error) {
-	all := snap.Workers
-	if len(all) == 0 {
-		return Decision{}, 0, ErrNoWorker
-	}
+func (s *kvScorer) Score(c *Cycle, scores []float64) {
+	cands := c.Cands
+	req := c.Req
+	cached, seconds := c.Estimates()
 	// Candidates go to the index in batches of up to MaxWorkers (it tracks
 	// no more), in arrays on the stack: one batch for fleets of up to 64.
 	var (
-		ws    [kvindex.MaxWorkers]*pool.Worker
+		idx   [kvindex.MaxWorkers]int
 		names [kvindex.MaxWorkers]string
 		ms    [kvindex.MaxWorkers]kvindex.Match
 	)
 	best, bestAny := candidate{i: -1}, candidate{i: -1}
-	var bestW, bestAnyW *pool.Worker
-	first := int(s.rand(uint64(len(all))))
-	for k := 0; k < len(all); {
+	first := int(c.Rand(uint64(len(cands))))
+	for k := 0; k < len(cands); {
 		n := 0
-		for ; k < len(all) && n < len(ws); k++ {
+		for ; k < len(cands) && n < len(idx); k++ {
 			i := first + k
-			if i >= len(all) {
-				i -= len(all)
+			if i >= len(cands) {
+				i -= len(cands)
 			}
-			if w := all[i]; eligible(w, req.Model) {
-				ws[n], names[n] = w, w.Name
-				n++
-			}
-		}
-		if n == 0 {
-			continue
+			idx[n], names[n] = i, cands[i].Name
+			n++
 		}
 		s.idx.Lookup(req.Keys, names[:n], ms[:n])
-		for i, w := range ws[:n] {
-			c := estimate(&ms[i], req, w.InFlight())
-			c.i = i
-			if c.better(bestAny) {
-				bestAny, bestAnyW = c, w
+		for j, i := range idx[:n] {
+			e := estimate(&ms[j], req, cands[i].InFlight())
+			e.i = i
+			cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
+			if e.better(bestAny) {
+				bestAny = e
 			}
-			if c.load < s.threshold && c.better(best) {
-				best, bestW = c, w
+			if e.load < s.threshold && e.better(best) {
+				best = e
 			}
 		}
 	}
-	if bestAnyW == nil {
-		return Decision{}, 0, ErrNoWorker
+	c.Home = cands[bestAny.i]
+	if best.i < 0 {
+		best = bestAny
 	}
-	reason := ReasonKVAware
-	if bestW == nil {
-		best, bestW, reason = bestAny, bestAnyW, ReasonAllFull
+	for i, v := range scores {
+		r := 1.0
+		if v > 0 {
+			r = min(best.score/v, 1-1e-9)
+		}
+		if best.load < s.threshold && cands[i].InFlight() >= s.threshold {
+			r *= 1e-3
+		}
+		scores[i] = r
 	}
-	d := Decision{
-		Worker:          bestW,
-		Home:            bestAnyW,
-		Spill:           bestW != bestAnyW,
-		PredictedCached: best.cached,
-		Reason:          reason,
-	}
-	return d, time.Duration(best.seconds * float64(time.Second)), nil
+	scores[best.i] = 1
 }
 
 // Commit records req's blocks on the worker that serves it, as predicted.
-func (s *kvAware) Commit(req *Request, d Decision) {
+func (s *kvScorer) Commit(req *Request, d Decision) {
 	if len(req.Keys) > 0 && d.Worker != nil {
 		s.idx.Predict(d.Worker.Name, req.Keys)
 	}
@@ -290,8 +297,6 @@ func (d Decision) RouteHit(strategy string, tokens int) string {
 }
 
 var (
-	_ Strategy      = (*kvAware)(nil)
-	_ KeyUser       = (*kvAware)(nil)
-	_ TTFTEstimator = (*kvAware)(nil)
-	_ Committer     = (*kvAware)(nil)
+	_ Scorer    = (*kvScorer)(nil)
+	_ Committer = (*kvScorer)(nil)
 )

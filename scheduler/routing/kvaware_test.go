@@ -439,6 +439,7 @@ func TestRouteHit(t *testing.T) {
 }
 
 func TestKVAwareDoesNotAllocate(t *testing.T) {
+	skipUnderRace(t)
 	f := newKVFleet(t, 16)
 	s := f.strategy(Params{})
 	req := kvRequest(prompt(8))

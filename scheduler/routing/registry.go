@@ -2,6 +2,7 @@ package routing
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -27,6 +28,9 @@ type Factory func(params Params) (Strategy, error)
 type Registry struct {
 	mu        sync.RWMutex
 	factories map[string]Factory
+	// The parts custom profiles are built from (RegisterProfile).
+	filters map[string]Filter
+	scorers map[string]ScorerFactory
 }
 
 // Register adds a factory under name. It panics if name is empty, f is nil
@@ -74,9 +78,9 @@ func (r *Registry) New(name string, params Params) (Strategy, error) {
 func (r *Registry) Clone() *Registry {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	c := &Registry{factories: make(map[string]Factory, len(r.factories))}
-	for n, f := range r.factories {
-		c.factories[n] = f
+	c := &Registry{factories: maps.Clone(r.factories), filters: maps.Clone(r.filters), scorers: maps.Clone(r.scorers)}
+	if c.factories == nil {
+		c.factories = make(map[string]Factory)
 	}
 	return c
 }
@@ -102,10 +106,16 @@ func (r *Registry) Names() []string {
 }
 
 // RegisterBuiltins registers random, round_robin, least_outstanding and
-// prefix_aware in r.
+// prefix_aware in r, and the parts custom profiles are built from: the
+// filters available and model, the scorers load and prefix.
 func RegisterBuiltins(r *Registry) {
 	r.Register(Random, NewRandom)
 	r.Register(RoundRobin, NewRoundRobin)
 	r.Register(LeastOutstanding, NewLeastOutstanding)
 	r.Register(PrefixAware, NewPrefixAware)
+	for _, f := range defaultFilters {
+		r.RegisterFilter(f)
+	}
+	r.RegisterScorer("load", func(Params) (Scorer, error) { return loadScorer{}, nil })
+	r.RegisterScorer("prefix", func(p Params) (Scorer, error) { return prefixScorer{threshold: p.ConcurrencyThreshold}, nil })
 }

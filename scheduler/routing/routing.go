@@ -34,6 +34,13 @@ type Request struct {
 	// that implement KeyUser; Tokens is the prompt's length in tokens.
 	Keys   []uint64
 	Tokens int
+	// Tried are workers the request already failed on: no profile picks
+	// them again.
+	Tried []*pool.Worker
+	// MaxInFlight, when positive, is a worker's capacity: workers with
+	// that many requests in flight are not picked, and when they are all
+	// that could serve, Pick returns ErrFull.
+	MaxInFlight int
 }
 
 // KeyUser is implemented by strategies that route on block keys (kv_aware):
@@ -94,9 +101,11 @@ const (
 	// ReasonFull: the caller replaced the strategy's choice, a worker at
 	// capacity (max_in_flight), with the least-loaded one with room.
 	ReasonFull
+	// ReasonScored: a custom profile chose the highest total score.
+	ReasonScored
 )
 
-var reasonNames = [...]string{"random", "round_robin", "least_outstanding", "home", "spill", "all_full", "kv_aware", "retry", "full"}
+var reasonNames = [...]string{"random", "round_robin", "least_outstanding", "home", "spill", "all_full", "kv_aware", "retry", "full", "scored"}
 
 func (r Reason) String() string {
 	if int(r) < len(reasonNames) {
@@ -206,9 +215,4 @@ func SeededRand(seed uint64) func(n uint64) uint64 {
 		defer mu.Unlock()
 		return r.Uint64N(n)
 	}
-}
-
-// eligible reports whether w may serve a request for model.
-func eligible(w *pool.Worker, model string) bool {
-	return w.Available() && w.Serves(model)
 }

@@ -399,6 +399,7 @@ func TestPrefixAwareFailover(t *testing.T) {
 }
 
 func TestPickDoesNotAllocate(t *testing.T) {
+	skipUnderRace(t)
 	f := newFleet(t, 16)
 	f.setHealthy("w03", false)
 	f.load("w05", 20) // over prefix_aware's default threshold: spills

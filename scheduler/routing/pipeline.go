@@ -1,0 +1,282 @@
+package routing
+
+import (
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/pool"
+)
+
+// ErrFull is returned by a profile's Pick when workers could serve the
+// request but every one of them is at the request's capacity
+// (Request.MaxInFlight): the caller waits for one to free up and picks
+// again.
+var ErrFull = errors.New("every worker at capacity")
+
+// A Filter drops the workers a request may not go to. Keep is called on
+// the hot path for each worker of the snapshot, from request goroutines
+// at once: it must not block or allocate.
+type Filter interface {
+	Name() string
+	Keep(req *Request, w *pool.Worker) bool
+}
+
+// A Scorer rates the candidates that passed a profile's filters:
+// scores[i], for c.Cands[i], in [0, 1], higher is better; scores arrives
+// zeroed. A profile sums its scorers' scores, each times its weight. Score
+// is called on the hot path from request goroutines at once: it must not
+// block or allocate, and must change nothing but c and scores (what a
+// strategy records of its choices, it records when the caller commits:
+// see Committer). It may note in c what the decision reports: the
+// request's home worker, expected cache hits and time to first token.
+type Scorer interface {
+	Name() string
+	Score(c *Cycle, scores []float64)
+}
+
+// A Picker chooses a candidate, c.Cands[i], by the candidates' total
+// scores. Its contract is Scorer's.
+type Picker interface {
+	Name() string
+	Pick(c *Cycle, totals []float64) int
+}
+
+// Cycle is one request's pass through a profile: what its scorers and
+// picker read, and what the scorers note for the decision. It lives for
+// one Pick; do not keep it.
+type Cycle struct {
+	Req  *Request
+	Snap *pool.Snapshot
+	// Cands are the workers that passed the filters, in snapshot order;
+	// Index[i] is Cands[i]'s position in Snap.Workers.
+	Cands []*pool.Worker
+	Index []int
+
+	// Home is the worker the request's prefix belongs to, when a scorer
+	// knows one (nil otherwise); Home need not be a candidate.
+	Home *pool.Worker
+	// Cached and Seconds are, per candidate, the prompt tokens it is
+	// expected to find cached and its estimated time to first token;
+	// nil until a scorer calls Estimates.
+	Cached  []int
+	Seconds []float64
+
+	rand func(uint64) uint64
+	// in and passed are by snapshot position: a candidate, and a worker
+	// that passed the filters (a candidate, or at capacity).
+	in, passed []bool
+	sc         *scratch
+}
+
+// Candidate reports whether the snapshot's i-th worker is a candidate.
+func (c *Cycle) Candidate(i int) bool { return c.in[i] }
+
+// Passed reports whether the snapshot's i-th worker passed the filters:
+// a candidate, or a worker left out only for being at capacity. A
+// request's home is the first such worker on the ring, so that a full
+// home sends its requests elsewhere as a spill.
+func (c *Cycle) Passed(i int) bool { return c.passed[i] }
+
+// Rand returns a uniformly random number in [0, n), n > 0, from the
+// profile's source.
+func (c *Cycle) Rand(n uint64) uint64 { return c.rand(n) }
+
+// Estimates returns zeroed per-candidate Cached and Seconds slices, kept
+// in c for the decision.
+func (c *Cycle) Estimates() (cached []int, seconds []float64) {
+	n := len(c.Cands)
+	c.Cached, c.Seconds = c.sc.cached[:n], c.sc.seconds[:n]
+	clear(c.Cached)
+	clear(c.Seconds)
+	return c.Cached, c.Seconds
+}
+
+// scratch is a pick's working memory, pooled so that picks do not
+// allocate once the pool has warmed.
+type scratch struct {
+	c       Cycle
+	cands   []*pool.Worker
+	index   []int
+	in      []bool
+	passed  []bool
+	totals  []float64
+	scores  []float64
+	cached  []int
+	seconds []float64
+}
+
+var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
+
+func getScratch(n int) *scratch {
+	s := scratchPool.Get().(*scratch)
+	if cap(s.in) < n {
+		s.cands = make([]*pool.Worker, 0, n)
+		s.index = make([]int, 0, n)
+		s.in = make([]bool, n)
+		s.passed = make([]bool, n)
+		s.totals = make([]float64, n)
+		s.scores = make([]float64, n)
+		s.cached = make([]int, n)
+		s.seconds = make([]float64, n)
+	}
+	return s
+}
+
+func putScratch(s *scratch) {
+	clear(s.cands[:cap(s.cands)]) // drop worker references
+	s.c = Cycle{}
+	scratchPool.Put(s)
+}
+
+// weighted is a scorer and its weight in a profile.
+type weighted struct {
+	Scorer
+	weight float64
+}
+
+// reasonRule says how a profile names its decisions.
+type reasonRule uint8
+
+const (
+	// reasonFixed: always the profile's base reason (the baselines).
+	reasonFixed reasonRule = iota
+	// reasonThreshold: the base reason, or ReasonAllFull when the chosen
+	// worker is at the concurrency threshold (kv_aware, custom profiles).
+	reasonThreshold
+	// reasonHome: ReasonHome, ReasonSpill or ReasonAllFull by where the
+	// chosen worker stands to the request's home and the threshold
+	// (prefix_aware).
+	reasonHome
+)
+
+// Profile is a named routing strategy built from the pipeline's parts:
+// filters, then weighted scorers, then a picker. Besides its filters,
+// every profile drops the workers the request already tried
+// (Request.Tried) and, with Request.MaxInFlight set, those at capacity.
+// A Profile is safe for concurrent use.
+type Profile struct {
+	name      string
+	filters   []Filter
+	scorers   []weighted
+	picker    Picker
+	rand      func(uint64) uint64
+	threshold int
+	base      Reason
+	rule      reasonRule
+	usesKeys  bool
+	committer []Committer // scorers that record their choices
+	estimates bool        // a scorer estimates time to first token
+}
+
+// Name is the profile's name, as rendered in X-Baton-Route.
+func (p *Profile) Name() string { return p.name }
+
+// UsesKeys reports whether a scorer routes on block keys.
+func (p *Profile) UsesKeys() bool { return p.usesKeys }
+
+// Commit commits d to the scorers that record their choices.
+func (p *Profile) Commit(req *Request, d Decision) {
+	for _, c := range p.committer {
+		c.Commit(req, d)
+	}
+}
+
+// Pick runs the pipeline. It returns ErrNoWorker when no worker passes
+// the filters, ErrFull when some would but are at capacity.
+func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
+	d, _, err := p.PickEstimate(req, snap)
+	return d, err
+}
+
+// PickEstimate is Pick that also returns the chosen worker's estimated
+// time to first token, 0 when no scorer estimates it.
+func (p *Profile) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error) {
+	ws := snap.Workers
+	sc := getScratch(len(ws))
+	defer putScratch(sc)
+	c := &sc.c
+	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc}
+	clear(c.in)
+	clear(c.passed)
+	cands, index := sc.cands[:0], sc.index[:0]
+	full := false
+	for i, w := range ws {
+		if !p.keep(req, w) {
+			continue
+		}
+		c.passed[i] = true
+		if req.MaxInFlight > 0 && w.InFlight() >= req.MaxInFlight {
+			full = true
+			continue
+		}
+		cands, index = append(cands, w), append(index, i)
+		c.in[i] = true
+	}
+	if len(cands) == 0 {
+		if full {
+			return Decision{}, 0, ErrFull
+		}
+		return Decision{}, 0, ErrNoWorker
+	}
+	c.Cands, c.Index = cands, index
+	totals := sc.totals[:len(cands)]
+	clear(totals)
+	for _, s := range p.scorers {
+		scores := sc.scores[:len(cands)]
+		clear(scores)
+		s.Score(c, scores)
+		for i, v := range scores {
+			totals[i] += s.weight * v
+		}
+	}
+	k := p.picker.Pick(c, totals)
+	w := cands[k]
+	d := Decision{Worker: w, Home: c.Home, Spill: c.Home != nil && w != c.Home, Reason: p.reason(c, w)}
+	var est time.Duration
+	if c.Cached != nil {
+		d.PredictedCached = c.Cached[k]
+		est = time.Duration(c.Seconds[k] * float64(time.Second))
+	}
+	return d, est, nil
+}
+
+// keep applies the filters and Request.Tried.
+func (p *Profile) keep(req *Request, w *pool.Worker) bool {
+	for _, f := range p.filters {
+		if !f.Keep(req, w) {
+			return false
+		}
+	}
+	for _, t := range req.Tried {
+		if t == w {
+			return false
+		}
+	}
+	return true
+}
+
+func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
+	switch p.rule {
+	case reasonThreshold:
+		if w.InFlight() >= p.threshold {
+			return ReasonAllFull
+		}
+	case reasonHome:
+		switch {
+		case w.InFlight() >= p.threshold:
+			return ReasonAllFull
+		case c.Home == nil || w == c.Home:
+			return ReasonHome
+		}
+		return ReasonSpill
+	}
+	return p.base
+}
+
+var (
+	_ Strategy      = (*Profile)(nil)
+	_ KeyUser       = (*Profile)(nil)
+	_ TTFTEstimator = (*Profile)(nil)
+	_ Committer     = (*Profile)(nil)
+)
