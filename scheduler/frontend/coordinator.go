@@ -1,0 +1,375 @@
+package frontend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/metrics"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/openai"
+)
+
+// The coordinator: one request's life once it is parsed (an exchange):
+// picking through the routing pipeline, the queue, attempts and retries,
+// disaggregated prefill (disagg.go), relaying the stream and reporting the
+// outcome, exactly one of them, to the client, the breakers and metrics.
+
+// released wakes requests waiting in the queue: a worker has one request
+// fewer in flight.
+func (s *Server) released() {
+	s.freedMu.Lock()
+	close(s.freed)
+	s.freed = make(chan struct{})
+	s.freedMu.Unlock()
+}
+
+func (s *Server) freedChan() <-chan struct{} {
+	s.freedMu.Lock()
+	defer s.freedMu.Unlock()
+	return s.freed
+}
+
+// exchange is one request's trip through routing and workers.
+type exchange struct {
+	s        *Server
+	w        http.ResponseWriter
+	req      *openai.Request
+	rreq     *routing.Request
+	start    time.Time
+	strategy string
+	worker   string // the worker that served (or last failed) it
+	tried    []*pool.Worker
+	lastTok  time.Time
+	route    string // X-Baton-Route of the prefill decision, if any
+	// predicted is the strategy's predicted cached tokens for the worker
+	// that serves, or -1 when it made no prediction.
+	predicted int
+	// estimate is the strategy's TTFT estimate for the worker, 0 if none.
+	estimate time.Duration
+	disagg   string // how the prompt was prefilled, when disaggregated
+	// dz is the server's Disagg when the fleet had prefill workers as the
+	// request arrived, else nil: the request is served colocated.
+	dz *Disagg
+}
+
+// disaggregated returns s.disagg while it has prefill workers, else nil.
+func (s *Server) disaggregated() *Disagg {
+	if s.disagg == nil || len(s.disagg.Pool.Snapshot().Workers) == 0 {
+		return nil
+	}
+	return s.disagg
+}
+
+// genStrategy picks the worker that generates: the decode strategy when
+// the request is disaggregated.
+func (x *exchange) genStrategy() routing.Strategy {
+	if x.dz != nil {
+		return x.dz.DecodeStrategy
+	}
+	return x.s.strategy
+}
+
+// run routes and serves the request, writing exactly one outcome to the
+// client, and returns the outcome's label.
+func (x *exchange) run(ctx context.Context) string {
+	s := x.s
+	var lastErr error
+	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
+		d, err := x.pick(true)
+		if errors.Is(err, routing.ErrFull) {
+			d, err = x.wait(ctx)
+		}
+		wk := d.Worker
+		if err != nil {
+			if lastErr != nil {
+				err = lastErr
+			}
+			return x.fail(ctx, err)
+		}
+		acquired, err := wk.Acquire()
+		if err != nil {
+			// The breaker refused between the pick and the call.
+			x.tried = append(x.tried, wk)
+			attempt--
+			if len(x.tried) > len(s.pool.Snapshot().Workers) {
+				return x.fail(ctx, routing.ErrNoWorker)
+			}
+			continue
+		}
+		done := func(err error) {
+			acquired(err)
+			s.released()
+		}
+		x.worker = wk.Name
+		x.predicted = -1
+		routing.Commit(x.genStrategy(), x.rreq, d)
+		if x.dz == nil && s.usesKeys {
+			x.predicted = d.PredictedCached
+		}
+		if d.Spill && d.Home != nil {
+			s.metrics.Spills.WithLabelValues(x.strategy, d.Home.Name).Inc()
+		}
+		h := x.w.Header()
+		h.Set(HeaderWorker, wk.Name)
+		var p *plan
+		if x.dz != nil {
+			h.Del(HeaderPrefillWorker)
+			if attempt == 0 {
+				// Later attempts prefill on their decode worker: the
+				// transfer went to the one that failed.
+				p = x.prefill(ctx, wk)
+			} else {
+				x.disagg = "local(decode_retry)"
+				s.metrics.Fallbacks.WithLabelValues("decode_retry").Inc()
+			}
+			route := x.route // the prefill decision's
+			if p == nil {
+				route = s.name
+			}
+			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
+		} else {
+			h.Set(HeaderRoute, d.RouteHit(x.strategy, x.rreq.Tokens))
+		}
+
+		written, err := x.serve(ctx, wk, p)
+		done(classify(err))
+		if err == nil {
+			return metrics.OutcomeOK
+		}
+		if written || ctx.Err() != nil || !retryable(err) {
+			if !written {
+				return x.fail(ctx, err)
+			}
+			outcome := outcomeOf(ctx, err)
+			if outcome == metrics.OutcomeCanceled {
+				s.log.Debug("client went away mid-stream", "id", x.req.ID, "worker", wk.Name, "err", err)
+			} else {
+				s.log.Warn("stream broken after first token", "id", x.req.ID, "worker", wk.Name, "err", err)
+			}
+			return outcome
+		}
+		s.log.Info("worker failed before first token; retrying", "id", x.req.ID, "worker", wk.Name, "err", err)
+		s.metrics.Retries.WithLabelValues("worker_error").Inc()
+		x.tried = append(x.tried, wk)
+		lastErr = err
+	}
+	return x.fail(ctx, lastErr)
+}
+
+// errOverloaded is the 429 of a request the queue could not take, or that
+// waited in it too long.
+var errOverloaded = &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeOverloaded, Code: "overloaded",
+	Message: "every worker is at capacity and the scheduler's queue is full; retry later", RetryAfter: 1}
+
+// wait is called when every worker that could serve the request is at
+// capacity (MaxInFlight): the request waits in the scheduler's bounded
+// queue, running the pipeline again each time a worker frees up. A full
+// queue or a wait past QueueTimeout is a 429. Without a queue, the
+// least-loaded worker takes the request at once.
+func (x *exchange) wait(ctx context.Context) (routing.Decision, error) {
+	s := x.s
+	if s.queue == nil {
+		return x.pickWith(s.fallback, false)
+	}
+	select {
+	case s.queue <- struct{}{}:
+	default:
+		s.metrics.QueueRejections.WithLabelValues("full").Inc()
+		return routing.Decision{}, errOverloaded
+	}
+	defer func() { <-s.queue }()
+	s.metrics.QueueDepth.Inc()
+	defer s.metrics.QueueDepth.Dec()
+	timer := time.NewTimer(s.cfg.QueueTimeout)
+	defer timer.Stop()
+	for {
+		freed := s.freedChan()
+		d, err := x.pick(true)
+		if !errors.Is(err, routing.ErrFull) {
+			return d, err
+		}
+		select {
+		case <-freed:
+		case <-timer.C:
+			s.metrics.QueueRejections.WithLabelValues("timeout").Inc()
+			return d, errOverloaded
+		case <-ctx.Done():
+			return d, ctx.Err()
+		}
+	}
+}
+
+// pick runs the pipeline of the strategy that picks the generating
+// worker, skipping the workers this request already tried and, with
+// capacity, those at MaxInFlight (then routing.ErrFull when all are).
+func (x *exchange) pick(capacity bool) (routing.Decision, error) {
+	return x.pickWith(x.genStrategy(), capacity)
+}
+
+func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.Decision, error) {
+	snap := x.s.pool.Snapshot()
+	x.rreq.Tried, x.rreq.MaxInFlight = x.tried, 0
+	if capacity {
+		x.rreq.MaxInFlight = x.s.cfg.MaxInFlight
+	}
+	t0 := time.Now()
+	var d routing.Decision
+	var err error
+	x.estimate = 0
+	if est, ok := strategy.(routing.TTFTEstimator); ok && x.dz == nil {
+		d, x.estimate, err = est.PickEstimate(x.rreq, snap)
+	} else {
+		d, err = strategy.Pick(x.rreq, snap)
+	}
+	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
+	return d, err
+}
+
+// serve runs the request on wk and reports whether anything reached the
+// client.
+func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, error) {
+	m := x.s.metrics
+	firstToken := func() {
+		now := time.Now()
+		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
+		x.lastTok = now
+		if x.estimate > 0 && x.s.observeTTFT != nil {
+			x.s.observeTTFT(FirstToken{Worker: wk.Name, Estimate: x.estimate, Achieved: now.Sub(x.start),
+				Uncached: max(x.rreq.Tokens-x.predicted, 0)})
+		}
+	}
+	if p, ok := wk.Client.(engine.Proxier); ok {
+		res, err := p.Proxy(ctx, &x.req.Request, x.w, firstToken)
+		if res.Usage != nil {
+			x.usage(wk, res.Usage)
+		}
+		if err == nil && res.Status >= 400 {
+			return res.Written, pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
+		}
+		return res.Written, err
+	}
+	var stream engine.Stream
+	var err error
+	if p != nil {
+		stream, err = x.decode(ctx, wk, p)
+	} else {
+		stream, err = wk.Client.Generate(ctx, &x.req.Request)
+	}
+	if err != nil {
+		return false, err
+	}
+	defer stream.Close()
+	inter := m.InterToken.WithLabelValues(x.strategy)
+	final, written, err := openai.Write(x.w, x.req, x.req.ID, stream, &openai.Observer{
+		FirstToken: firstToken,
+		Token: func(n int) {
+			now := time.Now()
+			if n < 1 {
+				n = 1
+			}
+			gap := now.Sub(x.lastTok).Seconds() / float64(n)
+			for range n {
+				inter.Observe(gap)
+			}
+			x.lastTok = now
+		},
+	})
+	if final != nil {
+		x.usage(wk, final)
+	}
+	return written, err
+}
+
+func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
+	m := x.s.metrics
+	m.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
+	m.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))
+	for _, t := range []struct {
+		tier   string
+		tokens int
+	}{{"gpu", f.CachedGPU}, {"cpu", f.CachedCPU}, {"redis", f.CachedRedis}} {
+		if t.tokens > 0 {
+			m.TierHits.WithLabelValues(t.tier).Add(float64(t.tokens))
+		}
+	}
+	if x.predicted >= 0 {
+		m.PredictedCached.WithLabelValues(x.strategy).Add(float64(x.predicted))
+		m.AchievedCached.WithLabelValues(x.strategy).Add(float64(f.CachedTokens))
+	}
+}
+
+// fail writes err to the client as an OpenAI error and returns its outcome.
+func (x *exchange) fail(ctx context.Context, err error) string {
+	outcome := outcomeOf(ctx, err)
+	var e *openai.Error
+	switch {
+	case errors.As(err, &e):
+	case outcome == metrics.OutcomeTimeout:
+		e = openai.Timeout()
+	case outcome == metrics.OutcomeCanceled:
+		return outcome // nobody is listening
+	case errors.Is(err, routing.ErrNoWorker):
+		e = openai.NoWorker("no worker is available for model " + strconv.Quote(x.req.Model))
+	case errors.Is(err, engine.ErrUnknownModel):
+		e = openai.ModelNotFound(x.req.Model)
+		outcome = metrics.OutcomeInvalid
+	case errors.Is(err, engine.ErrInvalid):
+		e = openai.Invalid("", "invalid_request", "the worker rejected the request: "+err.Error())
+		outcome = metrics.OutcomeInvalid
+	case errors.Is(err, engine.ErrTooLarge):
+		e = &openai.Error{Status: http.StatusRequestEntityTooLarge, Type: openai.TypeInvalidRequest, Code: "request_too_large",
+			Message: "the request is larger than the workers accept: " + err.Error()}
+		outcome = metrics.OutcomeInvalid
+	case errors.Is(err, engine.ErrUnavailable):
+		e = openai.NoWorker("every worker tried was unavailable: " + err.Error())
+		outcome = metrics.OutcomeNoWorker
+	default:
+		e = openai.Internal(http.StatusBadGateway, "the worker failed: "+err.Error())
+	}
+	x.w.Header().Del(HeaderRoute)
+	if outcome == metrics.OutcomeNoWorker {
+		x.w.Header().Del(HeaderWorker)
+	}
+	openai.WriteError(x.w, e)
+	return outcome
+}
+
+func outcomeOf(ctx context.Context, err error) string {
+	var e *openai.Error
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return metrics.OutcomeTimeout
+	case errors.Is(err, context.Canceled) || errors.Is(err, engine.ErrClientGone) || ctx.Err() != nil:
+		return metrics.OutcomeCanceled
+	case errors.Is(err, routing.ErrNoWorker):
+		return metrics.OutcomeNoWorker
+	case errors.Is(err, errOverloaded):
+		return metrics.OutcomeOverloaded
+	case errors.As(err, &e) && e.Status < 500,
+		errors.Is(err, engine.ErrUnknownModel), errors.Is(err, engine.ErrInvalid), errors.Is(err, engine.ErrTooLarge):
+		return metrics.OutcomeInvalid
+	}
+	return metrics.OutcomeWorkerError
+}
+
+// retryable reports whether a failure before the first token may be retried
+// on another worker: the worker was unreachable or failed, not the request.
+func retryable(err error) bool {
+	return pool.IsWorkerFault(err)
+}
+
+// classify turns a call's error into what the worker's breaker should hear:
+// failures caused by the request or the client are not the worker's fault.
+func classify(err error) error {
+	var e *openai.Error
+	if errors.As(err, &e) && e.Status < 500 {
+		return pool.ClientError(err)
+	}
+	return err
+}
