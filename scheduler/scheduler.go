@@ -59,14 +59,10 @@ type Scheduler struct {
 // New validates cfg, connects to its workers and builds the scheduler. It
 // does not listen: call Serve. A nil log discards.
 //
-// Besides the strategies of the registry, the scheduler offers kv_aware,
-// bound to its own KV index.
+// Strategies are built from the registry (routing.RegisterBuiltins) over
+// the scheduler's own KV index (routing.Params.Index).
 func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler, error) {
 	idx := kvindex.New(kvindex.Config{})
-	strategies = strategies.Clone()
-	if !strategies.Has(routing.KVAware) {
-		routing.RegisterKVAware(strategies, idx)
-	}
 	if err := cfg.Validate(strategies); err != nil {
 		return nil, err
 	}
@@ -75,6 +71,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 		return nil, err
 	}
 	cfg = cfg.WithDefaults()
+	cfg.Params.Index = idx
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}

@@ -82,7 +82,7 @@ func (f *schedulerFlags) check(fs *flag.FlagSet, cfg scheduler.Config, withoutWo
 	if withoutWorkers && len(cfg.Workers) == 0 {
 		cfg.Workers = []scheduler.WorkerConfig{{Address: "127.0.0.1:1"}}
 	}
-	err := cfg.Validate(withKVAware(strategies()))
+	err := cfg.Validate(strategies())
 	if err == nil {
 		return nil
 	}
@@ -146,21 +146,9 @@ func (l *workerList) Set(v string) error {
 	return nil
 }
 
-// strategyNames lists every strategy a scheduler serves: the built-ins and
-// kv_aware, which each scheduler registers over its own KV index.
+// strategyNames lists every built-in strategy.
 func strategyNames() []string {
-	return withKVAware(strategies()).Names()
-}
-
-// withKVAware returns r with kv_aware registered, for validation only: the
-// factory is never called.
-func withKVAware(r *routing.Registry) *routing.Registry {
-	if !r.Has(routing.KVAware) {
-		r.Register(routing.KVAware, func(routing.Params) (routing.Strategy, error) {
-			return nil, errors.New("kv_aware is built by the scheduler")
-		})
-	}
-	return r
+	return strategies().Names()
 }
 
 func strategies() *routing.Registry {

@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"errors"
 	"strconv"
 	"time"
 
@@ -8,10 +9,12 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 )
 
-// KVAware is the name of the kv_aware strategy. It is not among the
-// builtins: it needs the KV index, so cmd/ registers it with
-// RegisterKVAware.
+// KVAware is the name of the kv_aware strategy.
 const KVAware = "kv_aware"
+
+// errNoIndex: a strategy or scorer that reads the KV index was built
+// without one (Params.Index).
+var errNoIndex = errors.New("needs the scheduler's KV index (Params.Index)")
 
 // tieTolerance is the relative difference under which two workers' scores
 // tie (see NewKVAware for what breaks the tie): estimates built from load
@@ -23,13 +26,6 @@ const tieTolerance = 0.03
 // tied workers still tie, and the one with fewer requests in flight wins.
 const routedTie = 0.5
 
-// RegisterKVAware registers in r kv_aware and the scorers that read idx
-// (kv, kv_usage).
-func RegisterKVAware(r *Registry, idx *kvindex.Index) {
-	r.Register(KVAware, func(p Params) (Strategy, error) { return NewKVAware(p, idx) })
-	r.RegisterScorer("kv", func(p Params) (Scorer, error) { return &kvScorer{threshold: p.ConcurrencyThreshold, idx: idx}, nil })
-	r.RegisterScorer("kv_usage", func(Params) (Scorer, error) { return kvUsageScorer{idx}, nil })
-}
 
 // TTFTEstimator is implemented by strategies that estimate the time to
 // first token of their choice (kv_aware). The front end calls PickEstimate
@@ -40,7 +36,7 @@ type TTFTEstimator interface {
 	PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error)
 }
 
-// NewKVAware returns the kv_aware profile over idx, which the watch
+// NewKVAware returns the kv_aware profile over p.Index, which the watch
 // streams of every worker feed (scheduler/watch): its one scorer, kv,
 // estimates each available worker's time to first token for the request
 // (req.Keys, req.Tokens) from what idx knows of the worker, with the
@@ -87,12 +83,15 @@ type TTFTEstimator interface {
 // worker's events see them, and counts the request in its Routed.
 // Decision.PredictedCached is the prompt tokens the worker is expected to
 // find in some tier.
-func NewKVAware(p Params, idx *kvindex.Index) (Strategy, error) {
+func NewKVAware(p Params) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
 	p = p.withDefaults()
-	kv := &kvScorer{threshold: p.ConcurrencyThreshold, idx: idx}
+	kv, err := newKVScorer(p)
+	if err != nil {
+		return nil, err
+	}
 	return &Profile{
 		name:      KVAware,
 		filters:   defaultFilters,
@@ -116,6 +115,13 @@ func NewKVAware(p Params, idx *kvindex.Index) (Strategy, error) {
 type kvScorer struct {
 	threshold int
 	idx       *kvindex.Index
+}
+
+func newKVScorer(p Params) (*kvScorer, error) {
+	if p.Index == nil {
+		return nil, errNoIndex
+	}
+	return &kvScorer{threshold: p.ConcurrencyThreshold, idx: p.Index}, nil
 }
 
 func (*kvScorer) Name() string { return "kv" }

@@ -72,7 +72,8 @@ func (f *kvFleet) strategy(p Params) Strategy {
 		p.Rand = SeededRand(1)
 	}
 	var r Registry
-	RegisterKVAware(&r, f.idx)
+	RegisterBuiltins(&r)
+	p.Index = f.idx
 	s, err := r.New(KVAware, p)
 	if err != nil {
 		f.t.Fatal(err)

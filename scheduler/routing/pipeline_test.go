@@ -81,7 +81,6 @@ func TestCustomProfile(t *testing.T) {
 	f := newKVFleet(t, 3)
 	var r Registry
 	RegisterBuiltins(&r)
-	RegisterKVAware(&r, f.idx)
 	// w00 uses 90% of its KV cache, w01 10%, w02 50%.
 	f.report("w00", &workerpb.LoadReport{GpuBlocksUsed: 900, GpuBlocksTotal: 1000})
 	f.report("w01", &workerpb.LoadReport{GpuBlocksUsed: 100, GpuBlocksTotal: 1000})
@@ -106,7 +105,7 @@ func TestCustomProfile(t *testing.T) {
 			if err := rr.RegisterProfile(ProfileConfig{Name: name, Scorers: tt.scorers}); err != nil {
 				t.Fatal(err)
 			}
-			s, err := rr.New(name, Params{Rand: SeededRand(1)})
+			s, err := rr.New(name, Params{Rand: SeededRand(1), Index: f.idx})
 			if err != nil {
 				t.Fatal(err)
 			}

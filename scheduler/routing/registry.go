@@ -105,14 +105,23 @@ func (r *Registry) Names() []string {
 	return names
 }
 
-// RegisterBuiltins registers random, round_robin, least_outstanding and
-// prefix_aware in r, and the parts custom profiles are built from: the
-// filters available and model, the scorers load and prefix.
+// RegisterBuiltins registers random, round_robin, least_outstanding,
+// prefix_aware and kv_aware in r, and the parts custom profiles are built
+// from: the filters available and model, the scorers load, prefix, kv
+// and kv_usage.
 func RegisterBuiltins(r *Registry) {
 	r.Register(Random, NewRandom)
 	r.Register(RoundRobin, NewRoundRobin)
 	r.Register(LeastOutstanding, NewLeastOutstanding)
 	r.Register(PrefixAware, NewPrefixAware)
+	r.Register(KVAware, NewKVAware)
+	r.RegisterScorer("kv", func(p Params) (Scorer, error) { return newKVScorer(p) })
+	r.RegisterScorer("kv_usage", func(p Params) (Scorer, error) {
+		if p.Index == nil {
+			return nil, errNoIndex
+		}
+		return kvUsageScorer{p.Index}, nil
+	})
 	for _, f := range defaultFilters {
 		r.RegisterFilter(f)
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/google/go-cmp/cmp"
 )
 
@@ -37,13 +38,13 @@ func TestParamsValidate(t *testing.T) {
 func TestRegistry(t *testing.T) {
 	var r Registry
 	RegisterBuiltins(&r)
-	want := []string{LeastOutstanding, PrefixAware, Random, RoundRobin}
+	want := []string{KVAware, LeastOutstanding, PrefixAware, Random, RoundRobin}
 	if diff := cmp.Diff(want, r.Names()); diff != "" {
 		t.Errorf("Names() (-want +got):\n%s", diff)
 	}
 	for _, name := range want {
 		t.Run(name, func(t *testing.T) {
-			s, err := r.New(name, Params{})
+			s, err := r.New(name, Params{Index: kvindex.New(kvindex.Config{})})
 			if err != nil {
 				t.Fatalf("New(%s): %v", name, err)
 			}
@@ -67,10 +68,11 @@ func TestRegistryErrors(t *testing.T) {
 		params  Params
 		wantErr string
 	}{
-		{"kv_magic", Params{}, `strategy: unknown "kv_magic" (known: broken, least_outstanding, prefix_aware, random, round_robin)`},
+		{"kv_magic", Params{}, `strategy: unknown "kv_magic" (known: broken, kv_aware, least_outstanding, prefix_aware, random, round_robin)`},
 		{PrefixAware, Params{ConcurrencyThreshold: 2000}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
 		{Random, Params{ConcurrencyThreshold: -5}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
 		{"broken", Params{}, "strategy broken: boom"},
+		{KVAware, Params{}, "strategy kv_aware: needs the scheduler's KV index (Params.Index)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -83,7 +85,7 @@ func TestRegistryErrors(t *testing.T) {
 }
 
 func TestFactoriesValidate(t *testing.T) {
-	for _, f := range []Factory{NewRandom, NewRoundRobin, NewLeastOutstanding, NewPrefixAware} {
+	for _, f := range []Factory{NewRandom, NewRoundRobin, NewLeastOutstanding, NewPrefixAware, NewKVAware} {
 		if s, err := f(Params{ConcurrencyThreshold: 4096}); err == nil {
 			t.Errorf("%s built with concurrency_threshold 4096, want error", s.Name())
 		}

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 )
 
@@ -181,6 +182,10 @@ type Params struct {
 	// safe for concurrent use and not allocate. nil means
 	// math/rand/v2.Uint64N; tests pass SeededRand.
 	Rand func(n uint64) uint64 `yaml:"-"`
+	// Index is the scheduler's KV index, which kv_aware and the kv and
+	// kv_usage scorers read; the scheduler sets it. Building them
+	// without one is an error.
+	Index *kvindex.Index `yaml:"-"`
 }
 
 // withDefaults returns p with its zero fields set to their defaults.

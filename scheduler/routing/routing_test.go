@@ -14,6 +14,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/goleak"
 
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
@@ -124,6 +125,9 @@ func builtins(t testing.TB, params Params) []Strategy {
 	t.Helper()
 	var r Registry
 	RegisterBuiltins(&r)
+	if params.Index == nil {
+		params.Index = kvindex.New(kvindex.Config{})
+	}
 	var out []Strategy
 	for _, name := range r.Names() {
 		s, err := r.New(name, params)
