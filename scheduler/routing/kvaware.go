@@ -26,7 +26,6 @@ const tieTolerance = 0.03
 // tied workers still tie, and the one with fewer requests in flight wins.
 const routedTie = 0.5
 
-
 // TTFTEstimator is implemented by strategies that estimate the time to
 // first token of their choice (kv_aware). The front end calls PickEstimate
 // instead of Pick to learn the estimate, and reports the achieved TTFT to
