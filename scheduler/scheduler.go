@@ -351,3 +351,12 @@ func (s *Scheduler) Close() error {
 	}
 	return nil
 }
+
+// The clients the scheduler builds, checked against the optional abilities
+// it finds on them at run time.
+var (
+	_ watch.Source     = (*grpcworker.Client)(nil)
+	_ engine.Describer = (*grpcworker.Client)(nil)
+	_ engine.Describer = (*httpengine.Client)(nil)
+	_ engine.Proxier   = (*httpengine.Client)(nil)
+)
