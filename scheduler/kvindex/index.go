@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // MaxWorkers is the number of workers an Index tracks at once. Blocks of
@@ -294,7 +295,7 @@ func (x *Index) SetInfo(name string, info *workerpb.InfoResponse) error {
 	if err != nil {
 		return err
 	}
-	w.cost, w.hasCost = costFrom(info.GetCost())
+	w.cost, w.hasCost = cost.FromProto(info.GetCost())
 	w.blockTokens = defaultBlockTokens
 	if bc := info.GetBlockChars(); bc > 0 {
 		w.blockTokens = int(bc+3) / 4

@@ -4,11 +4,13 @@ import (
 	"sync"
 
 	"github.com/batonllm/baton/transfer"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // BlockTokens is the number of tokens in one KV block: a block of
-// blockkey.DefaultBlockChars characters at blockkey.CharsPerToken.
-const BlockTokens = 16
+// blockkey.DefaultBlockChars characters at blockkey.CharsPerToken, as the
+// cost model counts it.
+const BlockTokens = cost.BlockTokens
 
 // Tier is where a block is held: the worker's GPU memory, its host (CPU)
 // memory, or the fleet's shared tier (Redis, through a transfer.Store).

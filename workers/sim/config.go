@@ -9,6 +9,7 @@ import (
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvblock"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // Roles of a worker in disaggregated serving (Config.Role).
@@ -34,10 +35,10 @@ const (
 	DefaultCPUMemoryBytes = 256 << 30
 	// DefaultRedisBandwidth is the modelled bandwidth of fetches from the
 	// shared Redis tier, bytes/s: 10 GB/s, about a 100 Gb/s NIC.
-	DefaultRedisBandwidth = 10e9
+	DefaultRedisBandwidth = cost.DefaultRedisBandwidth
 	// DefaultRedisRTT is the modelled fixed time of one round trip to the
 	// shared tier (one batched fetch).
-	DefaultRedisRTT = 500 * time.Microsecond
+	DefaultRedisRTT = cost.DefaultRedisRTT
 	// DefaultStoreTimeout bounds, in real time, one lookup in the shared
 	// tier at admission.
 	DefaultStoreTimeout = 250 * time.Millisecond
@@ -72,10 +73,10 @@ type Config struct {
 	// Models are the model names the engine serves (requests for any
 	// other model fail). Default: Model alone.
 	Models []string
-	// Model is the model preset whose cost is modelled (see Models map).
-	// Default "llama-3.1-8b".
+	// Model is the model preset whose cost is modelled (cost.Models).
+	// Default cost.DefaultModel, "llama-3.1-8b".
 	Model string
-	// GPU is the GPU preset. Default "h100".
+	// GPU is the GPU preset (cost.GPUs). Default cost.DefaultGPU, "h100".
 	GPU string
 	// TP is the tensor-parallel degree. Default 1.
 	TP int
@@ -193,22 +194,22 @@ func (c Config) WithDefaults() Config {
 		c.Name = "sim"
 	}
 	if c.Model == "" {
-		c.Model = "llama-3.1-8b"
+		c.Model = cost.DefaultModel
 	}
 	if len(c.Models) == 0 {
 		c.Models = []string{c.Model}
 	}
 	if c.GPU == "" {
-		c.GPU = "h100"
+		c.GPU = cost.DefaultGPU
 	}
 	if c.TP == 0 {
 		c.TP = 1
 	}
 	if c.MFU == 0 {
-		c.MFU = DefaultMFU
+		c.MFU = cost.DefaultMFU
 	}
 	if c.BandwidthEfficiency == 0 {
-		c.BandwidthEfficiency = DefaultBandwidthEfficiency
+		c.BandwidthEfficiency = cost.DefaultBandwidthEfficiency
 	}
 	if c.TimeScale == 0 {
 		c.TimeScale = 1
@@ -217,7 +218,7 @@ func (c Config) WithDefaults() Config {
 		c.MaxRunning = 256
 	}
 	if c.MaxBatchedTokens == 0 {
-		c.MaxBatchedTokens = 8192
+		c.MaxBatchedTokens = cost.DefaultMaxBatchedTokens
 	}
 	if c.DefaultMaxTokens == 0 {
 		c.DefaultMaxTokens = 1024
@@ -334,16 +335,16 @@ func (c Config) Validate() error {
 
 // costModel builds the cost model of c (defaults applied, fields valid).
 func (c Config) costModel() (CostModel, error) {
-	m, err := LookupModel(c.Model)
+	m, err := cost.LookupModel(c.Model)
 	if err != nil {
 		return CostModel{}, fmt.Errorf("model: %w", err)
 	}
-	g, err := LookupGPU(c.GPU)
+	g, err := cost.LookupGPU(c.GPU)
 	if err != nil {
 		return CostModel{}, fmt.Errorf("gpu: %w", err)
 	}
 	return CostModel{Model: m, GPU: g, TP: c.TP, MFU: c.MFU,
-		BandwidthEfficiency: c.BandwidthEfficiency, MemoryUtilization: DefaultMemoryUtilization}, nil
+		BandwidthEfficiency: c.BandwidthEfficiency, MemoryUtilization: cost.DefaultMemoryUtilization}, nil
 }
 
 // cpuBlocks is the CPU tier's capacity of c (defaults applied, fields
@@ -367,6 +368,16 @@ func (c Config) pcieBandwidth(cm CostModel) float64 {
 		bw = cm.GPU.PCIeBandwidth
 	}
 	return bw * float64(cm.TP)
+}
+
+// figures are c's cost figures in modelled seconds (defaults applied,
+// fields valid): cm's, with c's PCIe link, Redis tier and step budget.
+func (c Config) figures(cm CostModel) cost.Figures {
+	f := cm.Figures()
+	f.PCIeBytesPerSecond = c.pcieBandwidth(cm)
+	f.RedisBytesPerSecond, f.RedisRTTSeconds = c.RedisBandwidth, c.RedisRTT.Seconds()
+	f.MaxBatchedTokens = c.MaxBatchedTokens
+	return f
 }
 
 // role returns the workerpb role of c (defaults applied).

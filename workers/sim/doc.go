@@ -1,7 +1,8 @@
 // Package sim is baton's simulated LLM engine: it behaves like vLLM with
 // prefix caching (continuous batching, chunked prefill, a paged KV cache of
 // 16-token blocks with LRU eviction) on the CPU, timing each step with a
-// cost model of a model on GPUs (costmodel.go).
+// cost model of a model on GPUs (package workers/engine/cost, whose
+// figures kv_aware estimates with).
 //
 // Its text is deterministic: equal prompts give equal completions, one
 // 4-character word per token, so tests and benchmarks are repeatable.

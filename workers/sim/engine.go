@@ -12,6 +12,7 @@ import (
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/transfer/kvblock"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // Errors of Generate; match them with errors.Is.
@@ -135,7 +136,7 @@ type Engine struct {
 	// start-up warm-up has ended (at once without one).
 	touches  chan hotTouch
 	warmDone chan struct{}
-	pcieBW   float64 // bytes/s of a CPU → GPU copy of the TP group
+	fig      cost.Figures // what Info reports (CostParams), in modelled seconds
 	ctx      context.Context
 	cancel   context.CancelFunc
 
@@ -155,29 +156,29 @@ func New(cfg Config) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("sim config: %w", err)
 	}
-	cost, err := cfg.costModel()
+	cm, err := cfg.costModel()
 	if err != nil {
 		return nil, fmt.Errorf("sim config: %w", err)
 	}
 	capacity := cfg.BlockCapacity
 	if capacity == 0 {
-		capacity = cost.BlockCapacity(BlockTokens)
+		capacity = cm.BlockCapacity(BlockTokens)
 	}
 	e := &Engine{
 		cfg:    cfg,
-		cost:   cost,
+		cost:   cm,
 		models: make(map[string]bool, len(cfg.Models)),
 		wakeCh: make(chan struct{}, 1),
 		quit:   make(chan struct{}),
 
-		blockBytes: kvblock.Size(cost.KVBytesPerToken(), BlockTokens, cfg.KVScale),
+		blockBytes: kvblock.Size(cm.KVBytesPerToken(), BlockTokens, cfg.KVScale),
 		store:      cfg.Store,
-		pcieBW:     cfg.pcieBandwidth(cost),
+		fig:        cfg.figures(cm),
 		warmDone:   make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.hub.init(cfg.WatchBuffer)
-	cc := CacheConfig{GPUBlocks: capacity, CPUBlocks: cfg.cpuBlocks(cost), Emit: e.hub.publishCache}
+	cc := CacheConfig{GPUBlocks: capacity, CPUBlocks: cfg.cpuBlocks(cm), Emit: e.hub.publishCache}
 	if e.store != nil {
 		e.writes = make(chan storeWrite, cfg.StoreQueue)
 		cc.Write, cc.WriteThrough = e.queueWrite, cfg.StorePolicy == PolicyWriteThrough

@@ -22,20 +22,13 @@ const (
 )
 
 // pcieSeconds is the modelled time of copying n blocks from the CPU tier
-// back to the GPU tier: n × real KV bytes per block / (PCIe bandwidth ×
-// TP).
-func (e *Engine) pcieSeconds(n int) float64 {
-	if n == 0 || !(e.pcieBW > 0) {
-		return 0
-	}
-	return float64(n) * float64(e.cost.KVBytesPerBlock()) / e.pcieBW
-}
+// back to the GPU tier.
+func (e *Engine) pcieSeconds(n int) float64 { return e.fig.CPUCopySeconds(n) }
 
 // fetchSeconds is the modelled time of fetching n blocks from the shared
-// tier in one round trip: RedisRTT + n × real KV bytes per block /
-// RedisBandwidth.
+// tier in one round trip; a lookup that finds none still costs the trip.
 func (e *Engine) fetchSeconds(n int) float64 {
-	return e.cfg.RedisRTT.Seconds() + float64(n)*float64(e.cost.KVBytesPerBlock())/e.cfg.RedisBandwidth
+	return max(e.fig.RedisFetchSeconds(n), e.fig.RedisRTTSeconds)
 }
 
 // PCIeSeconds and FetchSeconds are the modelled times (before TimeScale)
@@ -46,24 +39,9 @@ func (e *Engine) FetchSeconds(n int) float64 { return e.fetchSeconds(n) }
 
 // CostParams returns the engine's cost figures in real seconds (modelled
 // figures over TimeScale), for a scheduler to estimate time to first
-// token: effective FLOP/s × TimeScale, the decode step at batch 1 and
-// empty context ÷ TimeScale, the real KV bytes of a block, PCIe, Redis and
-// HBM bytes/s × TimeScale, Redis RTT ÷ TimeScale, and the step's token
-// budget.
+// token with the formulas the engine charges.
 func (e *Engine) CostParams() *workerpb.CostParams {
-	ts := e.cfg.TimeScale
-	return &workerpb.CostParams{
-		Layers:              int32(e.cost.Model.Layers),
-		Hidden:              int32(e.cost.Model.Hidden),
-		Flops:               e.cost.FLOPS() * ts,
-		DecodeStepSeconds:   e.cost.DecodeStepSeconds(1, 0) / ts,
-		KvBytesPerBlock:     e.cost.KVBytesPerBlock(),
-		PcieBytesPerSecond:  e.pcieBW * ts,
-		RedisBytesPerSecond: e.cfg.RedisBandwidth * ts,
-		RedisRttSeconds:     e.cfg.RedisRTT.Seconds() / ts,
-		HbmBytesPerSecond:   e.cost.Bandwidth() * ts,
-		MaxBatchedTokens:    int32(e.cfg.MaxBatchedTokens),
-	}
+	return e.fig.Scaled(e.cfg.TimeScale).Proto()
 }
 
 // fetch asks the shared tier, before s is queued, for the leading prompt

@@ -1,15 +1,15 @@
-package sim
+package cost
 
 import (
 	"errors"
 	"testing"
 )
 
-func mustCost(t *testing.T, model, gpu string, tp int) CostModel {
+func mustCost(t *testing.T, model, gpu string, tp int) Engine {
 	t.Helper()
-	c, err := NewCostModel(model, gpu, tp)
+	c, err := NewEngine(model, gpu, tp)
 	if err != nil {
-		t.Fatalf("NewCostModel(%q, %q, %d): %v", model, gpu, tp, err)
+		t.Fatalf("NewEngine(%q, %q, %d): %v", model, gpu, tp, err)
 	}
 	return c
 }
@@ -39,19 +39,19 @@ func TestLookupUnknown(t *testing.T) {
 	}
 }
 
-func TestCostModelValidate(t *testing.T) {
+func TestEngineValidate(t *testing.T) {
 	// 70B in FP8 is 70.6 GB: it fits one H100 (76.9 GB usable), barely.
-	if _, err := NewCostModel("llama-3.1-70b", "h100", 1); err != nil {
+	if _, err := NewEngine("llama-3.1-70b", "h100", 1); err != nil {
 		t.Errorf("70b on 1×h100: %v", err)
 	}
 	c := mustCost(t, "llama-3.1-8b", "h100", 1)
-	bad := []func(*CostModel){
-		func(c *CostModel) { c.TP = 0 },
-		func(c *CostModel) { c.MFU = 0 },
-		func(c *CostModel) { c.MFU = 1.5 },
-		func(c *CostModel) { c.BandwidthEfficiency = -1 },
-		func(c *CostModel) { c.MemoryUtilization = 0 },
-		func(c *CostModel) { c.Model.Params = 1e12 }, // weights exceed memory
+	bad := []func(*Engine){
+		func(c *Engine) { c.TP = 0 },
+		func(c *Engine) { c.MFU = 0 },
+		func(c *Engine) { c.MFU = 1.5 },
+		func(c *Engine) { c.BandwidthEfficiency = -1 },
+		func(c *Engine) { c.MemoryUtilization = 0 },
+		func(c *Engine) { c.Model.Params = 1e12 }, // weights exceed memory
 	}
 	for i, mutate := range bad {
 		cc := c
@@ -62,7 +62,7 @@ func TestCostModelValidate(t *testing.T) {
 	}
 }
 
-func TestCostModelShape(t *testing.T) {
+func TestEngineShape(t *testing.T) {
 	c := mustCost(t, "llama-3.1-8b", "h100", 1)
 	// Prefill grows superlinearly with new tokens and with cached context.
 	if a, b := c.PrefillSeconds(1000, 0), c.PrefillSeconds(2000, 0); !(b > 2*a) {
