@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -170,19 +171,15 @@ func TestProxyRelaysEventStream(t *testing.T) {
 	if firstCalls != 1 {
 		t.Errorf("onFirstToken called %d times, want 1", firstCalls)
 	}
-	if want := vllmChatEvents[0] + vllmChatEvents[1]; atFirst != want {
-		t.Errorf("at onFirstToken the client had %q, want the role and first content events %q", atFirst, want)
+	// Events that arrive together may leave in one flush: the first token
+	// is reported once the client has the event carrying it.
+	if k := eventsIn(vllmChatEvents, atFirst); k < 2 {
+		t.Errorf("at onFirstToken the client had %q, want the role and first content events and any that came with them", atFirst)
 	}
-	// A flush once the headers are written, then after every event.
-	wantFlushes := []int{0}
-	n := 0
-	for _, ev := range vllmChatEvents {
-		n += len(ev)
-		wantFlushes = append(wantFlushes, n)
-	}
-	wantFlushes = append(wantFlushes, n) // at the end of the stream
-	if diff := cmp.Diff(wantFlushes, rec.flushes); diff != "" {
-		t.Errorf("flush points (-want +got):\n%s", diff)
+	// A flush once the headers are written, before the first read, and
+	// one with the last event.
+	if n := len(rec.flushes); n < 2 || rec.flushes[0] != 0 || rec.flushes[n-1] != rec.Body.Len() {
+		t.Errorf("flush points %v, want 0 first and %d last", rec.flushes, rec.Body.Len())
 	}
 
 	if got := string(*fe.gotBody.Load()); got != chatBody {
@@ -197,6 +194,89 @@ func TestProxyRelaysEventStream(t *testing.T) {
 	}
 }
 
+// eventsIn returns how many whole events of events body holds, or -1 if
+// it is not a run of whole events.
+func eventsIn(events []string, body string) int {
+	for k := 0; k <= len(events); k++ {
+		if body == strings.Join(events[:k], "") {
+			return k
+		}
+	}
+	return -1
+}
+
+// segmentReader returns one segment per Read, as a connection delivers
+// what arrived together.
+type segmentReader struct{ segs []string }
+
+func (r *segmentReader) Read(p []byte) (int, error) {
+	if len(r.segs) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p, r.segs[0])
+	if r.segs[0] = r.segs[0][n:]; r.segs[0] == "" {
+		r.segs = r.segs[1:]
+	}
+	return n, nil
+}
+
+// The relay flushes before each read that may block: events that arrived
+// together leave together, and a partial event is not held back behind
+// the rest of it.
+func TestRelayEventsFlushesBeforeBlocking(t *testing.T) {
+	ev := vllmChatEvents
+	partial := ev[2][:len(ev[2])-1] // the data line of event 2, not its end
+	segs := []string{ev[0] + ev[1], partial, "\n" + ev[3], ev[4] + ev[5]}
+	rec := newRecorder()
+	var atFirst string
+	rw := &relayWriter{w: rec, rc: http.NewResponseController(rec), onFirst: func() { atFirst = rec.Body.String() }}
+	var u usageTracker
+	if err := rw.relayEvents(&segmentReader{segs: slices.Clone(segs)}, &u, true); err != nil {
+		t.Fatalf("relayEvents: %v", err)
+	}
+	if got, want := rec.Body.String(), strings.Join(ev, ""); got != want {
+		t.Errorf("relayed body differs:\n got %q\nwant %q", got, want)
+	}
+	var want []int
+	n := 0
+	for _, s := range append([]string{""}, segs...) {
+		n += len(s)
+		want = append(want, n)
+	}
+	if diff := cmp.Diff(want, rec.flushes); diff != "" {
+		t.Errorf("flush points (-want +got):\n%s", diff)
+	}
+	if want := ev[0] + ev[1]; atFirst != want {
+		t.Errorf("at onFirstToken the client had %q, want %q", atFirst, want)
+	}
+	if got, want := u.final(), (&engine.Final{FinishReason: "stop", PromptTokens: 40, CachedTokens: 32, CompletionTokens: 3}); !cmp.Equal(got, want) {
+		t.Errorf("usage = %+v, want %+v", got, want)
+	}
+}
+
+func TestPlainString(t *testing.T) {
+	tests := []struct {
+		data   string
+		want   string
+		wantOK bool
+	}{
+		{`{"choices":[{"finish_reason":"stop"}]}`, "stop", true},
+		{`{"choices":[{"finish_reason" : "length"}]}`, "length", true},
+		{`{"choices":[{"finish_reason":null},{"finish_reason":"stop"}]}`, "stop", true},
+		{`{"choices":[{"finish_reason":""},{"finish_reason":"stop"}]}`, "stop", true},
+		{`{"choices":[{"finish_reason":"st\u006fp"}]}`, "", false},
+		{`{"a":"\"finish_reason\":\"x\"","choices":[{"finish_reason":null}]}`, "", false},
+		{`{"choices":[{"finish_reason":null}]}`, "", false},
+		{`{"choices":[{"finish_reason":"sto`, "", false},
+	}
+	for _, tt := range tests {
+		got, ok := plainString([]byte(tt.data), `"finish_reason"`)
+		if got != tt.want || ok != tt.wantOK {
+			t.Errorf("plainString(%s) = %q, %v; want %q, %v", tt.data, got, ok, tt.want, tt.wantOK)
+		}
+	}
+}
+
 func TestProxyCompletionStream(t *testing.T) {
 	c := startEngine(t, &fakeEngine{contentType: "text/event-stream", events: vllmCompletionEvents})
 	rec := newRecorder()
@@ -205,8 +285,8 @@ func TestProxyCompletionStream(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Proxy: %v", err)
 	}
-	if atFirst != vllmCompletionEvents[0] {
-		t.Errorf("at onFirstToken the client had %q, want the first event", atFirst)
+	if k := eventsIn(vllmCompletionEvents, atFirst); k < 1 {
+		t.Errorf("at onFirstToken the client had %q, want the first event and any that came with it", atFirst)
 	}
 	want := &engine.Final{FinishReason: "length", PromptTokens: 5, CompletionTokens: 2}
 	if diff := cmp.Diff(want, res.Usage); diff != "" {

@@ -107,26 +107,39 @@ func (rw *relayWriter) firstToken() {
 	}
 }
 
-// relayEvents copies an event stream line by line, flushing after each
-// blank line (the end of an event). Data lines of a 2xx stream are
-// inspected for the first generated text and for usage; a chunk is only
-// decoded while no text has been seen, or when it carries usage or a
-// finish reason, so the hot path of token chunks does not allocate.
+// relayEvents copies an event stream line by line. It flushes before any
+// read that may block while something is unflushed (the headers, then
+// whatever was written since): events that arrived together leave in one
+// write, as a plain proxy would relay them, and none waits for the next.
+// Data lines of a 2xx stream are inspected for the first generated text
+// and for usage; a chunk is only decoded while no text has been seen, or
+// when it carries usage or a finish reason, so the hot path of token
+// chunks does not allocate.
 func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect bool) error {
-	if err := rw.flush(); err != nil { // headers now, events as they come
-		return err
-	}
-	lr := newLineReader(body)
-	firstPending := false // the current event carries the first text
+	lr := pooledLineReader(body)
+	defer lr.release()
+	dirty := true         // the headers are not flushed yet
+	firstPending := false // an unflushed event carries the first text
+	firstSeen := false    // the first text has been seen
 	for {
+		if dirty && !lr.lineBuffered() {
+			if err := rw.flush(); err != nil {
+				return err
+			}
+			dirty = false
+			if firstPending {
+				firstPending = false
+				rw.firstToken()
+			}
+		}
 		line, rerr := lr.next()
 		if len(line) > 0 {
 			if inspect {
 				if data, ok := dataPayload(line); ok && !bytes.Equal(data, doneMarker) {
-					if rw.onFirst != nil && !firstPending {
+					if rw.onFirst != nil && !firstSeen {
 						var c chunkJSON
 						if json.Unmarshal(data, &c) == nil {
-							firstPending = c.hasGenerated()
+							firstSeen = c.hasGenerated()
 							usage.take(&c)
 						}
 					} else {
@@ -137,21 +150,18 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 			if err := rw.write(line); err != nil {
 				return err
 			}
-			if isBlank(line) {
-				if err := rw.flush(); err != nil {
-					return err
-				}
-				if firstPending {
-					firstPending = false
-					rw.firstToken()
-				}
+			dirty = true
+			if isBlank(line) && firstSeen && rw.onFirst != nil {
+				firstPending = true
 			}
 		}
 		if rerr == io.EOF {
-			if err := rw.flush(); err != nil {
-				return err
+			if dirty {
+				if err := rw.flush(); err != nil {
+					return err
+				}
 			}
-			if firstPending {
+			if firstSeen {
 				rw.firstToken()
 			}
 			return nil

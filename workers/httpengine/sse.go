@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"sync"
 
 	"github.com/batonllm/baton/workers/engine"
 )
@@ -31,6 +32,31 @@ type lineReader struct {
 
 func newLineReader(r io.Reader) *lineReader {
 	return &lineReader{r: bufio.NewReaderSize(r, readBufSize)}
+}
+
+// readers keeps the read buffers of finished relays: a fresh 64 KiB one
+// per request costs more than the rest of the relay of a short answer.
+var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBufSize) }}
+
+// pooledLineReader is newLineReader with a buffer from the pool; release
+// returns it once no line it returned is used any more.
+func pooledLineReader(r io.Reader) *lineReader {
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(r)
+	return &lineReader{r: br}
+}
+
+func (lr *lineReader) release() {
+	lr.r.Reset(nil)
+	readers.Put(lr.r)
+	lr.r = nil
+}
+
+// lineBuffered reports whether a whole line has already been read, so
+// that next will not block.
+func (lr *lineReader) lineBuffered() bool {
+	b, _ := lr.r.Peek(lr.r.Buffered())
+	return bytes.IndexByte(b, '\n') >= 0
 }
 
 // next returns the next line, valid until the following call. At the end
@@ -196,11 +222,48 @@ func (u *usageTracker) observe(data []byte) {
 	if !hasUsage && !hasFinish {
 		return
 	}
+	if !hasUsage {
+		if f, ok := plainString(data, `"finish_reason"`); ok {
+			u.finish = f
+			return
+		}
+	}
 	var c chunkJSON
 	if json.Unmarshal(data, &c) != nil {
 		return
 	}
 	u.take(&c)
+}
+
+// plainString returns the first non-empty string value of key in data,
+// when it has no escapes; otherwise false, and the caller decodes. Keys
+// are found as valueStart finds them; the values of every occurrence are
+// scanned in order, as take reads the choices.
+func plainString(data []byte, key string) (string, bool) {
+	for {
+		i := bytes.Index(data, []byte(key))
+		if i < 0 {
+			return "", false
+		}
+		data = data[i+len(key):]
+		j := skipSpace(data)
+		if j >= len(data) || data[j] != ':' {
+			continue
+		}
+		data = data[j+1:]
+		k := skipSpace(data)
+		if k >= len(data) || data[k] != '"' {
+			continue
+		}
+		data = data[k+1:]
+		end := bytes.IndexAny(data, `"\`)
+		if end < 0 || data[end] == '\\' {
+			return "", false
+		}
+		if end > 0 {
+			return string(data[:end]), true
+		}
+	}
 }
 
 func (u *usageTracker) take(c *chunkJSON) {
