@@ -304,3 +304,77 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// appendString must give what encoding/json gives, or leave the literal to
+// it.
+func TestAppendString(t *testing.T) {
+	tests := []struct {
+		raw    string
+		wantOK bool
+	}{
+		{`""`, true},
+		{`"plain text"`, true},
+		{`"line\nbreak\ttab \"quoted\" back\\slash \/ \b\f\r"`, true},
+		{`"ends in an escape\n"`, true},
+		{`"\\\\"`, true},
+		{`"héllo, 世界"`, true},
+		{`"\u00e9"`, false},
+		{`"a\\u0041"`, false}, // an escaped backslash before u: decoded by encoding/json
+		{`"\ud83d\ude00"`, false},
+		{"\"invalid \xff utf-8\"", false},
+		{`not a string`, false},
+	}
+	for _, tt := range tests {
+		var b strings.Builder
+		b.WriteString("<")
+		ok := appendString(&b, []byte(tt.raw))
+		if ok != tt.wantOK {
+			t.Errorf("appendString(%s) = %v, want %v", tt.raw, ok, tt.wantOK)
+		}
+		if !ok {
+			if b.String() != "<" {
+				t.Errorf("appendString(%s) failed but appended %q", tt.raw, b.String()[1:])
+			}
+			continue
+		}
+		var want string
+		if err := json.Unmarshal([]byte(tt.raw), &want); err != nil {
+			t.Fatalf("json.Unmarshal(%s): %v", tt.raw, err)
+		}
+		if got := b.String()[1:]; got != want {
+			t.Errorf("appendString(%s) = %q, want %q", tt.raw, got, want)
+		}
+	}
+}
+
+func FuzzAppendString(f *testing.F) {
+	for _, s := range []string{"", "a\nb", `"q"`, "tab\there", "\\", "é", "\x00\x1f", "\u2028"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		raw, _ := json.Marshal(s)
+		var want string
+		if err := json.Unmarshal(raw, &want); err != nil {
+			t.Fatal(err)
+		}
+		var b strings.Builder
+		if appendString(&b, raw) && b.String() != want {
+			t.Errorf("appendString(%s) = %q, want %q", raw, b.String(), want)
+		}
+	})
+}
+
+// BenchmarkParseChat parses a chat request whose prompt is an
+// 8,000-token document (~32 KB).
+func BenchmarkParseChat(b *testing.B) {
+	doc := strings.Repeat("Lorem ipsum dolor sit amet.\n", 32000/28)
+	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 1, "stream": true,
+		"messages": []map[string]string{{"role": "system", "content": "be brief"}, {"role": "user", "content": doc}}})
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		if _, err := Parse(Chat, body); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

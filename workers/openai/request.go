@@ -8,6 +8,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/batonllm/baton/workers/engine"
 )
@@ -236,6 +237,9 @@ func contentText(b *strings.Builder, raw json.RawMessage, param string) error {
 		return nil // assistant messages with tool calls carry no content
 	}
 	if raw[0] == '"' {
+		if appendString(b, raw) {
+			return nil
+		}
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
 			return Invalid(param, "invalid_type", param+" must be a string or an array of content parts")
@@ -271,6 +275,10 @@ func promptText(raw json.RawMessage) (string, error) {
 	}
 	var s string
 	if raw[0] == '"' {
+		var b strings.Builder
+		if appendString(&b, raw) {
+			return b.String(), nil
+		}
 		if err := json.Unmarshal(raw, &s); err != nil {
 			return "", Invalid("prompt", "invalid_type", "prompt must be a string or an array of one string")
 		}
@@ -284,6 +292,59 @@ func promptText(raw json.RawMessage) (string, error) {
 		return "", Invalid("prompt", "unsupported_value", fmt.Sprintf("prompt must hold exactly one string (send one request per prompt), got %d", len(list)))
 	}
 	return list[0], nil
+}
+
+// appendString appends the JSON string literal raw, unquoted, to b and
+// reports true, when raw is a literal of the body Parse has already
+// validated and holds no \u escape or invalid UTF-8; otherwise it appends
+// nothing and the caller decodes raw with encoding/json. Prompts are the
+// bulk of a request: decoding them a second time through encoding/json's
+// scanner cost more than the rest of parsing.
+func appendString(b *strings.Builder, raw []byte) bool {
+	if len(raw) < 2 || raw[0] != '"' || raw[len(raw)-1] != '"' {
+		return false
+	}
+	s := raw[1 : len(raw)-1]
+	if !utf8.Valid(s) {
+		return false
+	}
+	i := bytes.IndexByte(s, '\\')
+	if i < 0 {
+		b.Write(s)
+		return true
+	}
+	if bytes.Contains(s[i:], []byte(`\u`)) {
+		return false
+	}
+	out := make([]byte, 0, len(s))
+	for {
+		out = append(out, s[:i]...)
+		if i+1 >= len(s) {
+			return false // not a valid literal
+		}
+		c := s[i+1]
+		switch c {
+		case '"', '\\', '/':
+		case 'b':
+			c = '\b'
+		case 'f':
+			c = '\f'
+		case 'n':
+			c = '\n'
+		case 'r':
+			c = '\r'
+		case 't':
+			c = '\t'
+		default:
+			return false
+		}
+		out = append(out, c)
+		s = s[i+2:]
+		if i = bytes.IndexByte(s, '\\'); i < 0 {
+			b.Write(append(out, s...))
+			return true
+		}
+	}
 }
 
 func maxTokens(r *engine.Request, maxTokens, maxCompletion *int) error {

@@ -29,8 +29,14 @@ func ReadBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 		return nil, TooLarge(limit)
 	}
 	var body io.Reader = http.MaxBytesReader(w, r.Body, limit)
+	var b []byte
 	switch enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc {
 	case "", "identity":
+		if r.ContentLength > 0 {
+			// Sized at once: growing from io.ReadAll's 512 bytes copies
+			// a long prompt several times.
+			b = make([]byte, 0, r.ContentLength+1)
+		}
 	case "gzip":
 		zr, err := gzip.NewReader(body)
 		if err != nil {
@@ -43,7 +49,7 @@ func ReadBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 		return nil, &Error{Status: http.StatusUnsupportedMediaType, Type: TypeInvalidRequest, Code: "unsupported_encoding",
 			Message: "Content-Encoding " + strconv.Quote(enc) + " is not supported; send gzip or no encoding"}
 	}
-	b, err := io.ReadAll(body)
+	b, err := readAll(body, b)
 	if err != nil {
 		return nil, readError(w, err)
 	}
@@ -51,6 +57,23 @@ func ReadBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, erro
 		return nil, TooLarge(limit)
 	}
 	return b, nil
+}
+
+// readAll is io.ReadAll appending to b.
+func readAll(r io.Reader, b []byte) ([]byte, error) {
+	for {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+	}
 }
 
 // readError turns an error reading a body into the client's error.
