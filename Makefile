@@ -10,7 +10,7 @@ LDFLAGS  := -X main.version=$(VERSION)
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test test-short demo proto lint bench gobench clean
+.PHONY: all build test test-short demo proto lint bench bench-proxy gobench clean
 
 all: lint build test
 
@@ -45,6 +45,16 @@ demo: build
 # in five minutes; the request sequence is the same as at --speedup 1.
 bench: build
 	./$(BIN)/baton bench --speedup 1.25
+
+# The latency baton serve adds in front of an engine, beside HAProxy's:
+# both proxy the same simulated engine's own HTTP endpoint (see
+# bench/RESULTS.md). ARGS go to the program: make bench-proxy ARGS="-n 10000".
+# HAProxy is Debian's package, installed when run as root.
+bench-proxy:
+	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
+	  else echo "haproxy is missing: run  sudo apt-get install -y haproxy"; exit 1; fi; }
+	$(GO) run ./bench/cmd/proxybench $(ARGS)
 
 # Every go test benchmark.
 gobench:

@@ -1,0 +1,460 @@
+// Command proxybench measures the latency baton serve adds in front of an
+// OpenAI-compatible engine, side by side with a plain L7 proxy (HAProxy).
+//
+// One simulated worker (workers/sim) serves its own OpenAI HTTP endpoint
+// as the stub engine, its modelled clock sped up so that compute is
+// negligible (at the default -timescale a step sleeps nanoseconds; one
+// that leaves steps of under a millisecond measures the Go runtime's timer
+// resolution instead). In-process schedulers route to it as an http worker (and,
+// for comparison, over its gRPC API), and an HAProxy child process proxies
+// to it. Sequential streaming chat requests with max_tokens 1 then go
+// round-robin to each path over keep-alive connections; each is timed to
+// its last byte (data: [DONE]). The report gives percentiles per path and
+// each proxy's added latency, both as a difference of percentiles and as
+// percentiles of the per-round difference to the direct request.
+//
+//	make bench-proxy    # go run ./bench/cmd/proxybench
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+const model = "llama-3.1-8b"
+
+// Paths a request can take to the engine.
+const (
+	pathDirect    = "direct"
+	pathHAProxy   = "haproxy"
+	pathBaton     = "baton"      // scheduler, engine as an http worker
+	pathBatonGRPC = "baton-grpc" // scheduler, the same engine over gRPC
+)
+
+var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonGRPC}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "proxybench:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	n := flag.Int("n", 3000, "rounds: each sends one request down every path")
+	warmup := flag.Int("warmup", 200, "rounds sent first and not counted")
+	timeScale := flag.Float64("timescale", 1e6, "the simulated engine's TimeScale (its modelled clock's speed-up)")
+	pathsFlag := flag.String("paths", strings.Join(allPaths, ","), "paths to measure, of "+strings.Join(allPaths, ","))
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole process (engine, proxies, client) to `file`")
+	promptChars := flag.Int("prompt-chars", 0, "pad each prompt to about this many characters (an 8,000-token document is ~32,000)")
+	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole process to `file` at the end")
+	haproxyBin := flag.String("haproxy", "", "HAProxy binary (default: haproxy on PATH, or /usr/sbin/haproxy)")
+	flag.Parse()
+
+	paths := strings.Split(*pathsFlag, ",")
+	for _, p := range paths {
+		if !slices.Contains(allPaths, p) {
+			return fmt.Errorf("-paths: unknown path %q", p)
+		}
+	}
+	if !slices.Contains(paths, pathDirect) {
+		paths = append([]string{pathDirect}, paths...)
+	}
+
+	w, err := sim.Start(sim.Config{Name: "stub", TimeScale: *timeScale}, "127.0.0.1:0", "127.0.0.1:0", nil)
+	if err != nil {
+		return fmt.Errorf("starting the simulated worker: %w", err)
+	}
+	defer w.Close()
+	engineURL := "http://" + w.HTTPAddr
+
+	urls := map[string]string{pathDirect: engineURL}
+	var haproxyVersion string
+	if slices.Contains(paths, pathHAProxy) {
+		bin, err := findHAProxy(*haproxyBin)
+		if err != nil {
+			return err
+		}
+		hp, err := startHAProxy(bin, w.HTTPAddr)
+		if err != nil {
+			return err
+		}
+		defer hp.stop()
+		urls[pathHAProxy] = "http://" + hp.addr
+		haproxyVersion = hp.version
+	}
+	for _, p := range []struct{ path, kind, addr string }{
+		{pathBaton, scheduler.KindHTTP, engineURL},
+		{pathBatonGRPC, scheduler.KindGRPC, w.GRPCAddr},
+	} {
+		if !slices.Contains(paths, p.path) {
+			continue
+		}
+		addr, stop, err := startScheduler(p.kind, p.addr)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		urls[p.path] = "http://" + addr
+	}
+
+	clients := map[string]*client{}
+	for _, p := range paths {
+		tr := &http.Transport{MaxIdleConnsPerHost: 4, DisableCompression: true}
+		defer tr.CloseIdleConnections()
+		clients[p] = &client{hc: &http.Client{Transport: tr}, base: urls[p], br: bufio.NewReader(nil)}
+		if err := clients[p].waitReady(); err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+	}
+
+	fmt.Printf("proxybench: %d rounds (+%d warm-up) of streamed chat completions, max_tokens 1, request bodies of %d bytes, sequential, keep-alive\n",
+		*n, *warmup, len(requestBody(0, *promptChars)))
+	fmt.Printf("stub engine: baton's simulated worker (workers/sim, %s, TimeScale %g) on its own OpenAI HTTP endpoint %s\n", model, *timeScale, engineURL)
+	fmt.Printf("paths: direct = client → engine; haproxy = client → %s → engine (mode http, http-reuse always);\n", orNone(haproxyVersion))
+	fmt.Printf("       baton = client → scheduler (strategy random, kind: http worker) → engine; baton-grpc = scheduler → the same worker over gRPC\n")
+	fmt.Printf("%s, GOMAXPROCS %d, %d CPUs\n\n", runtime.Version(), runtime.GOMAXPROCS(0), runtime.NumCPU())
+
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+
+	times := map[string][]time.Duration{}
+	for round := -*warmup; round < *n; round++ {
+		body := requestBody(round, *promptChars)
+		// Rotate which path goes first, so that none always follows
+		// another's connection wake-ups.
+		off := (round + *warmup) % len(paths)
+		for i := range paths {
+			p := paths[(i+off)%len(paths)]
+			d, err := clients[p].timeRequest(body)
+			if err != nil {
+				return fmt.Errorf("%s, round %d: %w", p, round, err)
+			}
+			if round >= 0 {
+				times[p] = append(times[p], d)
+			}
+		}
+	}
+	report(os.Stdout, paths, times)
+	if *memProfile != "" {
+		f, err := os.Create(*memProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "HAProxy (not run)"
+	}
+	return s
+}
+
+// requestBody is round's request: a prompt of its own, so that no layer
+// answers from a cache, padded to about chars characters.
+func requestBody(round, chars int) []byte {
+	prompt := fmt.Sprintf("Round %d: say one word about proxies.", round)
+	if pad := chars - len(prompt); pad > 0 {
+		prompt = strings.Repeat("lorem ipsum ", pad/12+1)[:pad] + prompt
+	}
+	return fmt.Appendf(nil, `{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":1,"stream":true}`, model, prompt)
+}
+
+var doneLine = []byte("data: [DONE]")
+
+// client sends one path's requests over its own keep-alive connections.
+type client struct {
+	hc   *http.Client
+	base string
+	br   *bufio.Reader // reused, so that the client allocates little
+}
+
+// timeRequest posts body and returns the time from sending it to reading
+// the stream's [DONE] event. The rest of the body is read afterwards,
+// untimed, so that the connection is reused.
+func (c *client) timeRequest(body []byte) (time.Duration, error) {
+	start := time.Now()
+	resp, err := c.hc.Post(c.base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<10))
+		return 0, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+	}
+	br := c.br
+	br.Reset(resp.Body)
+	defer br.Reset(nil)
+	content := false
+	for {
+		line, err := br.ReadSlice('\n')
+		if bytes.HasPrefix(line, doneLine) {
+			break
+		}
+		if bytes.Contains(line, []byte(`"content":`)) {
+			content = true
+		}
+		if err != nil {
+			return 0, fmt.Errorf("stream ended before [DONE]: %w", err)
+		}
+	}
+	d := time.Since(start)
+	if _, err := io.Copy(io.Discard, br); err != nil {
+		return 0, err
+	}
+	if !content {
+		return 0, errors.New("no content chunk before [DONE]")
+	}
+	return d, nil
+}
+
+// waitReady sends requests until one succeeds (a scheduler routes only
+// once its worker is known), for up to 10 s.
+func (c *client) waitReady() error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := c.timeRequest(requestBody(-1<<20, 0))
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not ready after 10s: %w", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// startScheduler starts baton serve's scheduler with one worker of kind at
+// addr, strategy random, logging at info as baton serve does by default
+// (to stderr: nothing is logged per request at info).
+func startScheduler(kind, addr string) (string, func(), error) {
+	var reg routing.Registry
+	routing.RegisterBuiltins(&reg)
+	cfg := scheduler.Config{
+		Listen:   "127.0.0.1:0",
+		Strategy: "random",
+		Workers:  []scheduler.WorkerConfig{{Name: "stub", Kind: kind, Address: addr, Models: []string{model}, Role: scheduler.RoleBoth}},
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	s, err := scheduler.New(cfg, &reg, log)
+	if err != nil {
+		return "", nil, fmt.Errorf("scheduler (%s worker): %w", kind, err)
+	}
+	l, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		s.Close()
+		return "", nil, err
+	}
+	served := make(chan error, 1)
+	go func() { served <- s.Serve(l) }()
+	return l.Addr().String(), func() { s.Close(); <-served }, nil
+}
+
+// findHAProxy returns the HAProxy binary to run.
+func findHAProxy(bin string) (string, error) {
+	if bin != "" {
+		return bin, nil
+	}
+	if p, err := exec.LookPath("haproxy"); err == nil {
+		return p, nil
+	}
+	if _, err := os.Stat("/usr/sbin/haproxy"); err == nil { // Debian's, off a user's PATH
+		return "/usr/sbin/haproxy", nil
+	}
+	return "", errors.New("haproxy is missing: run  sudo apt-get install -y haproxy")
+}
+
+// haproxyConfig proxies plain HTTP to one server, reusing server
+// connections, without logging.
+const haproxyConfig = `global
+	maxconn 1024
+
+defaults
+	mode http
+	timeout connect 5s
+	timeout client 300s
+	timeout server 300s
+	timeout http-keep-alive 300s
+	http-reuse always
+
+frontend fe
+	bind %s
+	default_backend engine
+
+backend engine
+	server engine %s
+`
+
+type haproxy struct {
+	cmd     *exec.Cmd
+	dir     string
+	addr    string
+	version string
+	exited  chan struct{}
+}
+
+// startHAProxy runs bin in the foreground in front of engine (host:port)
+// and returns once it accepts connections.
+func startHAProxy(bin, engine string) (*haproxy, error) {
+	out, err := exec.Command(bin, "-v").Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s -v: %w", bin, err)
+	}
+	version, _, _ := strings.Cut(string(out), " - ")
+	version = strings.TrimSpace(strings.TrimPrefix(version, "HAProxy version "))
+	version = "HAProxy " + strings.Fields(version + " ?")[0]
+
+	addr, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "proxybench-haproxy")
+	if err != nil {
+		return nil, err
+	}
+	cfgPath := filepath.Join(dir, "haproxy.cfg")
+	if err := os.WriteFile(cfgPath, fmt.Appendf(nil, haproxyConfig, addr, engine), 0o644); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	h := &haproxy{dir: dir, addr: addr, version: version, exited: make(chan struct{})}
+	// -db: stay in the foreground; -W is not needed for a single process.
+	h.cmd = exec.Command(bin, "-db", "-f", cfgPath)
+	h.cmd.Stdout, h.cmd.Stderr = os.Stderr, os.Stderr
+	if err := h.cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("starting haproxy: %w", err)
+	}
+	go func() { h.cmd.Wait(); close(h.exited) }()
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			c.Close()
+			return h, nil
+		}
+		select {
+		case <-h.exited:
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("haproxy exited: %v", h.cmd.ProcessState)
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			h.stop()
+			return nil, fmt.Errorf("haproxy does not listen on %s", addr)
+		}
+	}
+}
+
+func (h *haproxy) stop() {
+	h.cmd.Process.Kill()
+	<-h.exited
+	os.RemoveAll(h.dir)
+}
+
+// freeAddr returns a loopback address no one listens on (HAProxy binds
+// it itself).
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// report prints each path's percentiles and what each proxy adds to the
+// direct path, and baton's added latency over HAProxy's.
+func report(out io.Writer, paths []string, times map[string][]time.Duration) {
+	direct := times[pathDirect]
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "path\tp50\tp90\tp99\tadded p50\tadded p99\tper-round added p50\tper-round added p99\t")
+	type added struct{ p50, p99, r50, r99 time.Duration }
+	adds := map[string]added{}
+	for _, p := range paths {
+		t := times[p]
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t", p, us(pct(t, 50)), us(pct(t, 90)), us(pct(t, 99)))
+		if p == pathDirect {
+			fmt.Fprintln(tw, "\t\t\t\t")
+			continue
+		}
+		diff := make([]time.Duration, len(t))
+		for i := range t {
+			diff[i] = t[i] - direct[i]
+		}
+		a := added{pct(t, 50) - pct(direct, 50), pct(t, 99) - pct(direct, 99), pct(diff, 50), pct(diff, 99)}
+		adds[p] = a
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t\n", us(a.p50), us(a.p99), us(a.r50), us(a.r99))
+	}
+	tw.Flush()
+	hp, ok := adds[pathHAProxy]
+	if !ok {
+		return
+	}
+	fmt.Fprintln(out)
+	for _, p := range []string{pathBaton, pathBatonGRPC} {
+		a, ok := adds[p]
+		if !ok {
+			continue
+		}
+		fmt.Fprintf(out, "%s added / haproxy added: p50 %s, p99 %s (per-round: p50 %s, p99 %s)\n",
+			p, ratio(a.p50, hp.p50), ratio(a.p99, hp.p99), ratio(a.r50, hp.r50), ratio(a.r99, hp.r99))
+	}
+}
+
+// pct returns the p-th percentile of d (nearest rank), without changing d.
+func pct(d []time.Duration, p float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := int(p/100*float64(len(s))+0.5) - 1
+	return s[min(max(i, 0), len(s)-1)]
+}
+
+func us(d time.Duration) string {
+	return fmt.Sprintf("%.0f µs", float64(d)/float64(time.Microsecond))
+}
+
+func ratio(a, b time.Duration) string {
+	if b <= 0 {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.2f×", float64(a)/float64(b))
+}
