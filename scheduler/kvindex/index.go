@@ -27,8 +27,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/batonllm/baton/proto/workerpb"
-	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // MaxWorkers is the number of workers an Index tracks at once. Blocks of
@@ -285,22 +283,25 @@ func (x *Index) AddWorker(name string) error {
 	return err
 }
 
-// SetInfo records what the worker's Info reported: its cost figures, block
+// SetInfo records what the worker told of itself: its cost figures, block
 // size and whether it uses the Redis tier. The watcher calls it on every
 // (re)subscription.
-func (x *Index) SetInfo(name string, info *workerpb.InfoResponse) error {
+func (x *Index) SetInfo(name string, info Info) error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	w, err := x.slotFor(name)
 	if err != nil {
 		return err
 	}
-	w.cost, w.hasCost = cost.FromProto(info.GetCost())
-	w.blockTokens = defaultBlockTokens
-	if bc := info.GetBlockChars(); bc > 0 {
-		w.blockTokens = int(bc+3) / 4
+	w.cost, w.hasCost = DefaultCost, info.HasCost
+	if info.HasCost {
+		w.cost = info.Cost
 	}
-	w.redisTier = info.GetRedisTier()
+	w.blockTokens = defaultBlockTokens
+	if info.BlockTokens > 0 {
+		w.blockTokens = info.BlockTokens
+	}
+	w.redisTier = info.RedisTier
 	return nil
 }
 
@@ -311,74 +312,66 @@ func (x *Index) SetInfo(name string, info *workerpb.InfoResponse) error {
 // idempotent; one that skips ahead returns ErrGap, and events before the
 // first snapshot return ErrNoSnapshot. In both cases the caller should
 // resubscribe.
-func (x *Index) Apply(name string, ev *workerpb.WatchEvent) error {
+func (x *Index) Apply(name string, ev Event) error {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if snap := ev.GetSnapshot(); snap != nil {
+	if snap := ev.Snapshot; snap != nil {
 		w, err := x.slotFor(name)
 		if err != nil {
 			return err
 		}
 		x.clearWorker(w.slot, false)
-		for _, ce := range snap.GetBlocks() {
-			x.applyCache(w, ce)
+		for i := range snap.Blocks {
+			x.applyCache(w, &snap.Blocks[i])
 		}
-		w.setLoad(snap.GetLoad(), x.cfg.Now().UnixNano())
-		w.synced, w.lastSeq = true, ev.GetSeq()
+		w.setLoad(snap.Load, x.cfg.Now().UnixNano())
+		w.synced, w.lastSeq = true, ev.Seq
 		return nil
 	}
 	w := x.byName[name]
 	if w == nil || !w.synced {
 		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
 	}
-	switch seq := ev.GetSeq(); {
+	switch seq := ev.Seq; {
 	case seq <= w.lastSeq:
 		return nil
 	case seq != w.lastSeq+1:
 		w.synced = false
 		return fmt.Errorf("worker %s: %w: seq %d after %d", name, ErrGap, seq, w.lastSeq)
 	}
-	w.lastSeq = ev.GetSeq()
-	switch e := ev.GetEvent().(type) {
-	case *workerpb.WatchEvent_Load:
-		w.setLoad(e.Load, x.cfg.Now().UnixNano())
-	case *workerpb.WatchEvent_Cache:
-		x.applyCache(w, e.Cache)
+	w.lastSeq = ev.Seq
+	switch {
+	case ev.Load != nil:
+		w.setLoad(*ev.Load, x.cfg.Now().UnixNano())
+	case ev.Cache != nil:
+		x.applyCache(w, ev.Cache)
 	}
 	return nil
 }
 
-func (w *worker) setLoad(l *workerpb.LoadReport, now int64) {
-	w.load = Load{
-		Running:              int(l.GetRunning()),
-		Waiting:              int(l.GetWaiting()),
-		WaitingPrefillTokens: l.GetWaitingPrefillTokens(),
-		GPUBlocksUsed:        l.GetGpuBlocksUsed(),
-		GPUBlocksTotal:       l.GetGpuBlocksTotal(),
-		CPUBlocksUsed:        l.GetCpuBlocksUsed(),
-		CPUBlocksTotal:       l.GetCpuBlocksTotal(),
-	}
+func (w *worker) setLoad(l Load, now int64) {
+	w.load = l
 	// The report counts what was routed to the worker before it; the
 	// pending tokens of requests routed since are approximated as counted.
 	w.pending, w.pendingAt = 0, now
 }
 
 // applyCache applies one cache event of worker w. x.mu is held.
-func (x *Index) applyCache(w *worker, ce *workerpb.CacheEvent) {
+func (x *Index) applyCache(w *worker, ce *CacheEvent) {
 	bit := uint64(1) << w.slot
-	to, from := ce.GetTier(), ce.GetFromTier()
-	switch ce.GetKind() {
-	case workerpb.CacheEvent_KIND_STORED:
-		for _, k := range ce.GetKeys() {
+	to, from := ce.Tier, ce.From
+	switch ce.Kind {
+	case Stored:
+		for _, k := range ce.Keys {
 			x.set(k, bit, to)
 		}
-	case workerpb.CacheEvent_KIND_REMOVED:
-		for _, k := range ce.GetKeys() {
+	case Removed:
+		for _, k := range ce.Keys {
 			x.clear(k, bit, to)
 		}
-	case workerpb.CacheEvent_KIND_TIER_CHANGED:
-		for _, k := range ce.GetKeys() {
-			if from != workerpb.Tier_TIER_UNSPECIFIED && from != to {
+	case Moved:
+		for _, k := range ce.Keys {
+			if ce.HasFrom && from != to {
 				x.clear(k, bit, from)
 			}
 			x.set(k, bit, to)
@@ -386,15 +379,15 @@ func (x *Index) applyCache(w *worker, ce *workerpb.CacheEvent) {
 	}
 }
 
-// set records that the worker of bit holds key in tier (unspecified means
-// GPU, as workers before tiers reported), confirming a prediction.
-func (x *Index) set(key, bit uint64, tier workerpb.Tier) {
+// set records that the worker of bit holds key in tier, confirming a
+// prediction.
+func (x *Index) set(key, bit uint64, tier Tier) {
 	i := x.upsert(key)
 	e := x.t.at(i)
 	switch tier {
-	case workerpb.Tier_TIER_REDIS:
+	case TierRedis:
 		e.flags |= flagRedis
-	case workerpb.Tier_TIER_CPU:
+	case TierCPU:
 		e.cpu |= bit
 		e.pred &^= bit
 	default:
@@ -405,16 +398,16 @@ func (x *Index) set(key, bit uint64, tier workerpb.Tier) {
 
 // clear records that the worker of bit no longer holds key in tier; for
 // Redis, that the shared tier no longer holds it.
-func (x *Index) clear(key, bit uint64, tier workerpb.Tier) {
+func (x *Index) clear(key, bit uint64, tier Tier) {
 	i := x.t.find(key)
 	if i == none {
 		return
 	}
 	e := x.t.at(i)
 	switch tier {
-	case workerpb.Tier_TIER_REDIS:
+	case TierRedis:
 		e.flags &^= flagRedis
-	case workerpb.Tier_TIER_CPU:
+	case TierCPU:
 		e.cpu &^= bit
 	default:
 		e.gpu &^= bit

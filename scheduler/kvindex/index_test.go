@@ -12,14 +12,12 @@ import (
 	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
-
-	"github.com/batonllm/baton/proto/workerpb"
 )
 
 const (
-	gpu   = workerpb.Tier_TIER_GPU
-	cpu   = workerpb.Tier_TIER_CPU
-	redis = workerpb.Tier_TIER_REDIS
+	gpu   = TierGPU
+	cpu   = TierCPU
+	redis = TierRedis
 )
 
 func keys(from, to uint64) []uint64 {
@@ -30,27 +28,38 @@ func keys(from, to uint64) []uint64 {
 	return ks
 }
 
-func cache(kind workerpb.CacheEvent_Kind, tier workerpb.Tier, ks []uint64) *workerpb.CacheEvent {
-	return &workerpb.CacheEvent{Kind: kind, Tier: tier, Keys: ks}
+func cache(kind CacheKind, tier Tier, ks []uint64) CacheEvent {
+	return CacheEvent{Kind: kind, Tier: tier, Keys: ks}
 }
 
-func stored(tier workerpb.Tier, ks []uint64) *workerpb.CacheEvent {
-	return cache(workerpb.CacheEvent_KIND_STORED, tier, ks)
+func stored(tier Tier, ks []uint64) CacheEvent {
+	return cache(Stored, tier, ks)
 }
 
-func snapshot(load *workerpb.LoadReport, blocks ...*workerpb.CacheEvent) *workerpb.WatchEvent {
-	return &workerpb.WatchEvent{Seq: 1, Event: &workerpb.WatchEvent_Snapshot{
-		Snapshot: &workerpb.Snapshot{Load: load, Blocks: blocks}}}
+func moved(from, to Tier, ks []uint64) CacheEvent {
+	return CacheEvent{Kind: Moved, Tier: to, From: from, HasFrom: true, Keys: ks}
 }
 
-func event(seq uint64, ce *workerpb.CacheEvent) *workerpb.WatchEvent {
-	return &workerpb.WatchEvent{Seq: seq, Event: &workerpb.WatchEvent_Cache{Cache: ce}}
+func snapshot(load *Load, blocks ...CacheEvent) Event {
+	s := &Snapshot{Blocks: blocks}
+	if load != nil {
+		s.Load = *load
+	}
+	return Event{Seq: 1, Snapshot: s}
 }
 
-func mustApply(t testing.TB, x *Index, name string, ev *workerpb.WatchEvent) {
+func event(seq uint64, ce CacheEvent) Event {
+	return Event{Seq: seq, Cache: &ce}
+}
+
+func loadEvent(seq uint64, l Load) Event {
+	return Event{Seq: seq, Load: &l}
+}
+
+func mustApply(t testing.TB, x *Index, name string, ev Event) {
 	t.Helper()
 	if err := x.Apply(name, ev); err != nil {
-		t.Fatalf("Apply(%s, seq %d): %v", name, ev.GetSeq(), err)
+		t.Fatalf("Apply(%s, seq %d): %v", name, ev.Seq, err)
 	}
 }
 
@@ -75,7 +84,7 @@ func TestLookupByTier(t *testing.T) {
 	mustApply(t, x, "c", snapshot(nil))
 	mustApply(t, x, "c", event(2, stored(redis, keys(0, 8))))
 	for _, n := range []string{"a", "c"} {
-		if err := x.SetInfo(n, &workerpb.InfoResponse{RedisTier: true}); err != nil {
+		if err := x.SetInfo(n, Info{RedisTier: true}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -108,11 +117,12 @@ func TestLookupByTier(t *testing.T) {
 
 func TestLookupReportsWorkerState(t *testing.T) {
 	x := New(Config{})
-	load := &workerpb.LoadReport{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GpuBlocksUsed: 10, GpuBlocksTotal: 100}
+	load := &Load{Running: 3, Waiting: 2, WaitingPrefillTokens: 900, GPUBlocksUsed: 10, GPUBlocksTotal: 100}
 	mustApply(t, x, "a", snapshot(load))
-	cost := &workerpb.CostParams{Layers: 80, Hidden: 8192, Flops: 1e15, KvBytesPerBlock: 5 << 20,
-		HbmBytesPerSecond: 4e12, MaxBatchedTokens: 2048}
-	if err := x.SetInfo("a", &workerpb.InfoResponse{BlockChars: 128, Cost: cost}); err != nil {
+	c := DefaultCost
+	c.Layers, c.Hidden, c.FLOPS, c.KVBytesPerBlock = 80, 8192, 1e15, 5<<20
+	c.HBMBytesPerSecond, c.MaxBatchedTokens = 4e12, 2048
+	if err := x.SetInfo("a", Info{BlockTokens: 32, Cost: c, HasCost: true}); err != nil {
 		t.Fatal(err)
 	}
 	out := make([]Match, 2)
@@ -138,14 +148,14 @@ func TestEvents(t *testing.T) {
 		t.Fatalf("after stored: %+v, want %+v", got, want)
 	}
 	// Blocks 2–3 demoted to CPU, then 4–5 removed from the GPU.
-	mustApply(t, x, "a", event(3, &workerpb.CacheEvent{Kind: workerpb.CacheEvent_KIND_TIER_CHANGED, Tier: cpu, FromTier: gpu, Keys: keys(2, 4)}))
-	mustApply(t, x, "a", event(4, cache(workerpb.CacheEvent_KIND_REMOVED, gpu, keys(4, 6))))
+	mustApply(t, x, "a", event(3, moved(gpu, cpu, keys(2, 4))))
+	mustApply(t, x, "a", event(4, cache(Removed, gpu, keys(4, 6))))
 	if got, want := lookup(x, keys(0, 8), "a")["a"], (hit{2, 2, 0}); got != want {
 		t.Fatalf("after tier change and removal: %+v, want %+v", got, want)
 	}
 	// Block 3 promoted back; block 2 dropped from CPU (a hole).
-	mustApply(t, x, "a", event(5, &workerpb.CacheEvent{Kind: workerpb.CacheEvent_KIND_TIER_CHANGED, Tier: gpu, FromTier: cpu, Keys: keys(3, 4)}))
-	mustApply(t, x, "a", event(6, cache(workerpb.CacheEvent_KIND_REMOVED, cpu, keys(2, 3))))
+	mustApply(t, x, "a", event(5, moved(cpu, gpu, keys(3, 4))))
+	mustApply(t, x, "a", event(6, cache(Removed, cpu, keys(2, 3))))
 	if got, want := lookup(x, keys(0, 8), "a")["a"], (hit{2, 0, 0}); got != want {
 		t.Fatalf("after promotion and hole: %+v, want %+v", got, want)
 	}
@@ -154,12 +164,12 @@ func TestEvents(t *testing.T) {
 	}
 	// Redis: stored by one worker, removed by another.
 	mustApply(t, x, "b", snapshot(nil))
-	_ = x.SetInfo("b", &workerpb.InfoResponse{RedisTier: true})
+	_ = x.SetInfo("b", Info{RedisTier: true})
 	mustApply(t, x, "a", event(7, stored(redis, keys(0, 5))))
 	if got, want := lookup(x, keys(0, 8), "b")["b"], (hit{0, 0, 5}); got != want {
 		t.Fatalf("redis: %+v, want %+v", got, want)
 	}
-	mustApply(t, x, "b", event(2, cache(workerpb.CacheEvent_KIND_REMOVED, redis, keys(1, 2))))
+	mustApply(t, x, "b", event(2, cache(Removed, redis, keys(1, 2))))
 	if got, want := lookup(x, keys(0, 8), "b")["b"], (hit{0, 0, 1}); got != want {
 		t.Fatalf("redis after removal: %+v, want %+v", got, want)
 	}
@@ -173,7 +183,7 @@ func TestSequence(t *testing.T) {
 	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, 2))))
 	mustApply(t, x, "a", event(2, stored(gpu, keys(2, 3))))
 	// A replayed event is ignored: Apply is idempotent.
-	mustApply(t, x, "a", event(2, cache(workerpb.CacheEvent_KIND_REMOVED, gpu, keys(0, 3))))
+	mustApply(t, x, "a", event(2, cache(Removed, gpu, keys(0, 3))))
 	if got, want := lookup(x, keys(0, 5), "a")["a"], (hit{3, 0, 0}); got != want {
 		t.Fatalf("after replay: %+v, want %+v", got, want)
 	}
@@ -286,7 +296,7 @@ func (c *clock) Add(d time.Duration) {
 func TestPredict(t *testing.T) {
 	clk := &clock{now: time.Unix(1000, 0)}
 	x := New(Config{Now: clk.Now, PredictTTL: 2 * time.Second})
-	mustApply(t, x, "a", snapshot(&workerpb.LoadReport{WaitingPrefillTokens: 7}, stored(gpu, keys(0, 2))))
+	mustApply(t, x, "a", snapshot(&Load{WaitingPrefillTokens: 7}, stored(gpu, keys(0, 2))))
 	mustApply(t, x, "b", snapshot(nil))
 
 	x.Predict("a", keys(0, 10))
@@ -311,7 +321,7 @@ func TestPredict(t *testing.T) {
 		t.Errorf("after b's prediction (-want +got):\n%s", d)
 	}
 	// A load report resets the pending tokens.
-	mustApply(t, x, "a", &workerpb.WatchEvent{Seq: 3, Event: &workerpb.WatchEvent_Load{Load: &workerpb.LoadReport{WaitingPrefillTokens: 5}}})
+	mustApply(t, x, "a", loadEvent(3, Load{WaitingPrefillTokens: 5}))
 	x.Lookup(nil, []string{"a"}, out)
 	if out[0].PendingTokens != 0 || out[0].Load.WaitingPrefillTokens != 5 {
 		t.Errorf("after load report: pending %d, waiting prefill %d; want 0, 5", out[0].PendingTokens, out[0].Load.WaitingPrefillTokens)
@@ -334,7 +344,7 @@ func TestRoutedDecays(t *testing.T) {
 		t.Fatalf("Routed = %v, %v; want 2, 0", a, b)
 	}
 	// A load report clears pending tokens, not the traffic routed.
-	mustApply(t, x, "a", &workerpb.WatchEvent{Seq: 2, Event: &workerpb.WatchEvent_Load{Load: &workerpb.LoadReport{}}})
+	mustApply(t, x, "a", loadEvent(2, Load{}))
 	clk.Add(time.Minute)
 	if a, _ := routed(); math.Abs(a-1) > 1e-9 {
 		t.Errorf("after one half-life Routed = %v, want 1", a)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 )
 
 // kvFleet is a fleet with a KV index fed by hand, as the watcher would.
@@ -37,7 +38,7 @@ func (f *kvFleet) apply(worker string, ev *workerpb.WatchEvent) {
 	}
 	f.seq[worker]++
 	ev.Seq = f.seq[worker]
-	if err := f.idx.Apply(worker, ev); err != nil {
+	if err := f.idx.Apply(worker, watch.FromProto(ev)); err != nil {
 		f.t.Fatal(err)
 	}
 }
@@ -56,11 +57,11 @@ func (f *kvFleet) report(worker string, l *workerpb.LoadReport) {
 func (f *kvFleet) info(worker string, redis bool, redisBps float64) {
 	f.t.Helper()
 	c := kvindex.DefaultCost
-	err := f.idx.SetInfo(worker, &workerpb.InfoResponse{BlockChars: 64, RedisTier: redis, Cost: &workerpb.CostParams{
+	err := f.idx.SetInfo(worker, watch.InfoFromProto(&workerpb.InfoResponse{BlockChars: 64, RedisTier: redis, Cost: &workerpb.CostParams{
 		Layers: int32(c.Layers), Hidden: int32(c.Hidden), Flops: c.FLOPS, DecodeStepSeconds: c.DecodeStepSeconds,
 		KvBytesPerBlock: c.KVBytesPerBlock, PcieBytesPerSecond: c.PCIeBytesPerSecond,
 		RedisBytesPerSecond: redisBps, RedisRttSeconds: c.RedisRTTSeconds,
-	}})
+	}}))
 	if err != nil {
 		f.t.Fatal(err)
 	}

@@ -183,7 +183,7 @@ func (w *Watcher) session(ctx context.Context, name string, src Source) (synced 
 	if err != nil {
 		return false, fmt.Errorf("worker %s: %w", name, err)
 	}
-	if err := w.idx.SetInfo(name, info); err != nil {
+	if err := w.idx.SetInfo(name, InfoFromProto(info)); err != nil {
 		return false, err
 	}
 	sctx, cancel := context.WithCancel(ctx)
@@ -200,7 +200,7 @@ func (w *Watcher) session(ctx context.Context, name string, src Source) (synced 
 		if !synced && ev.GetSnapshot() == nil {
 			return false, fmt.Errorf("worker %s: %w", name, errNoSnapshot)
 		}
-		if err := w.idx.Apply(name, ev); err != nil {
+		if err := w.idx.Apply(name, FromProto(ev)); err != nil {
 			return synced, err
 		}
 		synced = true

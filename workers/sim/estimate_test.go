@@ -11,6 +11,7 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -45,7 +46,7 @@ func reported(t *testing.T, e *sim.Engine) kvindex.Cost {
 		t.Fatal(err)
 	}
 	x := kvindex.New(kvindex.Config{})
-	if err := x.SetInfo("w", info); err != nil {
+	if err := x.SetInfo("w", watch.InfoFromProto(info)); err != nil {
 		t.Fatal(err)
 	}
 	out := make([]kvindex.Match, 1)
