@@ -26,7 +26,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
 )
 
 // MaxWorkers is the number of workers an Index tracks at once. Blocks of
