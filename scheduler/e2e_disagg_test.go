@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/blockkey"
@@ -34,33 +35,35 @@ func startFleet(t *testing.T, nPrefill, nDecode int, pScale, dScale float64, tr 
 // startFleetLog is startFleet with the scheduler logging to log.
 func startFleetLog(t *testing.T, nPrefill, nDecode int, pScale, dScale float64, tr func() transfer.Transport, edit func(*scheduler.Config), log *slog.Logger) *fleet {
 	t.Helper()
-	f := &fleet{workers: map[string]*sim.Worker{}}
-	cfg := scheduler.Config{Strategy: "prefix_aware", Pool: fastPool()}
-	add := func(name, role string, scale float64) {
-		var opts []sim.StartOption
-		if tr != nil && role == sim.RolePrefill {
+	spec := simfleet.Spec{
+		Prefill: nPrefill,
+		Decode:  nDecode,
+		Name:    shortName,
+		Config: func(_, role string) sim.Config {
+			if role == sim.RolePrefill {
+				return sim.Config{TimeScale: pScale}
+			}
+			return sim.Config{TimeScale: dScale}
+		},
+		StartOptions: func(_, role string) []sim.StartOption {
+			if tr == nil || role != sim.RolePrefill {
+				return nil
+			}
 			tt := tr()
 			t.Cleanup(func() { tt.Close() })
-			opts = append(opts, sim.WithTransport(tt))
-		}
-		w, err := sim.Start(sim.Config{Name: name, Role: role, TimeScale: scale}, "127.0.0.1:0", "", nil, opts...)
-		if err != nil {
-			t.Fatalf("sim.Start(%s): %v", name, err)
-		}
-		t.Cleanup(func() { w.Close() })
-		f.workers[name] = w
-		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr})
-	}
-	for i := range nPrefill {
-		add(fmt.Sprintf("p%d", i), sim.RolePrefill, pScale)
-	}
-	for i := range nDecode {
-		add(fmt.Sprintf("d%d", i), sim.RoleDecode, dScale)
+			return []sim.StartOption{sim.WithTransport(tt)}
+		},
+		Scheduler: scheduler.Config{Strategy: "prefix_aware", Pool: fastPool()},
+		Log:       log,
 	}
 	if edit != nil {
-		edit(&cfg)
+		edit(&spec.Scheduler)
 	}
-	f.s, f.addr = startSchedulerLog(t, cfg, log)
+	sf := startFleetSpec(t, spec)
+	f := &fleet{workers: map[string]*sim.Worker{}, s: sf.Scheduler, addr: sf.Addr}
+	for i, wc := range sf.Configs {
+		f.workers[wc.Name] = sf.Workers[i]
+	}
 	return f
 }
 

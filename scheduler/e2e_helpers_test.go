@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -19,9 +18,9 @@ import (
 	"github.com/openai/openai-go/v3/option"
 	"go.uber.org/goleak"
 
+	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/pool"
-	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -54,26 +53,42 @@ func startWorker(t testing.TB, name string, scale float64, grpcAddr string, with
 	if withHTTP {
 		httpListen = "127.0.0.1:0"
 	}
-	w, err := sim.Start(sim.Config{Name: name, TimeScale: scale}, grpcAddr, httpListen, nil)
+	f, err := simfleet.StartWorkers(simfleet.Spec{
+		Workers: 1,
+		Name:    func(string, int) string { return name },
+		Config:  func(string, string) sim.Config { return sim.Config{TimeScale: scale} },
+		Listen:  func(string, string) (string, string) { return grpcAddr, httpListen },
+	})
 	if err != nil {
 		t.Fatalf("sim.Start(%s): %v", name, err)
 	}
-	t.Cleanup(func() { w.Close() })
-	return w
+	t.Cleanup(func() { f.Close() })
+	return f.Workers[0]
+}
+
+// shortName names workers w0, w1, ... (colocated) or p0…, d0…
+// (disaggregated).
+func shortName(role string, i int) string {
+	if role == sim.RoleBoth {
+		return fmt.Sprintf("w%d", i)
+	}
+	return fmt.Sprintf("%c%d", role[0], i)
 }
 
 // startWorkers starts n gRPC workers named w0, w1, ... and returns them
 // with their scheduler configuration.
 func startWorkers(t testing.TB, n int, scale float64) ([]*sim.Worker, []scheduler.WorkerConfig) {
 	t.Helper()
-	ws := make([]*sim.Worker, n)
-	cfgs := make([]scheduler.WorkerConfig, n)
-	for i := range n {
-		name := fmt.Sprintf("w%d", i)
-		ws[i] = startWorker(t, name, scale, "127.0.0.1:0", false)
-		cfgs[i] = scheduler.WorkerConfig{Name: name, Address: ws[i].GRPCAddr}
+	f, err := simfleet.StartWorkers(simfleet.Spec{
+		Workers: n,
+		Name:    shortName,
+		Config:  func(string, string) sim.Config { return sim.Config{TimeScale: scale} },
+	})
+	if err != nil {
+		t.Fatalf("start workers: %v", err)
 	}
-	return ws, cfgs
+	t.Cleanup(func() { f.Close() })
+	return f.Workers, f.Configs
 }
 
 // startScheduler builds a scheduler from cfg, serves it on a free loopback
@@ -87,26 +102,26 @@ func startScheduler(t testing.TB, cfg scheduler.Config) (*scheduler.Scheduler, s
 // startSchedulerLog is startScheduler with the scheduler logging to log.
 func startSchedulerLog(t testing.TB, cfg scheduler.Config, log *slog.Logger) (*scheduler.Scheduler, string) {
 	t.Helper()
-	var reg routing.Registry
-	routing.RegisterBuiltins(&reg)
-	s, err := scheduler.New(cfg, &reg, log)
+	f := startFleetSpec(t, simfleet.Spec{Scheduler: cfg, Log: log})
+	return f.Scheduler, f.Addr
+}
+
+// startFleetSpec starts spec's fleet without waiting for it to be ready
+// (some tests start a scheduler whose workers are down). The test's
+// cleanup closes it and checks that Serve returned nil.
+func startFleetSpec(t testing.TB, spec simfleet.Spec) *simfleet.Fleet {
+	t.Helper()
+	spec.ReadyTimeout = -1
+	f, err := simfleet.Start(spec)
 	if err != nil {
-		t.Fatalf("scheduler.New: %v", err)
+		t.Fatalf("start fleet: %v", err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		s.Close()
-		t.Fatalf("listen: %v", err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- s.Serve(l) }()
 	t.Cleanup(func() {
-		s.Close()
-		if err := <-served; err != nil {
+		if err := f.Close(); err != nil {
 			t.Errorf("Serve returned %v after Close, want nil", err)
 		}
 	})
-	return s, l.Addr().String()
+	return f
 }
 
 // httpClient returns a client with its own transport, whose idle

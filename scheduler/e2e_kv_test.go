@@ -10,6 +10,7 @@ import (
 
 	"github.com/sony/gobreaker/v2"
 
+	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/transfer"
@@ -24,26 +25,23 @@ import (
 // kv_aware scheduler in front of them.
 func startTiered(t *testing.T, n int, scale float64, store transfer.Store, edit func(*sim.Config), sched func(*scheduler.Config)) ([]*sim.Worker, *scheduler.Scheduler, string) {
 	t.Helper()
-	cfg := scheduler.Config{Strategy: "kv_aware", Pool: fastPool()}
-	ws := make([]*sim.Worker, n)
-	for i := range n {
-		sc := sim.Config{Name: fmt.Sprintf("w%d", i), TimeScale: scale, Store: store}
-		if edit != nil {
-			edit(&sc)
-		}
-		w, err := sim.Start(sc, "127.0.0.1:0", "", nil)
-		if err != nil {
-			t.Fatalf("sim.Start: %v", err)
-		}
-		t.Cleanup(func() { w.Close() })
-		ws[i] = w
-		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: sc.Name, Address: w.GRPCAddr})
+	spec := simfleet.Spec{
+		Workers: n,
+		Name:    shortName,
+		Config: func(string, string) sim.Config {
+			sc := sim.Config{TimeScale: scale, Store: store}
+			if edit != nil {
+				edit(&sc)
+			}
+			return sc
+		},
+		Scheduler: scheduler.Config{Strategy: "kv_aware", Pool: fastPool()},
 	}
 	if sched != nil {
-		sched(&cfg)
+		sched(&spec.Scheduler)
 	}
-	s, addr := startScheduler(t, cfg)
-	return ws, s, addr
+	f := startFleetSpec(t, spec)
+	return f.Workers, f.Scheduler, f.Addr
 }
 
 // indexed waits until the scheduler's index shows worker holding every

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
@@ -27,7 +27,7 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err := sf.check(fs); err != nil {
 		return err
 	}
-	roles, err := demoRoles(*colocated, *nPrefill, *nDecode)
+	spec, err := demoFleet(*colocated, *nPrefill, *nDecode)
 	if err != nil {
 		return err
 	}
@@ -51,22 +51,20 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		sf.store = kvstore.NewMemory(kvstore.MemoryConfig{})
 	}
 	defer sf.store.Close()
-	count := map[string]int{}
-	for _, role := range roles {
-		name := fmt.Sprintf("%s-%d", role, count[role])
-		count[role]++
-		sf.role = role
-		w, err := sim.Start(sf.config(name), "127.0.0.1:0", "", log.With("worker", name))
-		if err != nil {
-			return err
-		}
-		defer w.Close()
-		go logWarmup(ctx, w.Engine, log.With("worker", name))
-		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr, Role: role})
+	spec.Config = func(name, _ string) sim.Config { return sf.config(name) }
+	spec.WorkerLog = log
+	workers, err := fleet.StartWorkers(spec)
+	if err != nil {
+		return err
 	}
-	fleet := fmt.Sprintf("%d prefill + %d decode simulated workers", count[sim.RolePrefill], count[sim.RoleDecode])
-	if *colocated > 0 {
-		fleet = fmt.Sprintf("%d simulated workers", *colocated)
+	defer workers.Close()
+	for i, w := range workers.Workers {
+		go logWarmup(ctx, w.Engine, log.With("worker", workers.Configs[i].Name))
+	}
+	cfg.Workers = append(cfg.Workers, workers.Configs...)
+	shape := fmt.Sprintf("%d prefill + %d decode simulated workers", spec.Prefill, spec.Decode)
+	if spec.Workers > 0 {
+		shape = fmt.Sprintf("%d simulated workers", spec.Workers)
 	}
 	model := sf.config("").WithDefaults().Models[0]
 	return runScheduler(ctx, cfg, stdout, stderr, func(addr string) {
@@ -77,32 +75,22 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 
   OpenAI clients: base URL http://%[1]s/v1 (any API key).  Metrics: http://%[1]s/metrics
   Ctrl-C stops.
-`, addr, cfg.WithDefaults().Strategy, fleet, model)
+`, addr, cfg.WithDefaults().Strategy, shape, model)
 	})
 }
 
-// demoRoles lists the roles of the demo's workers: colocated ones if asked
-// for, else a prefill/decode fleet.
-func demoRoles(colocated, prefill, decode int) ([]string, error) {
-	var roles []string
+// demoFleet shapes the demo's fleet: colocated workers if asked for, else
+// a prefill/decode one.
+func demoFleet(colocated, prefill, decode int) (fleet.Spec, error) {
 	switch {
 	case colocated < 0 || colocated > 64:
-		return nil, fmt.Errorf("--workers: must be 0–64, got %d", colocated)
+		return fleet.Spec{}, fmt.Errorf("--workers: must be 0–64, got %d", colocated)
 	case colocated > 0:
-		for range colocated {
-			roles = append(roles, sim.RoleBoth)
-		}
-		return roles, nil
+		return fleet.Spec{Workers: colocated}, nil
 	case prefill < 0 || prefill > 32:
-		return nil, fmt.Errorf("--prefill-workers: must be 0–32, got %d", prefill)
+		return fleet.Spec{}, fmt.Errorf("--prefill-workers: must be 0–32, got %d", prefill)
 	case decode < 1 || decode > 32:
-		return nil, fmt.Errorf("--decode-workers: must be 1–32, got %d", decode)
+		return fleet.Spec{}, fmt.Errorf("--decode-workers: must be 1–32, got %d", decode)
 	}
-	for range prefill {
-		roles = append(roles, sim.RolePrefill)
-	}
-	for range decode {
-		roles = append(roles, sim.RoleDecode)
-	}
-	return roles, nil
+	return fleet.Spec{Prefill: prefill, Decode: decode}, nil
 }

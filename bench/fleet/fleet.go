@@ -1,0 +1,229 @@
+// Package fleet starts an in-process fleet: simulated workers
+// (workers/sim) and a scheduler in front of them, serving on loopback
+// ports. baton demo, baton bench and the end-to-end tests build their
+// fleets with it, so they wire workers and scheduler the same way.
+package fleet
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+// DefaultReadyTimeout bounds Start's wait for the scheduler's /readyz.
+const DefaultReadyTimeout = 10 * time.Second
+
+// Spec describes a fleet. Its zero value is a scheduler alone, with the
+// workers its Scheduler config already lists.
+type Spec struct {
+	// Workers, Prefill and Decode count the simulated workers of each
+	// role: Workers colocated ones (role both), or Prefill prefill and
+	// Decode decode ones for disaggregated serving. They start in that
+	// order.
+	Workers, Prefill, Decode int
+	// Name names the i-th worker (from 0) of role; nil: DefaultName.
+	Name func(role string, i int) string
+	// Config returns the simulated engine of a worker; nil: sim.Config's
+	// defaults. The builder sets Name and Role.
+	Config func(name, role string) sim.Config
+	// StartOptions returns a worker's extra sim.Start options (a transport
+	// of the test's, a request size limit); nil: none.
+	StartOptions func(name, role string) []sim.StartOption
+	// Listen returns a worker's gRPC and HTTP listen addresses (an empty
+	// HTTP address: no OpenAI endpoint of its own); nil: any loopback port
+	// for gRPC, no HTTP.
+	Listen func(name, role string) (grpc, http string)
+	// WorkerLog receives each worker's logs, with a worker=name attribute;
+	// nil discards them.
+	WorkerLog *slog.Logger
+
+	// Scheduler is the scheduler's configuration: Start appends the
+	// workers to its Workers and serves on a free loopback port, whatever
+	// its Listen says.
+	Scheduler scheduler.Config
+	// Log receives the scheduler's logs; nil discards them.
+	Log *slog.Logger
+	// Registry holds the strategies by name; nil: routing's built-ins.
+	Registry *routing.Registry
+	// ReadyTimeout bounds Start's wait until /readyz answers 200 (at least
+	// one worker available); 0: DefaultReadyTimeout; negative: Start does
+	// not wait, for tests whose workers are down on purpose.
+	ReadyTimeout time.Duration
+}
+
+// DefaultName names workers by role and index: both-0, prefill-0,
+// decode-0, as baton demo shows them.
+func DefaultName(role string, i int) string { return fmt.Sprintf("%s-%d", role, i) }
+
+// Fleet is a running fleet.
+type Fleet struct {
+	// Scheduler serves at Addr (host:port); both are empty after
+	// StartWorkers.
+	Scheduler *scheduler.Scheduler
+	Addr      string
+	// Workers are the simulated workers in start order, and Configs their
+	// entries in the scheduler's configuration: name, gRPC address, role.
+	Workers []*sim.Worker
+	Configs []scheduler.WorkerConfig
+
+	served    chan error // Serve's result
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// URL is the scheduler's base URL.
+func (f *Fleet) URL() string { return "http://" + f.Addr }
+
+// StartWorkers starts spec's simulated workers only, for a caller that
+// runs its own scheduler from Configs. On error the workers already
+// started are closed.
+func StartWorkers(spec Spec) (*Fleet, error) {
+	f := &Fleet{}
+	if err := f.startWorkers(spec); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Start starts spec's workers and a scheduler in front of them, serving on
+// a free loopback port, and returns once the scheduler is ready (unless
+// spec.ReadyTimeout is negative). On error everything started is closed.
+func Start(spec Spec) (*Fleet, error) {
+	f := &Fleet{}
+	if err := f.start(spec); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+func (f *Fleet) start(spec Spec) error {
+	if err := f.startWorkers(spec); err != nil {
+		return err
+	}
+	cfg := spec.Scheduler
+	cfg.Workers = append(append([]scheduler.WorkerConfig(nil), cfg.Workers...), f.Configs...)
+	reg := spec.Registry
+	if reg == nil {
+		reg = &routing.Registry{}
+		routing.RegisterBuiltins(reg)
+	}
+	s, err := scheduler.New(cfg, reg, spec.Log)
+	if err != nil {
+		return fmt.Errorf("scheduler: %w", err)
+	}
+	f.Scheduler = s
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return fmt.Errorf("scheduler listener: %w", err)
+	}
+	f.Addr = l.Addr().String()
+	f.served = make(chan error, 1)
+	go func() { f.served <- s.Serve(l) }()
+	if spec.ReadyTimeout < 0 {
+		return nil
+	}
+	timeout := spec.ReadyTimeout
+	if timeout == 0 {
+		timeout = DefaultReadyTimeout
+	}
+	return waitReady(f.URL()+"/readyz", timeout)
+}
+
+func (f *Fleet) startWorkers(spec Spec) error {
+	name := spec.Name
+	if name == nil {
+		name = DefaultName
+	}
+	roles := []struct {
+		role string
+		n    int
+	}{{sim.RoleBoth, spec.Workers}, {sim.RolePrefill, spec.Prefill}, {sim.RoleDecode, spec.Decode}}
+	for _, r := range roles {
+		for i := range r.n {
+			n := name(r.role, i)
+			var cfg sim.Config
+			if spec.Config != nil {
+				cfg = spec.Config(n, r.role)
+			}
+			cfg.Name, cfg.Role = n, r.role
+			grpcListen, httpListen := "127.0.0.1:0", ""
+			if spec.Listen != nil {
+				grpcListen, httpListen = spec.Listen(n, r.role)
+			}
+			var opts []sim.StartOption
+			if spec.StartOptions != nil {
+				opts = spec.StartOptions(n, r.role)
+			}
+			var log *slog.Logger
+			if spec.WorkerLog != nil {
+				log = spec.WorkerLog.With("worker", n)
+			}
+			w, err := sim.Start(cfg, grpcListen, httpListen, log, opts...)
+			if err != nil {
+				return fmt.Errorf("worker %s: %w", n, err)
+			}
+			f.Workers = append(f.Workers, w)
+			f.Configs = append(f.Configs, scheduler.WorkerConfig{Name: n, Address: w.GRPCAddr, Role: r.role})
+		}
+	}
+	return nil
+}
+
+// waitReady polls url until it answers 200 or timeout passes.
+func waitReady(url string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	// No keep-alive: no idle connection outlives the wait.
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	const poll = 20 * time.Millisecond
+	var last error
+	for {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return err
+		}
+		resp, err := hc.Do(req)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			err = fmt.Errorf("HTTP %d", resp.StatusCode)
+		}
+		if ctx.Err() == nil || last == nil {
+			last = err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("scheduler not ready after %v: %w", timeout, last)
+		case <-time.After(poll):
+		}
+	}
+}
+
+// Close closes the scheduler, then the workers. It returns the error the
+// scheduler's Serve returned, if any, and is idempotent.
+func (f *Fleet) Close() error {
+	f.closeOnce.Do(func() {
+		if f.Scheduler != nil {
+			f.Scheduler.Close()
+			if f.served != nil {
+				f.closeErr = <-f.served
+			}
+		}
+		for _, w := range f.Workers {
+			w.Close()
+		}
+	})
+	return f.closeErr
+}
