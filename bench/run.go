@@ -8,11 +8,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"math"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -24,63 +22,13 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/workers/sim"
 )
-
-// Options configure a bench run.
-type Options struct {
-	Strategies []string
-	// Target is a running baton's base URL; empty starts an in-process
-	// fleet per strategy.
-	Target string
-	// Workers is the in-process fleet size.
-	Workers int
-	// Model is the model preset of the simulated workers and the model
-	// requested.
-	Model string
-	GPU   string
-	// KVBlocks overrides each simulated worker's KV capacity (0: from the
-	// cost model).
-	KVBlocks int64
-	// CPUBlocks is each worker's CPU KV tier in blocks: 0 for none (the
-	// SageMaker study's fleet had only GPU caches), -1 for the simulator's
-	// default (host memory).
-	CPUBlocks int64
-	// ConcurrencyThreshold and PrefixLength tune prefix_aware (0: default).
-	ConcurrencyThreshold int
-	PrefixLength         int
-	// Speedup compresses time: arrivals come Speedup times faster and the
-	// simulated engines run their clock Speedup times faster. Reported
-	// latencies and rates are in modelled (uncompressed) time.
-	Speedup float64
-	// Rate is the Poisson arrival rate in modelled requests/s; 0 with a
-	// timed workload replays its timestamps.
-	Rate float64
-	// Concurrency caps requests in flight (0: open loop, no cap).
-	Concurrency int
-	// Seed seeds the workload, the arrivals and the in-process scheduler's
-	// random choices (routing.SeededRand, fresh per fleet), so that a run
-	// repeats.
-	Seed uint64
-	// Fleets are the in-process fleets each strategy runs on, one column
-	// per strategy and fleet; empty: one colocated fleet of Workers.
-	Fleets []Fleet
-	// SharedTier gives every in-process fleet one shared KV tier, a fresh
-	// kvstore.NewMemory store (SharedTierBytes) all its workers read at
-	// admission and write evicted blocks to: the path kv_aware fetches a
-	// prefix from Redis by. Off by default, as SageMaker's study had only
-	// GPU caches.
-	SharedTier bool
-	// SharedTierBytes bounds the shared tier (0: kvstore's default, 1 GiB
-	// of the simulator's scaled blocks).
-	SharedTierBytes int64
-	// Progress receives a progress line per second; nil: none.
-	Progress io.Writer
-}
 
 // Arrivals returns the modelled arrival offsets, in seconds, of n requests:
 // the workload's timestamps when it is timed and rate is 0, else Poisson at
@@ -205,93 +153,54 @@ func ParseFleets(spec string, workers int) ([]Fleet, error) {
 	return out, nil
 }
 
-// fleet is an in-process scheduler and its simulated workers.
-type fleet struct {
-	url     string
-	sched   *scheduler.Scheduler
-	workers []*sim.Worker
-	store   *kvstore.Memory
+// inProcess is an in-process fleet and the shared tier its workers use.
+type inProcess struct {
+	*fleet.Fleet
+	store *kvstore.Memory
 }
 
-func startFleet(o *Options, strategy string, shape Fleet) (*fleet, error) {
-	f := &fleet{}
-	cfg := scheduler.Config{Listen: "127.0.0.1:0", Strategy: strategy, LogLevel: "error"}
+func startFleet(o *Options, strategy string, shape Fleet) (*inProcess, error) {
+	f := &inProcess{}
+	if o.SharedTier {
+		f.store = kvstore.NewMemory(kvstore.MemoryConfig{Capacity: o.SharedTierBytes})
+	}
+	cfg := scheduler.Config{Strategy: strategy, LogLevel: "error"}
 	cfg.ConcurrencyThreshold = o.ConcurrencyThreshold
 	cfg.PrefixLength = o.PrefixLength
 	// Every fleet draws the same random choices: random's (and the
 	// tie-breaks of the others) repeat from run to run.
 	cfg.Rand = routing.SeededRand(o.Seed)
-	if o.SharedTier {
-		f.store = kvstore.NewMemory(kvstore.MemoryConfig{Capacity: o.SharedTierBytes})
-	}
-	var roles []string
-	if shape.Disaggregated() {
-		for range shape.Prefill {
-			roles = append(roles, sim.RolePrefill)
-		}
-		for range shape.Decode {
-			roles = append(roles, sim.RoleDecode)
-		}
-	} else {
-		for range shape.Workers {
-			roles = append(roles, sim.RoleBoth)
-		}
-	}
-	count := map[string]int{}
-	for _, role := range roles {
-		name := fmt.Sprintf("sim-%d", count[role])
-		if shape.Disaggregated() {
-			name = fmt.Sprintf("%s-%d", role, count[role])
-		}
-		count[role]++
-		sc := sim.Config{Name: name, Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup, Role: role,
-			BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}
-		if f.store != nil {
-			sc.Store = f.store
-		}
-		w, err := sim.Start(sc, "127.0.0.1:0", "", nil)
-		if err != nil {
-			f.close()
-			return nil, err
-		}
-		f.workers = append(f.workers, w)
-		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: w.GRPCAddr, Role: role})
-	}
-	reg := &routing.Registry{}
-	routing.RegisterBuiltins(reg)
-	s, err := scheduler.New(cfg, reg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		f.close()
-		return nil, err
-	}
-	f.sched = s
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		f.close()
-		return nil, err
-	}
-	go s.Serve(l)
-	f.url = "http://" + l.Addr().String()
-	for range 100 {
-		resp, err := http.Get(f.url + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return f, nil
+	spec := fleet.Spec{
+		Scheduler: cfg,
+		Log:       slog.New(slog.DiscardHandler),
+		Config: func(string, string) sim.Config {
+			sc := sim.Config{Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup,
+				BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}
+			if f.store != nil {
+				sc.Store = f.store
 			}
-		}
-		time.Sleep(20 * time.Millisecond)
+			return sc
+		},
 	}
-	f.close()
-	return nil, errors.New("in-process scheduler never became ready")
+	if shape.Disaggregated() {
+		spec.Prefill, spec.Decode = shape.Prefill, shape.Decode
+	} else {
+		// Colocated workers are sim-0, sim-1, ...; disaggregated ones
+		// prefill-0, decode-0, ...
+		spec.Workers = shape.Workers
+		spec.Name = func(_ string, i int) string { return fmt.Sprintf("sim-%d", i) }
+	}
+	var err error
+	if f.Fleet, err = fleet.Start(spec); err != nil {
+		f.close()
+		return nil, err
+	}
+	return f, nil
 }
 
-func (f *fleet) close() {
-	if f.sched != nil {
-		f.sched.Close()
-	}
-	for _, w := range f.workers {
-		w.Close()
+func (f *inProcess) close() {
+	if f.Fleet != nil {
+		f.Fleet.Close()
 	}
 	if f.store != nil {
 		f.store.Close()
@@ -300,9 +209,9 @@ func (f *fleet) close() {
 
 // gather returns the metric families of the scheduler: in process from its
 // registry, else scraped from target's /metrics.
-func gather(f *fleet, target string) ([]*dto.MetricFamily, error) {
+func gather(f *inProcess, target string) ([]*dto.MetricFamily, error) {
 	if f != nil {
-		return f.sched.Metrics.Registry.Gather()
+		return f.Scheduler.Metrics.Registry.Gather()
 	}
 	resp, err := http.Get(strings.TrimSuffix(target, "/") + "/metrics")
 	if err != nil {
@@ -454,7 +363,7 @@ func Column(strategy string, shape Fleet) string {
 
 // runOne replays the workload against one strategy on one fleet.
 func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string, shape Fleet) (*StrategyReport, error) {
-	var f *fleet
+	var f *inProcess
 	base := strings.TrimSuffix(o.Target, "/")
 	label := Column(strategy, shape)
 	if o.Target == "" {
@@ -463,12 +372,12 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 			return nil, fmt.Errorf("%s: start fleet: %w", label, err)
 		}
 		defer f.close()
-		base = f.url
+		base = f.URL()
 	}
 	before, _ := gather(f, base)
 	var cpu *cpuWatch
 	if f != nil {
-		cpu = watchCPU(f.workers)
+		cpu = watchCPU(f.Workers)
 	}
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096,
 		IdleConnTimeout: 30 * time.Second, DisableCompression: true}}
@@ -563,7 +472,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	}
 	stretch := 0.0 // unknown for a target (JSON has no NaN)
 	if cpu != nil {
-		stretch = cpu.finish(f.workers, o.Speedup)
+		stretch = cpu.finish(f.Workers, o.Speedup)
 	}
 	rep := summarize(label, results[:sent.Load()], o, shape.generators(), wall)
 	rep.Fleet = shape.String()
@@ -599,7 +508,10 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 // Run replays w against every strategy of o, one after another, each on a
 // fresh fleet with cold caches (in process) or the target.
 func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) {
-	if o.Speedup <= 0 {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	if o.Speedup == 0 {
 		o.Speedup = 1
 	}
 	if o.Model == "" {

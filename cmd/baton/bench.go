@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -47,33 +46,30 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
+	// Options read 0 as "the default": a flag given as 0 asks for
+	// something else, and is refused. The workload's flags are checked
+	// here, the rest by Options.Validate.
 	set := setFlags(fs)
 	switch {
-	case *workers < 1 || *workers > 64:
-		return fmt.Errorf("--workers: must be 1–64, got %d", *workers)
-	case !(*speedup > 0):
+	case *speedup == 0:
 		return fmt.Errorf("--speedup: must be positive, got %v", *speedup)
 	case *n < 0 || set["requests"] && *n == 0:
 		return fmt.Errorf("--requests: must be at least 1, got %d", *n)
-	case *rate < 0 || set["rate"] && !(*rate > 0):
+	case set["rate"] && *rate == 0:
 		return fmt.Errorf("--rate: must be positive, got %v", *rate)
 	case !(*load > 0):
 		return fmt.Errorf("--load: must be positive, got %v", *load)
-	case *conc < 0:
-		return fmt.Errorf("--concurrency: must not be negative (0: open loop), got %d", *conc)
 	case *docs < 1:
 		return fmt.Errorf("--docs: must be at least 1, got %d", *docs)
 	case *convs < 1:
 		return fmt.Errorf("--conversations: must be at least 1, got %d", *convs)
-	case *kvBlocks < 0 || set["kv-blocks"] && *kvBlocks == 0:
+	case set["kv-blocks"] && *kvBlocks == 0:
 		return fmt.Errorf("--kv-blocks: must be at least 1, got %d", *kvBlocks)
-	case *cpuBlocks < -1:
-		return fmt.Errorf("--cpu-blocks: must be at least -1 (0: none; -1: the simulator's default), got %d", *cpuBlocks)
-	case *sharedTierBytes < 0 || set["shared-tier-bytes"] && *sharedTierBytes == 0:
+	case set["shared-tier-bytes"] && *sharedTierBytes == 0:
 		return fmt.Errorf("--shared-tier-bytes: must be positive, got %d", *sharedTierBytes)
-	case set["concurrency-threshold"] && (*threshold < routing.MinConcurrencyThreshold || *threshold > routing.MaxConcurrencyThreshold):
+	case set["concurrency-threshold"] && *threshold == 0:
 		return fmt.Errorf("--concurrency-threshold: must be %d–%d, got %d", routing.MinConcurrencyThreshold, routing.MaxConcurrencyThreshold, *threshold)
-	case set["prefix-length"] && (*prefixLen < frontend.MinPrefixLength || *prefixLen > frontend.MaxPrefixLength):
+	case set["prefix-length"] && *prefixLen == 0:
 		return fmt.Errorf("--prefix-length: must be %d–%d, got %d", frontend.MinPrefixLength, frontend.MaxPrefixLength, *prefixLen)
 	}
 	var strats []string
@@ -82,35 +78,21 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			strats = append(strats, s)
 		}
 	}
-	known := strategyNames()
-	for _, s := range strats {
-		found := false
-		for _, k := range known {
-			found = found || k == s
-		}
-		if !found {
-			return fmt.Errorf("--strategies: unknown %q (known: %s)", s, strings.Join(known, ", "))
-		}
-	}
-	if len(strats) == 0 {
-		return errors.New("--strategies: none given")
-	}
-
 	fleets, err := bench.ParseFleets(*fleetsFlag, *workers)
 	if err != nil {
 		return fmt.Errorf("--fleets: %w", err)
-	}
-	if *target != "" && (*fleetsFlag != "colocated" || *sharedTier) {
-		return errors.New("--fleets and --shared-tier apply to in-process fleets, not --target")
-	}
-	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop, *convs)
-	if err != nil {
-		return err
 	}
 	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
 		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes}
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	w, err := buildWorkload(*wl, *n, *seed, *trace, *docs, *pop, *convs)
+	if err != nil {
+		return err
+	}
 	if !*quiet {
 		o.Progress = stderr
 	}
