@@ -167,10 +167,6 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			Pool: s.PrefillPool, DecodeStrategy: decode,
 			MinRemoteTokens: d.MinRemotePrefillTokens, TransferTimeout: d.TransferTimeout, Retries: d.PrefillRetries,
 		}),
-		frontend.WithFirstTokenObserver(func(ft frontend.FirstToken) {
-			s.Index.ObserveTTFT(ft.Worker, ft.Estimate, ft.Achieved)
-			s.Index.Prefilled(ft.Worker, ft.Uncached)
-		}),
 	}
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, s.Strategy, s.Metrics, s.log, fopts...)
 	return err

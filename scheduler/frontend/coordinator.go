@@ -50,8 +50,10 @@ type exchange struct {
 	// predicted is the strategy's predicted cached tokens for the worker
 	// that serves, or -1 when it made no prediction.
 	predicted int
-	// estimate is the strategy's TTFT estimate for the worker, 0 if none.
-	estimate time.Duration
+	// committed is the attempt's committed decision; reported says
+	// whether its outcome went back to the strategy (routing.Done).
+	committed routing.Decision
+	reported  bool
 	disagg   string // how the prompt was prefilled, when disaggregated
 	// dz is the server's Disagg when the fleet had prefill workers as the
 	// request arrived, else nil: the request is served colocated.
@@ -109,6 +111,7 @@ func (x *exchange) run(ctx context.Context) string {
 		x.worker = wk.Name
 		x.predicted = -1
 		routing.Commit(x.genStrategy(), x.rreq, d)
+		x.committed, x.reported = d, false
 		if x.dz == nil && s.usesKeys {
 			x.predicted = d.PredictedCached
 		}
@@ -131,6 +134,10 @@ func (x *exchange) run(ctx context.Context) string {
 			route := x.route // the prefill decision's
 			if p == nil {
 				route = s.name
+			} else {
+				// The strategy estimated a local prefill, which did not
+				// happen: its time says nothing of the estimate.
+				x.committed.Estimate = 0
 			}
 			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
 		} else {
@@ -138,6 +145,7 @@ func (x *exchange) run(ctx context.Context) string {
 		}
 
 		written, err := x.serve(ctx, wk, p)
+		x.done(0, err)
 		done(classify(err))
 		if err == nil {
 			return metrics.OutcomeOK
@@ -221,14 +229,20 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	t0 := time.Now()
 	var d routing.Decision
 	var err error
-	x.estimate = 0
-	if est, ok := strategy.(routing.TTFTEstimator); ok && x.dz == nil {
-		d, x.estimate, err = est.PickEstimate(x.rreq, snap)
-	} else {
-		d, err = strategy.Pick(x.rreq, snap)
-	}
+	d, err = strategy.Pick(x.rreq, snap)
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	return d, err
+}
+
+// done reports the outcome of the committed decision to the strategy that
+// made it, once: its first token's time, or the error that ended the
+// attempt without one.
+func (x *exchange) done(firstToken time.Duration, err error) {
+	if x.reported {
+		return
+	}
+	x.reported = true
+	routing.Done(x.genStrategy(), x.rreq, x.committed, routing.DoneInfo{FirstToken: firstToken, Err: err})
 }
 
 // serve runs the request on wk and reports whether anything reached the
@@ -239,10 +253,7 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		now := time.Now()
 		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
 		x.lastTok = now
-		if x.estimate > 0 && x.s.observeTTFT != nil {
-			x.s.observeTTFT(FirstToken{Worker: wk.Name, Estimate: x.estimate, Achieved: now.Sub(x.start),
-				Uncached: max(x.rreq.Tokens-x.predicted, 0)})
-		}
+		x.done(now.Sub(x.start), nil)
 	}
 	if p, ok := wk.Client.(engine.Proxier); ok {
 		res, err := p.Proxy(ctx, &x.req.Request, x.w, firstToken)

@@ -95,10 +95,12 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 		}
 		routing.Commit(s.strategy, x.rreq, pd)
 		id := x.req.ID + "-" + strconv.Itoa(attempt)
+		called := time.Now()
 		res, err := pz.Prefill(ctx, &engine.PrefillRequest{
 			Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
 			MinRemoteTokens: dz.MinRemoteTokens, TransferTimeout: dz.TransferTimeout,
 		})
+		routing.Done(s.strategy, x.rreq, pd, prefillDone(x.start, called, res, err))
 		done(classify(err))
 		if ctx.Err() != nil {
 			return nil // the client is gone; serving fails with ctx
@@ -144,6 +146,20 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	}
 	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
 	return local(reasonPrefillFailed)
+}
+
+// prefillDone is the outcome of a remote prefill called at called for a
+// request that arrived at start: its prefill ended after the worker's
+// queue and prefill time (the push to the decode worker follows).
+func prefillDone(start, called time.Time, res *engine.PrefillResult, err error) routing.DoneInfo {
+	if err != nil || res == nil || res.Skipped {
+		return routing.DoneInfo{Err: err}
+	}
+	first := time.Since(start) - res.Transfer
+	if res.Queue > 0 || res.Prefill > 0 {
+		first = called.Sub(start) + res.Queue + res.Prefill
+	}
+	return routing.DoneInfo{FirstToken: first}
 }
 
 // pickPrefill picks a prefill worker by the prefill strategy, skipping

@@ -45,8 +45,6 @@ type Server struct {
 	fallback routing.Strategy // least_outstanding: takes requests when there is no queue
 	name     string           // the routing strategy's name, for metrics and headers
 	usesKeys bool             // a strategy routes on block keys: compute them
-	// observeTTFT hears estimated and achieved TTFT; may be nil.
-	observeTTFT func(FirstToken)
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -58,22 +56,6 @@ type Server struct {
 
 // Option configures a Server.
 type Option func(*Server)
-
-// FirstToken describes, for strategies that estimate time to first token
-// (kv_aware), how the estimate for the chosen worker fared.
-type FirstToken struct {
-	Worker             string
-	Estimate, Achieved time.Duration
-	// Uncached is the prompt tokens the strategy expected the worker to
-	// compute.
-	Uncached int
-}
-
-// WithFirstTokenObserver has fn hear about each first token of a request
-// routed by a strategy that estimates time to first token.
-func WithFirstTokenObserver(fn func(FirstToken)) Option {
-	return func(s *Server) { s.observeTTFT = fn }
-}
 
 // WithDisagg turns on disaggregated prefill/decode.
 func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }

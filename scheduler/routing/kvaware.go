@@ -3,10 +3,8 @@ package routing
 import (
 	"errors"
 	"strconv"
-	"time"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
-	"github.com/batonllm/baton/scheduler/pool"
 )
 
 // KVAware is the name of the kv_aware strategy.
@@ -25,15 +23,6 @@ const tieTolerance = 0.03
 // routedTie is the difference in recently routed requests under which two
 // tied workers still tie, and the one with fewer requests in flight wins.
 const routedTie = 0.5
-
-// TTFTEstimator is implemented by strategies that estimate the time to
-// first token of their choice (kv_aware). The front end calls PickEstimate
-// instead of Pick to learn the estimate, and reports the achieved TTFT to
-// the KV index (kvindex.Index.ObserveTTFT), which corrects later
-// estimates for that worker. PickEstimate follows Pick's contract.
-type TTFTEstimator interface {
-	PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error)
-}
 
 // NewKVAware returns the kv_aware profile over p.Index, which the watch
 // streams of every worker feed (scheduler/watch): its one scorer, kv,
@@ -79,9 +68,11 @@ type TTFTEstimator interface {
 //
 // Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
-// worker's events see them, and counts the request in its Routed.
+// worker's events see them, and counts the request in its Routed. Done
+// feeds the worker's correction factor with the achieved time to first
+// token and takes the request's tokens off its pending prefill.
 // Decision.PredictedCached is the prompt tokens the worker is expected to
-// find in some tier.
+// find in some tier, Decision.Estimate its estimated time to first token.
 func NewKVAware(p Params) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
@@ -102,6 +93,7 @@ func NewKVAware(p Params) (Strategy, error) {
 		rule:      reasonThreshold,
 		usesKeys:  true,
 		committer: []Committer{kv},
+		doner:     []Doner{kv},
 	}, nil
 }
 
@@ -214,6 +206,17 @@ func (s *kvScorer) Commit(req *Request, d Decision) {
 	}
 }
 
+// Done reports the achieved time to first token to the index, which
+// corrects the worker's later estimates, and that the tokens it had to
+// compute no longer wait there.
+func (s *kvScorer) Done(req *Request, d Decision, info DoneInfo) {
+	if d.Worker == nil || info.FirstToken <= 0 {
+		return
+	}
+	s.idx.ObserveTTFT(d.Worker.Name, d.Estimate, info.FirstToken)
+	s.idx.Prefilled(d.Worker.Name, max(req.Tokens-d.PredictedCached, 0))
+}
+
 // estimate returns the estimated TTFT of req on the worker m describes,
 // with load requests in flight.
 func estimate(m *kvindex.Match, req *Request, load int) candidate {
@@ -304,4 +307,5 @@ func (d Decision) RouteHit(strategy string, tokens int) string {
 var (
 	_ Scorer    = (*kvScorer)(nil)
 	_ Committer = (*kvScorer)(nil)
+	_ Doner     = (*kvScorer)(nil)
 )

@@ -321,13 +321,14 @@ func TestKVAwareAllFull(t *testing.T) {
 
 func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	f := newKVFleet(t, 1)
-	s := f.strategy(Params{}).(TTFTEstimator)
+	s := f.strategy(Params{})
 	ks := prompt(6)
-	d, est, err := s.PickEstimate(kvRequest(ks), f.snap())
+	d, err := s.Pick(kvRequest(ks), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
-	Commit(s.(Strategy), kvRequest(ks), d)
+	est := d.Estimate
+	Commit(s, kvRequest(ks), d)
 	c := kvindex.DefaultCost
 	// One step of the 8,192-token budget, reading the weights only.
 	if want := time.Duration((c.PrefillSeconds(8000, 0) + c.DecodeStepSeconds) * float64(time.Second)); est != want {
@@ -341,14 +342,51 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 		f.idx.ObserveTTFT("w00", time.Second, 3*time.Second)
 	}
 	corr := 61.0/21 - 0.25
-	_, est2, err := s.PickEstimate(kvRequest(prompt(7)), f.snap())
+	d2, err := s.Pick(kvRequest(prompt(7)), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
+	est2 := d2.Estimate
 	// 16,000 tokens to prefill (8,000 ahead) take two steps.
 	want := time.Duration((c.QueueSeconds(8000, 8000) + c.PrefillSeconds(8000, 0) + 2*c.DecodeStepSeconds) * corr * float64(time.Second))
 	if d := est2 - want; d < -time.Microsecond || d > time.Microsecond {
 		t.Errorf("corrected estimate %v, want %v", est2, want)
+	}
+}
+
+// Done carries a committed decision's outcome back to the index: the
+// achieved time to first token corrects the worker's estimates, and the
+// tokens it computed no longer wait on it. An attempt that ended without
+// a first token teaches nothing.
+func TestKVAwareDoneFeedsIndex(t *testing.T) {
+	f := newKVFleet(t, 1)
+	s := f.strategy(Params{})
+	req := kvRequest(prompt(6))
+	d, err := s.Pick(req, f.snap())
+	if err != nil {
+		t.Fatal(err)
+	}
+	Commit(s, req, d)
+	lookup := func() kvindex.Match {
+		ms := make([]kvindex.Match, 1)
+		f.idx.Lookup(nil, []string{"w00"}, ms)
+		return ms[0]
+	}
+	if m := lookup(); m.PendingTokens != 8000 || m.Correction != 1 {
+		t.Fatalf("after Commit: pending %d, correction %v; want 8000, 1", m.PendingTokens, m.Correction)
+	}
+	Done(s, req, d, DoneInfo{Err: errors.New("worker failed")})
+	if m := lookup(); m.PendingTokens != 8000 || m.Correction != 1 {
+		t.Fatalf("after a failed attempt: pending %d, correction %v; want 8000, 1", m.PendingTokens, m.Correction)
+	}
+	Done(s, req, d, DoneInfo{FirstToken: 3 * d.Estimate})
+	m := lookup()
+	if m.PendingTokens != 0 {
+		t.Errorf("after the first token: pending %d, want 0", m.PendingTokens)
+	}
+	p := d.Estimate.Seconds()
+	if want := (3*p + 1) / (p + 1); math.Abs(m.Correction-want) > 1e-6 {
+		t.Errorf("after the first token: correction %v, want %v", m.Correction, want)
 	}
 }
 

@@ -166,7 +166,7 @@ type Profile struct {
 	rule      reasonRule
 	usesKeys  bool
 	committer []Committer // scorers that record their choices
-	estimates bool        // a scorer estimates time to first token
+	doner     []Doner     // scorers that learn from the outcomes
 }
 
 // Name is the profile's name, as rendered in X-Baton-Route.
@@ -182,16 +182,16 @@ func (p *Profile) Commit(req *Request, d Decision) {
 	}
 }
 
+// Done reports the outcome of d to the scorers that learn from it.
+func (p *Profile) Done(req *Request, d Decision, info DoneInfo) {
+	for _, x := range p.doner {
+		x.Done(req, d, info)
+	}
+}
+
 // Pick runs the pipeline. It returns ErrNoWorker when no worker passes
 // the filters, ErrFull when some would but are at capacity.
 func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
-	d, _, err := p.PickEstimate(req, snap)
-	return d, err
-}
-
-// PickEstimate is Pick that also returns the chosen worker's estimated
-// time to first token, 0 when no scorer estimates it.
-func (p *Profile) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, time.Duration, error) {
 	ws := snap.Workers
 	sc := getScratch(len(ws))
 	defer putScratch(sc)
@@ -215,9 +215,9 @@ func (p *Profile) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, tim
 	}
 	if len(cands) == 0 {
 		if full {
-			return Decision{}, 0, ErrFull
+			return Decision{}, ErrFull
 		}
-		return Decision{}, 0, ErrNoWorker
+		return Decision{}, ErrNoWorker
 	}
 	c.Cands, c.Index = cands, index
 	totals := sc.totals[:len(cands)]
@@ -233,12 +233,11 @@ func (p *Profile) PickEstimate(req *Request, snap *pool.Snapshot) (Decision, tim
 	k := p.picker.Pick(c, totals)
 	w := cands[k]
 	d := Decision{Worker: w, Home: c.Home, Spill: c.Home != nil && w != c.Home, Reason: p.reason(c, w)}
-	var est time.Duration
 	if c.Cached != nil {
 		d.PredictedCached = c.Cached[k]
-		est = time.Duration(c.Seconds[k] * float64(time.Second))
+		d.Estimate = time.Duration(c.Seconds[k] * float64(time.Second))
 	}
-	return d, est, nil
+	return d, nil
 }
 
 // keep applies the filters and Request.Tried.
@@ -277,6 +276,6 @@ func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
 var (
 	_ Strategy      = (*Profile)(nil)
 	_ KeyUser       = (*Profile)(nil)
-	_ TTFTEstimator = (*Profile)(nil)
 	_ Committer     = (*Profile)(nil)
+	_ Doner         = (*Profile)(nil)
 )

@@ -156,6 +156,9 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 		if c, ok := s.(Committer); ok {
 			prof.committer = append(prof.committer, c)
 		}
+		if d, ok := s.(Doner); ok {
+			prof.doner = append(prof.doner, d)
+		}
 		if k, ok := s.(KeyUser); ok && k.UsesKeys() {
 			prof.usesKeys = true
 		}

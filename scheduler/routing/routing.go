@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
@@ -73,6 +74,9 @@ type Decision struct {
 	// the worker to find cached in some tier (kv_aware), 0 when it makes
 	// no prediction.
 	PredictedCached int
+	// Estimate is the strategy's estimated time to first token on Worker
+	// (kv_aware), 0 when it makes no estimate.
+	Estimate time.Duration
 	// Reason says why Worker was chosen.
 	Reason Reason
 }
@@ -129,6 +133,36 @@ type Committer interface {
 func Commit(s Strategy, req *Request, d Decision) {
 	if c, ok := s.(Committer); ok {
 		c.Commit(req, d)
+	}
+}
+
+// DoneInfo is what became of a committed decision's prefill.
+type DoneInfo struct {
+	// FirstToken is the time from the request's arrival to its first
+	// token (for a prefill worker, to the end of its prefill); 0 when the
+	// attempt ended without one, or the worker skipped the prefill.
+	FirstToken time.Duration
+	// Err is the error that ended the attempt without a first token.
+	Err error
+}
+
+// Doner is implemented by strategies that learn from the outcome of their
+// choices (kv_aware: achieved against estimated time to first token, and
+// the prompt tokens no longer waiting on the worker). Done is called once
+// per committed decision, from the request's goroutine, as soon as the
+// prefill's outcome is known: when the first token arrives, or when the
+// attempt ends without one. It must not block. A worker's breaker and
+// in-flight count hear the attempt's end through pool.Worker.Acquire's
+// callback, not here.
+type Doner interface {
+	Done(req *Request, d Decision, info DoneInfo)
+}
+
+// Done reports the outcome of the committed decision d to s if s learns
+// from its choices.
+func Done(s Strategy, req *Request, d Decision, info DoneInfo) {
+	if x, ok := s.(Doner); ok {
+		x.Done(req, d, info)
 	}
 }
 
