@@ -54,7 +54,7 @@ type exchange struct {
 	// whether its outcome went back to the strategy (routing.Done).
 	committed routing.Decision
 	reported  bool
-	disagg   string // how the prompt was prefilled, when disaggregated
+	disagg    string // how the prompt was prefilled, when disaggregated
 	// dz is the server's Disagg when the fleet had prefill workers as the
 	// request arrived, else nil: the request is served colocated.
 	dz *Disagg

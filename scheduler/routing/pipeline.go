@@ -274,8 +274,8 @@ func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
 }
 
 var (
-	_ Strategy      = (*Profile)(nil)
-	_ KeyUser       = (*Profile)(nil)
-	_ Committer     = (*Profile)(nil)
-	_ Doner         = (*Profile)(nil)
+	_ Strategy  = (*Profile)(nil)
+	_ KeyUser   = (*Profile)(nil)
+	_ Committer = (*Profile)(nil)
+	_ Doner     = (*Profile)(nil)
 )
