@@ -71,15 +71,21 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 		return nil, err
 	}
 	cfg = cfg.WithDefaults()
-	cfg.Params.Index = idx
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	strategy, err := strategies.New(cfg.Strategy, cfg.Params)
+	s := &Scheduler{log: log, Index: idx}
+	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
+	cfg.Params.Index = idx
+	cfg.Params.PartTimer = func(profile, part string) func(time.Duration) {
+		h := s.Metrics.RoutingPart.WithLabelValues(profile, part)
+		return func(d time.Duration) { h.Observe(d.Seconds()) }
+	}
+	s.cfg = cfg
+	s.Strategy, err = strategies.New(cfg.Strategy, cfg.Params)
 	if err != nil {
 		return nil, err
 	}
-	s := &Scheduler{cfg: cfg, Strategy: strategy, log: log, Index: idx}
 	if err := s.build(cfg, strategies); err != nil {
 		s.Close()
 		return nil, err
@@ -90,7 +96,6 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 // build connects to the workers, splits them into pools by role and builds
 // the front end.
 func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
-	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
 	s.watcher = watch.New(s.Index, watch.Config{OnResync: func(worker string, err error) {
 		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
 		s.log.Info("kv index resync", "worker", worker, "err", err)

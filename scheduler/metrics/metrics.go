@@ -38,8 +38,10 @@ type Metrics struct {
 	InterToken *prometheus.HistogramVec // strategy
 	Duration   *prometheus.HistogramVec // strategy, outcome
 	Decision   *prometheus.HistogramVec // strategy
-	Spills     *prometheus.CounterVec   // strategy, worker (the worker spilled from)
-	Retries    *prometheus.CounterVec   // reason
+	// RoutingPart is the time of each part of a routing profile.
+	RoutingPart *prometheus.HistogramVec // strategy, part
+	Spills      *prometheus.CounterVec   // strategy, worker (the worker spilled from)
+	Retries     *prometheus.CounterVec   // reason
 
 	QueueDepth      prometheus.Gauge       //
 	QueueRejections *prometheus.CounterVec // reason (full, timeout)
@@ -107,6 +109,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "baton_routing_decision_seconds", Help: "Time a strategy took to pick a worker.", Buckets: decisionBuckets,
 		}, []string{"strategy"}),
+		RoutingPart: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_routing_part_seconds", Help: "Time each part of a routing profile (its filters, each scorer, the picker) took in one decision.", Buckets: decisionBuckets,
+		}, []string{"strategy", "part"}),
 		Spills: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_overflow_spills_total", Help: "Requests that left their prefix's worker because it was at the concurrency threshold.",
 		}, []string{"strategy", "worker"}),
@@ -165,7 +170,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 	for _, c := range []prometheus.Collector{
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
-		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision,
+		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart,
 		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {

@@ -13,7 +13,7 @@ func NewRandom(p Params) (Strategy, error) {
 		return nil, err
 	}
 	p = p.withDefaults()
-	return &Profile{name: Random, filters: defaultFilters, picker: randomPicker{}, rand: p.Rand, base: ReasonRandom}, nil
+	return (&Profile{name: Random, filters: defaultFilters, picker: randomPicker{}, rand: p.Rand, base: ReasonRandom}).timed(p.PartTimer), nil
 }
 
 // NewRoundRobin returns the round_robin profile: the available workers in
@@ -23,7 +23,7 @@ func NewRoundRobin(p Params) (Strategy, error) {
 		return nil, err
 	}
 	p = p.withDefaults()
-	return &Profile{name: RoundRobin, filters: defaultFilters, picker: roundRobinPicker{next: new(atomic.Uint64)}, rand: p.Rand, base: ReasonRoundRobin}, nil
+	return (&Profile{name: RoundRobin, filters: defaultFilters, picker: roundRobinPicker{next: new(atomic.Uint64)}, rand: p.Rand, base: ReasonRoundRobin}).timed(p.PartTimer), nil
 }
 
 // NewLeastOutstanding returns the least_outstanding profile: the available
@@ -34,6 +34,6 @@ func NewLeastOutstanding(p Params) (Strategy, error) {
 		return nil, err
 	}
 	p = p.withDefaults()
-	return &Profile{name: LeastOutstanding, filters: defaultFilters, scorers: []weighted{{loadScorer{}, 1}},
-		picker: maxPicker{}, rand: p.Rand, base: ReasonLeastOutstanding}, nil
+	return (&Profile{name: LeastOutstanding, filters: defaultFilters, scorers: []weighted{{loadScorer{}, 1}},
+		picker: maxPicker{}, rand: p.Rand, base: ReasonLeastOutstanding}).timed(p.PartTimer), nil
 }

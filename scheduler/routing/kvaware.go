@@ -82,7 +82,7 @@ func NewKVAware(p Params) (Strategy, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Profile{
+	return (&Profile{
 		name:      KVAware,
 		filters:   defaultFilters,
 		scorers:   []weighted{{kv, 1}},
@@ -94,7 +94,7 @@ func NewKVAware(p Params) (Strategy, error) {
 		usesKeys:  true,
 		committer: []Committer{kv},
 		doner:     []Doner{kv},
-	}, nil
+	}).timed(p.PartTimer), nil
 }
 
 // kvScorer is kv_aware's scorer (see NewKVAware). Its choice scores 1;

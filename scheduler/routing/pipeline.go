@@ -167,6 +167,29 @@ type Profile struct {
 	usesKeys  bool
 	committer []Committer // scorers that record their choices
 	doner     []Doner     // scorers that learn from the outcomes
+	// timers hear each part's time (Params.PartTimer): the filters, each
+	// scorer in order, the picker; nil when not timed.
+	timers []func(time.Duration)
+}
+
+// timed sets up p's part timers from pt (nil: not timed) and returns p.
+func (p *Profile) timed(pt func(profile, part string) func(time.Duration)) *Profile {
+	if pt == nil {
+		return p
+	}
+	p.timers = append(p.timers, pt(p.name, "filters"))
+	for _, s := range p.scorers {
+		p.timers = append(p.timers, pt(p.name, s.Name()))
+	}
+	p.timers = append(p.timers, pt(p.name, "picker"))
+	return p
+}
+
+// lap reports the time since *t to the i-th part timer and moves *t on.
+func (p *Profile) lap(i int, t *time.Time) {
+	now := time.Now()
+	p.timers[i](now.Sub(*t))
+	*t = now
 }
 
 // Name is the profile's name, as rendered in X-Baton-Route.
@@ -196,6 +219,11 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	sc := getScratch(len(ws))
 	defer putScratch(sc)
 	c := &sc.c
+	timed := p.timers != nil
+	var t time.Time
+	if timed {
+		t = time.Now()
+	}
 	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc}
 	clear(c.in)
 	clear(c.passed)
@@ -219,18 +247,27 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 		}
 		return Decision{}, ErrNoWorker
 	}
+	if timed {
+		p.lap(0, &t)
+	}
 	c.Cands, c.Index = cands, index
 	totals := sc.totals[:len(cands)]
 	clear(totals)
-	for _, s := range p.scorers {
+	for j, s := range p.scorers {
 		scores := sc.scores[:len(cands)]
 		clear(scores)
 		s.Score(c, scores)
 		for i, v := range scores {
 			totals[i] += s.weight * v
 		}
+		if timed {
+			p.lap(1+j, &t)
+		}
 	}
 	k := p.picker.Pick(c, totals)
+	if timed {
+		p.lap(len(p.timers)-1, &t)
+	}
 	w := cands[k]
 	d := Decision{Worker: w, Home: c.Home, Spill: c.Home != nil && w != c.Home, Reason: p.reason(c, w)}
 	if c.Cached != nil {

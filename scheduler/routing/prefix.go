@@ -13,7 +13,7 @@ func NewPrefixAware(p Params) (Strategy, error) {
 		return nil, err
 	}
 	p = p.withDefaults()
-	return &Profile{
+	return (&Profile{
 		name:      PrefixAware,
 		filters:   defaultFilters,
 		scorers:   []weighted{{prefixScorer{threshold: p.ConcurrencyThreshold}, 1}, {loadScorer{}, 1}},
@@ -21,5 +21,5 @@ func NewPrefixAware(p Params) (Strategy, error) {
 		rand:      p.Rand,
 		threshold: p.ConcurrencyThreshold,
 		rule:      reasonHome,
-	}, nil
+	}).timed(p.PartTimer), nil
 }

@@ -166,7 +166,7 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 			prof.rule = reasonHome
 		}
 	}
-	return prof, nil
+	return prof.timed(p.PartTimer), nil
 }
 
 func sortedKeys[T any](m map[string]T) []string {

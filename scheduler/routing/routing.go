@@ -220,6 +220,12 @@ type Params struct {
 	// kv_usage scorers read; the scheduler sets it. Building them
 	// without one is an error.
 	Index *kvindex.Index `yaml:"-"`
+	// PartTimer, when set, is asked once per part of each profile built
+	// (its filters as one part, "filters"; each scorer by name; the
+	// picker, "picker") for a function that hears the time the part took
+	// in each Pick. The functions must be safe for concurrent use and not
+	// allocate. The scheduler records them as baton_routing_part_seconds.
+	PartTimer func(profile, part string) func(time.Duration) `yaml:"-"`
 }
 
 // withDefaults returns p with its zero fields set to their defaults.

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -407,8 +408,17 @@ func TestPickDoesNotAllocate(t *testing.T) {
 	f := newFleet(t, 16)
 	f.setHealthy("w03", false)
 	f.load("w05", 20) // over prefix_aware's default threshold: spills
-	for _, s := range builtins(t, Params{}) {
-		t.Run(s.Name(), func(t *testing.T) {
+	var timed atomic.Int64
+	timer := func(string, string) func(time.Duration) {
+		return func(d time.Duration) { timed.Add(int64(d)) }
+	}
+	untimed, withTimers := builtins(t, Params{}), builtins(t, Params{PartTimer: timer})
+	for i, s := range append(untimed, withTimers...) {
+		name := s.Name()
+		if i >= len(untimed) {
+			name += "/timed"
+		}
+		t.Run(name, func(t *testing.T) {
 			req := &Request{Model: "llama"}
 			snap := f.snap()
 			allocs := testing.AllocsPerRun(1000, func() {
@@ -421,6 +431,47 @@ func TestPickDoesNotAllocate(t *testing.T) {
 				t.Errorf("Pick allocates %v times, want 0", allocs)
 			}
 		})
+	}
+}
+
+// Each part of a profile is timed once per pick: its filters, each
+// scorer, its picker.
+func TestPartTimers(t *testing.T) {
+	var mu sync.Mutex
+	counts := map[string]int{}
+	timer := func(profile, part string) func(time.Duration) {
+		key := profile + "/" + part
+		return func(d time.Duration) {
+			if d < 0 {
+				t.Errorf("%s: negative time %v", key, d)
+			}
+			mu.Lock()
+			counts[key]++
+			mu.Unlock()
+		}
+	}
+	f := newFleet(t, 4)
+	for _, s := range builtins(t, Params{PartTimer: timer}) {
+		for i := range 3 {
+			if _, err := s.Pick(&Request{Model: "llama", PrefixKey: uint64(i)}, f.snap()); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	want := map[string]int{}
+	for _, parts := range [][]string{
+		{"random", "filters", "picker"},
+		{"round_robin", "filters", "picker"},
+		{"least_outstanding", "filters", "load", "picker"},
+		{"prefix_aware", "filters", "prefix", "load", "picker"},
+		{"kv_aware", "filters", "kv", "picker"},
+	} {
+		for _, part := range parts[1:] {
+			want[parts[0]+"/"+part] = 3
+		}
+	}
+	if diff := cmp.Diff(want, counts); diff != "" {
+		t.Errorf("parts timed (-want +got):\n%s", diff)
 	}
 }
 
