@@ -1,0 +1,669 @@
+package kvevents
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
+)
+
+// Errors of Decode.
+var (
+	// ErrMalformed: the payload is not a batch of KV events. Nothing of it
+	// is usable.
+	ErrMalformed = errors.New("kvevents: malformed payload")
+	// ErrUnknownTag: the batch holds events of a kind this package does not
+	// know (a newer engine's). Decode still returns the events it knows.
+	ErrUnknownTag = errors.New("kvevents: unknown event tag")
+)
+
+// Batch is one published batch of events.
+type Batch struct {
+	// TS is the engine's wall-clock time of the batch, in Unix seconds.
+	TS     float64
+	Events []Event
+	// DPRank is the data-parallel rank that published the batch, when the
+	// engine said (vLLM's data_parallel_rank, SGLang's attn_dp_rank).
+	DPRank    int64
+	HasDPRank bool
+}
+
+// Event is one of *BlockStored, *BlockRemoved and *AllBlocksCleared, as
+// Decode returns them.
+type Event interface {
+	// Tag returns the engine's tag of the event's kind: its class name.
+	Tag() string
+}
+
+// BlockStored: the engine stored full blocks. Their token ids follow the
+// block with hash Parent (none for a sequence's first block), in order.
+type BlockStored struct {
+	BlockHashes []Hash
+	Parent      Hash // zero: the first block starts a sequence
+	// TokenIDs are the tokens of all the blocks, BlockSize per block.
+	TokenIDs  []uint32
+	BlockSize int
+	LoRAID    int64
+	HasLoRAID bool
+	LoRAName  string
+	// Medium is where the blocks are ("GPU", "CPU", SGLang's "CPU_PINNED",
+	// ...); empty when the engine did not say, which means the GPU.
+	Medium string
+	// CacheSalt is SGLang's cache_salt metadata. vLLM folds its salt into
+	// ExtraKeys instead.
+	CacheSalt string
+	// ExtraKeys are vLLM's extra hash inputs of each block (LoRA name,
+	// multimodal ids, cache salt, in that order); only their strings are
+	// kept. Nil when the engine sent none.
+	ExtraKeys [][]string
+	// Group is the KV cache group (vLLM's group_idx, for hybrid models).
+	Group    int64
+	HasGroup bool
+	// CacheSpecKind is vLLM's kv_cache_spec_kind ("full_attention", ...).
+	CacheSpecKind string
+}
+
+// BlockRemoved: the engine no longer holds the blocks in Medium.
+type BlockRemoved struct {
+	BlockHashes []Hash
+	Medium      string
+	Group       int64
+	HasGroup    bool
+}
+
+// AllBlocksCleared: the engine dropped every block.
+type AllBlocksCleared struct{}
+
+// The engines' msgspec tags: the class names.
+const (
+	tagStored  = "BlockStored"
+	tagRemoved = "BlockRemoved"
+	tagCleared = "AllBlocksCleared"
+)
+
+// Tag returns "BlockStored".
+func (*BlockStored) Tag() string { return tagStored }
+
+// Tag returns "BlockRemoved".
+func (*BlockRemoved) Tag() string { return tagRemoved }
+
+// Tag returns "AllBlocksCleared".
+func (*AllBlocksCleared) Tag() string { return tagCleared }
+
+// Field order of the array-like encodings: the msgspec structs' field
+// order. Position 7 of BlockStored is vLLM's lora_name or SGLang's
+// metadata map; decodeField tells them apart by type.
+var (
+	storedFields = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size",
+		"lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}
+	removedFields = []string{"block_hashes", "medium", "group_idx"}
+)
+
+// Decode decodes one batch payload, in either encoding: msgspec's
+// array-like structs (tag first) or maps (tag under "type"), at the batch
+// and event levels alike. Fields it does not know are skipped, so newer
+// engines' additions decode.
+//
+// Errors wrap ErrMalformed, or ErrUnknownTag when only some events had an
+// unknown tag: then the batch holds the other events, in order.
+func Decode(payload []byte) (Batch, error) {
+	r := bytes.NewReader(payload)
+	d := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(d)
+	d.Reset(r)
+	dec := decoder{d: d, r: r}
+	b, err := dec.batch()
+	if err != nil {
+		return Batch{}, fmt.Errorf("%w: %v", ErrMalformed, err)
+	}
+	if r.Len() != 0 {
+		return Batch{}, fmt.Errorf("%w: %d trailing bytes", ErrMalformed, r.Len())
+	}
+	if dec.unknown > 0 {
+		return b, fmt.Errorf("%w: %d events, the first %q", ErrUnknownTag, dec.unknown, dec.firstUnknown)
+	}
+	return b, nil
+}
+
+type decoder struct {
+	d            *msgpack.Decoder
+	r            *bytes.Reader
+	unknown      int
+	firstUnknown string
+}
+
+var errNil = errors.New("nil where a value is required")
+
+func (dc *decoder) peek() (byte, error) { return dc.d.PeekCode() }
+
+// capFor bounds a slice's preallocation by the bytes left: each element
+// takes at least one, so a forged length cannot allocate more.
+func (dc *decoder) capFor(n int) int { return min(n, dc.r.Len()) }
+
+func isArray(c byte) bool {
+	return (c >= msgpcode.FixedArrayLow && c <= msgpcode.FixedArrayHigh) ||
+		c == msgpcode.Array16 || c == msgpcode.Array32
+}
+
+func isMap(c byte) bool {
+	return msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32
+}
+
+func isUint(c byte) bool {
+	return c <= msgpcode.PosFixedNumHigh || (c >= msgpcode.Uint8 && c <= msgpcode.Uint64)
+}
+
+func isInt(c byte) bool {
+	return isUint(c) || c >= msgpcode.NegFixedNumLow || (c >= msgpcode.Int8 && c <= msgpcode.Int64)
+}
+
+func isNumber(c byte) bool { return isInt(c) || c == msgpcode.Float || c == msgpcode.Double }
+
+func (dc *decoder) batch() (Batch, error) {
+	var b Batch
+	c, err := dc.peek()
+	if err != nil {
+		return b, err
+	}
+	switch {
+	case isArray(c):
+		n, err := dc.d.DecodeArrayLen()
+		if err != nil {
+			return b, err
+		}
+		if n < 2 {
+			return b, fmt.Errorf("batch of %d fields", n)
+		}
+		if b.TS, err = dc.float(); err != nil {
+			return b, fmt.Errorf("ts: %w", err)
+		}
+		if b.Events, err = dc.events(); err != nil {
+			return b, err
+		}
+		if n >= 3 {
+			if b.DPRank, b.HasDPRank, err = dc.optInt(); err != nil {
+				return b, fmt.Errorf("data parallel rank: %w", err)
+			}
+		}
+		return b, dc.skipN(n - 3)
+	case isMap(c):
+		n, err := dc.d.DecodeMapLen()
+		if err != nil {
+			return b, err
+		}
+		var hasTS, hasEvents bool
+		for range n {
+			key, err := dc.key()
+			if err != nil {
+				return b, err
+			}
+			switch key {
+			case "ts":
+				b.TS, err = dc.float()
+				hasTS = true
+			case "events":
+				b.Events, err = dc.events()
+				hasEvents = true
+			case "data_parallel_rank", "attn_dp_rank":
+				b.DPRank, b.HasDPRank, err = dc.optInt()
+			default:
+				err = dc.skip()
+			}
+			if err != nil {
+				return b, fmt.Errorf("batch %s: %w", key, err)
+			}
+		}
+		if !hasTS || !hasEvents {
+			return b, errors.New("batch without ts or events")
+		}
+		return b, nil
+	}
+	return b, fmt.Errorf("batch is code %#x, not an array or map", c)
+}
+
+func (dc *decoder) events() ([]Event, error) {
+	n, err := dc.d.DecodeArrayLen()
+	if err != nil {
+		return nil, fmt.Errorf("events: %w", err)
+	}
+	if n < 0 {
+		return nil, fmt.Errorf("events: %w", errNil)
+	}
+	evs := make([]Event, 0, dc.capFor(n))
+	for i := range n {
+		ev, err := dc.event()
+		if err != nil {
+			return nil, fmt.Errorf("event %d: %w", i, err)
+		}
+		if ev != nil {
+			evs = append(evs, ev)
+		}
+	}
+	return evs, nil
+}
+
+// seenFields records which required fields an event carried.
+type seenFields uint8
+
+const (
+	seenHashes seenFields = 1 << iota
+	seenTokens
+	seenBlockSize
+)
+
+// fields is every field an event may carry, as decoded.
+type fields struct {
+	seen      seenFields
+	hashes    []Hash
+	parent    Hash
+	tokens    []uint32
+	blockSize int
+	loraID    int64
+	hasLoRAID bool
+	loraName  string
+	medium    string
+	cacheSalt string
+	extra     [][]string
+	group     int64
+	hasGroup  bool
+	specKind  string
+}
+
+// event decodes one event; it returns nil, nil for an unknown tag, which
+// it counts.
+func (dc *decoder) event() (Event, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return nil, err
+	}
+	var f fields
+	var tag string
+	switch {
+	case isArray(c):
+		n, err := dc.d.DecodeArrayLen()
+		if err != nil {
+			return nil, err
+		}
+		if n < 1 {
+			return nil, errors.New("event without a tag")
+		}
+		if tag, err = dc.tag(); err != nil {
+			return nil, err
+		}
+		var names []string
+		switch tag {
+		case tagStored:
+			names = storedFields
+		case tagRemoved:
+			names = removedFields
+		}
+		for i := 1; i < n; i++ {
+			if i-1 < len(names) {
+				err = dc.field(&f, names[i-1])
+			} else {
+				err = dc.skip()
+			}
+			if err != nil {
+				return nil, err
+			}
+		}
+	case isMap(c):
+		n, err := dc.d.DecodeMapLen()
+		if err != nil {
+			return nil, err
+		}
+		for range n {
+			key, err := dc.key()
+			if err != nil {
+				return nil, err
+			}
+			if key == "type" {
+				if tag, err = dc.tag(); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			if err := dc.field(&f, key); err != nil {
+				return nil, err
+			}
+		}
+		if tag == "" {
+			return nil, errors.New("event map without a type")
+		}
+	default:
+		return nil, fmt.Errorf("event is code %#x, not an array or map", c)
+	}
+	return dc.build(tag, &f)
+}
+
+// tag decodes an event's tag. msgspec may tag with integers too; no engine
+// does, and such a tag is reported unknown.
+func (dc *decoder) tag() (string, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return "", err
+	}
+	if msgpcode.IsString(c) {
+		return dc.d.DecodeString()
+	}
+	if isInt(c) {
+		v, err := dc.d.DecodeInt64()
+		return fmt.Sprintf("%d", v), err
+	}
+	return "", fmt.Errorf("tag is code %#x", c)
+}
+
+func (dc *decoder) build(tag string, f *fields) (Event, error) {
+	switch tag {
+	case tagStored:
+		if f.seen&(seenHashes|seenTokens|seenBlockSize) != seenHashes|seenTokens|seenBlockSize {
+			return nil, errors.New("BlockStored without block_hashes, token_ids or block_size")
+		}
+		return &BlockStored{
+			BlockHashes: f.hashes, Parent: f.parent, TokenIDs: f.tokens, BlockSize: f.blockSize,
+			LoRAID: f.loraID, HasLoRAID: f.hasLoRAID, LoRAName: f.loraName, Medium: f.medium,
+			CacheSalt: f.cacheSalt, ExtraKeys: f.extra, Group: f.group, HasGroup: f.hasGroup,
+			CacheSpecKind: f.specKind,
+		}, nil
+	case tagRemoved:
+		if f.seen&seenHashes == 0 {
+			return nil, errors.New("BlockRemoved without block_hashes")
+		}
+		return &BlockRemoved{BlockHashes: f.hashes, Medium: f.medium, Group: f.group, HasGroup: f.hasGroup}, nil
+	case tagCleared:
+		return &AllBlocksCleared{}, nil
+	}
+	if dc.unknown == 0 {
+		dc.firstUnknown = tag
+	}
+	dc.unknown++
+	return nil, nil
+}
+
+// field decodes the value of the named field into f, or skips it.
+func (dc *decoder) field(f *fields, name string) error {
+	var err error
+	switch name {
+	case "block_hashes":
+		f.hashes, err = dc.hashes()
+		f.seen |= seenHashes
+	case "parent_block_hash":
+		f.parent, err = dc.optHash()
+	case "token_ids":
+		f.tokens, err = dc.tokens()
+		f.seen |= seenTokens
+	case "block_size":
+		var v int64
+		var ok bool
+		v, ok, err = dc.optInt()
+		if err == nil && (!ok || v < 0 || v > math.MaxInt32) {
+			err = fmt.Errorf("block size %d", v)
+		}
+		f.blockSize = int(v)
+		f.seen |= seenBlockSize
+	case "lora_id":
+		f.loraID, f.hasLoRAID, err = dc.optInt()
+	case "medium":
+		f.medium, err = dc.optString()
+	case "lora_name":
+		// SGLang puts its metadata map where vLLM puts lora_name.
+		var c byte
+		if c, err = dc.peek(); err == nil && isMap(c) {
+			err = dc.metadata(f)
+		} else if err == nil {
+			f.loraName, err = dc.optString()
+		}
+	case "metadata":
+		err = dc.metadata(f)
+	case "extra_keys":
+		f.extra, err = dc.extraKeys()
+	case "group_idx":
+		f.group, f.hasGroup, err = dc.optInt()
+	case "kv_cache_spec_kind":
+		f.specKind, err = dc.optString()
+	default:
+		return dc.skip()
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+func (dc *decoder) metadata(f *fields) error {
+	c, err := dc.peek()
+	if err != nil {
+		return err
+	}
+	if c == msgpcode.Nil {
+		return dc.d.DecodeNil()
+	}
+	n, err := dc.d.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	for range n {
+		key, err := dc.key()
+		if err != nil {
+			return err
+		}
+		if key == "cache_salt" {
+			f.cacheSalt, err = dc.optString()
+		} else {
+			err = dc.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (dc *decoder) key() (string, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return "", err
+	}
+	if !msgpcode.IsString(c) {
+		return "", fmt.Errorf("map key is code %#x, not a string", c)
+	}
+	return dc.d.DecodeString()
+}
+
+func (dc *decoder) float() (float64, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return 0, err
+	}
+	if !isNumber(c) {
+		return 0, fmt.Errorf("code %#x is not a number", c)
+	}
+	return dc.d.DecodeFloat64()
+}
+
+// optInt decodes nil (ok false) or an integer.
+func (dc *decoder) optInt() (v int64, ok bool, err error) {
+	c, err := dc.peek()
+	if err != nil {
+		return 0, false, err
+	}
+	if c == msgpcode.Nil {
+		return 0, false, dc.d.DecodeNil()
+	}
+	if !isInt(c) {
+		return 0, false, fmt.Errorf("code %#x is not an integer", c)
+	}
+	if c == msgpcode.Uint64 {
+		u, err := dc.d.DecodeUint64()
+		if err == nil && u > math.MaxInt64 {
+			err = fmt.Errorf("integer %d out of range", u)
+		}
+		return int64(u), err == nil, err
+	}
+	v, err = dc.d.DecodeInt64()
+	return v, err == nil, err
+}
+
+func (dc *decoder) optString() (string, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return "", err
+	}
+	if c == msgpcode.Nil {
+		return "", dc.d.DecodeNil()
+	}
+	if !msgpcode.IsString(c) {
+		return "", fmt.Errorf("code %#x is not a string", c)
+	}
+	return dc.d.DecodeString()
+}
+
+func (dc *decoder) optHash() (Hash, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return Hash{}, err
+	}
+	if c == msgpcode.Nil {
+		return Hash{}, dc.d.DecodeNil()
+	}
+	return dc.hash()
+}
+
+// hash decodes an integer or bytes hash; integers keep their bits.
+func (dc *decoder) hash() (Hash, error) {
+	c, err := dc.peek()
+	if err != nil {
+		return Hash{}, err
+	}
+	switch {
+	case isInt(c):
+		v, err := dc.d.DecodeUint64()
+		return IntHash(v), err
+	case msgpcode.IsBin(c) || msgpcode.IsString(c):
+		b, err := dc.d.DecodeBytes()
+		return BytesHash(b), err
+	}
+	return Hash{}, fmt.Errorf("hash is code %#x", c)
+}
+
+func (dc *decoder) hashes() ([]Hash, error) {
+	n, err := dc.d.DecodeArrayLen()
+	if err != nil {
+		return nil, err
+	}
+	if n < 0 {
+		return nil, errNil
+	}
+	hs := make([]Hash, 0, dc.capFor(n))
+	for range n {
+		h, err := dc.hash()
+		if err != nil {
+			return nil, err
+		}
+		hs = append(hs, h)
+	}
+	return hs, nil
+}
+
+func (dc *decoder) tokens() ([]uint32, error) {
+	n, err := dc.d.DecodeArrayLen()
+	if err != nil {
+		return nil, err
+	}
+	if n < 0 {
+		return nil, errNil
+	}
+	ts := make([]uint32, 0, dc.capFor(n))
+	for range n {
+		v, ok, err := dc.optInt()
+		if err != nil {
+			return nil, err
+		}
+		if !ok || v < 0 || v > math.MaxUint32 {
+			return nil, fmt.Errorf("token id %d out of range", v)
+		}
+		ts = append(ts, uint32(v))
+	}
+	return ts, nil
+}
+
+// extraKeys decodes vLLM's list of per-block tuples (or nils), keeping the
+// tuples' strings.
+func (dc *decoder) extraKeys() ([][]string, error) {
+	n, err := dc.d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([][]string, 0, dc.capFor(n))
+	for range n {
+		m, err := dc.d.DecodeArrayLen()
+		if err != nil {
+			return nil, err
+		}
+		var strs []string
+		for range m {
+			c, err := dc.peek()
+			if err != nil {
+				return nil, err
+			}
+			if msgpcode.IsString(c) {
+				s, err := dc.d.DecodeString()
+				if err != nil {
+					return nil, err
+				}
+				strs = append(strs, s)
+				continue
+			}
+			if err := dc.skip(); err != nil {
+				return nil, err
+			}
+		}
+		out = append(out, strs)
+	}
+	return out, nil
+}
+
+func (dc *decoder) skipN(n int) error {
+	for range n {
+		if err := dc.skip(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// skip skips one value without recursion: a forged payload of nested
+// arrays must not grow the stack.
+func (dc *decoder) skip() error {
+	for pending := uint64(1); pending > 0; pending-- {
+		c, err := dc.peek()
+		if err != nil {
+			return err
+		}
+		switch {
+		case isArray(c):
+			n, err := dc.d.DecodeArrayLen()
+			if err != nil {
+				return err
+			}
+			pending += uint64(max(n, 0))
+		case isMap(c):
+			n, err := dc.d.DecodeMapLen()
+			if err != nil {
+				return err
+			}
+			pending += 2 * uint64(max(n, 0))
+		default:
+			if err := dc.d.Skip(); err != nil {
+				return err
+			}
+		}
+		if pending > uint64(dc.r.Len())+1 {
+			return errors.New("more values declared than bytes left")
+		}
+	}
+	return nil
+}

@@ -1,0 +1,58 @@
+package kvevents
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"strconv"
+)
+
+// Hash is an engine's block hash. vLLM sends integers or bytes (its
+// ExternalBlockHash), SGLang integers; Hash holds either as a comparable
+// value, so it can key a map. The zero Hash is no hash (a chain's first
+// block has no parent).
+type Hash struct {
+	b       string // the hash's bytes; for an integer, its 8 big-endian bytes
+	isBytes bool
+}
+
+// IntHash returns the Hash of an integer block hash. Negative integers are
+// taken as their two's complement bits.
+func IntHash(v uint64) Hash {
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], v)
+	return Hash{b: string(b[:])}
+}
+
+// BytesHash returns the Hash of a bytes block hash.
+func BytesHash(b []byte) Hash { return Hash{b: string(b), isBytes: true} }
+
+// IsZero reports whether h is no hash.
+func (h Hash) IsZero() bool { return h == Hash{} }
+
+// Uint64 returns an integer hash's value; ok is false for bytes hashes.
+func (h Hash) Uint64() (v uint64, ok bool) {
+	if h.isBytes || len(h.b) != 8 {
+		return 0, false
+	}
+	return binary.BigEndian.Uint64([]byte(h.b)), true
+}
+
+// Bytes returns a bytes hash's bytes; ok is false for integer hashes.
+func (h Hash) Bytes() (b []byte, ok bool) {
+	if !h.isBytes {
+		return nil, false
+	}
+	return []byte(h.b), true
+}
+
+// String returns the hash as a decimal integer or as hexadecimal bytes
+// prefixed with "0x".
+func (h Hash) String() string {
+	if v, ok := h.Uint64(); ok {
+		return strconv.FormatUint(v, 10)
+	}
+	if h.IsZero() {
+		return "none"
+	}
+	return "0x" + hex.EncodeToString([]byte(h.b))
+}
