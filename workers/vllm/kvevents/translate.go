@@ -1,0 +1,349 @@
+package kvevents
+
+import (
+	"container/list"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/batonllm/baton/scheduler/kvindex"
+)
+
+// DefaultMaxEntries bounds a Translator's map of engine hashes: a GPU of
+// tens of thousands of blocks plus a CPU tier a few times larger, at about
+// 150 bytes an entry.
+const DefaultMaxEntries = 1 << 18
+
+// TranslatorConfig configures a Translator. The zero value is usable.
+type TranslatorConfig struct {
+	// Model salts every chain's first key, as requests' keys are salted:
+	// Salt(Model, adapter, tenant).
+	Model string
+	// Tenant returns the tenant that salts a chain whose first block ev
+	// stores. Nil means EventTenant. The request side must salt with the
+	// same tenant, so the engine must be sent it (vLLM's cache_salt).
+	Tenant func(ev *BlockStored) string
+	// Group is the KV cache group whose events are indexed (vLLM's
+	// group_idx, for hybrid models); events without a group always are.
+	// Default 0.
+	Group int64
+	// MaxEntries bounds the map engine hash → baton key. Default
+	// DefaultMaxEntries. When full, the least recently used entry is
+	// dropped and its key reported Removed, so the index never keeps a key
+	// the translator could no longer remove.
+	MaxEntries int
+}
+
+// TranslatorStats counts what a Translator did.
+type TranslatorStats struct {
+	Stored  uint64 // blocks reported stored
+	Removed uint64 // blocks reported removed
+	Cleared uint64 // AllBlocksCleared events
+	// UnknownParent counts BlockStored events dropped because their parent
+	// hash was never seen (the translator started mid-sequence, or the
+	// parent was evicted from the map): their keys cannot be chained.
+	UnknownParent uint64
+	// UnknownRemoved counts removed hashes that were not mapped.
+	UnknownRemoved uint64
+	// BadStored counts BlockStored events whose token count is not blocks
+	// times block size.
+	BadStored uint64
+	// OtherMedium counts events of a medium the index has no tier for (disk,
+	// external pools): their hashes are mapped, for chaining, not indexed.
+	OtherMedium uint64
+	// OtherGroup counts events of another KV cache group, skipped.
+	OtherGroup uint64
+	// Evicted counts map entries dropped to stay within MaxEntries.
+	Evicted uint64
+}
+
+// Translator turns one engine's decoded batches into the scheduler's index
+// events, with baton's keys. It is used from one goroutine; Stats may be
+// read from any.
+//
+// Its events are numbered by the translator and start with a snapshot of
+// no blocks, which the index needs before anything else. Apply them to the
+// index in order.
+type Translator struct {
+	cfg       TranslatorConfig
+	seq       uint64 // of the last event returned
+	synced    bool   // a snapshot was returned since the last reset
+	entries   map[Hash]*list.Element
+	lru       list.List // of *entry, most recently used first
+	blockSize atomic.Int64
+	pending   []uint64 // scratch for evictions' removals, by tier bit
+	stats     struct {
+		stored, removed, cleared, unknownParent, unknownRemoved atomic.Uint64
+		badStored, otherMedium, otherGroup, evicted             atomic.Uint64
+	}
+}
+
+// entry is what the translator knows of one engine hash.
+type entry struct {
+	hash Hash
+	key  uint64
+	bits uint8 // tierBits where the engine holds the block
+}
+
+// Bits of entry.bits.
+const (
+	bitGPU   uint8 = 1 << iota
+	bitCPU         // kvindex.TierCPU
+	bitOther       // a medium the index has no tier for
+)
+
+// NewTranslator returns a Translator for one engine (one data-parallel
+// rank: each publishes its own stream).
+func NewTranslator(cfg TranslatorConfig) *Translator {
+	if cfg.MaxEntries <= 0 {
+		cfg.MaxEntries = DefaultMaxEntries
+	}
+	if cfg.Tenant == nil {
+		cfg.Tenant = EventTenant
+	}
+	return &Translator{cfg: cfg, entries: make(map[Hash]*list.Element)}
+}
+
+// EventTenant returns the tenant of a chain whose first block ev stores:
+// SGLang's cache_salt, or the last string of vLLM's extra keys of the first
+// block after the LoRA name (vLLM orders them LoRA name, multimodal ids,
+// cache salt; multimodal ids are tuples in current versions).
+func EventTenant(ev *BlockStored) string {
+	if ev.CacheSalt != "" {
+		return ev.CacheSalt
+	}
+	if len(ev.ExtraKeys) == 0 {
+		return ""
+	}
+	strs := ev.ExtraKeys[0]
+	if ev.LoRAName != "" && len(strs) > 0 && strs[0] == ev.LoRAName {
+		strs = strs[1:]
+	}
+	if len(strs) == 0 {
+		return ""
+	}
+	return strs[len(strs)-1]
+}
+
+// Adapter returns the LoRA adapter that salts ev's chain: its name, or
+// "lora-id:N" from engines that send only the id.
+func Adapter(ev *BlockStored) string {
+	switch {
+	case ev.LoRAName != "":
+		return ev.LoRAName
+	case ev.HasLoRAID:
+		return "lora-id:" + strconv.FormatInt(ev.LoRAID, 10)
+	}
+	return ""
+}
+
+// TierOf returns the index tier of an engine's medium; ok is false for
+// media the index does not track (disk, external pools).
+func TierOf(medium string) (tier kvindex.Tier, ok bool) {
+	switch strings.ToUpper(medium) {
+	case "", "GPU", "CUDA":
+		return kvindex.TierGPU, true
+	case "CPU", "CPU_PINNED", "CPU_TIER1":
+		return kvindex.TierCPU, true
+	}
+	return 0, false
+}
+
+func bitOf(medium string) (uint8, kvindex.Tier, bool) {
+	tier, ok := TierOf(medium)
+	switch {
+	case !ok:
+		return bitOther, 0, false
+	case tier == kvindex.TierCPU:
+		return bitCPU, tier, true
+	}
+	return bitGPU, tier, true
+}
+
+// BlockSize returns the block size of the engine's last stored blocks, 0
+// before any: the block size requests' keys must be computed with.
+func (t *Translator) BlockSize() int { return int(t.blockSize.Load()) }
+
+// Translate returns the index events of a batch, in order.
+func (t *Translator) Translate(b Batch) []kvindex.Event {
+	var out []kvindex.Event
+	if !t.synced {
+		out = append(out, t.snapshot())
+	}
+	for _, ev := range b.Events {
+		switch ev := ev.(type) {
+		case *BlockStored:
+			out = t.stored(out, ev)
+		case *BlockRemoved:
+			out = t.removed(out, ev)
+		case *AllBlocksCleared:
+			t.stats.cleared.Add(1)
+			out = append(out, t.Reset())
+		}
+	}
+	return out
+}
+
+// Reset forgets every hash and returns the event that drops the engine's
+// entries from the index: a snapshot of no blocks. Call it when the
+// subscriber reports a reset. A snapshot also replaces the worker's load in
+// the index: set its Load to the latest load report before applying it.
+func (t *Translator) Reset() kvindex.Event {
+	clear(t.entries)
+	t.lru.Init()
+	return t.snapshot()
+}
+
+func (t *Translator) snapshot() kvindex.Event {
+	t.synced = true
+	t.seq++
+	return kvindex.Event{Seq: t.seq, Snapshot: &kvindex.Snapshot{}}
+}
+
+func (t *Translator) cache(kind kvindex.CacheKind, tier kvindex.Tier, keys []uint64) kvindex.Event {
+	t.seq++
+	return kvindex.Event{Seq: t.seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
+}
+
+func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Event {
+	if ev.HasGroup && ev.Group != t.cfg.Group {
+		t.stats.otherGroup.Add(1)
+		return out
+	}
+	n, bs := len(ev.BlockHashes), ev.BlockSize
+	if n == 0 {
+		return out
+	}
+	if bs <= 0 || len(ev.TokenIDs) != n*bs {
+		t.stats.badStored.Add(1)
+		return out
+	}
+	var prev uint64
+	if ev.Parent.IsZero() {
+		prev = Seed(Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
+	} else {
+		el := t.entries[ev.Parent]
+		if el == nil {
+			t.stats.unknownParent.Add(1)
+			return out
+		}
+		t.lru.MoveToFront(el)
+		prev = el.Value.(*entry).key
+	}
+	t.blockSize.Store(int64(bs))
+	bit, tier, tracked := bitOf(ev.Medium)
+	var keys []uint64
+	if tracked {
+		keys = make([]uint64, 0, n)
+	}
+	t.pending = t.pending[:0]
+	for i, h := range ev.BlockHashes {
+		prev = NextKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
+		t.put(h, prev, bit)
+		if tracked {
+			keys = append(keys, prev)
+		}
+	}
+	if tracked {
+		out = append(out, t.cache(kvindex.Stored, tier, keys))
+		t.stats.stored.Add(uint64(n))
+	} else {
+		t.stats.otherMedium.Add(1)
+	}
+	// Removals of evicted entries follow the store: one of them may be a
+	// block this very event stored, when MaxEntries is smaller than it.
+	return t.flushPending(out)
+}
+
+// put maps h to key in the tier of bit, queueing the removals its evictions
+// (or a changed key) call for in t.pending as (bit, key) pairs.
+func (t *Translator) put(h Hash, key uint64, bit uint8) {
+	if el := t.entries[h]; el != nil {
+		e := el.Value.(*entry)
+		if e.key != key {
+			// The same engine hash on another chain: the old key goes.
+			t.queueRemoval(e)
+			e.key, e.bits = key, 0
+		}
+		e.bits |= bit
+		t.lru.MoveToFront(el)
+		return
+	}
+	t.entries[h] = t.lru.PushFront(&entry{hash: h, key: key, bits: bit})
+	for t.lru.Len() > t.cfg.MaxEntries {
+		el := t.lru.Back()
+		e := el.Value.(*entry)
+		t.lru.Remove(el)
+		delete(t.entries, e.hash)
+		t.queueRemoval(e)
+		t.stats.evicted.Add(1)
+	}
+}
+
+func (t *Translator) queueRemoval(e *entry) {
+	for _, b := range [...]uint8{bitGPU, bitCPU} {
+		if e.bits&b != 0 {
+			t.pending = append(t.pending, uint64(b), e.key)
+		}
+	}
+}
+
+func (t *Translator) flushPending(out []kvindex.Event) []kvindex.Event {
+	for i := 0; i < len(t.pending); i += 2 {
+		tier := kvindex.TierGPU
+		if uint8(t.pending[i]) == bitCPU {
+			tier = kvindex.TierCPU
+		}
+		out = append(out, t.cache(kvindex.Removed, tier, []uint64{t.pending[i+1]}))
+		t.stats.removed.Add(1)
+	}
+	t.pending = t.pending[:0]
+	return out
+}
+
+func (t *Translator) removed(out []kvindex.Event, ev *BlockRemoved) []kvindex.Event {
+	if ev.HasGroup && ev.Group != t.cfg.Group {
+		t.stats.otherGroup.Add(1)
+		return out
+	}
+	bit, tier, tracked := bitOf(ev.Medium)
+	if !tracked {
+		t.stats.otherMedium.Add(1)
+	}
+	var keys []uint64
+	for _, h := range ev.BlockHashes {
+		el := t.entries[h]
+		if el == nil || el.Value.(*entry).bits&bit == 0 {
+			t.stats.unknownRemoved.Add(1)
+			continue
+		}
+		e := el.Value.(*entry)
+		e.bits &^= bit
+		if tracked {
+			keys = append(keys, e.key)
+		}
+		if e.bits == 0 {
+			t.lru.Remove(el)
+			delete(t.entries, h)
+		}
+	}
+	if len(keys) > 0 {
+		out = append(out, t.cache(kvindex.Removed, tier, keys))
+		t.stats.removed.Add(uint64(len(keys)))
+	}
+	return out
+}
+
+// Len returns the number of engine hashes mapped.
+func (t *Translator) Len() int { return len(t.entries) }
+
+// Stats returns the translator's counters.
+func (t *Translator) Stats() TranslatorStats {
+	s := &t.stats
+	return TranslatorStats{
+		Stored: s.stored.Load(), Removed: s.removed.Load(), Cleared: s.cleared.Load(),
+		UnknownParent: s.unknownParent.Load(), UnknownRemoved: s.unknownRemoved.Load(),
+		BadStored: s.badStored.Load(), OtherMedium: s.otherMedium.Load(),
+		OtherGroup: s.otherGroup.Load(), Evicted: s.evicted.Load(),
+	}
+}
