@@ -1,7 +1,10 @@
-// Package kvindex is the scheduler's KV index: for each block key, which
-// workers hold the block in their GPU and CPU tiers, and whether the
-// fleet's shared Redis tier holds it; and for each worker, its latest load,
-// its cost figures and how its observed times compare with predictions.
+// Package kvindex is the scheduler's KV index. Its block index
+// (blocks.go) says, for each block key, which workers hold the block in
+// their GPU and CPU tiers, and whether the fleet's shared Redis tier holds
+// it; its per-worker state (workers.go) holds each worker's latest load,
+// pending prefill, cost figures and how its observed times compare with
+// predictions. Each has its own locks: load reports and feedback never
+// wait for the block table.
 //
 // Watch goroutines feed it with Apply (one stream per worker); request
 // goroutines read it with Lookup, which neither blocks for long nor
@@ -14,17 +17,14 @@
 // 8–16 bytes of hash table (measured: 64 bytes at 1 Mi blocks, 72 just
 // past it). When full, the least recently touched block
 // (stored, moved or predicted; entries touched within the latest eighth of
-// the cap's worth of touches keep their place) is forgotten. Workers occupy one of
-// MaxWorkers slots each, so per-block holder sets are 64-bit masks.
+// the cap's worth of touches keep their place) is forgotten. Workers
+// occupy one of MaxWorkers slots each, so per-block holder sets are 64-bit masks.
 package kvindex
 
 import (
 	"errors"
 	"fmt"
 	"math"
-	"math/bits"
-	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -191,83 +191,37 @@ type Match struct {
 // defaultBlockTokens is 64 characters at 4 characters a token.
 const defaultBlockTokens = 16
 
-// worker is the per-worker state. Fields other than corrMu and correction
-// are guarded by Index.mu.
-type worker struct {
-	name        string
-	slot        int
-	synced      bool   // a snapshot was applied, and no gap seen since
-	lastSeq     uint64 // of the last event applied
-	load        Load
-	pending     int64 // prompt tokens routed by Predict since pendingAt
-	pendingAt   int64 // Unix nanoseconds: the last load report, or the first Predict after PredictTTL
-	cost        Cost
-	hasCost     bool
-	blockTokens int
-	redisTier   bool
-	corrMu      sync.Mutex                     // serializes ObserveTTFT's updates
-	correction  atomic.Pointer[correctionSums] // read by Lookup
-	routed      float64                        // Match.Routed as of routedAt
-	routedAt    int64                          // Unix nanoseconds
-}
-
-// routedNow returns w.routed decayed to now, with halfLife in nanoseconds.
-func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
-	if w.routed == 0 {
-		return 0
-	}
-	return w.routed * decay(w.routedAt, now, halfLife)
-}
-
-// Index is the KV index. Its methods are safe for concurrent use.
+// Index is the KV index: the block index (blocks.go) and the per-worker
+// state (workers.go), each under its own locks. Its methods are safe for
+// concurrent use. Locks are taken in the order membership, block table,
+// worker.
 type Index struct {
-	cfg Config
-
-	mu      sync.RWMutex
-	t       table
-	byName  map[string]*worker
-	slots   [MaxWorkers]*worker
-	evicted uint64
-	// warmed counts nothing: it consumes table.warm's loads.
-	warmed atomic.Uint64
+	cfg     Config
+	workers workers
+	blocks  blocks
 }
 
 // New returns an empty index.
 func New(cfg Config) *Index {
-	x := &Index{cfg: cfg.withDefaults(), byName: make(map[string]*worker)}
-	x.t.init(x.cfg.MaxBlocks)
+	x := &Index{cfg: cfg.withDefaults()}
+	x.workers.byName = make(map[string]*worker)
+	x.blocks.init(x.cfg.MaxBlocks)
 	return x
 }
 
 // Len returns the number of blocks indexed.
 func (x *Index) Len() int {
-	x.mu.RLock()
-	defer x.mu.RUnlock()
-	return x.t.n
+	x.blocks.mu.RLock()
+	defer x.blocks.mu.RUnlock()
+	return x.blocks.t.n
 }
 
 // Evicted returns the number of blocks forgotten because the index was
 // full.
 func (x *Index) Evicted() uint64 {
-	x.mu.RLock()
-	defer x.mu.RUnlock()
-	return x.evicted
-}
-
-// slotFor returns name's state, creating it if needed. x.mu is held.
-func (x *Index) slotFor(name string) (*worker, error) {
-	if w := x.byName[name]; w != nil {
-		return w, nil
-	}
-	for i, w := range x.slots {
-		if w == nil {
-			w = &worker{name: name, slot: i, cost: DefaultCost, blockTokens: defaultBlockTokens}
-			x.slots[i] = w
-			x.byName[name] = w
-			return w, nil
-		}
-	}
-	return nil, fmt.Errorf("worker %s: %w (%d)", name, ErrTooManyWorkers, MaxWorkers)
+	x.blocks.mu.RLock()
+	defer x.blocks.mu.RUnlock()
+	return x.blocks.evicted
 }
 
 // AddWorker tracks the worker without a watch stream, so that Predict
@@ -276,31 +230,32 @@ func (x *Index) slotFor(name string) (*worker, error) {
 // RemoveWorker when they leave. Watched workers are tracked from their
 // first Info or snapshot.
 func (x *Index) AddWorker(name string) error {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	_, err := x.slotFor(name)
+	_, err := x.worker(name)
 	return err
+}
+
+// worker returns name's state, tracking it if needed.
+func (x *Index) worker(name string) (*worker, error) {
+	x.workers.mu.RLock()
+	w := x.workers.get(name)
+	x.workers.mu.RUnlock()
+	if w != nil {
+		return w, nil
+	}
+	x.workers.mu.Lock()
+	defer x.workers.mu.Unlock()
+	return x.workers.add(name)
 }
 
 // SetInfo records what the worker told of itself: its cost figures, block
 // size and whether it uses the Redis tier. The watcher calls it on every
 // (re)subscription.
 func (x *Index) SetInfo(name string, info Info) error {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	w, err := x.slotFor(name)
+	w, err := x.worker(name)
 	if err != nil {
 		return err
 	}
-	w.cost, w.hasCost = DefaultCost, info.HasCost
-	if info.HasCost {
-		w.cost = info.Cost
-	}
-	w.blockTokens = defaultBlockTokens
-	if info.BlockTokens > 0 {
-		w.blockTokens = info.BlockTokens
-	}
-	w.redisTier = info.RedisTier
+	w.setInfo(info)
 	return nil
 }
 
@@ -310,202 +265,97 @@ func (x *Index) SetInfo(name string, info Info) error {
 // already applied (seq not above the last) is ignored, so Apply is
 // idempotent; one that skips ahead returns ErrGap, and events before the
 // first snapshot return ErrNoSnapshot. In both cases the caller should
-// resubscribe.
+// resubscribe. Events of one worker must not be applied concurrently.
+// A load report takes only the worker's lock, never the block table's.
 func (x *Index) Apply(name string, ev Event) error {
-	x.mu.Lock()
-	defer x.mu.Unlock()
 	if snap := ev.Snapshot; snap != nil {
-		w, err := x.slotFor(name)
-		if err != nil {
+		if _, err := x.worker(name); err != nil {
 			return err
 		}
-		x.clearWorker(w.slot, false)
-		for i := range snap.Blocks {
-			x.applyCache(w, &snap.Blocks[i])
-		}
-		w.setLoad(snap.Load, x.cfg.Now().UnixNano())
-		w.synced, w.lastSeq = true, ev.Seq
-		return nil
 	}
-	w := x.byName[name]
-	if w == nil || !w.synced {
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	w := x.workers.get(name)
+	if w == nil {
 		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
 	}
+	bit := uint64(1) << w.slot
+	if snap := ev.Snapshot; snap != nil {
+		x.blocks.mu.Lock()
+		x.blocks.clearSlot(w.slot, false)
+		for i := range snap.Blocks {
+			x.blocks.apply(bit, &snap.Blocks[i])
+		}
+		x.blocks.mu.Unlock()
+		w.mu.Lock()
+		w.setLoad(snap.Load, x.cfg.Now().UnixNano())
+		w.synced, w.lastSeq = true, ev.Seq
+		w.mu.Unlock()
+		return nil
+	}
+	w.mu.Lock()
 	switch seq := ev.Seq; {
+	case !w.synced:
+		w.mu.Unlock()
+		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
 	case seq <= w.lastSeq:
+		w.mu.Unlock()
 		return nil
 	case seq != w.lastSeq+1:
 		w.synced = false
-		return fmt.Errorf("worker %s: %w: seq %d after %d", name, ErrGap, seq, w.lastSeq)
+		last := w.lastSeq
+		w.mu.Unlock()
+		return fmt.Errorf("worker %s: %w: seq %d after %d", name, ErrGap, seq, last)
 	}
 	w.lastSeq = ev.Seq
-	switch {
-	case ev.Load != nil:
+	if ev.Load != nil {
 		w.setLoad(*ev.Load, x.cfg.Now().UnixNano())
-	case ev.Cache != nil:
-		x.applyCache(w, ev.Cache)
+	}
+	w.mu.Unlock()
+	if ev.Cache != nil {
+		x.blocks.mu.Lock()
+		x.blocks.apply(bit, ev.Cache)
+		x.blocks.mu.Unlock()
 	}
 	return nil
-}
-
-func (w *worker) setLoad(l Load, now int64) {
-	w.load = l
-	// The report counts what was routed to the worker before it; the
-	// pending tokens of requests routed since are approximated as counted.
-	w.pending, w.pendingAt = 0, now
-}
-
-// applyCache applies one cache event of worker w. x.mu is held.
-func (x *Index) applyCache(w *worker, ce *CacheEvent) {
-	bit := uint64(1) << w.slot
-	to, from := ce.Tier, ce.From
-	switch ce.Kind {
-	case Stored:
-		for _, k := range ce.Keys {
-			x.set(k, bit, to)
-		}
-	case Removed:
-		for _, k := range ce.Keys {
-			x.clear(k, bit, to)
-		}
-	case Moved:
-		for _, k := range ce.Keys {
-			if ce.HasFrom && from != to {
-				x.clear(k, bit, from)
-			}
-			x.set(k, bit, to)
-		}
-	}
-}
-
-// set records that the worker of bit holds key in tier, confirming a
-// prediction.
-func (x *Index) set(key, bit uint64, tier Tier) {
-	i := x.upsert(key)
-	e := x.t.at(i)
-	switch tier {
-	case TierRedis:
-		e.flags |= flagRedis
-	case TierCPU:
-		e.cpu |= bit
-		e.pred &^= bit
-	default:
-		e.gpu |= bit
-		e.pred &^= bit
-	}
-}
-
-// clear records that the worker of bit no longer holds key in tier; for
-// Redis, that the shared tier no longer holds it.
-func (x *Index) clear(key, bit uint64, tier Tier) {
-	i := x.t.find(key)
-	if i == none {
-		return
-	}
-	e := x.t.at(i)
-	switch tier {
-	case TierRedis:
-		e.flags &^= flagRedis
-	case TierCPU:
-		e.cpu &^= bit
-	default:
-		e.gpu &^= bit
-		e.pred &^= bit
-	}
-	x.dropIfEmpty(i)
-}
-
-// upsert returns key's entry, touched, inserting it (and evicting the
-// least recently touched entry if full) if absent. x.mu is held.
-func (x *Index) upsert(key uint64) uint32 {
-	if i := x.t.find(key); i != none {
-		x.t.touch(i)
-		return i
-	}
-	for x.t.n >= x.cfg.MaxBlocks && x.t.tail != none {
-		x.t.remove(x.t.tail)
-		x.evicted++
-	}
-	return x.t.insert(key)
-}
-
-func (x *Index) dropIfEmpty(i uint32) {
-	e := x.t.at(i)
-	if e.gpu|e.cpu|e.pred == 0 && e.flags&flagRedis == 0 {
-		x.t.remove(i)
-	}
-}
-
-// clearWorker clears slot's GPU and CPU bits, and its predictions too if
-// pred, from every entry. It scans the slab: about a millisecond per
-// million blocks. x.mu is held.
-func (x *Index) clearWorker(slot int, pred bool) {
-	mask := ^(uint64(1) << slot)
-	for i := uint32(0); i < x.t.hi; i++ {
-		e := x.t.at(i)
-		if e.flags&flagUsed == 0 {
-			continue
-		}
-		e.gpu &= mask
-		e.cpu &= mask
-		if pred {
-			e.pred &= mask
-		}
-		x.dropIfEmpty(i)
-	}
 }
 
 // RemoveWorker forgets the worker: its blocks, predictions, load and
 // slot. The watcher calls it when the worker leaves the pool.
 func (x *Index) RemoveWorker(name string) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	w := x.byName[name]
+	x.workers.mu.Lock()
+	defer x.workers.mu.Unlock()
+	w := x.workers.get(name)
 	if w == nil {
 		return
 	}
-	x.clearWorker(w.slot, true)
-	delete(x.byName, name)
-	x.slots[w.slot] = nil
+	x.blocks.mu.Lock()
+	x.blocks.clearSlot(w.slot, true)
+	x.blocks.mu.Unlock()
+	x.workers.remove(w)
 }
 
 // Predict records that the worker will hold keys in its GPU tier once the
 // request just routed to it is prefilled: until an event confirms each
 // block, or PredictTTL passes, Lookup counts them as GPU blocks of the
 // worker. The blocks the worker did not hold are added to its pending
-// prefill tokens until its next load report. Predict is called on the hot
-// path after each kv_aware decision; it takes the write lock for about
-// 10 ns a key and does not allocate once the index has grown. It also
-// counts the request in the worker's Routed. A worker
-// the index does not track (see AddWorker) is ignored, so a request routed
-// while its worker is removed does not bring the worker back.
+// prefill tokens until its next load report. Predict is called when a
+// kv_aware decision is committed; it takes the block table's write lock
+// for about 10 ns a key and does not allocate once the index has grown.
+// It also counts the request in the worker's Routed. A worker the index
+// does not track (see AddWorker) is ignored, so a request routed while its
+// worker is removed does not bring the worker back.
 func (x *Index) Predict(name string, keys []uint64) {
 	now := x.cfg.Now().UnixNano()
 	until := now + int64(x.cfg.PredictTTL)
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	w := x.byName[name]
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	w := x.workers.get(name)
 	if w == nil {
 		return
 	}
-	bit := uint64(1) << w.slot
-	var added int64
-	for _, k := range keys {
-		e := x.t.at(x.upsert(k))
-		if e.predUntil <= now {
-			e.pred = 0
-		}
-		if (e.gpu|e.cpu|e.pred)&bit == 0 {
-			added++
-		}
-		e.pred |= bit
-		e.predUntil = until
-	}
-	if now-w.pendingAt >= int64(x.cfg.PredictTTL) {
-		w.pending, w.pendingAt = 0, now
-	}
-	w.pending += added * int64(w.blockTokens)
-	w.routed, w.routedAt = w.routedNow(now, x.cfg.RoutedHalfLife)+1, now
+	added := x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
+	w.predicted(added, now, &x.cfg)
 }
 
 // Prefilled records that a request routed to the worker has been prefilled
@@ -516,10 +366,11 @@ func (x *Index) Prefilled(name string, tokens int) {
 	if tokens <= 0 {
 		return
 	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if w := x.byName[name]; w != nil {
-		w.pending = max(w.pending-int64(tokens), 0)
+	x.workers.mu.RLock()
+	w := x.workers.get(name)
+	x.workers.mu.RUnlock()
+	if w != nil {
+		w.prefilled(tokens)
 	}
 }
 
@@ -534,118 +385,45 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 	}
 	p := predicted.Seconds()
 	a := min(max(achieved.Seconds(), p*minCorrection), p*maxCorrection)
-	now := x.cfg.Now().UnixNano()
-	x.mu.RLock()
-	w := x.byName[name]
-	var step float64
+	x.workers.mu.RLock()
+	w := x.workers.get(name)
+	x.workers.mu.RUnlock()
 	if w != nil {
-		step = w.cost.DecodeStepSeconds
+		w.observe(p, a, x.cfg.Now().UnixNano())
 	}
-	x.mu.RUnlock()
-	if w == nil || p < minObservedSteps*step {
-		return
-	}
-	w.corrMu.Lock()
-	defer w.corrMu.Unlock()
-	next := &correctionSums{achieved: a, predicted: p, at: now}
-	if old := w.correction.Load(); old != nil {
-		f := decay(old.at, now, correctionHalfLife)
-		next.achieved += old.achieved * f
-		next.predicted += old.predicted * f
-	}
-	w.correction.Store(next)
 }
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
 // block keys are keys (see Match); out must be at least as long as
-// workers. It holds the read lock, does not allocate, and costs about
-// 10–20 ns per key plus 30 ns per worker.
+// workers. It reads each worker's state under that worker's lock, then
+// walks the keys under the block table's read lock; it does not allocate,
+// and costs about 10–20 ns per key plus 30 ns per worker.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	now := x.cfg.Now().UnixNano()
 	out = out[:len(workers)]
-	x.mu.RLock()
-	defer x.mu.RUnlock()
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
 	var alive, redisOK uint64
 	var slotOf [MaxWorkers]int32
 	for i, name := range workers {
 		m := &out[i]
-		w := x.byName[name]
+		w := x.workers.get(name)
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
 		}
-		pending := w.pending
-		if now-w.pendingAt >= int64(x.cfg.PredictTTL) {
-			pending = 0
-		}
-		*m = Match{
-			Known:         true,
-			Load:          w.load,
-			PendingTokens: pending,
-			Cost:          w.cost,
-			HasCost:       w.hasCost,
-			BlockTokens:   w.blockTokens,
-			Correction:    w.correction.Load().factor(now),
-			Routed:        w.routedNow(now, x.cfg.RoutedHalfLife),
-		}
 		bit := uint64(1) << w.slot
-		alive |= bit
-		slotOf[w.slot] = int32(i)
-		if w.redisTier {
+		if w.match(m, now, &x.cfg) {
 			redisOK |= bit
 		}
+		alive |= bit
+		slotOf[w.slot] = int32(i)
 	}
-	if alive == 0 {
+	if alive == 0 || len(keys) == 0 {
 		return
 	}
-	// Walk the keys, keeping per tier the set of workers whose leading
-	// run of blocks continues in that tier. Runs of keys with the same
-	// sets are credited at once when the sets change, so the cost is per
-	// key plus per change, not per key and worker.
-	var cnt [MaxWorkers][3]int32
-	var runG, runC, runR uint64
-	var run int32
-	flush := func() {
-		for m := runG; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][0] += run
-		}
-		for m := runC; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][1] += run
-		}
-		for m := runR; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][2] += run
-		}
-	}
-	for j, k := range keys {
-		if j%warmBatch == 0 {
-			if x.t.warm(keys[j:]) == 0x5eed {
-				x.warmed.Add(1)
-			}
-		}
-		var g, c, r uint64
-		if i := x.t.find(k); i != none {
-			e := x.t.at(i)
-			g = e.gpu
-			if now < e.predUntil {
-				g |= e.pred
-			}
-			g &= alive
-			c = e.cpu &^ g & alive
-			if e.flags&flagRedis != 0 {
-				r = alive &^ (g | c) & redisOK
-			}
-		}
-		if g != runG || c != runC || r != runR {
-			flush()
-			runG, runC, runR, run = g, c, r, 0
-		}
-		run++
-		alive = g | c | r
-		if alive == 0 {
-			break
-		}
-	}
-	flush()
+	var cnt counts
+	x.blocks.walk(keys, alive, redisOK, now, &cnt)
 	for s := range MaxWorkers {
 		if c := cnt[s]; c != [3]int32{} {
 			m := &out[slotOf[s]]

@@ -606,3 +606,33 @@ func TestEntrySize(t *testing.T) {
 		t.Errorf("entry is %d bytes, entrySize says %d", got, entrySize)
 	}
 }
+
+// Per-worker state stands apart from the block table: a load report, a
+// first token's feedback and a prefilled request's bookkeeping complete
+// while the table is locked (by a snapshot being applied, say).
+func TestWorkerStateDoesNotWaitForBlocks(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "w0", snapshot(nil))
+	x.blocks.mu.Lock()
+	done := make(chan error)
+	go func() {
+		err := x.Apply("w0", loadEvent(2, Load{Running: 3, WaitingPrefillTokens: 500}))
+		x.Prefilled("w0", 100)
+		x.ObserveTTFT("w0", time.Second, 2*time.Second)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a load report waited for the block table's lock")
+	}
+	x.blocks.mu.Unlock()
+	out := make([]Match, 1)
+	x.Lookup(nil, []string{"w0"}, out)
+	if got := out[0].Load; got.Running != 3 || got.WaitingPrefillTokens != 500 {
+		t.Errorf("load %+v, want the report's", got)
+	}
+}
