@@ -667,3 +667,9 @@ func (dc *decoder) skip() error {
 	}
 	return nil
 }
+
+var (
+	_ Event = (*BlockStored)(nil)
+	_ Event = (*BlockRemoved)(nil)
+	_ Event = (*AllBlocksCleared)(nil)
+)

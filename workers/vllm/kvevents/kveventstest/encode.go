@@ -265,3 +265,5 @@ func (w *writer) mapEvent(ev kvevents.Event) {
 		f.write()
 	}
 }
+
+var _ kvevents.Event = Unknown{}
