@@ -24,6 +24,21 @@ const tieTolerance = 0.03
 // tied workers still tie, and the one with fewer requests in flight wins.
 const routedTie = 0.5
 
+// Replication of a hot prefix onto an idle worker (see NewKVAware): the
+// chosen worker is hot when it was routed at least hotRouted times the
+// candidates' mean of recent requests, and a worker is idle when it has
+// nothing in flight, queued or pending and was routed at most idleRouted
+// times that mean; and the hot worker must have been routed hotMinRouted
+// requests at least, so that a handful of requests is not called a
+// pattern. A worker that has served nothing lately while another takes
+// twice its share stays idle only because the prefixes it does not hold
+// keep going elsewhere.
+const (
+	hotRouted    = 2.0
+	idleRouted   = 0.25
+	hotMinRouted = 8
+)
+
 // NewKVAware returns the kv_aware profile over p.Index, which the watch
 // streams of every worker feed (scheduler/watch): its one scorer, kv,
 // estimates each available worker's time to first token for the request
@@ -65,6 +80,18 @@ const routedTie = 0.5
 // best): it fetches the prefix from Redis when Redis holds it and that is
 // cheaper. When every worker is at the threshold, the best is chosen
 // anyway (ReasonAllFull).
+//
+// Before the threshold, a hot prefix is replicated onto an idle worker
+// (ReasonReplicate): when the best worker holds part of the prompt and was
+// routed at least twice the candidates' mean of recent requests (and 8 at
+// least) while another worker has nothing in flight, queued or pending
+// and was routed at most a quarter of that mean, the idle worker takes
+// the request and recomputes the prefix. Estimates alone never do this: the holder's
+// time to first token stays below a recomputation's until its queue is
+// long, so a few popular prefixes (agents sharing a system prompt) would
+// keep most of the fleet idle. The recomputation costs this one request;
+// the prefix's later requests split between two holders, and the idle
+// worker's capacity, which nothing else would use, serves them.
 //
 // Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
@@ -157,7 +184,8 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		names [kvindex.MaxWorkers]string
 		ms    [kvindex.MaxWorkers]kvindex.Match
 	)
-	best, bestAny := candidate{i: -1}, candidate{i: -1}
+	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
+	var routed float64 // sum over the candidates
 	first := int(c.Rand(uint64(len(cands))))
 	for k := 0; k < len(cands); {
 		n := 0
@@ -180,11 +208,21 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 			if e.load < s.threshold && e.better(best) {
 				best = e
 			}
+			routed += e.routed
+			if m := &ms[j]; e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0 &&
+				(idle.i < 0 || e.routed < idle.routed) {
+				idle = e
+			}
 		}
 	}
 	c.Home = cands[bestAny.i]
 	if best.i < 0 {
 		best = bestAny
+	}
+	if mean := routed / float64(len(cands)); idle.i >= 0 && best.cached > idle.cached && best.load < s.threshold &&
+		best.routed >= max(hotRouted*mean, hotMinRouted) && idle.routed <= idleRouted*mean {
+		best = idle
+		c.Replicate = true
 	}
 	for i, v := range scores {
 		r := 1.0

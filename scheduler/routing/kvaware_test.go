@@ -354,6 +354,66 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	}
 }
 
+// A prefix that keeps one worker busy while others have served nothing
+// lately is copied onto an idle worker; once traffic is spread, requests
+// stay with the holders.
+func TestKVAwareReplicatesHotPrefixOntoIdleWorker(t *testing.T) {
+	f := newKVFleet(t, 4)
+	s := f.strategy(Params{Rand: SeededRand(1)})
+	system := prompt(9)[:300] // a shared system prompt: 4,800 tokens
+	f.store("w01", workerpb.Tier_TIER_GPU, system)
+	session := func(i uint64) *Request {
+		return kvRequest(append(append([]uint64(nil), system...), prompt(100 + i)[:20]...))
+	}
+	// Sessions keep arriving at w01, which holds the system prompt, while
+	// every other worker has served nothing.
+	var replicated []string
+	for i := range uint64(40) {
+		req := session(i)
+		d, err := s.Pick(req, f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		Commit(s, req, d)
+		Done(s, req, d, DoneInfo{FirstToken: d.Estimate})
+		if d.Reason == ReasonReplicate {
+			if d.Worker.Name == "w01" || d.PredictedCached != 0 {
+				t.Fatalf("request %d: replicated onto %s, predicted cached %d; want an idle worker recomputing", i, d.Worker.Name, d.PredictedCached)
+			}
+			replicated = append(replicated, d.Worker.Name)
+			// The idle worker now holds the system prompt too.
+			f.store(d.Worker.Name, workerpb.Tier_TIER_GPU, system)
+		}
+	}
+	if len(replicated) == 0 {
+		t.Fatalf("the hot prefix was never replicated")
+	}
+	t.Logf("replicated onto %v", replicated)
+	if len(replicated) > 3 {
+		t.Errorf("replicated %d times (%v), want at most once per idle worker", len(replicated), replicated)
+	}
+}
+
+// A worker routed few requests is not called hot: the holder keeps them.
+func TestKVAwareNoReplicationOnLittleTraffic(t *testing.T) {
+	f := newKVFleet(t, 4)
+	s := f.strategy(Params{Rand: SeededRand(1)})
+	system := prompt(9)[:300]
+	f.store("w01", workerpb.Tier_TIER_GPU, system)
+	for i := range uint64(hotMinRouted - 1) {
+		req := kvRequest(append(append([]uint64(nil), system...), prompt(100 + i)[:20]...))
+		d, err := s.Pick(req, f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != "w01" || d.Reason == ReasonReplicate {
+			t.Fatalf("request %d: %s (%v), want w01", i, d.Worker.Name, d.Reason)
+		}
+		Commit(s, req, d)
+		Done(s, req, d, DoneInfo{FirstToken: d.Estimate})
+	}
+}
+
 // Done carries a committed decision's outcome back to the index: the
 // achieved time to first token corrects the worker's estimates, and the
 // tokens it computed no longer wait on it. An attempt that ended without

@@ -61,6 +61,9 @@ type Cycle struct {
 	// nil until a scorer calls Estimates.
 	Cached  []int
 	Seconds []float64
+	// Replicate: a scorer chose to copy a hot prefix onto an idle worker
+	// (ReasonReplicate).
+	Replicate bool
 
 	rand func(uint64) uint64
 	// in and passed are by snapshot position: a candidate, and a worker
@@ -293,6 +296,9 @@ func (p *Profile) keep(req *Request, w *pool.Worker) bool {
 }
 
 func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
+	if c.Replicate {
+		return ReasonReplicate
+	}
 	switch p.rule {
 	case reasonThreshold:
 		if w.InFlight() >= p.threshold {

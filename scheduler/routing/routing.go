@@ -108,9 +108,11 @@ const (
 	ReasonFull
 	// ReasonScored: a custom profile chose the highest total score.
 	ReasonScored
+	// ReasonReplicate: kv_aware copied a hot prefix onto an idle worker.
+	ReasonReplicate
 )
 
-var reasonNames = [...]string{"random", "round_robin", "least_outstanding", "home", "spill", "all_full", "kv_aware", "retry", "full", "scored"}
+var reasonNames = [...]string{"random", "round_robin", "least_outstanding", "home", "spill", "all_full", "kv_aware", "retry", "full", "scored", "replicate"}
 
 func (r Reason) String() string {
 	if int(r) < len(reasonNames) {
