@@ -325,7 +325,9 @@ func deadBand(c float64) float64 {
 // RouteHit renders the X-Baton-Route header value of a decision of the
 // named strategy for a prompt of tokens tokens: for kv_aware the
 // predicted hit ratio, "kv_aware; predicted_hit=0.83" (with "; spill=true"
-// appended when the request left its best worker), else d.Route(strategy).
+// appended when the request left its best worker for the threshold, and
+// "; replicate=true" when it copies a hot prefix onto an idle worker),
+// else d.Route(strategy).
 // It allocates, so call it after the decision.
 func (d Decision) RouteHit(strategy string, tokens int) string {
 	if strategy != KVAware {
@@ -338,6 +340,9 @@ func (d Decision) RouteHit(strategy string, tokens int) string {
 	r := strategy + "; predicted_hit=" + strconv.FormatFloat(hit, 'f', 2, 64)
 	if d.Spill {
 		r += "; spill=true"
+	}
+	if d.Reason == ReasonReplicate {
+		r += "; replicate=true"
 	}
 	return r
 }

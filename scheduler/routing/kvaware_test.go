@@ -377,7 +377,10 @@ func TestKVAwareReplicatesHotPrefixOntoIdleWorker(t *testing.T) {
 		Commit(s, req, d)
 		Done(s, req, d, DoneInfo{FirstToken: d.Estimate})
 		if d.Reason == ReasonReplicate {
-			if d.Worker.Name == "w01" || d.PredictedCached != 0 {
+			if got := d.RouteHit(KVAware, req.Tokens); got != "kv_aware; predicted_hit=0.00; replicate=true" {
+				t.Errorf("X-Baton-Route %q", got)
+			}
+			if d.Worker.Name == "w01" || d.PredictedCached != 0 || d.Spill {
 				t.Fatalf("request %d: replicated onto %s, predicted cached %d; want an idle worker recomputing", i, d.Worker.Name, d.PredictedCached)
 			}
 			replicated = append(replicated, d.Worker.Name)

@@ -272,7 +272,7 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 		p.lap(len(p.timers)-1, &t)
 	}
 	w := cands[k]
-	d := Decision{Worker: w, Home: c.Home, Spill: c.Home != nil && w != c.Home, Reason: p.reason(c, w)}
+	d := Decision{Worker: w, Home: c.Home, Spill: c.Home != nil && w != c.Home && !c.Replicate, Reason: p.reason(c, w)}
 	if c.Cached != nil {
 		d.PredictedCached = c.Cached[k]
 		d.Estimate = time.Duration(c.Seconds[k] * float64(time.Second))
