@@ -69,8 +69,15 @@ func TestBenchEndToEnd(t *testing.T) {
 	if prefix.HitRate < random.HitRate {
 		t.Errorf("prefix_aware hit rate %v below random's %v", prefix.HitRate, random.HitRate)
 	}
-	if prefix.Spills != 0 {
-		t.Errorf("prefix_aware spilled %d times at this load", prefix.Spills)
+	// At this load no worker nears the threshold, unless the machine could
+	// not keep the simulated engines' pace: then requests pile up in wall
+	// time, and a spill says nothing of the router.
+	switch {
+	case prefix.Spills == 0:
+	case prefix.CPUStretch > 1.15:
+		t.Logf("prefix_aware spilled %d times, the engines CPU-bound (stretch %.2f)", prefix.Spills, prefix.CPUStretch)
+	default:
+		t.Errorf("prefix_aware spilled %d times at this load (stretch %.2f)", prefix.Spills, prefix.CPUStretch)
 	}
 	dir := t.TempDir()
 	files, err := rep.WriteFiles(dir)
