@@ -72,6 +72,10 @@ type StrategyReport struct {
 	// latency (baton_routing_decision_seconds), microseconds of wall time.
 	DecisionP50us float64 `json:"routing_decision_p50_us"`
 	DecisionP99us float64 `json:"routing_decision_p99_us"`
+	// PartsUs are the p50 and p99 of each part of the routing profile
+	// (baton_routing_part_seconds: its filters, each scorer, the picker),
+	// microseconds of wall time, by part.
+	PartsUs map[string][2]float64 `json:"routing_parts_us,omitempty"`
 
 	// LagP99ms and LagMaxms are how late the load generator sent requests
 	// (wall milliseconds).
@@ -357,6 +361,17 @@ func (rep *Report) Markdown(w io.Writer) {
 			parts = append(parts, fmt.Sprintf("%s %.0f", k, s.Counters[k]))
 		}
 		fmt.Fprintf(w, "\nScheduler counters (%s): %s.\n", s.Strategy, strings.Join(parts, "; "))
+	}
+	for _, s := range rep.Strategies {
+		if len(s.PartsUs) == 0 {
+			continue
+		}
+		var parts []string
+		for _, k := range slices.Sorted(maps.Keys(s.PartsUs)) {
+			q := s.PartsUs[k]
+			parts = append(parts, fmt.Sprintf("%s %.1f / %.1f", k, q[0], q[1]))
+		}
+		fmt.Fprintf(w, "\nRouting parts (%s), p50 / p99 µs: %s.\n", s.Strategy, strings.Join(parts, "; "))
 	}
 	for _, s := range rep.Strategies {
 		for _, wr := range s.Warnings {

@@ -27,6 +27,7 @@ import (
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -174,10 +175,10 @@ func startFleet(o *Options, strategy string, shape Fleet) (*inProcess, error) {
 		Scheduler: cfg,
 		Log:       slog.New(slog.DiscardHandler),
 		Config: func(string, string) sim.Config {
-			sc := sim.Config{Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup,
-				BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}
+			sc := sim.Config{TimeScale: o.Speedup, Cost: cost.Config{Model: o.Model, GPU: o.GPU},
+				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}}
 			if f.store != nil {
-				sc.Store = f.store
+				sc.Tiers.Store = f.store
 			}
 			return sc
 		},
@@ -236,8 +237,20 @@ func gather(f *inProcess, target string) ([]*dto.MetricFamily, error) {
 // decisionHistogram sums baton_routing_decision_seconds over its label
 // sets: bucket bounds and cumulative counts.
 func decisionHistogram(mfs []*dto.MetricFamily) (bounds, cum []float64) {
+	h := histograms(mfs, "baton_routing_decision_seconds", "")[""]
+	return h.bounds, h.cum
+}
+
+// histogram is a histogram's bucket bounds and cumulative counts.
+type histogram struct{ bounds, cum []float64 }
+
+// histograms sums the histogram family name over its label sets, one sum
+// per value of label ("" sums them all): bucket bounds and cumulative
+// counts.
+func histograms(mfs []*dto.MetricFamily, name, label string) map[string]histogram {
+	out := map[string]histogram{}
 	for _, mf := range mfs {
-		if mf.GetName() != "baton_routing_decision_seconds" {
+		if mf.GetName() != name {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
@@ -245,25 +258,57 @@ func decisionHistogram(mfs []*dto.MetricFamily) (bounds, cum []float64) {
 			if h == nil {
 				continue
 			}
-			bs := h.GetBucket()
-			if bounds == nil {
-				bounds = make([]float64, len(bs)+1)
-				cum = make([]float64, len(bs)+1)
-				for i, b := range bs {
-					bounds[i] = b.GetUpperBound()
+			key := ""
+			for _, lp := range m.GetLabel() {
+				if label != "" && lp.GetName() == label {
+					key = lp.GetValue()
 				}
-				bounds[len(bs)] = math.Inf(1)
 			}
-			if len(bs)+1 != len(bounds) {
+			sum := out[key]
+			bs := h.GetBucket()
+			if sum.bounds == nil {
+				sum.bounds = make([]float64, len(bs)+1)
+				sum.cum = make([]float64, len(bs)+1)
+				for i, b := range bs {
+					sum.bounds[i] = b.GetUpperBound()
+				}
+				sum.bounds[len(bs)] = math.Inf(1)
+			}
+			if len(bs)+1 != len(sum.bounds) {
 				continue
 			}
 			for i, b := range bs {
-				cum[i] += float64(b.GetCumulativeCount())
+				sum.cum[i] += float64(b.GetCumulativeCount())
 			}
-			cum[len(bs)] += float64(h.GetSampleCount())
+			sum.cum[len(bs)] += float64(h.GetSampleCount())
+			out[key] = sum
 		}
 	}
-	return bounds, cum
+	return out
+}
+
+// partQuantiles returns the p50 and p99 of each routing part
+// (baton_routing_part_seconds) between the before and after scrapes, in
+// microseconds.
+func partQuantiles(before, after []*dto.MetricFamily) map[string][2]float64 {
+	const name = "baton_routing_part_seconds"
+	h0, h1 := histograms(before, name, "part"), histograms(after, name, "part")
+	var out map[string][2]float64
+	for part, h := range h1 {
+		if c0 := h0[part].cum; len(c0) == len(h.cum) {
+			for i := range h.cum {
+				h.cum[i] -= c0[i]
+			}
+		}
+		if len(h.cum) == 0 || h.cum[len(h.cum)-1] == 0 {
+			continue
+		}
+		if out == nil {
+			out = map[string][2]float64{}
+		}
+		out[part] = [2]float64{bucketQuantile(0.5, h.bounds, h.cum) * 1e6, bucketQuantile(0.99, h.bounds, h.cum) * 1e6}
+	}
+	return out
 }
 
 // explained are the scheduler's counters a report lists per column, when
@@ -500,6 +545,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		}
 		rep.DecisionP50us = bucketQuantile(0.5, b1, c1) * 1e6
 		rep.DecisionP99us = bucketQuantile(0.99, b1, c1) * 1e6
+		rep.PartsUs = partQuantiles(before, after)
 	}
 	rep.checkHealth(o)
 	return rep, nil
@@ -548,7 +594,7 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 	return rep, nil
 }
 
-// cpuBlocks maps Options.CPUBlocks to sim.Config.CPUBlocks, whose zero means
+// cpuBlocks maps Options.CPUBlocks to sim.Tiers.CPUBlocks, whose zero means
 // the default tier and -1 none.
 func cpuBlocks(n int64) int64 {
 	switch {

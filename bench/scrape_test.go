@@ -30,3 +30,32 @@ func TestScrapeDecisionHistogram(t *testing.T) {
 		t.Errorf("p50 %v, want within the 1.6–3.2 µs bucket", q)
 	}
 }
+
+// The report breaks the decision into the profile's parts.
+func TestPartQuantiles(t *testing.T) {
+	m := metrics.New(nil)
+	srv := httptest.NewServer(promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
+	defer srv.Close()
+	before, err := gather(nil, srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 10 {
+		m.RoutingPart.WithLabelValues("kv_aware", "kv").Observe(30e-6)
+		m.RoutingPart.WithLabelValues("kv_aware", "filters").Observe(1e-6)
+	}
+	after, err := gather(nil, srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := partQuantiles(before, after)
+	if len(q) != 2 {
+		t.Fatalf("parts %v, want kv and filters", q)
+	}
+	if kv := q["kv"]; !(kv[0] > 25.6 && kv[0] <= 51.2 && kv[1] <= 51.2) {
+		t.Errorf("kv p50/p99 %v µs, want within the 25.6–51.2 µs bucket", kv)
+	}
+	if f := q["filters"]; !(f[0] > 0.8 && f[0] <= 1.6) {
+		t.Errorf("filters p50 %v µs, want within the 0.8–1.6 µs bucket", f[0])
+	}
+}
