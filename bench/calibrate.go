@@ -73,7 +73,7 @@ func Calibrate(w *workload.Workload, model, gpu string, workers int, load, hit f
 		kvBlocks = cm.BlockCapacity(BlockTokens)
 	}
 	perSeq := int64(math.Ceil((P + O) / BlockTokens))
-	c.MaxBatch = int(min(int64(sim.DefaultConfig().MaxRunning), max(kvBlocks/max(perSeq, 1), 1)))
+	c.MaxBatch = int(min(int64(sim.DefaultConfig().Batching.MaxRunning), max(kvBlocks/max(perSeq, 1), 1)))
 	b := float64(c.MaxBatch)
 	c.DecodeStep = cm.DecodeStepSeconds(c.MaxBatch, int(b*(P+O/2)))
 	c.Service = c.Prefill + O*c.DecodeStep/b

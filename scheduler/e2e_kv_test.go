@@ -29,7 +29,7 @@ func startTiered(t *testing.T, n int, scale float64, store transfer.Store, edit 
 		Workers: n,
 		Name:    shortName,
 		Config: func(string, string) sim.Config {
-			sc := sim.Config{TimeScale: scale, Store: store}
+			sc := sim.Config{TimeScale: scale, Tiers: sim.Tiers{Store: store}}
 			if edit != nil {
 				edit(&sc)
 			}
@@ -110,7 +110,7 @@ func TestKVAwareRoutesToTheHolder(t *testing.T) {
 func TestKVAwareRoutesToTheCPUTierHolder(t *testing.T) {
 	// Two workers whose GPU tier holds only a few blocks: the document's
 	// blocks are demoted to the CPU tier, and kv_aware still finds them.
-	ws, s, addr := startTiered(t, 2, fastScale, nil, func(c *sim.Config) { c.BlockCapacity = 200; c.CPUBlocks = 4096 }, nil)
+	ws, s, addr := startTiered(t, 2, fastScale, nil, func(c *sim.Config) { c.Tiers.GPUBlocks = 200; c.Tiers.CPUBlocks = 4096 }, nil)
 	c := oaClient(t, addr)
 	doc := text("cpu-doc", 6000)
 	r := chat(t, c, chatParams(doc+" q0", 8))
@@ -152,7 +152,7 @@ func TestHotPrefixSpreadsAndWarmsFromRedis(t *testing.T) {
 	t.Cleanup(func() { store.Close() })
 	// Slow enough that a long completion keeps its worker busy; the
 	// threshold of 1 makes the hot prefix's holder full at once.
-	_, s, addr := startTiered(t, 2, 20, store, func(c *sim.Config) { c.StorePolicy = sim.PolicyWriteThrough },
+	_, s, addr := startTiered(t, 2, 20, store, func(c *sim.Config) { c.Tiers.StorePolicy = sim.PolicyWriteThrough },
 		func(c *scheduler.Config) { c.ConcurrencyThreshold = 1 })
 	c := oaClient(t, addr)
 	doc := text("hot-doc", 6000)
@@ -214,7 +214,7 @@ func TestRedisDownNeverFailsARequest(t *testing.T) {
 	}
 	store := kvstore.NewBreaker(r, kvstore.BreakerConfig{Failures: 2, OpenTimeout: 300 * time.Millisecond})
 	t.Cleanup(func() { store.Close() })
-	ws, _, addr := startTiered(t, 2, fastScale, store, func(c *sim.Config) { c.StorePolicy = sim.PolicyWriteThrough }, nil)
+	ws, _, addr := startTiered(t, 2, fastScale, store, func(c *sim.Config) { c.Tiers.StorePolicy = sim.PolicyWriteThrough }, nil)
 	c := oaClient(t, addr)
 	ask := func(i int) chatResult {
 		return chat(t, c, chatParams(text(fmt.Sprintf("redis-down-%d", i), 3000), 4))

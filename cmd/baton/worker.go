@@ -10,6 +10,7 @@ import (
 
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -71,10 +72,11 @@ func (f *simFlags) check(fs *flag.FlagSet) error {
 	case f.warmupTopK < 0:
 		return fmt.Errorf("--warmup-top-k: must not be negative, got %d", f.warmupTopK)
 	}
-	flags := map[string]string{"models": "served-model-name", "model": "model-preset", "gpu": "gpu", "tp": "tp",
-		"mfu": "mfu", "time_scale": "time-scale", "block_capacity": "kv-blocks", "max_running": "max-running",
-		"max_batched_tokens": "max-batched-tokens", "role": "role", "kv_scale": "kv-scale",
-		"store_policy": "store-policy", "warmup_top_k": "warmup-top-k"}
+	flags := map[string]string{"models": "served-model-name", "role": "role", "time_scale": "time-scale",
+		"kv_scale": "kv-scale", "cost.model": "model-preset", "cost.gpu": "gpu", "cost.tp": "tp", "cost.mfu": "mfu",
+		"batching.max_running": "max-running", "batching.max_batched_tokens": "max-batched-tokens",
+		"tiers.gpu_blocks": "kv-blocks", "tiers.cpu_blocks": "cpu-blocks", "tiers.store_policy": "store-policy",
+		"warmup.top_k": "warmup-top-k"}
 	if err := f.config("").Validate(); err != nil {
 		return renameField(err, func(field string) string {
 			if name, ok := flags[field]; ok && fs.Lookup(name) != nil {
@@ -105,11 +107,11 @@ func (f *simFlags) openStore(opts ...kvstore.BreakerOption) (transfer.Store, err
 
 func (f *simFlags) config(name string) sim.Config {
 	c := sim.Config{
-		Name: name, Model: f.model, GPU: f.gpu, TP: f.tp, MFU: f.mfu, TimeScale: f.timeScale,
-		BlockCapacity: f.blocks, MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch,
-		Role: f.role, KVScale: f.kvScale,
-		CPUBlocks: f.cpuBlocks, StorePolicy: f.storePolicy, Store: f.store,
-		WarmupTopK: f.warmupTopK,
+		Name: name, Role: f.role, TimeScale: f.timeScale, KVScale: f.kvScale,
+		Cost:     cost.Config{Model: f.model, GPU: f.gpu, TP: f.tp, MFU: f.mfu},
+		Batching: sim.Batching{MaxRunning: f.maxRunning, MaxBatchedTokens: f.maxBatch},
+		Tiers:    sim.Tiers{GPUBlocks: f.blocks, CPUBlocks: f.cpuBlocks, StorePolicy: f.storePolicy, Store: f.store},
+		Warmup:   sim.Warmup{TopK: f.warmupTopK},
 	}
 	if f.served != "" {
 		c.Models = strings.Split(f.served, ",")
@@ -193,7 +195,8 @@ func debugAddr(s *debugServer) string {
 // logWarmup logs what the start-up warm-up warmed, once it ends (if the
 // worker has one).
 func logWarmup(ctx context.Context, e *sim.Engine, log *slog.Logger) {
-	if e.Config().WarmupTopK == 0 || e.Config().Store == nil {
+	cfg := e.Config()
+	if cfg.Warmup.TopK == 0 || cfg.Tiers.Store == nil {
 		return
 	}
 	select {
@@ -202,6 +205,6 @@ func logWarmup(ctx context.Context, e *sim.Engine, log *slog.Logger) {
 		return
 	}
 	st := e.Stats()
-	log.Info("warm-up done", "top_k", e.Config().WarmupTopK, "prefixes_listed", st.WarmupPrefixes,
+	log.Info("warm-up done", "top_k", cfg.Warmup.TopK, "prefixes_listed", st.WarmupPrefixes,
 		"prefixes_warmed", st.WarmedPrefixes, "blocks_warmed", st.WarmedBlocks)
 }

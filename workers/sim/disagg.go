@@ -43,13 +43,13 @@ func (e *Engine) BlockBytes() int { return e.blockBytes }
 
 // linkDelay is the modelled time the link takes to carry n blocks of real
 // (unscaled) KV, in real time: n × KVBytesPerToken × BlockTokens /
-// LinkBandwidth / TimeScale.
+// Disagg.LinkBandwidth / TimeScale.
 func (e *Engine) linkDelay(n int) time.Duration {
-	if n == 0 || e.cfg.LinkBandwidth < 0 {
+	if n == 0 || e.cfg.Disagg.LinkBandwidth < 0 {
 		return 0
 	}
 	bytes := float64(n) * float64(e.cost.KVBytesPerToken()) * BlockTokens
-	return time.Duration(bytes / e.cfg.LinkBandwidth / e.cfg.TimeScale * float64(time.Second))
+	return time.Duration(bytes / e.cfg.Disagg.LinkBandwidth / e.cfg.TimeScale * float64(time.Second))
 }
 
 // Prefill runs req's prefill on this worker and pushes the KV blocks the
@@ -65,8 +65,8 @@ func (e *Engine) linkDelay(n int) time.Duration {
 // blocks, prefilled in chunks, timed by the cost model); once its prompt
 // is computed its blocks stay referenced while the blocks the decode
 // worker does not hold are pushed (after the modelled link time, see
-// Config.LinkBandwidth), then released. The push runs on the caller's
-// goroutine, never on the step loop, and is bounded by
+// Config.Disagg.LinkBandwidth), then released. The push runs on the
+// caller's goroutine, never on the step loop, and is bounded by
 // req.TransferTimeout when set.
 //
 // Errors: ErrRole, ErrUnknownModel, ErrInvalid, ErrClosed, ErrTransfer
@@ -230,11 +230,11 @@ func (e *Engine) putBuf(b []byte) {
 
 // Decode generates req on this worker, as Generate does, after waiting for
 // transfer transferID (if not empty) to end, at most timeout (0:
-// Config.TransferTimeout). A transfer that fails, arrives corrupt or does
-// not end in time never fails the request: the worker computes whatever
-// prompt blocks its cache still lacks. The final usage's cached tokens
-// count the prompt tokens found in this worker's cache at admission,
-// transferred blocks included.
+// Config.Disagg.TransferTimeout). A transfer that fails, arrives corrupt
+// or does not end in time never fails the request: the worker computes
+// whatever prompt blocks its cache still lacks. The final usage's cached
+// tokens count the prompt tokens found in this worker's cache at
+// admission, transferred blocks included.
 //
 // It fails with ErrRole, ErrUnknownModel, ErrInvalid, ErrClosed (wrapped)
 // or ctx's error, without generating anything.
@@ -249,7 +249,7 @@ func (e *Engine) Decode(ctx context.Context, req *engine.Request, transferID str
 	if transferID != "" {
 		s.transferred = true
 		if timeout <= 0 {
-			timeout = e.cfg.TransferTimeout
+			timeout = e.cfg.Disagg.TransferTimeout
 		}
 		if err := e.waitTransfer(ctx, transferID, timeout); err != nil {
 			return nil, err

@@ -463,7 +463,7 @@ func TestDisaggPrefillCancelComputing(t *testing.T) {
 // The engine's receiving side on its own: size checks, transfer states,
 // and a Finish arriving before the Decode that waits for it.
 func TestDisaggReceiver(t *testing.T) {
-	e := newEngine(t, Config{Role: RoleDecode, BlockCapacity: 4, CPUBlocks: -1})
+	e := newEngine(t, Config{Role: RoleDecode, Tiers: Tiers{GPUBlocks: 4, CPUBlocks: -1}})
 	buf := make([]byte, e.BlockBytes())
 	e.Accept("a", 1, buf[:10]) // wrong size
 	e.Accept("a", 2, buf)      // wrong contents (zeros)
@@ -498,7 +498,7 @@ func TestLinkDelay(t *testing.T) {
 	if got, want := e.linkDelay(1000), time.Duration(1000*16*131072/50e9*float64(time.Second)); got != want {
 		t.Errorf("linkDelay(1000) = %v, want %v", got, want)
 	}
-	if got := newEngine(t, Config{LinkBandwidth: -1}).linkDelay(1000); got != 0 {
+	if got := newEngine(t, Config{Disagg: Disagg{LinkBandwidth: -1}}).linkDelay(1000); got != 0 {
 		t.Errorf("infinite link: %v", got)
 	}
 	if got := e.BlockBytes(); got != 2<<20/64 {
@@ -548,7 +548,7 @@ func (h *holdTransport) PushFill(ctx context.Context, addr, id string, keys []ui
 // releases them, with no other request to wake the step loop.
 func TestDisaggPrefillWaitsForPushedBlocks(t *testing.T) {
 	ctx := context.Background()
-	p := newEngine(t, Config{Role: RolePrefill, BlockCapacity: 64})
+	p := newEngine(t, Config{Role: RolePrefill, Tiers: Tiers{GPUBlocks: 64}})
 	d := newEngine(t, Config{Role: RoleDecode})
 	n := transfer.NewInMem()
 	t.Cleanup(n.Listen("d", d))

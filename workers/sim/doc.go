@@ -29,44 +29,45 @@
 // Payloads are real bytes (transfer/kvblock), scaled down by
 // Config.KVScale so a loopback fleet moves them cheaply. The time a real
 // link would take is modelled on top: before each push the prefill worker
-// sleeps blocks × KVBytesPerToken × 16 / Config.LinkBandwidth (real,
-// unscaled KV bytes; 50 GB/s by default, a 400 Gb/s RDMA NIC), divided by
-// Config.TimeScale like every modelled time.
+// sleeps blocks × KVBytesPerToken × 16 / Config.Disagg.LinkBandwidth
+// (real, unscaled KV bytes; 50 GB/s by default, a 400 Gb/s RDMA NIC),
+// divided by Config.TimeScale like every modelled time.
 //
 // # KV tiers
 //
 // Blocks live in up to three tiers (Cache, tier.go):
 //
-//   - GPU: Config.BlockCapacity blocks; unreferenced blocks are evicted
-//     least recently used first.
-//   - CPU: Config.CPUBlocks blocks of host memory (default 256 GiB of real
-//     KV, Config.CPUMemoryBytes; -1 disables it). A block evicted from the
-//     GPU tier is demoted here (a tier-changed event, GPU to CPU) instead
-//     of dropped; the CPU tier evicts LRU too (a removed event, tier CPU).
-//     A sequence whose leading blocks are here has them promoted back at
-//     admission (tier-changed, CPU to GPU): the copy adds n × real KV bytes
-//     per block / (PCIe bandwidth × TP) to the modelled time of the step
-//     that admits it, as vLLM's synchronous swap-in (64 GB/s per GPU,
-//     PCIe Gen5 x16, for the H100 and H200 presets; a 2 MiB Llama-3.1-8B
-//     block takes 33 µs).
-//   - Redis: Config.Store, the fleet's shared transfer.Store (nil: none).
-//     Blocks are written there under their namespace (model, and tenant
-//     salt blockkey.Seed(model, tenant)) by one writer goroutine, batched,
-//     from a bounded queue that drops (and counts) what overflows, never
-//     blocking a step: with StorePolicy "demotion" when a block leaves the
-//     last local tier, with "write-through" as soon as it is computed. A
-//     stored event of tier Redis follows each successful write. Before a
-//     sequence is queued (Generate, Decode, Prefill) the engine asks the
-//     store, in one Get bounded by Config.StoreTimeout, for the leading
-//     blocks neither local tier holds, if fetching them all would take
-//     less modelled time than computing them; the leading run that comes
-//     back enters the GPU tier (stored events) and the sequence waits
-//     RedisRTT + n × real KV bytes per block / RedisBandwidth (0.5 ms and
-//     10 GB/s by default: 0.71 ms for one 2 MiB block, 2.0 ms for seven),
-//     over TimeScale, before it is queued. Keys it found missing are
-//     announced as removed from tier Redis. A store error, timeout or
-//     bypass (transfer.ErrBypassed behind a breaker) only costs the
-//     recompute.
+//   - GPU: Config.Tiers.GPUBlocks blocks (default: what the cost model
+//     leaves of GPU memory); unreferenced blocks are evicted least
+//     recently used first.
+//   - CPU: Config.Tiers.CPUBlocks blocks of host memory (default 256 GiB
+//     of real KV, Tiers.CPUMemoryBytes; -1 disables it). A block evicted
+//     from the GPU tier is demoted here (a tier-changed event, GPU to CPU)
+//     instead of dropped; the CPU tier evicts LRU too (a removed event,
+//     tier CPU). A sequence whose leading blocks are here has them
+//     promoted back at admission (tier-changed, CPU to GPU): the copy adds
+//     n × real KV bytes per block / (PCIe bandwidth × TP) to the modelled
+//     time of the step that admits it, as vLLM's synchronous swap-in
+//     (64 GB/s per GPU, PCIe Gen5 x16, for the H100 and H200 presets, or
+//     Tiers.PCIeBandwidth; a 2 MiB Llama-3.1-8B block takes 33 µs).
+//   - Redis: Config.Tiers.Store, the fleet's shared transfer.Store (nil:
+//     none). Blocks are written there under their namespace (model, and
+//     tenant salt blockkey.Seed(model, tenant)) by one writer goroutine,
+//     batched, from a bounded queue that drops (and counts) what
+//     overflows, never blocking a step: with Tiers.StorePolicy "demotion"
+//     when a block leaves the last local tier, with "write-through" as
+//     soon as it is computed. A stored event of tier Redis follows each
+//     successful write. Before a sequence is queued (Generate, Decode,
+//     Prefill) the engine asks the store, in one Get bounded by
+//     Tiers.StoreTimeout, for the leading blocks neither local tier holds,
+//     if fetching them all would take less modelled time than computing
+//     them; the leading run that comes back enters the GPU tier (stored
+//     events) and the sequence waits Tiers.RedisRTT + n × real KV bytes
+//     per block / Tiers.RedisBandwidth (0.5 ms and 10 GB/s by default:
+//     0.71 ms for one 2 MiB block, 2.0 ms for seven), over TimeScale,
+//     before it is queued. Keys it found missing are announced as removed
+//     from tier Redis. A store error, timeout or bypass
+//     (transfer.ErrBypassed behind a breaker) only costs the recompute.
 //
 // Cached tokens count hits in every tier (none is recomputed), and the
 // final usage splits them by tier. Watch events carry their tier and, for
@@ -91,8 +92,8 @@
 // otherwise never reach the tier nor survive its TTL there.
 //
 // Engine.Warm fetches one prefix's blocks from the store into the cache.
-// With Config.WarmupTopK, a starting engine asks the tracker (or the
-// Config.WarmupKeys hook, which takes precedence) for the WarmupTopK
+// With Config.Warmup.TopK, a starting engine asks the tracker (or the
+// Config.Warmup.Keys hook, which takes precedence) for the TopK
 // hottest prefixes of each model it serves and warms them, coldest first
 // so the hottest are the most recently used, in the background within
 // 10 s; Stats counts the prefixes and blocks warmed, and the gRPC health

@@ -160,7 +160,7 @@ func New(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sim config: %w", err)
 	}
-	capacity := cfg.BlockCapacity
+	capacity := cfg.Tiers.GPUBlocks
 	if capacity == 0 {
 		capacity = cm.BlockCapacity(BlockTokens)
 	}
@@ -172,16 +172,16 @@ func New(cfg Config) (*Engine, error) {
 		quit:   make(chan struct{}),
 
 		blockBytes: kvblock.Size(cm.KVBytesPerToken(), BlockTokens, cfg.KVScale),
-		store:      cfg.Store,
+		store:      cfg.Tiers.Store,
 		fig:        cfg.figures(cm),
 		warmDone:   make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.hub.init(cfg.WatchBuffer)
-	cc := CacheConfig{GPUBlocks: capacity, CPUBlocks: cfg.cpuBlocks(cm), Emit: e.hub.publishCache}
+	cc := CacheConfig{GPUBlocks: capacity, CPUBlocks: cfg.Tiers.cpuBlocks(cm), Emit: e.hub.publishCache}
 	if e.store != nil {
-		e.writes = make(chan storeWrite, cfg.StoreQueue)
-		cc.Write, cc.WriteThrough = e.queueWrite, cfg.StorePolicy == PolicyWriteThrough
+		e.writes = make(chan storeWrite, cfg.Tiers.StoreQueue)
+		cc.Write, cc.WriteThrough = e.queueWrite, cfg.Tiers.StorePolicy == PolicyWriteThrough
 	}
 	e.cache = NewTieredCache(cc)
 	for _, m := range cfg.Models {
@@ -199,7 +199,7 @@ func New(cfg Config) (*Engine, error) {
 			e.wg.Add(1)
 			go e.toucher()
 		}
-		if cfg.WarmupTopK > 0 && (cfg.WarmupKeys != nil || e.hot != nil) {
+		if cfg.Warmup.TopK > 0 && (cfg.Warmup.Keys != nil || e.hot != nil) {
 			warming = true
 			e.wg.Add(1)
 			go e.warmup()
@@ -469,11 +469,11 @@ func (e *Engine) setPending(s *seq, n int) {
 
 // schedule plans one step like vLLM's scheduler: running sequences first
 // (one decode token each, or their next prefill chunk), then waiting ones
-// in arrival order while they fit in MaxRunning, the cache and the token
+// in arrival order while they fit in Batching.MaxRunning, the cache and the token
 // budget. It returns the step's modelled seconds, how many sequences take
 // part, and whether none of them prefills.
 func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
-	budget := e.cfg.MaxBatchedTokens
+	budget := e.cfg.Batching.MaxBatchedTokens
 	decodes, decodeCtx := 0, 0
 	prefill := 0.0
 	for _, s := range e.run {
@@ -494,7 +494,7 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 	}
 	admitted, promoted := 0, 0
 	for _, s := range e.queue {
-		if budget == 0 || len(e.run) >= e.cfg.MaxRunning {
+		if budget == 0 || len(e.run) >= e.cfg.Batching.MaxRunning {
 			break
 		}
 		h, ok := e.cache.Acquire(s.ns, s.keys, s.blocks-int64(len(s.keys)))

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 const testModel = "llama-3.1-8b"
@@ -80,7 +82,7 @@ func TestConfigValidate(t *testing.T) {
 	if err := (Config{}).Validate(); err != nil {
 		t.Errorf("zero Config: %v", err)
 	}
-	if got := DefaultConfig(); got.MaxRunning != 256 || got.MaxBatchedTokens != 8192 || got.Models[0] != testModel {
+	if got := DefaultConfig(); got.Batching.MaxRunning != 256 || got.Batching.MaxBatchedTokens != 8192 || got.Models[0] != testModel {
 		t.Errorf("DefaultConfig() = %+v", got)
 	}
 	tests := []struct {
@@ -88,21 +90,34 @@ func TestConfigValidate(t *testing.T) {
 		cfg   Config
 		field string
 	}{
-		{"unknown model", Config{Model: "gpt-9"}, "model:"},
-		{"unknown gpu", Config{GPU: "a100"}, "gpu:"},
+		{"unknown model", Config{Cost: cost.Config{Model: "gpt-9"}}, "cost.model:"},
+		{"unknown gpu", Config{Cost: cost.Config{GPU: "a100"}}, "cost.gpu:"},
 		{"empty served model", Config{Models: []string{""}}, "models:"},
 		{"duplicate served model", Config{Models: []string{"a", "a"}}, "models:"},
-		{"negative tp", Config{TP: -1}, "tp:"},
-		{"mfu above 1", Config{MFU: 2}, "mfu:"},
-		{"negative bandwidth efficiency", Config{BandwidthEfficiency: -0.5}, "bandwidth_efficiency:"},
+		{"negative tp", Config{Cost: cost.Config{TP: -1}}, "cost.tp:"},
+		{"mfu above 1", Config{Cost: cost.Config{MFU: 2}}, "cost.mfu:"},
+		{"negative bandwidth efficiency", Config{Cost: cost.Config{BandwidthEfficiency: -0.5}}, "cost.bandwidth_efficiency:"},
 		{"negative time scale", Config{TimeScale: -1}, "time_scale:"},
-		{"negative capacity", Config{BlockCapacity: -1}, "block_capacity:"},
-		{"negative max running", Config{MaxRunning: -1}, "max_running:"},
-		{"negative budget", Config{MaxBatchedTokens: -8}, "max_batched_tokens:"},
+		{"negative capacity", Config{Tiers: Tiers{GPUBlocks: -1}}, "tiers.gpu_blocks:"},
+		{"negative max running", Config{Batching: Batching{MaxRunning: -1}}, "batching.max_running:"},
+		{"negative budget", Config{Batching: Batching{MaxBatchedTokens: -8}}, "batching.max_batched_tokens:"},
 		{"negative default max tokens", Config{DefaultMaxTokens: -1}, "default_max_tokens:"},
 		{"negative load interval", Config{LoadInterval: -time.Second}, "load_interval:"},
 		{"tiny watch buffer", Config{WatchBuffer: 1}, "watch_buffer:"},
-		{"70b on a fraction of memory", Config{Model: "llama-3.1-70b", GPU: "h100", TP: 1, MFU: 0.5}, ""},
+		{"unknown role", Config{Role: "verifier"}, "role:"},
+		{"zero kv scale", Config{KVScale: -1}, "kv_scale:"},
+		{"negative cpu memory", Config{Tiers: Tiers{CPUMemoryBytes: -1}}, "tiers.cpu_memory_bytes:"},
+		{"negative pcie bandwidth", Config{Tiers: Tiers{PCIeBandwidth: -1}}, "tiers.pcie_bandwidth:"},
+		{"unknown store policy", Config{Tiers: Tiers{StorePolicy: "never"}}, "tiers.store_policy:"},
+		{"negative redis bandwidth", Config{Tiers: Tiers{RedisBandwidth: -1}}, "tiers.redis_bandwidth:"},
+		{"negative redis rtt", Config{Tiers: Tiers{RedisRTT: -time.Millisecond}}, "tiers.redis_rtt:"},
+		{"negative store timeout", Config{Tiers: Tiers{StoreTimeout: -time.Second}}, "tiers.store_timeout:"},
+		{"negative store queue", Config{Tiers: Tiers{StoreQueue: -1}}, "tiers.store_queue:"},
+		{"negative transfer timeout", Config{Disagg: Disagg{TransferTimeout: -time.Second}}, "disagg.transfer_timeout:"},
+		{"link bandwidth not a number", Config{Disagg: Disagg{LinkBandwidth: math.NaN()}}, "disagg.link_bandwidth:"},
+		{"negative warm-up", Config{Warmup: Warmup{TopK: -1}}, "warmup.top_k:"},
+		{"no cpu tier, infinitely fast link", Config{Tiers: Tiers{CPUBlocks: -1}, Disagg: Disagg{LinkBandwidth: -1}}, ""},
+		{"70b on a fraction of memory", Config{Cost: cost.Config{Model: "llama-3.1-70b", GPU: "h100", TP: 1, MFU: 0.5}}, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -242,7 +257,7 @@ func TestCachedTokens(t *testing.T) {
 }
 
 func TestGenerateErrors(t *testing.T) {
-	e := newEngine(t, Config{Models: []string{"a", "b"}, BlockCapacity: 10})
+	e := newEngine(t, Config{Models: []string{"a", "b"}, Tiers: Tiers{GPUBlocks: 10}})
 	tests := []struct {
 		name string
 		req  engine.Request
@@ -270,7 +285,7 @@ func TestGenerateErrors(t *testing.T) {
 
 func TestContinuousBatching(t *testing.T) {
 	// A small cache forces admission to wait for blocks and to evict.
-	e := newEngine(t, Config{BlockCapacity: 400, MaxRunning: 32})
+	e := newEngine(t, Config{Tiers: Tiers{GPUBlocks: 400}, Batching: Batching{MaxRunning: 32}})
 	const n = 100
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -338,7 +353,7 @@ func TestDecodeStepGrowsWithBatch(t *testing.T) {
 }
 
 func TestChunkedPrefill(t *testing.T) {
-	e := newEngine(t, Config{MaxBatchedTokens: 64})
+	e := newEngine(t, Config{Batching: Batching{MaxBatchedTokens: 64}})
 	prompt := strings.Repeat("long document text ", 200) // 950 tokens
 	r := generate(t, e, &engine.Request{Prompt: prompt, MaxTokens: 2})
 	if r.final.CompletionTokens != 2 {
@@ -404,7 +419,7 @@ func TestCancelFreesBlocks(t *testing.T) {
 }
 
 func TestCloseFailsOutstanding(t *testing.T) {
-	e, err := New(Config{TimeScale: 1, MaxRunning: 2})
+	e, err := New(Config{TimeScale: 1, Batching: Batching{MaxRunning: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}

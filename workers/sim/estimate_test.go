@@ -13,6 +13,7 @@ import (
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -22,9 +23,9 @@ import (
 // with the engine's modelled seconds.
 
 var presets = []sim.Config{
-	{Model: "llama-3.1-8b", GPU: "h100", TP: 1, TimeScale: 1000},
-	{Model: "llama-3.1-8b", GPU: "h200", TP: 1, TimeScale: 250},
-	{Model: "llama-3.1-70b", GPU: "h100", TP: 2, TimeScale: 50, PCIeBandwidth: 32e9},
+	{Cost: cost.Config{Model: "llama-3.1-8b", GPU: "h100", TP: 1}, TimeScale: 1000},
+	{Cost: cost.Config{Model: "llama-3.1-8b", GPU: "h200", TP: 1}, TimeScale: 250},
+	{Cost: cost.Config{Model: "llama-3.1-70b", GPU: "h100", TP: 2}, TimeScale: 50, Tiers: sim.Tiers{PCIeBandwidth: 32e9}},
 }
 
 func startSim(t *testing.T, cfg sim.Config) *sim.Engine {
@@ -68,7 +69,7 @@ func near(got, want float64) bool { return math.Abs(got-want) <= 1e-9*math.Abs(w
 
 func TestReportedFiguresEstimateCharge(t *testing.T) {
 	for _, cfg := range presets {
-		t.Run(cfg.Model+"/"+cfg.GPU, func(t *testing.T) {
+		t.Run(cfg.Cost.Model+"/"+cfg.Cost.GPU, func(t *testing.T) {
 			e := startSim(t, cfg)
 			c, cm, ts := reported(t, e), e.CostModel(), cfg.TimeScale
 			tests := []struct {
@@ -126,13 +127,13 @@ func TestReportedFiguresEstimateRun(t *testing.T) {
 				before = waitSteps(t, e, uint64(c.Steps(int64(tt.cached), 0)))
 			}
 			if got := firstToken(t, e, text); got != tt.cached {
-				t.Fatalf("%s n=%d: %d tokens cached, want %d", cfg.Model, tt.n, got, tt.cached)
+				t.Fatalf("%s n=%d: %d tokens cached, want %d", cfg.Cost.Model, tt.n, got, tt.cached)
 			}
 			after := waitSteps(t, e, before.Steps+1)
 			got := prefillEstimate(c, tt.n, tt.cached, 0, 0) * cfg.TimeScale
 			if charged := after.ModelledSeconds - before.ModelledSeconds; !near(got, charged) {
 				t.Errorf("%s/%s n=%d cached=%d: estimate %.9g s, engine charged %.9g s",
-					cfg.Model, cfg.GPU, tt.n, tt.cached, got, charged)
+					cfg.Cost.Model, cfg.Cost.GPU, tt.n, tt.cached, got, charged)
 			}
 		}
 	}

@@ -46,10 +46,11 @@ func (e *Engine) touch(ns transfer.Namespace, keys []uint64) {
 }
 
 // toucher records queued uses in the tracker, one Touch each bounded by
-// Config.StoreTimeout, and queues the blocks of each prefix it touches
-// for writing to the shared tier, at most once per hotRewrite: a prefix
-// reused here stays local (with StorePolicy "demotion" it would never be
-// written), yet a worker that joins can only warm what the tier holds.
+// Config.Tiers.StoreTimeout, and queues the blocks of each prefix it
+// touches for writing to the shared tier, at most once per hotRewrite: a
+// prefix reused here stays local (with StorePolicy "demotion" it would
+// never be written), yet a worker that joins can only warm what the tier
+// holds.
 func (e *Engine) toucher() {
 	defer e.wg.Done()
 	written := make(map[string]time.Time)
@@ -60,7 +61,7 @@ func (e *Engine) toucher() {
 		case <-e.quit:
 			return
 		}
-		ctx, cancel := context.WithTimeout(e.ctx, e.cfg.StoreTimeout)
+		ctx, cancel := context.WithTimeout(e.ctx, e.cfg.Tiers.StoreTimeout)
 		err := e.hot.Touch(ctx, t.ns, t.keys)
 		cancel()
 		e.statsMu.Lock()
@@ -94,9 +95,9 @@ func (e *Engine) toucher() {
 // (warmupTimeout) or the engine closes.
 func (e *Engine) WarmupDone() <-chan struct{} { return e.warmDone }
 
-// warmup is the start-up warm-up (Config.WarmupTopK). It lists the
-// prefixes to warm, hottest first, with Config.WarmupKeys if given, else
-// from the shared tier's tracker (the WarmupTopK hottest of each model
+// warmup is the start-up warm-up (Config.Warmup.TopK). It lists the
+// prefixes to warm, hottest first, with Config.Warmup.Keys if given, else
+// from the shared tier's tracker (the TopK hottest of each model
 // served), then warms them coldest first, so that the hottest are the
 // most recently used should they not all fit. The whole is bounded by
 // warmupTimeout; errors only cost the warm-up.
@@ -106,17 +107,17 @@ func (e *Engine) warmup() {
 	ctx, cancel := context.WithTimeout(e.ctx, warmupTimeout)
 	defer cancel()
 	var prefixes []transfer.HotPrefix
-	if e.cfg.WarmupKeys != nil {
-		spaces, keys, err := e.cfg.WarmupKeys(ctx)
+	if e.cfg.Warmup.Keys != nil {
+		spaces, keys, err := e.cfg.Warmup.Keys(ctx)
 		if err != nil {
 			return
 		}
-		for i := 0; i < len(spaces) && i < len(keys) && i < e.cfg.WarmupTopK; i++ {
+		for i := 0; i < len(spaces) && i < len(keys) && i < e.cfg.Warmup.TopK; i++ {
 			prefixes = append(prefixes, transfer.HotPrefix{NS: spaces[i], Keys: keys[i]})
 		}
 	} else {
 		for _, m := range e.cfg.Models {
-			hs, err := e.hot.Hottest(ctx, m, e.cfg.WarmupTopK)
+			hs, err := e.hot.Hottest(ctx, m, e.cfg.Warmup.TopK)
 			if err != nil {
 				continue
 			}
@@ -128,7 +129,7 @@ func (e *Engine) warmup() {
 	e.statsMu.Unlock()
 	for i := len(prefixes) - 1; i >= 0; i-- {
 		p := prefixes[i]
-		wctx, wcancel := context.WithTimeout(ctx, storeWriteFactor*e.cfg.StoreTimeout)
+		wctx, wcancel := context.WithTimeout(ctx, storeWriteFactor*e.cfg.Tiers.StoreTimeout)
 		n, err := e.Warm(wctx, p.NS, p.Keys)
 		wcancel()
 		if ctx.Err() != nil {

@@ -25,12 +25,12 @@ func waitWarm(t *testing.T, e *Engine) {
 // testScaleOut: worker a serves prompts of uneven popularity through the
 // shared store (policy demotion: nothing leaves its GPU tier, only the
 // hot prefixes it reuses are written); b, started afterwards with
-// WarmupTopK 2, warms the two hottest and serves the hottest from its GPU
+// Warmup.TopK 2, warms the two hottest and serves the hottest from its GPU
 // tier without asking the store; c, without warm-up, starts cold and
 // fetches at request time.
 func testScaleOut(t *testing.T, store transfer.Store) {
 	tenant := t.Name()
-	a := newEngine(t, Config{Name: "a", Store: store})
+	a := newEngine(t, Config{Name: "a", Tiers: Tiers{Store: store}})
 	uses := map[byte]int{'h': 5, 'i': 3, 'j': 2, 'k': 1} // reuses: 4, 2, 1, 0
 	for round := range 5 {
 		for c, n := range uses {
@@ -51,7 +51,7 @@ func testScaleOut(t *testing.T, store transfer.Store) {
 		t.Fatalf("Hottest = %v, %v; want scores 4, 2, 1", hot, err)
 	}
 
-	b := newEngine(t, Config{Name: "b", Store: store, WarmupTopK: 2})
+	b := newEngine(t, Config{Name: "b", Tiers: Tiers{Store: store}, Warmup: Warmup{TopK: 2}})
 	waitWarm(t, b)
 	if st := b.Stats(); st.WarmupPrefixes != 2 || st.WarmedPrefixes != 2 || st.WarmedBlocks != 14 {
 		t.Fatalf("b's warm-up: %+v, want 2 prefixes of 7 blocks", st)
@@ -67,7 +67,7 @@ func testScaleOut(t *testing.T, store transfer.Store) {
 		t.Errorf("b asked the store at request time: %+v", st)
 	}
 
-	c := newEngine(t, Config{Name: "c", Store: store})
+	c := newEngine(t, Config{Name: "c", Tiers: Tiers{Store: store}})
 	waitWarm(t, c)
 	f = generate(t, c, &engine.Request{Prompt: sevenBlocks('h'), Tenant: tenant, MaxTokens: 1}).final
 	if f.CachedTokens != 111 || f.CachedRedis != 111 || f.CachedGPU != 0 {
@@ -101,7 +101,7 @@ func TestScaleOutWarmup(t *testing.T) {
 // reuse; a store that tracks nothing is never asked.
 func TestHotTouchScope(t *testing.T) {
 	store := newMemory(t)
-	e := newEngine(t, Config{Store: store})
+	e := newEngine(t, Config{Tiers: Tiers{Store: store}})
 	p := sevenBlocks('d')
 	generate(t, e, &engine.Request{Prompt: p, MaxTokens: 1})
 	// As if transferred: Decode of a transfer that never comes proceeds
@@ -121,7 +121,7 @@ func TestHotTouchScope(t *testing.T) {
 	}
 
 	plain := kvstore.NewBreaker(&failStore{}, kvstore.BreakerConfig{})
-	e = newEngine(t, Config{Store: plain, BlockCapacity: 64, WarmupTopK: 4})
+	e = newEngine(t, Config{Tiers: Tiers{Store: plain, GPUBlocks: 64}, Warmup: Warmup{TopK: 4}})
 	waitWarm(t, e)
 	generate(t, e, &engine.Request{Prompt: p, MaxTokens: 1})
 	generate(t, e, &engine.Request{Prompt: p, MaxTokens: 1})
@@ -136,11 +136,11 @@ func TestWarmupHealth(t *testing.T) {
 		t.Error("WarmupDone of an engine without warm-up is not closed")
 	}
 	release := make(chan struct{})
-	e := newEngine(t, Config{Store: newMemory(t), WarmupTopK: 1,
-		WarmupKeys: func(ctx context.Context) ([]transfer.Namespace, [][]uint64, error) {
+	e := newEngine(t, Config{Tiers: Tiers{Store: newMemory(t)}, Warmup: Warmup{TopK: 1,
+		Keys: func(ctx context.Context) ([]transfer.Namespace, [][]uint64, error) {
 			<-release
 			return nil, nil, nil
-		}})
+		}}})
 	s := NewServer(e)
 	status := func() grpc_health_v1.HealthCheckResponse_ServingStatus {
 		r, err := s.health.Check(context.Background(), &grpc_health_v1.HealthCheckRequest{})

@@ -172,7 +172,7 @@ func TestBurstMemoryPrefill(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a burst of 500 long prompts")
 	}
-	cfg := Config{Role: RolePrefill, TimeScale: 1e6, KVScale: burstKVScale, BlockCapacity: burstGPUBlocks}
+	cfg := Config{Role: RolePrefill, TimeScale: 1e6, KVScale: burstKVScale, Tiers: Tiers{GPUBlocks: burstGPUBlocks}}
 	p := newEngine(t, cfg)
 	cfg.Role = RoleDecode
 	d := newEngine(t, cfg)
@@ -224,7 +224,7 @@ func TestBurstMemoryColocated(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a burst of 500 long prompts")
 	}
-	e := newEngine(t, Config{TimeScale: 1e6, KVScale: burstKVScale, BlockCapacity: burstGPUBlocks})
+	e := newEngine(t, Config{TimeScale: 1e6, KVScale: burstKVScale, Tiers: Tiers{GPUBlocks: burstGPUBlocks}})
 	checkBurst(t, runBurst(t, func() { waitIdle(t, e) }, func(_ int, req *engine.Request) error {
 		st, err := e.Generate(context.Background(), req)
 		if err != nil {

@@ -154,7 +154,7 @@ func metricValue(t *testing.T, m *Metrics, name string, labels ...string) (float
 
 // The engine's metrics follow its load and transfers.
 func TestEngineMetrics(t *testing.T) {
-	p := newEngine(t, Config{Role: RolePrefill, BlockCapacity: 1000, CPUBlocks: 500})
+	p := newEngine(t, Config{Role: RolePrefill, Tiers: Tiers{GPUBlocks: 1000, CPUBlocks: 500}})
 	d := newEngine(t, Config{Role: RoleDecode})
 	n := transfer.NewInMem()
 	t.Cleanup(n.Listen("d", d))

@@ -83,10 +83,10 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 		Role:       cfg.role(),
 		BlockChars: blockkey.DefaultBlockChars,
 		GpuBlocks:  s.e.Cache().Capacity(),
-		MaxRunning: int32(cfg.MaxRunning),
+		MaxRunning: int32(cfg.Batching.MaxRunning),
 		CpuBlocks:  s.e.Cache().CPUCapacity(),
 		Cost:       s.e.CostParams(),
-		RedisTier:  cfg.Store != nil,
+		RedisTier:  cfg.Tiers.Store != nil,
 	}, nil
 }
 

@@ -47,7 +47,7 @@ func serve(t *testing.T, e *Engine) *grpc.ClientConn {
 }
 
 func TestServerInfo(t *testing.T) {
-	e := newEngine(t, Config{Name: "w1", Models: []string{"a", "b"}, BlockCapacity: 123})
+	e := newEngine(t, Config{Name: "w1", Models: []string{"a", "b"}, Tiers: Tiers{GPUBlocks: 123}})
 	c := workerpb.NewWorkerClient(serve(t, e))
 	got, err := c.Info(context.Background(), &workerpb.InfoRequest{})
 	if err != nil {

@@ -15,7 +15,7 @@ import (
 // feeds it, and warm-up.
 
 // Writes to the shared tier are batched by up to storeBatch blocks, each
-// Put bounded by storeWriteFactor × Config.StoreTimeout of real time.
+// Put bounded by storeWriteFactor × Config.Tiers.StoreTimeout of real time.
 const (
 	storeBatch       = 64
 	storeWriteFactor = 4
@@ -71,7 +71,7 @@ func (e *Engine) fetch(ctx context.Context, s *seq) error {
 		return nil
 	}
 	start := time.Now()
-	fctx, cancel := context.WithTimeout(ctx, e.cfg.StoreTimeout)
+	fctx, cancel := context.WithTimeout(ctx, e.cfg.Tiers.StoreTimeout)
 	data, err := e.store.Get(fctx, s.ns, want, e.blockBytes)
 	cancel()
 	e.statsMu.Lock()
@@ -175,7 +175,7 @@ func (e *Engine) put(batch []storeWrite) {
 		byNS[w.ns] = append(byNS[w.ns], transfer.Block{Key: w.key, Data: *buf})
 	}
 	for ns, blocks := range byNS {
-		ctx, cancel := context.WithTimeout(e.ctx, storeWriteFactor*e.cfg.StoreTimeout)
+		ctx, cancel := context.WithTimeout(e.ctx, storeWriteFactor*e.cfg.Tiers.StoreTimeout)
 		err := e.store.Put(ctx, ns, blocks)
 		cancel()
 		keys := make([]uint64, len(blocks))
@@ -231,4 +231,4 @@ func (e *Engine) Warm(ctx context.Context, ns transfer.Namespace, keys []uint64)
 	return n, nil
 }
 
-var errNoStore = errors.New("sim engine has no shared tier (Config.Store)")
+var errNoStore = errors.New("sim engine has no shared tier (Config.Tiers.Store)")

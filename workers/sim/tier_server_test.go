@@ -17,7 +17,7 @@ import (
 
 // Info reports the tiers and the cost figures in real seconds.
 func TestServerInfoTiers(t *testing.T) {
-	e := newEngine(t, Config{CPUBlocks: 77, TimeScale: 100, Store: newMemory(t)})
+	e := newEngine(t, Config{Tiers: Tiers{CPUBlocks: 77, Store: newMemory(t)}, TimeScale: 100})
 	info, err := workerpb.NewWorkerClient(serve(t, e)).Info(context.Background(), &workerpb.InfoRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -38,7 +38,7 @@ func TestServerInfoTiers(t *testing.T) {
 // Watch: the snapshot lists blocks per tier, events carry tier and from
 // tier, load reports carry the CPU tier.
 func TestServerWatchTiers(t *testing.T) {
-	e := newEngine(t, Config{BlockCapacity: 8, CPUBlocks: 8, LoadInterval: time.Millisecond})
+	e := newEngine(t, Config{Tiers: Tiers{GPUBlocks: 8, CPUBlocks: 8}, LoadInterval: time.Millisecond})
 	p, q := sevenBlocks('p'), sevenBlocks('q')
 	generate(t, e, &engine.Request{Prompt: p, MaxTokens: 1})
 	generate(t, e, &engine.Request{Prompt: q, MaxTokens: 1}) // p demoted

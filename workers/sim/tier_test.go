@@ -14,6 +14,7 @@ import (
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/transfer/kvstore/redistest"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // sevenBlocks is a prompt of 7 full blocks (112 tokens): with one
@@ -102,7 +103,7 @@ func newMemory(t *testing.T) *kvstore.Memory {
 // cheaper than the next and all cheaper than recomputing.
 func TestTierMovement(t *testing.T) {
 	store := newMemory(t)
-	e := newEngine(t, Config{BlockCapacity: 8, CPUBlocks: 8, Store: store})
+	e := newEngine(t, Config{Tiers: Tiers{GPUBlocks: 8, CPUBlocks: 8, Store: store}})
 	sub, err := e.Subscribe()
 	if err != nil {
 		t.Fatal(err)
@@ -181,8 +182,8 @@ func TestTierMovement(t *testing.T) {
 // prompt is not.
 func TestSharedStoreAcrossWorkers(t *testing.T) {
 	store := newMemory(t)
-	a := newEngine(t, Config{Name: "a", Store: store, StorePolicy: PolicyWriteThrough})
-	b := newEngine(t, Config{Name: "b", Store: store})
+	a := newEngine(t, Config{Name: "a", Tiers: Tiers{Store: store, StorePolicy: PolicyWriteThrough}})
+	b := newEngine(t, Config{Name: "b", Tiers: Tiers{Store: store}})
 	p := sevenBlocks('s')
 	if f := generate(t, a, &engine.Request{Prompt: p, Tenant: "alice", MaxTokens: 1}).final; f.CachedTokens != 0 {
 		t.Fatalf("a: %+v", f)
@@ -211,8 +212,8 @@ func TestRedisTier(t *testing.T) {
 	}
 	store := kvstore.NewBreaker(r, kvstore.BreakerConfig{})
 	defer store.Close()
-	a := newEngine(t, Config{Name: "a", Store: store, StorePolicy: PolicyWriteThrough})
-	b := newEngine(t, Config{Name: "b", Store: store})
+	a := newEngine(t, Config{Name: "a", Tiers: Tiers{Store: store, StorePolicy: PolicyWriteThrough}})
+	b := newEngine(t, Config{Name: "b", Tiers: Tiers{Store: store}})
 	tenant := t.Name() + time.Now().String() // a shared server may hold earlier runs' blocks
 	p := sevenBlocks('r')
 	generate(t, a, &engine.Request{Prompt: p, Tenant: tenant, MaxTokens: 1})
@@ -264,7 +265,7 @@ func TestStoreFailuresNeverFailRequests(t *testing.T) {
 		"hang":     {hang: true},
 	} {
 		t.Run(name, func(t *testing.T) {
-			e := newEngine(t, Config{BlockCapacity: 8, CPUBlocks: -1, Store: s, StoreTimeout: 20 * time.Millisecond})
+			e := newEngine(t, Config{Tiers: Tiers{GPUBlocks: 8, CPUBlocks: -1, Store: s, StoreTimeout: 20 * time.Millisecond}})
 			for i := byte(0); i < 4; i++ { // each evicts the previous: writes
 				r := generate(t, e, &engine.Request{Prompt: sevenBlocks('a' + i), MaxTokens: 1})
 				if r.final.CachedTokens != 0 || r.final.CompletionTokens != 1 {
@@ -289,13 +290,13 @@ func TestStoreFailuresNeverFailRequests(t *testing.T) {
 // warm-up hook does the same at start.
 func TestWarm(t *testing.T) {
 	store := newMemory(t)
-	a := newEngine(t, Config{Store: store, StorePolicy: PolicyWriteThrough})
+	a := newEngine(t, Config{Tiers: Tiers{Store: store, StorePolicy: PolicyWriteThrough}})
 	p := sevenBlocks('w')
 	keys := keysOf("t", p)
 	generate(t, a, &engine.Request{Prompt: p, Tenant: "t", MaxTokens: 1})
 	waitStored(t, store, nsOf("t"), keys)
 
-	b := newEngine(t, Config{Store: store, BlockCapacity: 8})
+	b := newEngine(t, Config{Tiers: Tiers{Store: store, GPUBlocks: 8}})
 	sub, err := b.Subscribe()
 	if err != nil {
 		t.Fatal(err)
@@ -323,11 +324,11 @@ func TestWarm(t *testing.T) {
 	}
 
 	// The hook: the scheduler lists the hottest prefixes, the engine warms
-	// the first WarmupTopK.
-	c := newEngine(t, Config{Store: store, WarmupTopK: 1,
-		WarmupKeys: func(context.Context) ([]transfer.Namespace, [][]uint64, error) {
+	// the first Warmup.TopK.
+	c := newEngine(t, Config{Tiers: Tiers{Store: store}, Warmup: Warmup{TopK: 1,
+		Keys: func(context.Context) ([]transfer.Namespace, [][]uint64, error) {
 			return []transfer.Namespace{nsOf("t"), nsOf("t")}, [][]uint64{keys, keysOf("t", sevenBlocks('x'))}, nil
-		}})
+		}}})
 	deadline := time.Now().Add(5 * time.Second)
 	for c.Stats().WarmedBlocks != 7 {
 		if time.Now().After(deadline) {
@@ -341,7 +342,7 @@ func TestWarm(t *testing.T) {
 // dropped and counted.
 func TestStoreWriteQueueOverflow(t *testing.T) {
 	s := &failStore{hang: true} // the writer's first Put hangs (1 s bound)
-	e := newEngine(t, Config{Store: s, StorePolicy: PolicyWriteThrough, StoreQueue: 1})
+	e := newEngine(t, Config{Tiers: Tiers{Store: s, StorePolicy: PolicyWriteThrough, StoreQueue: 1}})
 	start := time.Now()
 	for i := byte(0); i < 3; i++ {
 		generate(t, e, &engine.Request{Prompt: sevenBlocks('a' + i), MaxTokens: 1})
@@ -368,10 +369,10 @@ func TestTierCosts(t *testing.T) {
 	if got, want := e.Cache().CPUCapacity(), int64(256<<30/block); got != want {
 		t.Errorf("default CPU tier %d blocks, want %d", got, want)
 	}
-	if got := newEngine(t, Config{CPUBlocks: -1}).Cache().CPUCapacity(); got != 0 {
-		t.Errorf("CPUBlocks -1: CPU tier of %d blocks", got)
+	if got := newEngine(t, Config{Tiers: Tiers{CPUBlocks: -1}}).Cache().CPUCapacity(); got != 0 {
+		t.Errorf("Tiers.CPUBlocks -1: CPU tier of %d blocks", got)
 	}
-	if got, want := newEngine(t, Config{TP: 2}).PCIeSeconds(1), block/128e9; got != want {
+	if got, want := newEngine(t, Config{Cost: cost.Config{TP: 2}}).PCIeSeconds(1), block/128e9; got != want {
 		t.Errorf("TP 2: PCIeSeconds(1) = %v, want %v", got, want)
 	}
 }

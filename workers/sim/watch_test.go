@@ -32,7 +32,7 @@ func TestSubscribeSnapshotThenEvents(t *testing.T) {
 	// TimeScale 10: the last request runs for tens of milliseconds, so a
 	// load report (every 5 ms, when the load changed) sees it.
 	// No CPU tier: evicted blocks are removed.
-	e := newEngine(t, Config{LoadInterval: 5 * time.Millisecond, BlockCapacity: 30, TimeScale: 10, CPUBlocks: -1})
+	e := newEngine(t, Config{LoadInterval: 5 * time.Millisecond, Tiers: Tiers{GPUBlocks: 30, CPUBlocks: -1}, TimeScale: 10})
 	before := strings.Repeat("b", 64*2)
 	generate(t, e, &engine.Request{Prompt: before})
 	// The final event reaches the client before the engine frees the
