@@ -27,6 +27,7 @@ import (
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -174,10 +175,10 @@ func startFleet(o *Options, strategy string, shape Fleet) (*inProcess, error) {
 		Scheduler: cfg,
 		Log:       slog.New(slog.DiscardHandler),
 		Config: func(string, string) sim.Config {
-			sc := sim.Config{Model: o.Model, GPU: o.GPU, TimeScale: o.Speedup,
-				BlockCapacity: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}
+			sc := sim.Config{TimeScale: o.Speedup, Cost: cost.Config{Model: o.Model, GPU: o.GPU},
+				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}}
 			if f.store != nil {
-				sc.Store = f.store
+				sc.Tiers.Store = f.store
 			}
 			return sc
 		},
