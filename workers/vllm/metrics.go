@@ -1,0 +1,242 @@
+package vllm
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"strings"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// Engine names whose metrics to read.
+type Engine uint8
+
+// Engines.
+const (
+	VLLM Engine = iota
+	SGLang
+)
+
+func (e Engine) String() string {
+	if e == SGLang {
+		return "sglang"
+	}
+	return "vllm"
+}
+
+// ErrGarbage: the metrics text did not parse, or a metric baton reads is
+// missing or holds a value it cannot hold (a negative count, a usage above
+// 1). Parse's error wraps it, with the reason.
+var ErrGarbage = errors.New("unusable engine metrics")
+
+// Metrics is what baton reads of an engine's metrics. With data-parallel
+// engines (one series per engine label) counts and capacities are summed
+// and the usage averaged.
+type Metrics struct {
+	// Running and Waiting are the requests in the running batch and in the
+	// engine's queue (vLLM's num_requests_running and _waiting, SGLang's
+	// num_running_reqs and num_queue_reqs). HasLoad says both were read.
+	Running, Waiting int
+	HasLoad          bool
+	// KVUsage is the fraction of the GPU KV cache in use, 0–1 (vLLM's
+	// kv_cache_usage_perc, gpu_cache_usage_perc before v0.10; SGLang's
+	// token_usage); HasKVUsage says it was read.
+	KVUsage    float64
+	HasKVUsage bool
+	// BlockSize is the tokens of one KV block, 0 when unknown (vLLM's
+	// cache_config_info label block_size; SGLang does not say).
+	BlockSize int
+	// GPUBlocks is the KV cache's capacity in blocks (vLLM's
+	// cache_config_info label num_gpu_blocks), 0 when unknown.
+	GPUBlocks int64
+	// KVTokens is the KV cache's capacity in tokens (SGLang's
+	// max_total_num_tokens), 0 when unknown.
+	KVTokens int64
+}
+
+// Blocks returns the GPU KV blocks in use and in all, in blocks of
+// blockSize tokens; 0, 0 when the capacity is unknown.
+func (m Metrics) Blocks(blockSize int) (used, total int64) {
+	switch {
+	case m.GPUBlocks > 0:
+		total = m.GPUBlocks
+	case m.KVTokens > 0 && blockSize > 0:
+		total = m.KVTokens / int64(blockSize)
+	default:
+		return 0, 0
+	}
+	if m.HasKVUsage {
+		used = int64(math.Round(m.KVUsage * float64(total)))
+	}
+	return used, total
+}
+
+// names are the metric names of one engine.
+type names struct {
+	running, waiting string
+	usage            []string // the first present is read
+	cacheInfo        string   // vLLM's info gauge, labels block_size and num_gpu_blocks
+	kvTokens         string
+}
+
+var engineNames = map[Engine]names{
+	VLLM: {
+		running:   "vllm:num_requests_running",
+		waiting:   "vllm:num_requests_waiting",
+		usage:     []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
+		cacheInfo: "vllm:cache_config_info",
+	},
+	SGLang: {
+		running:  "sglang:num_running_reqs",
+		waiting:  "sglang:num_queue_reqs",
+		usage:    []string{"sglang:token_usage"},
+		kvTokens: "sglang:max_total_num_tokens",
+	},
+}
+
+// Parse reads an engine's metrics from the Prometheus text exposition
+// format. Metrics it does not read are ignored. On error, which wraps
+// ErrGarbage and names every problem, the Metrics hold what could be read:
+// the families before a syntax error, the metrics that held sane values.
+func Parse(r io.Reader, e Engine) (Metrics, error) {
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, perr := p.TextToMetricFamilies(r)
+	var problems []string
+	if perr != nil {
+		problems = append(problems, perr.Error())
+	}
+	n := engineNames[e]
+	var m Metrics
+	running, okR := count(fams, n.running, &problems)
+	waiting, okW := count(fams, n.waiting, &problems)
+	if okR && okW {
+		m.Running, m.Waiting, m.HasLoad = running, waiting, true
+	}
+	for _, name := range n.usage {
+		if fams[name] == nil {
+			continue
+		}
+		if u, ok := usage(fams, name, &problems); ok {
+			m.KVUsage, m.HasKVUsage = u, true
+		}
+		break
+	}
+	if n.cacheInfo != "" {
+		m.BlockSize, m.GPUBlocks = cacheInfo(fams, n.cacheInfo, &problems)
+	}
+	if n.kvTokens != "" && fams[n.kvTokens] != nil {
+		if v, ok := sum(fams, n.kvTokens, &problems); ok {
+			m.KVTokens = int64(v)
+		}
+	}
+	if len(problems) > 0 {
+		return m, fmt.Errorf("%w: %s", ErrGarbage, strings.Join(problems, "; "))
+	}
+	return m, nil
+}
+
+// value returns a sample's value, whatever the family's type says.
+func value(s *dto.Metric) float64 {
+	switch {
+	case s.Gauge != nil:
+		return s.Gauge.GetValue()
+	case s.Counter != nil:
+		return s.Counter.GetValue()
+	case s.Untyped != nil:
+		return s.Untyped.GetValue()
+	}
+	return math.NaN()
+}
+
+// sum returns the sum of a family's samples, each finite and not
+// negative; ok is false (with a problem noted) otherwise, or when the
+// family is missing.
+func sum(fams map[string]*dto.MetricFamily, name string, problems *[]string) (float64, bool) {
+	f := fams[name]
+	if f == nil || len(f.GetMetric()) == 0 {
+		*problems = append(*problems, name+" missing")
+		return 0, false
+	}
+	var total float64
+	for _, s := range f.GetMetric() {
+		v := value(s)
+		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > 1<<53 {
+			*problems = append(*problems, fmt.Sprintf("%s: %v is not a count", name, v))
+			return 0, false
+		}
+		total += v
+	}
+	return total, true
+}
+
+// count is sum, for a family that counts requests.
+func count(fams map[string]*dto.MetricFamily, name string, problems *[]string) (int, bool) {
+	v, ok := sum(fams, name, problems)
+	if !ok {
+		return 0, false
+	}
+	if v > math.MaxInt32 {
+		*problems = append(*problems, fmt.Sprintf("%s: %v is not a count", name, v))
+		return 0, false
+	}
+	return int(math.Round(v)), true
+}
+
+// usage returns the mean of a family's samples, each a fraction 0–1.
+func usage(fams map[string]*dto.MetricFamily, name string, problems *[]string) (float64, bool) {
+	samples := fams[name].GetMetric()
+	if len(samples) == 0 {
+		return 0, false
+	}
+	var total float64
+	for _, s := range samples {
+		v := value(s)
+		if !(v >= 0 && v <= 1) { // NaN too
+			*problems = append(*problems, fmt.Sprintf("%s: %v is not a fraction 0–1", name, v))
+			return 0, false
+		}
+		total += v
+	}
+	return total / float64(len(samples)), true
+}
+
+// cacheInfo reads vLLM's cache_config_info labels: the block size (of the
+// first sample) and the GPU blocks of every sample (one per data-parallel
+// engine). A missing family is no problem: not every version has it.
+func cacheInfo(fams map[string]*dto.MetricFamily, name string, problems *[]string) (blockSize int, gpuBlocks int64) {
+	f := fams[name]
+	if f == nil {
+		return 0, 0
+	}
+	for _, s := range f.GetMetric() {
+		for _, l := range s.GetLabel() {
+			switch l.GetName() {
+			case "block_size":
+				v, err := strconv.Atoi(l.GetValue())
+				if err != nil || v <= 0 || v > 1<<20 {
+					*problems = append(*problems, fmt.Sprintf("%s: block_size %q is not a block size", name, l.GetValue()))
+					return 0, 0
+				}
+				if blockSize == 0 {
+					blockSize = v
+				}
+			case "num_gpu_blocks":
+				if l.GetValue() == "None" || l.GetValue() == "" {
+					continue // before the engine profiled its memory
+				}
+				v, err := strconv.ParseInt(l.GetValue(), 10, 64)
+				if err != nil || v < 0 || v > 1<<40 {
+					*problems = append(*problems, fmt.Sprintf("%s: num_gpu_blocks %q is not a count", name, l.GetValue()))
+					return 0, 0
+				}
+				gpuBlocks += v
+			}
+		}
+	}
+	return blockSize, gpuBlocks
+}

@@ -1,0 +1,84 @@
+package vllm
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+)
+
+// DefaultMetricsPath is where vLLM and SGLang serve their metrics.
+const DefaultMetricsPath = "/metrics"
+
+// maxMetricsBytes bounds what a scrape reads: vLLM's text is tens of KiB,
+// with a histogram per LoRA adapter a few hundred.
+const maxMetricsBytes = 8 << 20
+
+// Scraper reads one engine's metrics over HTTP. Its methods are safe for
+// concurrent use.
+type Scraper struct {
+	url    string
+	engine Engine
+	hc     *http.Client
+	tr     *http.Transport
+}
+
+// NewScraper returns a Scraper of the engine at baseURL (as
+// http://10.0.0.7:8000), whose metrics are at path (DefaultMetricsPath
+// when empty). Close it.
+func NewScraper(baseURL, path string, e Engine) (*Scraper, error) {
+	if path == "" {
+		path = DefaultMetricsPath
+	}
+	u, err := url.Parse(strings.TrimRight(baseURL, "/") + path)
+	if err != nil {
+		return nil, fmt.Errorf("metrics url: %w", err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("metrics url %q: not an http URL", u)
+	}
+	// One connection, kept alive between scrapes; no proxy: engines sit
+	// on the cluster network.
+	tr := &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+		MaxIdleConnsPerHost: 1,
+		IdleConnTimeout:     time.Minute,
+	}
+	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: tr}, tr: tr}, nil
+}
+
+// URL returns the address scraped.
+func (s *Scraper) URL() string { return s.url }
+
+// Scrape fetches and parses the engine's metrics; ctx bounds it. An error
+// wrapping ErrGarbage comes with the Metrics that could be read; any other
+// error (the engine did not answer, or not with 200) with none.
+func (s *Scraper) Scrape(ctx context.Context) (Metrics, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url, nil)
+	if err != nil {
+		return Metrics{}, err
+	}
+	// The text format: expfmt's text parser reads it, and every version of
+	// both engines serves it.
+	req.Header.Set("Accept", "text/plain;version=0.0.4")
+	resp, err := s.hc.Do(req)
+	if err != nil {
+		return Metrics{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
+		return Metrics{}, fmt.Errorf("GET %s: status %d", s.url, resp.StatusCode)
+	}
+	return Parse(io.LimitReader(resp.Body, maxMetricsBytes), s.engine)
+}
+
+// Close releases the scraper's idle connection.
+func (s *Scraper) Close() error {
+	s.tr.CloseIdleConnections()
+	return nil
+}
