@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/batonllm/baton/bench"
@@ -43,6 +44,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
@@ -117,6 +119,17 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	limits := bench.ComputeLimits(w, *model, perWorker*int64(*workers))
 
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	rep, err := bench.Run(ctx, o, w)
 	if err != nil {
 		return err
