@@ -84,6 +84,7 @@ type Watcher struct {
 type watched struct {
 	cancel context.CancelFunc
 	done   chan struct{}
+	stats  func() EngineStats // engines only
 }
 
 // New returns a Watcher feeding idx, watching no worker yet.

@@ -1,0 +1,328 @@
+package watch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/workers/vllm"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+)
+
+// MetricsSource is an engine whose metrics the Watcher scrapes;
+// vllm.Scraper implements it. Scrape is called from the engine's scrape
+// goroutine, one call at a time, with a ctx that ends after
+// EngineConfig.ScrapeTimeout; it must return when ctx ends. An error
+// wrapping vllm.ErrGarbage may come with the metrics that could be read.
+type MetricsSource interface {
+	Scrape(ctx context.Context) (vllm.Metrics, error)
+}
+
+// Defaults of EngineConfig.
+const (
+	DefaultScrapeInterval = 250 * time.Millisecond
+	DefaultScrapeTimeout  = time.Second
+	DefaultBlockSize      = 16
+)
+
+// EngineConfig describes an engine the Watcher follows through its
+// metrics and, if it publishes them, its KV cache events: vLLM and SGLang.
+type EngineConfig struct {
+	// Metrics is scraped every ScrapeInterval for the engine's load.
+	// Required.
+	Metrics MetricsSource
+	// ScrapeInterval is the time between two scrapes' starts (default
+	// DefaultScrapeInterval); ScrapeTimeout bounds one (default
+	// DefaultScrapeTimeout). A scrape that fails keeps the last load: the
+	// pool's health checks, not the scrapes, decide the worker is down.
+	ScrapeInterval, ScrapeTimeout time.Duration
+	// BlockSize is the engine's tokens per KV block. 0: the one its
+	// metrics say (vLLM's cache_config_info), else its events', else
+	// DefaultBlockSize.
+	BlockSize int
+	// Events subscribes to the engine's KV events; an empty Endpoint means
+	// the engine publishes none, and the index knows its load only.
+	Events kvevents.SubscriberConfig
+	// Model returns the model that salts the engine's block keys. It is
+	// called when the first events arrive, so that an engine that did not
+	// say at start which model it serves has said by then. Nil: "".
+	Model func() string
+	// Logger receives scrape problems (once per change) and index errors.
+	// Nil discards.
+	Logger *slog.Logger
+}
+
+func (c EngineConfig) withDefaults() EngineConfig {
+	if c.ScrapeInterval <= 0 {
+		c.ScrapeInterval = DefaultScrapeInterval
+	}
+	if c.ScrapeTimeout <= 0 {
+		c.ScrapeTimeout = DefaultScrapeTimeout
+	}
+	if c.Model == nil {
+		c.Model = func() string { return "" }
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// EngineStats counts what the Watcher did for one engine.
+type EngineStats struct {
+	Worker string
+	// Scrapes counts scrapes by outcome: OK, Failed (no answer, or not
+	// 200) and Garbage (metrics that did not parse or held values baton
+	// cannot use; what was usable still counts).
+	Scrapes struct{ OK, Failed, Garbage uint64 }
+	// HasEvents: the engine's KV events are subscribed to; Events and
+	// Translated count them.
+	HasEvents  bool
+	Events     kvevents.Stats
+	Translated kvevents.TranslatorStats
+}
+
+// engineState is what EngineStats reads of a running engine.
+type engineState struct {
+	ok, failed, garbage atomic.Uint64
+	sub                 *kvevents.Subscriber
+	tr                  atomic.Pointer[kvevents.Translator]
+}
+
+func (s *engineState) stats(name string) EngineStats {
+	st := EngineStats{Worker: name}
+	st.Scrapes.OK, st.Scrapes.Failed, st.Scrapes.Garbage = s.ok.Load(), s.failed.Load(), s.garbage.Load()
+	if s.sub != nil {
+		st.HasEvents = true
+		st.Events = s.sub.Stats()
+	}
+	if tr := s.tr.Load(); tr != nil {
+		st.Translated = tr.Stats()
+	}
+	return st
+}
+
+// AddEngine starts following the engine cfg describes as the worker name,
+// replacing (and stopping first) anything already watched under that name:
+// a goroutine scrapes its metrics, and another applies its load and, when
+// cfg.Events is set, its translated KV events to the index. Remove or
+// Close stops them.
+func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
+	if cfg.Metrics == nil {
+		return errors.New("engine without metrics")
+	}
+	cfg = cfg.withDefaults()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return ErrClosed
+	}
+	st := &engineState{}
+	if cfg.Events.Endpoint != "" {
+		if cfg.Events.Logger == nil {
+			cfg.Events.Logger = cfg.Logger
+		}
+		sub, err := kvevents.New(cfg.Events)
+		if err != nil {
+			return fmt.Errorf("worker %s: %w", name, err)
+		}
+		st.sub = sub
+	}
+	if old := w.workers[name]; old != nil {
+		old.stop()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	wd := &watched{cancel: cancel, done: make(chan struct{}), stats: func() EngineStats { return st.stats(name) }}
+	w.workers[name] = wd
+	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st}
+	go e.run(ctx, wd.done)
+	return nil
+}
+
+// Engines returns the counts of every engine followed.
+func (w *Watcher) Engines() []EngineStats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []EngineStats
+	for _, wd := range w.workers {
+		if wd.stats != nil {
+			out = append(out, wd.stats())
+		}
+	}
+	return out
+}
+
+// engine feeds one engine's load and events to the index. Its fields
+// below st belong to the goroutine that applies them.
+type engine struct {
+	idx  *kvindex.Index
+	name string
+	cfg  EngineConfig
+	st   *engineState
+
+	seq       uint64 // of the last event applied
+	load      kvindex.Load
+	metricsBS int // block size the metrics say, 0 unknown
+	blockSize int // block size given to the index
+	tr        *kvevents.Translator
+	lastErr   string // of the index, logged once per change
+}
+
+func (e *engine) run(ctx context.Context, done chan<- struct{}) {
+	defer close(done)
+	// Only the latest scrape matters: a slow applier skips stale ones.
+	scrapes := make(chan vllm.Metrics, 1)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		e.scrape(ctx, scrapes)
+	}()
+	defer wg.Wait()
+	var msgs <-chan kvevents.Message
+	if e.st.sub != nil {
+		defer e.st.sub.Close()
+		msgs = e.st.sub.Messages()
+	}
+	// The index knows the worker (and its block size) from the start.
+	e.setInfo()
+	e.apply(kvindex.Event{Snapshot: &kvindex.Snapshot{}})
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case m := <-scrapes:
+			e.scraped(m)
+		case m, ok := <-msgs:
+			if !ok {
+				msgs = nil // closed: the subscriber stopped
+				continue
+			}
+			e.message(m)
+		}
+	}
+}
+
+// scrape scrapes the engine every ScrapeInterval until ctx ends, sending
+// the usable results on out.
+func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
+	t := time.NewTicker(e.cfg.ScrapeInterval)
+	defer t.Stop()
+	var last string // the problem last logged
+	for {
+		sctx, cancel := context.WithTimeout(ctx, e.cfg.ScrapeTimeout)
+		m, err := e.cfg.Metrics.Scrape(sctx)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		switch {
+		case err == nil:
+			e.st.ok.Add(1)
+			if last != "" {
+				e.cfg.Logger.Info("engine metrics usable again", "worker", e.name)
+				last = ""
+			}
+		case errors.Is(err, vllm.ErrGarbage):
+			e.st.garbage.Add(1)
+		default:
+			e.st.failed.Add(1)
+		}
+		if err != nil && err.Error() != last {
+			last = err.Error()
+			e.cfg.Logger.Warn("engine metrics unusable; keeping the last load", "worker", e.name, "err", err)
+		}
+		if err == nil || m.HasLoad || m.BlockSize > 0 {
+			select {
+			case <-out: // drop the stale one
+			default:
+			}
+			out <- m // the only sender: room is left
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// scraped applies a scrape's block size and load.
+func (e *engine) scraped(m vllm.Metrics) {
+	if m.BlockSize > 0 && m.BlockSize != e.metricsBS {
+		e.metricsBS = m.BlockSize
+		e.setInfo()
+	}
+	if !m.HasLoad {
+		return
+	}
+	used, total := m.Blocks(e.blockSize)
+	e.load = kvindex.Load{Running: m.Running, Waiting: m.Waiting, GPUBlocksUsed: used, GPUBlocksTotal: total}
+	l := e.load
+	e.apply(kvindex.Event{Load: &l})
+}
+
+// message applies a subscriber's message: its batch's events, translated,
+// or a reset.
+func (e *engine) message(m kvevents.Message) {
+	if e.tr == nil {
+		e.tr = kvevents.NewTranslator(kvevents.TranslatorConfig{Model: e.cfg.Model()})
+		e.st.tr.Store(e.tr)
+	}
+	var evs []kvindex.Event
+	if m.Reset {
+		evs = []kvindex.Event{e.tr.Reset()}
+	} else {
+		evs = e.tr.Translate(m.Batch)
+	}
+	for _, ev := range evs {
+		if ev.Snapshot != nil {
+			// A snapshot replaces the worker's load too: keep the latest.
+			ev.Snapshot.Load = e.load
+		}
+		e.apply(ev)
+	}
+	if e.cfg.BlockSize == 0 && e.metricsBS == 0 && e.tr.BlockSize() > 0 && e.tr.BlockSize() != e.blockSize {
+		e.setInfo()
+	}
+}
+
+// apply numbers ev in the engine's own sequence (load reports and
+// translated events interleave) and applies it.
+func (e *engine) apply(ev kvindex.Event) {
+	e.seq++
+	ev.Seq = e.seq
+	e.logIndexErr(e.idx.Apply(e.name, ev))
+}
+
+// setInfo gives the index the engine's block size: the configured one,
+// else the metrics', else the events', else DefaultBlockSize.
+func (e *engine) setInfo() {
+	bs := e.cfg.BlockSize
+	if bs == 0 {
+		bs = e.metricsBS
+	}
+	if bs == 0 && e.tr != nil {
+		bs = e.tr.BlockSize()
+	}
+	if bs == 0 {
+		bs = DefaultBlockSize
+	}
+	e.blockSize = bs
+	e.logIndexErr(e.idx.SetInfo(e.name, kvindex.Info{BlockTokens: bs}))
+}
+
+func (e *engine) logIndexErr(err error) {
+	switch {
+	case err == nil:
+		e.lastErr = ""
+	case err.Error() != e.lastErr:
+		e.lastErr = err.Error()
+		e.cfg.Logger.Warn("engine not indexed; kv_aware treats it as holding nothing", "worker", e.name, "err", err)
+	}
+}
