@@ -28,7 +28,19 @@ const (
 	// KindHTTP is any OpenAI-compatible HTTP engine (vLLM, SGLang,
 	// llama.cpp's llama-server); its responses are relayed as they come.
 	KindHTTP = "http"
+	// KindVLLM and KindSGLang are those engines served as http ones, whose
+	// load the scheduler also scrapes from their metrics and whose KV
+	// cache events it follows (WorkerConfig.Events).
+	KindVLLM   = "vllm"
+	KindSGLang = "sglang"
 )
+
+// engineKind reports whether kind is vllm or sglang.
+func engineKind(kind string) bool { return kind == KindVLLM || kind == KindSGLang }
+
+// httpKind reports whether a worker of kind is served over the OpenAI
+// HTTP API.
+func httpKind(kind string) bool { return kind == KindHTTP || engineKind(kind) }
 
 // WorkerConfig is one statically configured worker.
 type WorkerConfig struct {
@@ -36,9 +48,9 @@ type WorkerConfig struct {
 	// address.
 	Name string `yaml:"name"`
 	// Address is host:port for grpc workers, a base URL (http://host:port)
-	// for http engines. Required.
+	// for http, vllm and sglang engines. Required.
 	Address string `yaml:"address"`
-	// Kind is grpc (default) or http.
+	// Kind is grpc (default), http, vllm or sglang.
 	Kind string `yaml:"kind"`
 	// Models the worker serves. Empty: any model (grpc workers are asked at
 	// start).
@@ -46,6 +58,66 @@ type WorkerConfig struct {
 	// Role is both (prefill and decode: colocated serving), prefill or
 	// decode. Empty: grpc workers are asked at start; http engines are both.
 	Role string `yaml:"role"`
+
+	EngineConfig `yaml:",inline"`
+}
+
+// EngineConfig holds the fields of vllm and sglang workers: where the
+// scheduler reads their load and KV cache events. Workers of other kinds
+// must leave it empty.
+type EngineConfig struct {
+	// Events is the engine's ZeroMQ KV event endpoint, as
+	// tcp://10.0.0.7:5557 (the host of the engine's --kv-events-config
+	// endpoint tcp://*:5557). Empty: the engine publishes none, and only
+	// its load is known.
+	Events string `yaml:"events"`
+	// EventsReplay is the engine's replay endpoint (its replay_endpoint),
+	// from which missed events are fetched. Empty: a gap drops what the
+	// index knew of the engine's blocks until they are stored again.
+	EventsReplay string `yaml:"events_replay"`
+	// EventsTopic is the topic the engine publishes under (its topic);
+	// default "", every message.
+	EventsTopic string `yaml:"events_topic"`
+	// EventsBind makes the scheduler listen on Events for the engine to
+	// connect out to (an engine endpoint naming the scheduler's host)
+	// rather than dial the engine.
+	EventsBind bool `yaml:"events_bind"`
+	// MetricsPath is where the engine serves Prometheus metrics. Default
+	// /metrics.
+	MetricsPath string `yaml:"metrics_path"`
+	// MetricsInterval is the time between two scrapes of the metrics, which
+	// give the engine's load (running and waiting requests, KV cache
+	// usage). Default 250ms: a few decode steps' worth of staleness.
+	MetricsInterval time.Duration `yaml:"metrics_interval"`
+	// MetricsTimeout bounds one scrape. Default 1s.
+	MetricsTimeout time.Duration `yaml:"metrics_timeout"`
+	// BlockSize is the engine's tokens per KV block (vLLM's --block-size,
+	// SGLang's --page-size). Default: the engine's metrics say (vLLM's
+	// cache_config_info), else its events, else 16.
+	BlockSize int `yaml:"block_size"`
+}
+
+// validate reports the first invalid field of a vllm or sglang worker,
+// prefixed with field.
+func (c EngineConfig) validate(field string) error {
+	for _, e := range []struct{ name, endpoint string }{{"events", c.Events}, {"events_replay", c.EventsReplay}} {
+		if e.endpoint != "" && !strings.HasPrefix(e.endpoint, "tcp://") && !strings.HasPrefix(e.endpoint, "ipc://") {
+			return fmt.Errorf("%s.%s: a ZeroMQ endpoint such as tcp://host:5557, got %q", field, e.name, e.endpoint)
+		}
+	}
+	switch {
+	case c.Events == "" && (c.EventsReplay != "" || c.EventsTopic != "" || c.EventsBind):
+		return fmt.Errorf("%s.events: required with events_replay, events_topic or events_bind", field)
+	case c.MetricsPath != "" && !strings.HasPrefix(c.MetricsPath, "/"):
+		return fmt.Errorf("%s.metrics_path: must start with /, got %q", field, c.MetricsPath)
+	case c.MetricsInterval < 0 || c.MetricsInterval > 0 && c.MetricsInterval < 10*time.Millisecond:
+		return fmt.Errorf("%s.metrics_interval: must be at least 10ms, got %s", field, c.MetricsInterval)
+	case c.MetricsTimeout < 0:
+		return fmt.Errorf("%s.metrics_timeout: must be positive, got %s", field, c.MetricsTimeout)
+	case c.BlockSize < 0 || c.BlockSize > 1<<16:
+		return fmt.Errorf("%s.block_size: must be 1–65536 tokens, got %d", field, c.BlockSize)
+	}
+	return nil
 }
 
 // Worker roles.
@@ -219,14 +291,21 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		switch {
 		case w.Address == "":
 			return fmt.Errorf("%s.address: required", field)
-		case w.Kind != KindGRPC && w.Kind != KindHTTP:
-			return fmt.Errorf("%s.kind: must be %s or %s, got %q", field, KindGRPC, KindHTTP, w.Kind)
+		case w.Kind != KindGRPC && !httpKind(w.Kind):
+			return fmt.Errorf("%s.kind: must be %s, %s, %s or %s, got %q", field, KindGRPC, KindHTTP, KindVLLM, KindSGLang, w.Kind)
 		case seen[w.Name]:
 			return fmt.Errorf("%s.name: %q is used by another worker", field, w.Name)
 		case w.Role != "" && w.Role != RoleBoth && w.Role != RolePrefill && w.Role != RoleDecode:
 			return fmt.Errorf("%s.role: must be %s, %s or %s, got %q", field, RoleBoth, RolePrefill, RoleDecode, w.Role)
-		case w.Kind == KindHTTP && (w.Role == RolePrefill || w.Role == RoleDecode):
-			return fmt.Errorf("%s.role: an http engine serves colocated (role both) only, got %q", field, w.Role)
+		case httpKind(w.Kind) && (w.Role == RolePrefill || w.Role == RoleDecode):
+			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only, got %q", field, w.Kind, w.Role)
+		}
+		if engineKind(w.Kind) {
+			if err := w.EngineConfig.validate(field); err != nil {
+				return err
+			}
+		} else if w.EngineConfig != (EngineConfig{}) {
+			return fmt.Errorf("%s.%s: only vllm and sglang workers have it (kind is %s)", field, w.EngineConfig.firstSet(), w.Kind)
 		}
 		seen[w.Name] = true
 		if w.Kind == KindGRPC {
@@ -234,10 +313,22 @@ func (c Config) Validate(strategies *routing.Registry) error {
 				return fmt.Errorf("%s.address: %v", field, err)
 			}
 		} else if !strings.HasPrefix(w.Address, "http://") && !strings.HasPrefix(w.Address, "https://") {
-			return fmt.Errorf("%s.address: an http engine's address is a URL such as http://host:8000, got %q", field, w.Address)
+			return fmt.Errorf("%s.address: the address of %s engines is a URL such as http://host:8000, got %q", field, w.Kind, w.Address)
 		}
 	}
 	return nil
+}
+
+// firstSet returns the YAML name of c's first field that is set.
+func (c EngineConfig) firstSet() string {
+	v := reflect.ValueOf(c)
+	for i := range v.NumField() {
+		if !v.Field(i).IsZero() {
+			name, _, _ := strings.Cut(v.Type().Field(i).Tag.Get("yaml"), ",")
+			return name
+		}
+	}
+	return ""
 }
 
 // LoadConfig reads a YAML configuration file. Its errors name the field by

@@ -19,7 +19,8 @@ func registry() *routing.Registry {
 
 func TestConfigValidate(t *testing.T) {
 	valid := func() Config {
-		return Config{Workers: []WorkerConfig{{Address: "127.0.0.1:9000"}, {Name: "v", Address: "http://127.0.0.1:8000", Kind: KindHTTP}}}
+		return Config{Workers: []WorkerConfig{{Address: "127.0.0.1:9000"}, {Name: "v", Address: "http://127.0.0.1:8000", Kind: KindHTTP},
+			{Name: "e", Address: "http://127.0.0.1:8001", Kind: KindVLLM, EngineConfig: EngineConfig{Events: "tcp://127.0.0.1:5557"}}}}
 	}
 	if err := valid().Validate(registry()); err != nil {
 		t.Fatalf("valid config: %v", err)
@@ -51,6 +52,18 @@ func TestConfigValidate(t *testing.T) {
 		{"duplicate names", func(c *Config) { c.Workers[1].Name = "127.0.0.1:9000" }, "workers[1].name:"},
 		{"bad role", func(c *Config) { c.Workers[0].Role = "verifier" }, "workers[0].role:"},
 		{"http prefill", func(c *Config) { c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
+		{"vllm prefill", func(c *Config) { c.Workers[2].Role = RolePrefill }, "workers[2].role:"},
+		{"sglang address not a URL", func(c *Config) { c.Workers[2].Kind = KindSGLang; c.Workers[2].Address = "h:8000" }, "workers[2].address:"},
+		{"events not an endpoint", func(c *Config) { c.Workers[2].Events = "127.0.0.1:5557" }, "workers[2].events:"},
+		{"replay not an endpoint", func(c *Config) { c.Workers[2].EventsReplay = "http://h:5558" }, "workers[2].events_replay:"},
+		{"topic without events", func(c *Config) { c.Workers[2].Events = ""; c.Workers[2].EventsTopic = "kv" }, "workers[2].events:"},
+		{"bind without events", func(c *Config) { c.Workers[2].Events = ""; c.Workers[2].EventsBind = true }, "workers[2].events:"},
+		{"metrics path", func(c *Config) { c.Workers[2].MetricsPath = "metrics" }, "workers[2].metrics_path:"},
+		{"metrics interval", func(c *Config) { c.Workers[2].MetricsInterval = time.Millisecond }, "workers[2].metrics_interval:"},
+		{"metrics timeout", func(c *Config) { c.Workers[2].MetricsTimeout = -time.Second }, "workers[2].metrics_timeout:"},
+		{"block size", func(c *Config) { c.Workers[2].BlockSize = -16 }, "workers[2].block_size:"},
+		{"events of an http worker", func(c *Config) { c.Workers[1].EventsTopic = "kv" }, "workers[1].events_topic:"},
+		{"block size of a grpc worker", func(c *Config) { c.Workers[0].BlockSize = 16 }, "workers[0].block_size:"},
 		{"decode strategy", func(c *Config) { c.Disaggregation.DecodeStrategy = "fastest" }, "disaggregation.decode_strategy:"},
 		{"min remote", func(c *Config) { c.Disaggregation.MinRemotePrefillTokens = -3 }, "disaggregation.min_remote_prefill_tokens:"},
 		{"prefill retries", func(c *Config) { c.Disaggregation.PrefillRetries = 5 }, "disaggregation.prefill_retries:"},

@@ -24,7 +24,11 @@ import (
 	"github.com/batonllm/baton/workers/sim"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	// zmq4's PUB socket, of the fake engines' KV event publishers, never
+	// stops its writer goroutine on Close.
+	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+}
 
 // model is the simulated workers' default model.
 const model = "llama-3.1-8b"

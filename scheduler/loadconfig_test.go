@@ -65,6 +65,10 @@ func TestLoadConfigErrorsNameTheField(t *testing.T) {
 			"concurency_threshold: line 2: unknown field; did you mean concurrency_threshold?"},
 		{"typo in a worker", "workers: [{adress: 'a:1'}]\n",
 			"workers[0].adress: line 1: unknown field; did you mean address?"},
+		{"typo in a vllm field", "workers:\n  - {address: 'http://v:8000', kind: vllm, events: 'tcp://v:5557', event_topic: kv}\n",
+			"workers[0].event_topic: line 2: unknown field; did you mean events_topic?"},
+		{"vllm field of the wrong type", "workers:\n  - address: http://v:8000\n    kind: sglang\n    events_bind: maybe\n",
+			`workers[0].events_bind: line 4: "maybe" is not true or false`},
 		{"unknown field", "disaggregation: {speed: 3}\n",
 			"disaggregation.speed: line 1: unknown field (known: decode_strategy, min_remote_prefill_tokens, transfer_timeout, prefill_retries)"},
 		{"Go name", "Listen: ':80'\n", "Listen: line 1: unknown field; did you mean listen?"},
@@ -117,6 +121,17 @@ workers:
   - name: ~
     address: http://v:8000
     kind: http
+  - name: e0
+    address: http://e0:8000
+    kind: vllm
+    events: tcp://e0:5557
+    events_replay: tcp://e0:5558
+    events_topic: kv-events
+    events_bind: true
+    metrics_path: /engine/metrics
+    metrics_interval: 100ms
+    metrics_timeout: 2s
+    block_size: 32
 `
 	got, err := loadYAML(t, t.TempDir(), text)
 	if err != nil {
@@ -133,6 +148,10 @@ workers:
 			{Name: "p0", Address: "p0:9000", Role: RolePrefill, Models: []string{"a"}},
 			{Name: "p1", Address: "p1:9000", Role: RolePrefill, Models: []string{"a"}},
 			{Address: "http://v:8000", Kind: KindHTTP},
+			{Name: "e0", Address: "http://e0:8000", Kind: KindVLLM, EngineConfig: EngineConfig{
+				Events: "tcp://e0:5557", EventsReplay: "tcp://e0:5558", EventsTopic: "kv-events", EventsBind: true,
+				MetricsPath: "/engine/metrics", MetricsInterval: 100 * time.Millisecond, MetricsTimeout: 2 * time.Second, BlockSize: 32,
+			}},
 		},
 	}
 	want.ConcurrencyThreshold = 8

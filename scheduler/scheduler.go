@@ -25,6 +25,8 @@ import (
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/httpengine"
+	"github.com/batonllm/baton/workers/vllm"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
 // Scheduler is a running scheduler: pool, strategy, metrics and front end.
@@ -50,10 +52,11 @@ type Scheduler struct {
 	where   map[string]*pool.Pool // each worker's pool, by name
 	roles   map[string]string     // configured roles; "" asks the engine
 
-	mu      sync.Mutex
-	clients []engine.Client
-	srv     *http.Server
-	closed  bool
+	mu       sync.Mutex
+	clients  []engine.Client
+	scrapers []*vllm.Scraper
+	srv      *http.Server
+	closed   bool
 }
 
 // New validates cfg, connects to its workers and builds the scheduler. It
@@ -100,6 +103,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
 		s.log.Info("kv index resync", "worker", worker, "err", err)
 	}})
+	s.Metrics.CollectEngines(s.engineCounts)
 	d := cfg.Disaggregation.WithDefaults()
 	// Watching every worker costs the scheduler CPU on each of their cache
 	// events: do it only for strategies that read the index.
@@ -140,7 +144,10 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}
 		// Baton workers stream their cache events into the index; other
 		// engines are known to it by name only (predictions still apply).
-		if src, ok := w.Client.(watch.Source); ok && watchWorkers {
+		if engineKind(wc.Kind) {
+			// Their load feeds kv_aware and kv_usage alike: always scraped.
+			err = s.watchEngine(wc, watchWorkers)
+		} else if src, ok := w.Client.(watch.Source); ok && watchWorkers {
 			err = s.watcher.Add(w.Name, src)
 		} else if watchWorkers {
 			err = s.Index.AddWorker(w.Name)
@@ -194,7 +201,7 @@ func (s *Scheduler) snapshot(p **pool.Pool) func() *pool.Snapshot {
 func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description, error) {
 	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models}
 	switch wc.Kind {
-	case KindHTTP:
+	case KindHTTP, KindVLLM, KindSGLang:
 		c, err := httpengine.New(wc.Address)
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
@@ -223,6 +230,96 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		desc = &d
 	}
 	return w, desc, nil
+}
+
+// watchEngine has the watcher follow a vllm or sglang worker: its load
+// from its metrics and, if withEvents, its KV cache events.
+func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
+	kind := vllm.VLLM
+	if wc.Kind == KindSGLang {
+		kind = vllm.SGLang
+	}
+	sc, err := vllm.NewScraper(wc.Address, wc.MetricsPath, kind)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.scrapers = append(s.scrapers, sc)
+	s.mu.Unlock()
+	log := s.log.With("worker", wc.Name)
+	cfg := watch.EngineConfig{
+		Metrics:        sc,
+		ScrapeInterval: wc.MetricsInterval,
+		ScrapeTimeout:  wc.MetricsTimeout,
+		BlockSize:      wc.BlockSize,
+		Model:          func() string { return s.modelOf(wc) },
+		Logger:         s.log,
+	}
+	switch {
+	case wc.Events != "" && withEvents:
+		mode := kvevents.Connect
+		if wc.EventsBind {
+			mode = kvevents.Bind
+		}
+		cfg.Events = kvevents.SubscriberConfig{
+			Endpoint: wc.Events, ReplayEndpoint: wc.EventsReplay, Topic: wc.EventsTopic, Mode: mode,
+			// The engine may have cached blocks before the scheduler
+			// started: its replay buffer tells which.
+			ReplayFromStart: true,
+			Logger:          log,
+		}
+	case wc.Events != "":
+		log.Info("engine's KV events not followed: the strategy does not read the KV index", "strategy", s.cfg.Strategy)
+	}
+	return s.watcher.AddEngine(wc.Name, cfg)
+}
+
+// engineCounts returns the counts of the vllm and sglang workers followed,
+// for the metrics.
+func (s *Scheduler) engineCounts() []metrics.EngineCounts {
+	var out []metrics.EngineCounts
+	for _, e := range s.watcher.Engines() {
+		c := metrics.EngineCounts{
+			Worker:  e.Worker,
+			Scrapes: map[string]uint64{"ok": e.Scrapes.OK, "failed": e.Scrapes.Failed, "garbage": e.Scrapes.Garbage},
+		}
+		if e.HasEvents {
+			t, st := e.Translated, e.Events
+			c.Events = map[string]uint64{
+				"stored": t.Stored, "removed": t.Removed, "cleared": t.Cleared,
+				"unknown_parent": t.UnknownParent, "unknown_removed": t.UnknownRemoved, "bad_stored": t.BadStored,
+				"other_medium": t.OtherMedium, "other_group": t.OtherGroup, "evicted": t.Evicted,
+			}
+			c.Stream = map[string]uint64{
+				"batch": st.Batches, "decode_error": st.DecodeErrors, "unknown_tag": st.UnknownTags,
+				"bad_frame": st.BadFrames, "gap": st.Gaps, "replay": st.Replays, "replay_failure": st.ReplayFailures,
+				"reset": st.Resets, "restart": st.Restarts, "reconnect": st.Reconnects, "dial_failure": st.DialFailures,
+			}
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+// modelOf returns the model that salts a vllm or sglang worker's block
+// keys: the first it is configured with, else the first it said it
+// serves (vLLM lists its base model before its LoRA adapters).
+func (s *Scheduler) modelOf(wc WorkerConfig) string {
+	if len(wc.Models) > 0 {
+		return wc.Models[0]
+	}
+	s.placeMu.Lock()
+	p := s.where[wc.Name]
+	s.placeMu.Unlock()
+	if p == nil {
+		return ""
+	}
+	if w := p.Snapshot().Worker(wc.Name); w != nil {
+		if m := w.ServedModels(); len(m) > 0 {
+			return m[0]
+		}
+	}
+	return ""
 }
 
 // described hears a worker's description from its pool's health checks:
@@ -330,7 +427,7 @@ func (s *Scheduler) Close() error {
 		return nil
 	}
 	s.closed = true
-	srv, clients := s.srv, s.clients
+	srv, clients, scrapers := s.srv, s.clients, s.scrapers
 	s.mu.Unlock()
 	if srv != nil {
 		srv.Close()
@@ -347,6 +444,9 @@ func (s *Scheduler) Close() error {
 	if s.watcher != nil {
 		s.watcher.Close()
 	}
+	for _, sc := range scrapers {
+		sc.Close()
+	}
 	for _, c := range clients {
 		c.Close()
 	}
@@ -356,8 +456,9 @@ func (s *Scheduler) Close() error {
 // The clients the scheduler builds, checked against the optional abilities
 // it finds on them at run time.
 var (
-	_ watch.Source     = (*grpcworker.Client)(nil)
-	_ engine.Describer = (*grpcworker.Client)(nil)
-	_ engine.Describer = (*httpengine.Client)(nil)
-	_ engine.Proxier   = (*httpengine.Client)(nil)
+	_ watch.Source        = (*grpcworker.Client)(nil)
+	_ engine.Describer    = (*grpcworker.Client)(nil)
+	_ engine.Describer    = (*httpengine.Client)(nil)
+	_ engine.Proxier      = (*httpengine.Client)(nil)
+	_ watch.MetricsSource = (*vllm.Scraper)(nil)
 )

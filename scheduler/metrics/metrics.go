@@ -247,3 +247,56 @@ func b2f(b bool) float64 {
 	}
 	return 0
 }
+
+// EngineCounts are one vLLM or SGLang worker's cumulative counts, by the
+// value of each metric's label.
+type EngineCounts struct {
+	Worker string
+	// Scrapes counts scrapes of its metrics by outcome (ok, failed,
+	// garbage).
+	Scrapes map[string]uint64
+	// Events counts its KV events by what the index made of them (blocks
+	// stored and removed, clears, and the reasons some were dropped).
+	Events map[string]uint64
+	// Stream counts what happened to its stream of event batches
+	// (batches, gaps, replays, resets, reconnects, ...).
+	Stream map[string]uint64
+}
+
+var (
+	engineScrapesDesc = prometheus.NewDesc("baton_engine_scrapes_total",
+		"Scrapes of vLLM and SGLang workers' metrics, by outcome: ok, failed (no answer, or not 200), garbage (text or values baton cannot use; what was usable still counts).",
+		[]string{"worker", "outcome"}, nil)
+	kvEventsDesc = prometheus.NewDesc("baton_kv_events_total",
+		"KV cache events of vLLM and SGLang workers by outcome: blocks stored and removed in the index, AllBlocksCleared events (cleared), and the blocks or events dropped (unknown_parent, bad_stored, ...).",
+		[]string{"worker", "outcome"}, nil)
+	kvStreamDesc = prometheus.NewDesc("baton_kv_event_stream_total",
+		"What happened to vLLM and SGLang workers' streams of KV event batches: batches delivered, decode errors, gaps, replays, resets, reconnects, ...",
+		[]string{"worker", "event"}, nil)
+)
+
+// CollectEngines registers a collector that reads counts at each scrape.
+func (m *Metrics) CollectEngines(counts func() []EngineCounts) {
+	m.Registry.MustRegister(engineCollector(counts))
+}
+
+type engineCollector func() []EngineCounts
+
+func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- engineScrapesDesc
+	ch <- kvEventsDesc
+	ch <- kvStreamDesc
+}
+
+func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, e := range c() {
+		for _, d := range []struct {
+			desc   *prometheus.Desc
+			counts map[string]uint64
+		}{{engineScrapesDesc, e.Scrapes}, {kvEventsDesc, e.Events}, {kvStreamDesc, e.Stream}} {
+			for label, v := range d.counts {
+				ch <- prometheus.MustNewConstMetric(d.desc, prometheus.CounterValue, float64(v), e.Worker, label)
+			}
+		}
+	}
+}
