@@ -111,6 +111,7 @@ func (x *exchange) run(ctx context.Context) string {
 		x.worker = wk.Name
 		x.predicted = -1
 		routing.Commit(x.genStrategy(), x.rreq, d)
+		s.metrics.Decisions.WithLabelValues(x.genStrategy().Name(), d.Reason.String()).Inc()
 		x.committed, x.reported = d, false
 		if x.dz == nil && s.usesKeys {
 			x.predicted = d.PredictedCached

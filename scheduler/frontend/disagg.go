@@ -94,6 +94,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 			continue
 		}
 		routing.Commit(s.strategy, x.rreq, pd)
+		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
 		id := x.req.ID + "-" + strconv.Itoa(attempt)
 		called := time.Now()
 		res, err := pz.Prefill(ctx, &engine.PrefillRequest{

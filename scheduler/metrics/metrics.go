@@ -41,7 +41,10 @@ type Metrics struct {
 	// RoutingPart is the time of each part of a routing profile.
 	RoutingPart *prometheus.HistogramVec // strategy, part
 	Spills      *prometheus.CounterVec   // strategy, worker (the worker spilled from)
-	Retries     *prometheus.CounterVec   // reason
+	// Decisions counts committed routing decisions by why their worker
+	// was chosen (routing.Reason).
+	Decisions *prometheus.CounterVec // strategy, reason
+	Retries   *prometheus.CounterVec // reason
 
 	QueueDepth      prometheus.Gauge       //
 	QueueRejections *prometheus.CounterVec // reason (full, timeout)
@@ -112,6 +115,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		RoutingPart: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "baton_routing_part_seconds", Help: "Time each part of a routing profile (its filters, each scorer, the picker) took in one decision.", Buckets: decisionBuckets,
 		}, []string{"strategy", "part"}),
+		Decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_routing_decisions_total", Help: "Committed routing decisions, by the reason their worker was chosen (home, spill, kv_aware, replicate, ...).",
+		}, []string{"strategy", "reason"}),
 		Spills: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_overflow_spills_total", Help: "Requests that left their prefix's worker because it was at the concurrency threshold.",
 		}, []string{"strategy", "worker"}),
@@ -170,7 +176,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 	for _, c := range []prometheus.Collector{
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
-		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart,
+		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions,
 		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {

@@ -33,10 +33,22 @@ const routedTie = 0.5
 // pattern. A worker that has served nothing lately while another takes
 // twice its share stays idle only because the prefixes it does not hold
 // keep going elsewhere.
+//
+// The replication must also pay for itself: the request's estimated time
+// to first token on the idle worker may exceed the holder's by at most
+// replicateHorizon times the holder's estimate times the holder's excess
+// traffic (its routed requests over the mean, less 1). The holder's
+// estimate is what each of its requests waits there; the excess is how
+// much more traffic it takes than its share, which the replica will
+// split; the horizon is how many of those requests the replica is
+// counted to serve. A session's first request (a shared system prompt
+// and little else) passes; a long session's later request, whose whole
+// history the idle worker would recompute, does not.
 const (
-	hotRouted    = 2.0
-	idleRouted   = 0.25
-	hotMinRouted = 8
+	hotRouted        = 2.0
+	idleRouted       = 0.25
+	hotMinRouted     = 8
+	replicateHorizon = 8
 )
 
 // NewKVAware returns the kv_aware profile over p.Index, which the watch
@@ -220,7 +232,8 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		best = bestAny
 	}
 	if mean := routed / float64(len(cands)); idle.i >= 0 && best.cached > idle.cached && best.load < s.threshold &&
-		best.routed >= max(hotRouted*mean, hotMinRouted) && idle.routed <= idleRouted*mean {
+		best.routed >= max(hotRouted*mean, hotMinRouted) && idle.routed <= idleRouted*mean &&
+		idle.seconds-best.seconds <= replicateHorizon*best.seconds*(best.routed/mean-1) {
 		best = idle
 		c.Replicate = true
 	}
