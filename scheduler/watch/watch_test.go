@@ -17,7 +17,11 @@ import (
 	"github.com/batonllm/baton/workers/grpcworker"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	// zmq4's PUB socket, of the fake engine's publisher, never stops its
+	// writer goroutine on Close.
+	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+}
 
 // fakeWorker is a worker's cache state and its Watch streams.
 type fakeWorker struct {

@@ -1,0 +1,150 @@
+package watch_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/workers/vllm"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
+)
+
+// fakeMetrics is an engine's metrics as the test sets them.
+type fakeMetrics struct {
+	mu  sync.Mutex
+	m   vllm.Metrics
+	err error
+}
+
+func (f *fakeMetrics) Scrape(context.Context) (vllm.Metrics, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.err != nil {
+		return vllm.Metrics{}, f.err
+	}
+	return f.m, nil
+}
+
+func (f *fakeMetrics) set(m vllm.Metrics, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.m, f.err = m, err
+}
+
+func waitUntil(t *testing.T, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func match(idx *kvindex.Index, keys []uint64) kvindex.Match {
+	out := make([]kvindex.Match, 1)
+	idx.Lookup(keys, []string{"e0"}, out)
+	return out[0]
+}
+
+// TestEngine: an engine's scraped load and translated events reach the
+// index; a lost batch resets its blocks but keeps its load; Remove stops
+// following it and forgets it.
+func TestEngine(t *testing.T) {
+	pub, err := kveventstest.NewPublisher(kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	idx := kvindex.New(kvindex.Config{})
+	w := watch.New(idx, watch.Config{})
+	defer w.Close()
+	src := &fakeMetrics{m: vllm.Metrics{Running: 2, Waiting: 1, HasLoad: true, KVUsage: 0.5, HasKVUsage: true, BlockSize: 4, GPUBlocks: 100}}
+	err = w.AddEngine("e0", watch.EngineConfig{
+		Metrics: src, ScrapeInterval: 10 * time.Millisecond,
+		Events: kvevents.SubscriberConfig{Endpoint: pub.Endpoint(), Topic: "kv", RedialMin: 10 * time.Millisecond},
+		Model:  func() string { return "m" },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := kvindex.Load{Running: 2, Waiting: 1, GPUBlocksUsed: 50, GPUBlocksTotal: 100}
+	waitUntil(t, func() error {
+		if m := match(idx, nil); m.Load != want || m.BlockTokens != 4 {
+			return fmt.Errorf("load %+v, block tokens %d; want %+v, 4", m.Load, m.BlockTokens, want)
+		}
+		return nil
+	})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := pub.WaitSubscribed(ctx); err != nil {
+		t.Fatal(err)
+	}
+	toks := []uint32{1, 2, 3, 4, 5, 6, 7, 8}
+	keys := kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt("m", "", "")), toks, 4)
+	if _, err := pub.Publish(kvevents.Batch{Events: []kvevents.Event{&kvevents.BlockStored{
+		BlockHashes: []kvevents.Hash{kvevents.IntHash(1), kvevents.IntHash(2)}, TokenIDs: toks, BlockSize: 4,
+	}}}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, func() error {
+		if m := match(idx, keys); m.GPU != 2 {
+			return fmt.Errorf("%d of 2 stored blocks indexed", m.GPU)
+		}
+		return nil
+	})
+
+	// A batch the subscriber never gets, and no replay socket: a reset.
+	src.set(vllm.Metrics{Running: 7, HasLoad: true}, nil)
+	waitUntil(t, func() error {
+		if m := match(idx, nil); m.Load.Running != 7 {
+			return fmt.Errorf("load %+v, want 7 running", m.Load)
+		}
+		return nil
+	})
+	// Scrapes fail from now on: the load the reset keeps is the last one
+	// scraped, not one scraped after it.
+	src.set(vllm.Metrics{}, errors.New("connection refused"))
+	waitUntil(t, func() error {
+		if st := w.Engines(); len(st) != 1 || st[0].Scrapes.Failed == 0 {
+			return fmt.Errorf("Engines() = %+v, want a failed scrape", st)
+		}
+		return nil
+	})
+	if _, err := pub.Drop(kvevents.Batch{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pub.Publish(kvevents.Batch{}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, func() error {
+		if m := match(idx, keys); m.GPU != 0 || m.Load.Running != 7 {
+			return fmt.Errorf("after a reset: %d blocks, load %+v; want none, the latest load (7 running)", m.GPU, m.Load)
+		}
+		return nil
+	})
+	stats := w.Engines()
+	if len(stats) != 1 || stats[0].Worker != "e0" || !stats[0].HasEvents || stats[0].Translated.Stored != 2 || stats[0].Events.Resets != 1 {
+		t.Errorf("Engines() = %+v, want e0 with 2 blocks stored and 1 reset", stats)
+	}
+
+	w.Remove("e0")
+	if m := match(idx, nil); m.Known {
+		t.Errorf("after Remove the index still knows e0: %+v", m)
+	}
+	if got := w.Engines(); len(got) != 0 {
+		t.Errorf("after Remove Engines() = %+v, want none", got)
+	}
+}
