@@ -316,7 +316,7 @@ func partQuantiles(before, after []*dto.MetricFamily) map[string][2]float64 {
 // failures, breaker trips, queue rejections, and cached tokens by tier.
 var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total", "baton_transfer_failures_total",
 	"baton_breaker_transitions_total", "baton_queue_rejections_total", "baton_retries_total", "baton_cached_tokens_by_tier_total",
-	"baton_routing_decisions_total"}
+	"baton_routing_decisions_total", "baton_prefix_copies_total"}
 
 // counters returns the explained counters of mfs by name{label=value,...}.
 func counters(mfs []*dto.MetricFamily) map[string]float64 {

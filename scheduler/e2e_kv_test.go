@@ -318,3 +318,38 @@ func TestKVAwareAcrossSchedulerReplicas(t *testing.T) {
 		}
 	}
 }
+
+// A hot prefix is replicated onto an idle worker by copying its blocks
+// from the holder, not by recomputing them: the holder prefills the
+// request (computing only its new tokens) and pushes the blocks, and the
+// idle worker finds the prefix cached.
+func TestKVAwareCopiesHotPrefixOntoIdleWorker(t *testing.T) {
+	_, s, addr := startTiered(t, 3, fastScale, nil, nil, nil)
+	c := oaClient(t, addr)
+	system := text("system-prompt", 6000)
+	first := chat(t, c, chatParams(system+" session 0", 8))
+	indexed(t, s, first.worker, system)
+	var copied *chatResult
+	for i := 1; i < 40 && copied == nil; i++ {
+		r := chat(t, c, chatParams(system+fmt.Sprintf(" session %d", i), 8))
+		if strings.Contains(r.route, "replicate=true") {
+			copied = &r
+		}
+	}
+	if copied == nil {
+		t.Fatal("40 sessions on one worker's system prompt while two workers idled: never replicated")
+	}
+	if copied.worker == first.worker || copied.prefill != first.worker {
+		t.Errorf("replicated onto %s with prefill worker %q; want an idle worker, copied from the holder %s", copied.worker, copied.prefill, first.worker)
+	}
+	if copied.cached < copied.prompt*8/10 {
+		t.Errorf("replicated request: %d of %d prompt tokens reused; the copied prefix should count", copied.cached, copied.prompt)
+	}
+	m := scrape(t, httpClient(t), addr)
+	if n, _ := metric(m, "baton_prefix_copies_total", `outcome="copied"`); n < 1 {
+		t.Errorf("baton_prefix_copies_total{outcome=copied} = %v, want at least 1", n)
+	}
+	if n, _ := metric(m, "baton_routing_decisions_total", `reason="replicate"`); n < 1 {
+		t.Errorf("baton_routing_decisions_total{reason=replicate} = %v, want at least 1", n)
+	}
+}

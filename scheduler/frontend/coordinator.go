@@ -143,6 +143,13 @@ func (x *exchange) run(ctx context.Context) string {
 			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
 		} else {
 			h.Set(HeaderRoute, d.RouteHit(x.strategy, x.rreq.Tokens))
+			if d.Reason == routing.ReasonReplicate && d.Home != nil && d.Home != wk {
+				// The prefix moves by transfer, not recomputation: the
+				// estimate was of the latter.
+				if p = x.copyPrefix(ctx, d.Home, wk); p != nil {
+					x.committed.Estimate = 0
+				}
+			}
 		}
 
 		written, err := x.serve(ctx, wk, p)

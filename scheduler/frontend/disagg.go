@@ -163,6 +163,51 @@ func prefillDone(start, called time.Time, res *engine.PrefillResult, err error) 
 	return routing.DoneInfo{FirstToken: first}
 }
 
+// copyPrefix copies the request's prefix from holder, the worker that
+// holds it, onto dw, the idle worker kv_aware replicates it to: holder
+// prefills the prompt (computing only what it lacks) and pushes the blocks
+// to dw, which decodes. A copy costs a transfer where recomputing the
+// prefix on dw costs its whole prefill. It returns nil, and dw
+// recomputes, when either engine cannot take part or the copy fails;
+// holder's failure counts against holder alone.
+func (x *exchange) copyPrefix(ctx context.Context, holder, dw *pool.Worker) *plan {
+	s := x.s
+	m := s.metrics
+	pz, ok := holder.Client.(engine.Disaggregator)
+	if _, dok := dw.Client.(engine.Disaggregator); !ok || !dok || s.disagg == nil {
+		m.PrefixCopies.WithLabelValues("unsupported").Inc()
+		return nil
+	}
+	done, err := holder.Acquire()
+	if err != nil {
+		m.PrefixCopies.WithLabelValues("holder_unavailable").Inc()
+		return nil
+	}
+	id := x.req.ID + "-copy"
+	res, err := pz.Prefill(ctx, &engine.PrefillRequest{
+		Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
+		MinRemoteTokens: s.disagg.MinRemoteTokens, TransferTimeout: s.disagg.TransferTimeout,
+	})
+	done(classify(err))
+	switch {
+	case err != nil:
+		m.PrefixCopies.WithLabelValues("failed").Inc()
+		if ctx.Err() == nil {
+			s.log.Info("prefix copy failed; recomputing", "id", x.req.ID, "from", holder.Name, "to", dw.Name, "err", err)
+		}
+		return nil
+	case res.Skipped:
+		m.PrefixCopies.WithLabelValues("held").Inc()
+		return nil
+	}
+	m.PrefixCopies.WithLabelValues("copied").Inc()
+	m.TransferBytes.Add(float64(res.BytesSent))
+	m.TransferBlocks.WithLabelValues("sent").Add(float64(res.BlocksSent))
+	m.TransferDuration.Observe(res.Transfer.Seconds())
+	x.w.Header().Set(HeaderPrefillWorker, holder.Name)
+	return &plan{transferID: id, result: res, worker: holder.Name}
+}
+
 // pickPrefill picks a prefill worker by the prefill strategy, skipping
 // those already tried.
 func (x *exchange) pickPrefill(tried []*pool.Worker) (routing.Decision, error) {
@@ -196,7 +241,7 @@ func failureReason(err error) string {
 func (x *exchange) decode(ctx context.Context, wk *pool.Worker, p *plan) (engine.Stream, error) {
 	dz := wk.Client.(engine.Disaggregator)
 	t0 := time.Now()
-	stream, err := dz.Decode(ctx, &x.req.Request, p.transferID, x.dz.TransferTimeout)
+	stream, err := dz.Decode(ctx, &x.req.Request, p.transferID, x.s.disagg.TransferTimeout)
 	if err != nil {
 		return nil, fmt.Errorf("decode on %s: %w", wk.Name, err)
 	}

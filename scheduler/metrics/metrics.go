@@ -44,7 +44,12 @@ type Metrics struct {
 	// Decisions counts committed routing decisions by why their worker
 	// was chosen (routing.Reason).
 	Decisions *prometheus.CounterVec // strategy, reason
-	Retries   *prometheus.CounterVec // reason
+	// PrefixCopies counts hot prefixes copied from their holder onto an
+	// idle worker by KV transfer, by outcome: copied, held (the idle
+	// worker had it), failed, holder_unavailable, unsupported (an engine
+	// that cannot take transfers); all but copied recompute.
+	PrefixCopies *prometheus.CounterVec // outcome
+	Retries      *prometheus.CounterVec // reason
 
 	QueueDepth      prometheus.Gauge       //
 	QueueRejections *prometheus.CounterVec // reason (full, timeout)
@@ -118,6 +123,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_routing_decisions_total", Help: "Committed routing decisions, by the reason their worker was chosen (home, spill, kv_aware, replicate, ...).",
 		}, []string{"strategy", "reason"}),
+		PrefixCopies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_prefix_copies_total", Help: "Hot prefixes copied from their holder onto an idle worker by KV transfer, by outcome (copied; held, failed, holder_unavailable, unsupported recompute).",
+		}, []string{"outcome"}),
 		Spills: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_overflow_spills_total", Help: "Requests that left their prefix's worker because it was at the concurrency threshold.",
 		}, []string{"strategy", "worker"}),
@@ -176,7 +184,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 	for _, c := range []prometheus.Collector{
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
-		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions,
+		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions, m.PrefixCopies,
 		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
