@@ -199,17 +199,11 @@ func (e *Engine) releaseHanded(s *seq) {
 // push sleeps the modelled link time of the blocks of keys, then pushes
 // them.
 func (e *Engine) push(ctx context.Context, tr transfer.Transport, addr, id string, keys []uint64) (transfer.PushStats, error) {
-	if d := e.linkDelay(len(keys)); d > 0 {
-		t := time.NewTimer(d)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return transfer.PushStats{}, ctx.Err()
-		case <-e.quit:
-			t.Stop()
-			return transfer.PushStats{}, ErrClosed
+	if d := e.linkDelay(len(keys)); d > 0 && !sleepUntil(time.Now().Add(d), nil, e.quit, ctx.Done()) {
+		if err := ctx.Err(); err != nil {
+			return transfer.PushStats{}, err
 		}
+		return transfer.PushStats{}, ErrClosed
 	}
 	return transfer.PushFill(ctx, tr, addr, id, keys, e.blockBytes, kvblock.Fill)
 }

@@ -371,8 +371,10 @@ func (e *Engine) loop() {
 	defer e.shutdown()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
-	var deadline time.Time // when the previous step ends in real time
 	for {
+		// A step lasts its modelled time from when the loop starts
+		// planning it; completing it (emitting its tokens) comes after.
+		start := time.Now()
 		e.mu.Lock()
 		e.queue = append(e.queue, e.incoming...)
 		clear(e.incoming)
@@ -389,21 +391,9 @@ func (e *Engine) loop() {
 				return
 			}
 		}
-		// Sleep until the step's modelled end; steps run back to back, so
-		// timer lateness is absorbed by the next step rather than adding up.
-		now := time.Now()
-		if deadline.Before(now) {
-			deadline = now
-		}
-		deadline = deadline.Add(time.Duration(dt / e.cfg.TimeScale * float64(time.Second)))
-		if d := time.Until(deadline); d > 0 {
-			timer.Reset(d)
-			select {
-			case <-timer.C:
-			case <-e.quit:
-				timer.Stop()
-				return
-			}
+		deadline := start.Add(time.Duration(dt / e.cfg.TimeScale * float64(time.Second)))
+		if !sleepUntil(deadline, timer, e.quit, nil) {
+			return
 		}
 		e.complete()
 		e.statsMu.Lock()

@@ -324,7 +324,9 @@ func TestDecodeStepGrowsWithBatch(t *testing.T) {
 	// Modelled seconds per decode step of one 2,000-token sequence alone,
 	// then of 64 at once: each step reads every sequence's KV cache.
 	perStep := func(n int) float64 {
-		e := newEngine(t, Config{})
+		// A first step (a 2,000-token prefill) of about 6 ms of real
+		// time, for the others to queue while it runs.
+		e := newEngine(t, Config{TimeScale: 10})
 		var streams []engine.Stream
 		for i := range n { // queued together: admitted within a step or two
 			prompt := fmt.Sprintf("%d %s", i, strings.Repeat("context ", 1000))

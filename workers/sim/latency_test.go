@@ -130,6 +130,34 @@ func (p *oneTokenPaths) round(i int, times map[string][]time.Duration) error {
 	return nil
 }
 
+// A one-token answer takes one step: from Generate to the end of its
+// stream, never less than the step's modelled time, and not a runtime
+// timer's millisecond more (the least of several requests, so that a
+// loaded machine does not fail the test).
+func TestOneTokenStepOnTime(t *testing.T) {
+	const late = 500 * time.Microsecond
+	e := newEngine(t, Config{TimeScale: 20}) // a step of about 300 µs
+	least := time.Hour
+	for i := range 20 {
+		before := e.Stats()
+		start := time.Now()
+		generate(t, e, &engine.Request{Prompt: fmt.Sprintf("Request %d: one word.", i), MaxTokens: 1})
+		took := time.Since(start)
+		after := e.Stats()
+		if after.Steps != before.Steps+1 {
+			t.Fatalf("%d steps, want 1", after.Steps-before.Steps)
+		}
+		step := time.Duration((after.ModelledSeconds - before.ModelledSeconds) / 20 * float64(time.Second))
+		if took < step {
+			t.Errorf("request %d took %v, less than its step's %v", i, took, step)
+		}
+		least = min(least, took-step)
+	}
+	if least > late {
+		t.Errorf("a one-token answer took at best %v more than its step, want at most %v", least, late)
+	}
+}
+
 func median(d []time.Duration) time.Duration {
 	s := slices.Clone(d)
 	slices.Sort(s)

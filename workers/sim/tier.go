@@ -105,20 +105,13 @@ func (e *Engine) fetch(ctx context.Context, s *seq) error {
 	e.stats.StoreHitBlocks += uint64(n)
 	e.stats.StoreFetchSeconds += secs
 	e.statsMu.Unlock()
-	d := time.Duration(secs/e.cfg.TimeScale*float64(time.Second)) - time.Since(start)
-	if d <= 0 {
-		return nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-e.quit:
+	if !sleepUntil(start.Add(time.Duration(secs/e.cfg.TimeScale*float64(time.Second))), nil, e.quit, ctx.Done()) {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		return ErrClosed
 	}
+	return nil
 }
 
 // storeWrite is one block waiting to be written to the shared tier.

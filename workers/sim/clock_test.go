@@ -1,0 +1,48 @@
+package sim
+
+import (
+	"testing"
+	"time"
+)
+
+// sleepUntil ends at its deadline, never before, and much closer to it
+// than a runtime timer's millisecond (the least of several tries, so
+// that a loaded machine does not fail the test).
+func TestSleepUntilOnTime(t *testing.T) {
+	const late = 300 * time.Microsecond
+	for _, d := range []time.Duration{time.Microsecond, 60 * time.Microsecond, 600 * time.Microsecond, 3 * time.Millisecond} {
+		least := time.Hour
+		for range 10 {
+			start := time.Now()
+			deadline := start.Add(d)
+			if !sleepUntil(deadline, nil, nil, nil) {
+				t.Fatalf("%v: sleepUntil returned false without a stop", d)
+			}
+			end := time.Now()
+			if end.Before(deadline) {
+				t.Errorf("%v: returned %v before the deadline", d, deadline.Sub(end))
+			}
+			least = min(least, end.Sub(deadline))
+		}
+		if least > late {
+			t.Errorf("%v: at best %v late, want at most %v", d, least, late)
+		}
+	}
+}
+
+func TestSleepUntilStops(t *testing.T) {
+	for _, which := range []string{"stop", "ctxDone"} {
+		stop, ctxDone := make(chan struct{}), make(chan struct{})
+		ch := map[string]chan struct{}{"stop": stop, "ctxDone": ctxDone}[which]
+		time.AfterFunc(10*time.Millisecond, func() { close(ch) })
+		timer := time.NewTimer(time.Hour)
+		timer.Stop()
+		start := time.Now()
+		if sleepUntil(start.Add(time.Minute), timer, stop, ctxDone) {
+			t.Fatalf("%s: sleepUntil returned true before a minute passed", which)
+		}
+		if d := time.Since(start); d < 10*time.Millisecond || d > 5*time.Second {
+			t.Errorf("%s closed after 10ms: sleepUntil returned after %v", which, d)
+		}
+	}
+}
