@@ -3,9 +3,9 @@
 //
 // One simulated worker (workers/sim) serves its own OpenAI HTTP endpoint
 // as the stub engine, its modelled clock sped up so that compute is
-// negligible (at the default -timescale a step sleeps nanoseconds; one
-// that leaves steps of under a millisecond measures the Go runtime's timer
-// resolution instead). In-process schedulers route to it as an http worker (and,
+// negligible (at the default -timescale a step sleeps nanoseconds; a
+// lower one adds each one-token answer's modelled step, about 6 ms over
+// the time scale). In-process schedulers route to it as an http worker (and,
 // for comparison, over its gRPC API), and an HAProxy child process proxies
 // to it. Sequential streaming chat requests with max_tokens 1 then go
 // round-robin to each path over keep-alive connections; each is timed to
