@@ -380,12 +380,15 @@ func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
 	s.where[w.Name] = target
 }
 
-// Serve serves HTTP on l until Close. It returns nil after Close.
+// Serve serves HTTP on l until Close. It returns nil after Close, also
+// when Close came first (it then closes l): a scheduler closed before it
+// served has nothing to report.
 func (s *Scheduler) Serve(l net.Listener) error {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		return errors.New("scheduler closed")
+		l.Close()
+		return nil
 	}
 	s.srv = &http.Server{
 		Handler:           s.Handler,
