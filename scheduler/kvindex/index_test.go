@@ -636,3 +636,46 @@ func TestWorkerStateDoesNotWaitForBlocks(t *testing.T) {
 		t.Errorf("load %+v, want the report's", got)
 	}
 }
+
+// Lookup leaps along long prompts (walkStride) but counts exactly where
+// workers hold prefixes of them, as engines do: each worker holds some
+// leading blocks in GPU, the next ones in CPU, and Redis some leading
+// blocks, at any lengths.
+func TestLookupLeapsExactlyOverPrefixes(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 12))
+	for trial := range 300 {
+		x := New(Config{})
+		n := 1 + rng.IntN(120)
+		ks := keys(uint64(trial)*1000, uint64(trial)*1000+uint64(n))
+		names := []string{"a", "b", "c"}
+		want := map[string]hit{}
+		redisLen := rng.IntN(n + 1)
+		for i, name := range names {
+			x.SetInfo(name, Info{RedisTier: i != 2})
+			mustApply(t, x, name, snapshot(nil))
+			g := rng.IntN(n + 1)
+			c := g + rng.IntN(n-g+1)
+			seq := uint64(1)
+			if g > 0 {
+				seq++
+				mustApply(t, x, name, event(seq, stored(gpu, ks[:g])))
+			}
+			if c > g {
+				seq++
+				mustApply(t, x, name, event(seq, stored(cpu, ks[g:c])))
+			}
+			h := hit{GPU: g, CPU: c - g}
+			if i != 2 && redisLen > c {
+				h.Redis = redisLen - c
+			}
+			want[name] = h
+		}
+		if redisLen > 0 {
+			mustApply(t, x, "r", snapshot(nil, stored(redis, ks[:redisLen])))
+		}
+		got := lookup(x, ks, names...)
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Fatalf("trial %d, %d blocks, Redis %d (-want +got):\n%s", trial, n, redisLen, diff)
+		}
+	}
+}

@@ -112,6 +112,23 @@ func (t *table) warm(keys []uint64) uint64 {
 	return sink
 }
 
+// warmStrided is warm over every stride-th key of keys.
+func (t *table) warmStrided(keys []uint64, stride int) uint64 {
+	var idx [warmBatch]uint32
+	n := 0
+	for j := 0; j < len(keys) && n < warmBatch; j += stride {
+		idx[n] = t.slots[t.home(keys[j])]
+		n++
+	}
+	var sink uint64
+	for _, v := range idx[:n] {
+		if v != 0 {
+			sink += t.at(v - 1).key
+		}
+	}
+	return sink
+}
+
 // insert adds an entry for key, which must be absent, at the head of the
 // LRU list, and returns its index. The caller evicts first if full.
 func (t *table) insert(key uint64) uint32 {
