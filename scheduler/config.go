@@ -95,7 +95,24 @@ type EngineConfig struct {
 	// SGLang's --page-size). Default: the engine's metrics say (vLLM's
 	// cache_config_info), else its events, else 16.
 	BlockSize int `yaml:"block_size"`
+	// TokenizePath is the engine's tokenize endpoint (vLLM's POST
+	// /tokenize), from which a strategy that routes on keys gets a
+	// request's tokens, to key it as the engine's events are keyed.
+	// Default /tokenize; "none": requests are keyed by their text and match
+	// only the scheduler's own predictions. Only the first vllm or sglang
+	// worker's settings are used: the fleet's requests are keyed once.
+	TokenizePath string `yaml:"tokenize_path"`
+	// TokenizeTimeout bounds one tokenize call; past it the request is
+	// keyed by its text. Default 250ms.
+	TokenizeTimeout time.Duration `yaml:"tokenize_timeout"`
+	// TokenizeCacheTokens bounds the tokens of recent prompts kept so that
+	// a repeated prompt costs no call. Default 4Mi tokens (16 MiB); -1: no
+	// cache.
+	TokenizeCacheTokens int `yaml:"tokenize_cache_tokens"`
 }
+
+// TokenizeNone as a tokenize_path keys requests by their text.
+const TokenizeNone = "none"
 
 // validate reports the first invalid field of a vllm or sglang worker,
 // prefixed with field.
@@ -116,6 +133,12 @@ func (c EngineConfig) validate(field string) error {
 		return fmt.Errorf("%s.metrics_timeout: must be positive, got %s", field, c.MetricsTimeout)
 	case c.BlockSize < 0 || c.BlockSize > 1<<16:
 		return fmt.Errorf("%s.block_size: must be 1–65536 tokens, got %d", field, c.BlockSize)
+	case c.TokenizePath != "" && c.TokenizePath != TokenizeNone && !strings.HasPrefix(c.TokenizePath, "/"):
+		return fmt.Errorf("%s.tokenize_path: must start with / or be %q, got %q", field, TokenizeNone, c.TokenizePath)
+	case c.TokenizeTimeout < 0:
+		return fmt.Errorf("%s.tokenize_timeout: must be positive, got %s", field, c.TokenizeTimeout)
+	case c.TokenizeCacheTokens < -1:
+		return fmt.Errorf("%s.tokenize_cache_tokens: must be -1 (no cache) or positive, got %d", field, c.TokenizeCacheTokens)
 	}
 	return nil
 }

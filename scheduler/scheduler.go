@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -55,6 +56,7 @@ type Scheduler struct {
 	mu       sync.Mutex
 	clients  []engine.Client
 	scrapers []*vllm.Scraper
+	tokenize *vllm.Tokenizer // nil: requests keyed by text
 	srv      *http.Server
 	closed   bool
 }
@@ -180,8 +182,53 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			MinRemoteTokens: d.MinRemotePrefillTokens, TransferTimeout: d.TransferTimeout, Retries: d.PrefillRetries,
 		}),
 	}
+	if routing.UsesKeys(s.Strategy) || routing.UsesKeys(decode) {
+		tk, err := s.tokenKeys(cfg.Workers)
+		if err != nil {
+			return err
+		}
+		if tk != nil {
+			fopts = append(fopts, frontend.WithTokenKeys(*tk))
+		}
+	}
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, s.Strategy, s.Metrics, s.log, fopts...)
 	return err
+}
+
+// tokenKeys returns how the front end keys requests by an engine's tokens:
+// those of the first vllm or sglang worker, whose tokenize endpoint,
+// model and block size serve every request (mixing engines of different
+// tokenizers or block sizes in one fleet is rare). Nil: no such worker, or
+// it tokenizes nothing, and requests are keyed by their text.
+func (s *Scheduler) tokenKeys(workers []WorkerConfig) (*frontend.TokenKeys, error) {
+	i := slices.IndexFunc(workers, func(wc WorkerConfig) bool { return engineKind(wc.Kind) })
+	if i < 0 || workers[i].TokenizePath == TokenizeNone {
+		return nil, nil
+	}
+	wc := workers[i]
+	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath)
+	if err != nil {
+		return nil, fmt.Errorf("worker %s: %w", wc.Name, err)
+	}
+	s.mu.Lock()
+	s.tokenize = t
+	s.mu.Unlock()
+	s.log.Info("requests keyed by an engine's tokens", "worker", wc.Name, "tokenize", t.URL())
+	return &frontend.TokenKeys{
+		Tokenizer:   t,
+		Model:       func() string { return s.modelOf(wc) },
+		BlockSize:   func() int { return s.blockTokens(wc.Name) },
+		Timeout:     wc.TokenizeTimeout,
+		CacheTokens: wc.TokenizeCacheTokens,
+	}, nil
+}
+
+// blockTokens returns the tokens of a worker's KV block, as the index
+// knows them.
+func (s *Scheduler) blockTokens(worker string) int {
+	var m [1]kvindex.Match
+	s.Index.Lookup(nil, []string{worker}, m[:])
+	return m[0].BlockTokens
 }
 
 // snapshot returns a reader of *p's snapshot for the metrics, nil while
@@ -430,7 +477,7 @@ func (s *Scheduler) Close() error {
 		return nil
 	}
 	s.closed = true
-	srv, clients, scrapers := s.srv, s.clients, s.scrapers
+	srv, clients, scrapers, tokenize := s.srv, s.clients, s.scrapers, s.tokenize
 	s.mu.Unlock()
 	if srv != nil {
 		srv.Close()
@@ -449,6 +496,9 @@ func (s *Scheduler) Close() error {
 	}
 	for _, sc := range scrapers {
 		sc.Close()
+	}
+	if tokenize != nil {
+		tokenize.Close()
 	}
 	for _, c := range clients {
 		c.Close()

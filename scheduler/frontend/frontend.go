@@ -8,6 +8,7 @@ package frontend
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -45,6 +46,10 @@ type Server struct {
 	fallback routing.Strategy // least_outstanding: takes requests when there is no queue
 	name     string           // the routing strategy's name, for metrics and headers
 	usesKeys bool             // a strategy routes on block keys: compute them
+	// tokenKeys, when set, keys requests by tokens (tok, built when the
+	// strategies use keys) rather than text.
+	tokenKeys *TokenKeys
+	tok       *tokenizer
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -90,6 +95,12 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	s.fallback = fallback
 	if s.disagg != nil {
 		s.usesKeys = s.usesKeys || routing.UsesKeys(s.disagg.DecodeStrategy)
+	}
+	if tk := s.tokenKeys; tk != nil && s.usesKeys {
+		if tk.Tokenizer == nil || tk.BlockSize == nil || tk.Model == nil {
+			return nil, errors.New("token keys: Tokenizer, BlockSize and Model are required")
+		}
+		s.tok = newTokenizer(*tk, m, log)
 	}
 	allow := map[string][]string{} // path → methods, for 405s
 	handle := func(method, path string, h http.HandlerFunc) {
@@ -246,7 +257,7 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}
-	if s.usesKeys {
+	if s.usesKeys && (s.tok == nil || !s.tok.keys(r.Context(), &req.Request, rreq)) {
 		rreq.Keys = blockkey.Append(make([]uint64, 0, len(req.Prompt)/blockkey.DefaultBlockChars), seed, req.Prompt, blockkey.DefaultBlockChars)
 		rreq.Tokens = blockkey.Tokens(blockkey.Chars(req.Prompt))
 	}

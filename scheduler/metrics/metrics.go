@@ -64,6 +64,11 @@ type Metrics struct {
 	AchievedCached  *prometheus.CounterVec // strategy
 	TierHits        *prometheus.CounterVec // tier (gpu, cpu, redis)
 	IndexResyncs    *prometheus.CounterVec // worker
+	// Tokenize counts the tokenizations of requests keyed by an engine's
+	// tokens, by outcome: hit (cached), miss (asked), failed and
+	// unsupported (both keyed by text); TokenizeDuration times them.
+	Tokenize         *prometheus.CounterVec   // outcome
+	TokenizeDuration *prometheus.HistogramVec // outcome
 
 	// Disaggregated prefill/decode.
 	DisaggDecisions  *prometheus.CounterVec   // decision (remote, local), reason
@@ -83,6 +88,8 @@ var (
 	tokenBuckets = prometheus.ExponentialBuckets(0.0005, 2, 12)
 	// Routing decisions: 100 ns to about 0.8 ms.
 	decisionBuckets = prometheus.ExponentialBuckets(1e-7, 2, 14)
+	// Tokenization: 1 µs (a cache hit) to about 0.5 s.
+	tokenizeBuckets = prometheus.ExponentialBuckets(1e-6, 2, 20)
 )
 
 // New registers every metric on a fresh registry, with the Go runtime and
@@ -159,6 +166,12 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		IndexResyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_kv_index_resyncs_total", Help: "Times the KV index resubscribed to a worker's cache events (a sequence gap or a broken stream), by worker.",
 		}, []string{"worker"}),
+		Tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_tokenize_total", Help: "Tokenizations of requests keyed by an engine's tokens, by outcome (hit: cached; miss: asked; failed and unsupported: keyed by text).",
+		}, []string{"outcome"}),
+		TokenizeDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_tokenize_seconds", Help: "Time to get a request's tokens (cache and tokenizer), by outcome.", Buckets: tokenizeBuckets,
+		}, []string{"outcome"}),
 		DisaggDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_disagg_decisions_total", Help: "Disaggregation decisions: remote prefill on a prefill worker, or local prefill on the decode worker, and why.",
 		}, []string{"decision", "reason"}),
@@ -182,7 +195,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		}, []string{"phase"}),
 	}
 	for _, c := range []prometheus.Collector{
-		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs,
+		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs, m.Tokenize, m.TokenizeDuration,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions, m.PrefixCopies,
 		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
