@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
+
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
@@ -19,14 +21,72 @@ import (
 )
 
 // fakeEngine is a vLLM (or SGLang) server enough for the scheduler: the
-// OpenAI chat completions it relays, /v1/models, /health, and /metrics in
-// the engine's exposition format, as set by the test.
+// OpenAI chat completions it relays, /v1/models, /health, /metrics in the
+// engine's exposition format, as set by the test, and /tokenize (fakeTokens).
+// With a publisher (publish), each chat completion publishes BlockStored
+// for the full 16-token blocks of its prompt's tokens.
 type fakeEngine struct {
 	srv *httptest.Server
 
-	mu      sync.Mutex
-	metrics string
-	chats   int
+	mu            sync.Mutex
+	metrics       string
+	chats         int
+	tokenizes     int
+	tokenizeFails bool
+	pub           *kveventstest.Publisher
+	ts            float64 // of the last batch published
+}
+
+// fakeBlockSize is the fake engine's tokens a block.
+const fakeBlockSize = 16
+
+// fakeMessage is a chat message as the fake engine reads it.
+type fakeMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+// fakeTokens is the fake engine's tokenizer and chat template: a token for
+// each message's role, one for each word of its text, and one for the
+// generation prompt. A token id is a hash of its word.
+func fakeTokens(msgs []fakeMessage) []uint32 {
+	tok := func(w string) uint32 { return uint32(xxhash.Sum64String(w) % 100000) }
+	var out []uint32
+	for _, m := range msgs {
+		out = append(out, tok("<|"+m.Role+"|>"))
+		var text string
+		if json.Unmarshal(m.Content, &text) != nil {
+			var parts []struct{ Text string }
+			_ = json.Unmarshal(m.Content, &parts)
+			for _, p := range parts {
+				text += p.Text
+			}
+		}
+		for _, w := range strings.Fields(text) {
+			out = append(out, tok(w))
+		}
+	}
+	return append(out, tok("<|assistant|>"))
+}
+
+// publish publishes the blocks of tokens as stored, under the engine's own
+// chained hashes.
+func (f *fakeEngine) publish(tokens []uint32) error {
+	var hashes []kvevents.Hash
+	n := len(tokens) / fakeBlockSize * fakeBlockSize
+	var h uint64 = 7 // the engine's seed, unlike baton's
+	for i := 0; i < n; i += fakeBlockSize {
+		h = kvevents.NextKey(h, tokens[i:i+fakeBlockSize])
+		hashes = append(hashes, kvevents.IntHash(h))
+	}
+	if len(hashes) == 0 {
+		return nil
+	}
+	f.ts++
+	_, err := f.pub.Publish(kvevents.Batch{TS: f.ts, Events: []kvevents.Event{&kvevents.BlockStored{
+		BlockHashes: hashes, TokenIDs: tokens[:n], BlockSize: fakeBlockSize, Medium: "GPU",
+	}}})
+	return err
 }
 
 func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
@@ -46,7 +106,8 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 	})
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
-			Model string `json:"model"`
+			Model    string        `json:"model"`
+			Messages []fakeMessage `json:"messages"`
 		}
 		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Model != model {
 			http.Error(w, `{"error":{"message":"bad request","type":"BadRequestError","code":400}}`, http.StatusBadRequest)
@@ -54,15 +115,45 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 		}
 		f.mu.Lock()
 		f.chats++
+		if f.pub != nil {
+			if err := f.publish(fakeTokens(req.Messages)); err != nil {
+				t.Errorf("fake engine: publishing: %v", err)
+			}
+		}
 		f.mu.Unlock()
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":%q,`+
 			`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there."},"finish_reason":"stop"}],`+
 			`"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":0}}}`, model)
 	})
+	mux.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Model               string        `json:"model"`
+			Messages            []fakeMessage `json:"messages"`
+			AddGenerationPrompt bool          `json:"add_generation_prompt"`
+		}
+		f.mu.Lock()
+		f.tokenizes++
+		fails := f.tokenizeFails
+		f.mu.Unlock()
+		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Model != model || len(req.Messages) == 0 || !req.AddGenerationPrompt || fails {
+			http.Error(w, `{"error":{"message":"bad request","type":"BadRequestError","code":400}}`, http.StatusBadRequest)
+			return
+		}
+		toks := fakeTokens(req.Messages)
+		w.Header().Set("Content-Type", "application/json")
+		b, _ := json.Marshal(map[string]any{"count": len(toks), "max_model_len": 8192, "tokens": toks})
+		w.Write(b)
+	})
 	f.srv = httptest.NewServer(mux)
 	t.Cleanup(f.srv.Close)
 	return f
+}
+
+func (f *fakeEngine) tokenizeCalls() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.tokenizes
 }
 
 func (f *fakeEngine) setMetrics(text string) {
