@@ -34,12 +34,9 @@ func NewScraper(baseURL, path string, e Engine) (*Scraper, error) {
 	if path == "" {
 		path = DefaultMetricsPath
 	}
-	u, err := url.Parse(strings.TrimRight(baseURL, "/") + path)
+	u, err := endpointURL(baseURL, path, "metrics")
 	if err != nil {
-		return nil, fmt.Errorf("metrics url: %w", err)
-	}
-	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
-		return nil, fmt.Errorf("metrics url %q: not an http URL", u)
+		return nil, err
 	}
 	// One connection, kept alive between scrapes; no proxy: engines sit
 	// on the cluster network.
@@ -81,4 +78,18 @@ func (s *Scraper) Scrape(ctx context.Context) (Metrics, error) {
 func (s *Scraper) Close() error {
 	s.tr.CloseIdleConnections()
 	return nil
+}
+
+// endpointURL returns the URL of the engine at baseURL's endpoint path,
+// which must be an http or https URL with a host; what names the endpoint
+// in errors.
+func endpointURL(baseURL, path, what string) (*url.URL, error) {
+	u, err := url.Parse(strings.TrimRight(baseURL, "/") + path)
+	if err != nil {
+		return nil, fmt.Errorf("%s url: %w", what, err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("%s url %q: not an http URL", what, u)
+	}
+	return u, nil
 }

@@ -8,8 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/url"
-	"strings"
 	"sync"
 	"time"
 
@@ -46,12 +44,9 @@ func NewTokenizer(baseURL, path string) (*Tokenizer, error) {
 	if path == "" {
 		path = DefaultTokenizePath
 	}
-	u, err := url.Parse(strings.TrimRight(baseURL, "/") + path)
+	u, err := endpointURL(baseURL, path, "tokenize")
 	if err != nil {
-		return nil, fmt.Errorf("tokenize url: %w", err)
-	}
-	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
-		return nil, fmt.Errorf("tokenize url %q: not an http URL", u)
+		return nil, err
 	}
 	// Requests arrive concurrently: keep a few connections warm.
 	tr := &http.Transport{
