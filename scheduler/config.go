@@ -15,6 +15,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
@@ -227,6 +228,9 @@ type Config struct {
 	Pool pool.Config `yaml:"pool"`
 	// Disaggregation tunes prefill/decode disaggregation.
 	Disaggregation DisaggConfig `yaml:"disaggregation"`
+	// Auth turns on API keys and their per-key limits. Default: none,
+	// every request is served.
+	Auth auth.Config `yaml:"auth"`
 	// Workers is the static worker list.
 	Workers []WorkerConfig `yaml:"workers"`
 	// Profiles are custom routing strategies built from the pipeline's
@@ -304,6 +308,9 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	}
 	if err := c.Disaggregation.Validate(strategies); err != nil {
 		return err
+	}
+	if err := c.Auth.Validate(); err != nil {
+		return fmt.Errorf("auth.%w", err)
 	}
 	if len(c.Workers) == 0 {
 		return errors.New("workers: at least one worker is required")

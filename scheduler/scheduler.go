@@ -17,6 +17,7 @@ import (
 
 	"github.com/sony/gobreaker/v2"
 
+	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
@@ -48,6 +49,10 @@ type Scheduler struct {
 	Handler  *frontend.Server
 	Strategy routing.Strategy
 	log      *slog.Logger
+
+	// Auth checks API keys in front of Handler; nil when no keys are
+	// configured.
+	Auth *auth.Auth
 
 	placeMu sync.Mutex            // serializes moves between pools
 	where   map[string]*pool.Pool // each worker's pool, by name
@@ -181,6 +186,12 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			Pool: s.PrefillPool, DecodeStrategy: decode,
 			MinRemoteTokens: d.MinRemotePrefillTokens, TransferTimeout: d.TransferTimeout, Retries: d.PrefillRetries,
 		}),
+	}
+	if cfg.Auth.Enabled() {
+		if s.Auth, err = auth.New(cfg.Auth, s.Metrics.Registry, s.log); err != nil {
+			return fmt.Errorf("auth.%w", err)
+		}
+		fopts = append(fopts, frontend.WithAdmission(s.Auth))
 	}
 	if routing.UsesKeys(s.Strategy) || routing.UsesKeys(decode) {
 		tk, err := s.tokenKeys(cfg.Workers)
@@ -437,8 +448,12 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		l.Close()
 		return nil
 	}
+	var h http.Handler = s.Handler
+	if s.Auth != nil {
+		h = s.Auth.Wrap(h)
+	}
 	s.srv = &http.Server{
-		Handler:           s.Handler,
+		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
 		// No read or write timeout here: the front end sets them per
@@ -452,6 +467,15 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		return err
 	}
 	return nil
+}
+
+// ReloadKeys reads the API keys again (baton serve does on SIGHUP). On
+// error the keys in use stay. Without keys configured it does nothing.
+func (s *Scheduler) ReloadKeys() error {
+	if s.Auth == nil {
+		return nil
+	}
+	return s.Auth.Reload()
 }
 
 // Shutdown stops accepting requests and waits, until ctx is done, for those

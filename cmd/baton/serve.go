@@ -6,9 +6,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
+	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/batonllm/baton/scheduler"
@@ -196,6 +200,8 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 	if ready != nil {
 		ready(l.Addr().String())
 	}
+	stopReload := reloadOnHangup(s, log)
+	defer stopReload()
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(l) }()
 	select {
@@ -208,4 +214,34 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 	defer cancel()
 	s.Shutdown(sctx)
 	return <-errc
+}
+
+// reloadOnHangup reloads s's API keys on each SIGHUP until the returned
+// stop is called.
+func reloadOnHangup(s *scheduler.Scheduler, log *slog.Logger) (stop func()) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		for {
+			select {
+			case <-hup:
+				switch {
+				case s.Auth == nil:
+					log.Info("SIGHUP ignored: no API keys configured")
+				case s.ReloadKeys() == nil:
+					log.Info("API keys reloaded on SIGHUP")
+				} // a failed reload logs its own error
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(hup)
+		close(done)
+		<-exited
+	}
 }

@@ -55,6 +55,7 @@ type exchange struct {
 	committed routing.Decision
 	reported  bool
 	disagg    string // how the prompt was prefilled, when disaggregated
+	used      int    // prompt and completion tokens reported; -1: none
 	// dz is the server's Disagg when the fleet had prefill workers as the
 	// request arrived, else nil: the request is served colocated.
 	dz *Disagg
@@ -306,6 +307,7 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 }
 
 func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
+	x.used = f.PromptTokens + f.CompletionTokens
 	m := x.s.metrics
 	m.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
 	m.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))

@@ -50,6 +50,7 @@ type Server struct {
 	// strategies use keys) rather than text.
 	tokenKeys *TokenKeys
 	tok       *tokenizer
+	admission Admission // nil: every request is admitted
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -64,6 +65,25 @@ type Option func(*Server)
 
 // WithDisagg turns on disaggregated prefill/decode.
 func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }
+
+// Admission vets generation requests by who sends them (the API keys of
+// scheduler/auth, which wraps the Server and leaves its caller in the
+// request's context).
+type Admission interface {
+	// Admit is called on the request's goroutine once its body is parsed
+	// and its model known, before routing; it must not block. estimate is
+	// the tokens the request may use: its prompt's, at 4 characters a
+	// token, plus max_tokens. It returns the tenant the request must use
+	// whatever its body and headers say ("" keeps theirs), or an error,
+	// an *openai.Error, to answer with instead (a 429 for a limit).
+	Admit(ctx context.Context, estimate int) (tenant string, err error)
+	// Done is called once an admitted request ends, with the prompt and
+	// completion tokens it used, or -1 when no usage was reported.
+	Done(ctx context.Context, used int)
+}
+
+// WithAdmission has a vet every generation request before it is routed.
+func WithAdmission(a Admission) Option { return func(s *Server) { s.admission = a } }
 
 // New returns a Server routing with strategy over p, the workers that
 // generate (colocated and decode workers). A nil log discards.
@@ -187,6 +207,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 		outcome := metrics.OutcomeInvalid
 		if e, ok := err.(*openai.Error); ok && e.Status == http.StatusServiceUnavailable {
 			outcome = metrics.OutcomeNoWorker
+		} else if ok && e.Status == http.StatusTooManyRequests {
+			outcome = metrics.OutcomeRateLimited
 		}
 		s.metrics.Requests.WithLabelValues(strategy, "", outcome).Inc()
 		openai.WriteError(w, err)
@@ -200,8 +222,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
-	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, dz: s.disaggregated()}
+	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated()}
 	outcome := x.run(ctx)
+	if s.admission != nil {
+		s.admission.Done(r.Context(), x.used)
+	}
 
 	s.metrics.Requests.WithLabelValues(strategy, x.worker, outcome).Inc()
 	s.metrics.Duration.WithLabelValues(strategy, outcome).Observe(time.Since(start).Seconds())
@@ -254,6 +279,15 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 			return nil, nil, openai.NoWorker("no worker is available yet")
 		}
 		return nil, nil, openai.ModelNotFound(req.Model)
+	}
+	if s.admission != nil {
+		tenant, err := s.admission.Admit(r.Context(), blockkey.Tokens(blockkey.Chars(req.Prompt))+req.MaxTokens)
+		if err != nil {
+			return nil, nil, err
+		}
+		if tenant != "" {
+			req.Tenant = tenant
+		}
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}

@@ -21,6 +21,7 @@ const (
 	OutcomeCanceled    = "canceled"     // the client went away
 	OutcomeTimeout     = "timeout"      // the request deadline passed
 	OutcomeOverloaded  = "overloaded"   // 429: every worker at capacity and the queue full
+	OutcomeRateLimited = "rate_limited" // 429: over its API key's token limit
 )
 
 // Metrics holds the scheduler's metrics and the registry that serves them.
