@@ -19,7 +19,13 @@ import (
 func TestWorkerFailover(t *testing.T) {
 	ws, workers := startWorkers(t, 3, fastScale)
 	logs := &logRecorder{level: slog.LevelInfo}
-	s, addr := startSchedulerLog(t, scheduler.Config{Strategy: "round_robin", Workers: workers, Pool: fastPool()}, slog.New(logs))
+	// Requests, not health checks, find the stopped worker: a health
+	// check every 100 ms would often mark it down first on a loaded
+	// machine, and no request would fail on it. Its breaker then stays
+	// open long enough to be seen.
+	pc := fastPool()
+	pc.HealthInterval, pc.BreakerOpenTimeout = 10*time.Second, time.Second
+	s, addr := startSchedulerLog(t, scheduler.Config{Strategy: "round_robin", Workers: workers, Pool: pc}, slog.New(logs))
 	c := oaClient(t, addr)
 	hc := httpClient(t)
 	const victim = "w1"

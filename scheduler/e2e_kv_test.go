@@ -152,8 +152,12 @@ func TestHotPrefixSpreadsAndWarmsFromRedis(t *testing.T) {
 	t.Cleanup(func() { store.Close() })
 	// Slow enough that a long completion keeps its worker busy; the
 	// threshold of 1 makes the hot prefix's holder full at once.
-	_, s, addr := startTiered(t, 2, 20, store, func(c *sim.Config) { c.Tiers.StorePolicy = sim.PolicyWriteThrough },
-		func(c *scheduler.Config) { c.ConcurrencyThreshold = 1 })
+	// A lookup in Redis may take its time on a loaded machine: this test
+	// is about where the blocks come from, not how fast.
+	_, s, addr := startTiered(t, 2, 20, store, func(c *sim.Config) {
+		c.Tiers.StorePolicy = sim.PolicyWriteThrough
+		c.Tiers.StoreTimeout = 10 * time.Second
+	}, func(c *scheduler.Config) { c.ConcurrencyThreshold = 1 })
 	c := oaClient(t, addr)
 	doc := text("hot-doc", 6000)
 	first := chat(t, c, chatParams(doc+" q0", 4))

@@ -10,11 +10,11 @@ import (
 	"github.com/batonllm/baton/scheduler/frontend"
 )
 
-// startQueued starts one slow worker behind a prefix_aware scheduler that
-// keeps at most one request in flight on it, so a second concurrent request
-// finds every worker full.
-func startQueued(t *testing.T, fc frontend.Config) (*scheduler.Scheduler, string) {
-	_, workers := startWorkers(t, 1, 5)
+// startQueued starts one slow worker (its clock at scale) behind a
+// prefix_aware scheduler that keeps at most one request in flight on it,
+// so a second concurrent request finds every worker full.
+func startQueued(t *testing.T, scale float64, fc frontend.Config) (*scheduler.Scheduler, string) {
+	_, workers := startWorkers(t, 1, scale)
 	fc.Models = nil
 	cfg := scheduler.Config{Strategy: "prefix_aware", Config: fc, Workers: workers, Pool: fastPool()}
 	cfg.MaxInFlight = 1
@@ -22,7 +22,10 @@ func startQueued(t *testing.T, fc frontend.Config) (*scheduler.Scheduler, string
 }
 
 func TestQueueWhenEveryWorkerIsFull(t *testing.T) {
-	s, addr := startQueued(t, frontend.Config{MaxQueue: 1, QueueTimeout: 20 * time.Second})
+	// The worker runs 4 times slower than modelled: its first request
+	// (32 tokens at least) outlasts the queue's filling and the third
+	// request even on a loaded machine.
+	s, addr := startQueued(t, 0.25, frontend.Config{MaxQueue: 1, QueueTimeout: 20 * time.Second})
 	c := oaClient(t, addr)
 	hc := httpClient(t)
 	depth := func() float64 { v, _ := metric(scrape(t, hc, addr), "baton_queue_depth"); return v }
@@ -62,7 +65,7 @@ func TestQueueWhenEveryWorkerIsFull(t *testing.T) {
 }
 
 func TestQueueTimeout(t *testing.T) {
-	s, addr := startQueued(t, frontend.Config{MaxQueue: 4, QueueTimeout: 150 * time.Millisecond})
+	s, addr := startQueued(t, 5, frontend.Config{MaxQueue: 4, QueueTimeout: 150 * time.Millisecond})
 	c := oaClient(t, addr)
 	hc := httpClient(t)
 	long := make(chan chatResult, 1)
