@@ -220,6 +220,16 @@ type Config struct {
 	Strategy string `yaml:"strategy"`
 	// LogLevel is debug, info (default), warn or error.
 	LogLevel string `yaml:"log_level"`
+	// DrainTimeout bounds a graceful shutdown (SIGTERM): how long the
+	// requests in flight may run once the scheduler stops accepting new
+	// ones; those still running then end with a stream_interrupted error.
+	// Default 30s. A pod's terminationGracePeriodSeconds must exceed it
+	// plus DrainDelay and any preStop delay.
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
+	// DrainDelay is how long a draining scheduler keeps accepting requests
+	// while /readyz already answers 503, so that load balancers see it
+	// first. Default 0: on Kubernetes a preStop sleep does this.
+	DrainDelay time.Duration `yaml:"drain_delay"`
 
 	routing.Params  `yaml:",inline"`
 	frontend.Config `yaml:",inline"`
@@ -253,8 +263,9 @@ func (c Config) RegisterProfiles(strategies *routing.Registry) (*routing.Registr
 
 // Defaults of Config fields.
 const (
-	DefaultListen   = "127.0.0.1:8080"
-	DefaultStrategy = "random"
+	DefaultListen       = "127.0.0.1:8080"
+	DefaultStrategy     = "random"
+	DefaultDrainTimeout = 30 * time.Second
 )
 
 // WithDefaults returns c with zero fields set to their defaults.
@@ -267,6 +278,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.LogLevel == "" {
 		c.LogLevel = "info"
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
 	}
 	for i := range c.Workers {
 		w := &c.Workers[i]
@@ -296,6 +310,12 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(c.LogLevel)); err != nil {
 		return fmt.Errorf("log_level: must be debug, info, warn or error, got %q", c.LogLevel)
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("drain_timeout: must be positive, got %s", c.DrainTimeout)
+	}
+	if c.DrainDelay < 0 {
+		return fmt.Errorf("drain_delay: must not be negative, got %s", c.DrainDelay)
 	}
 	if err := c.Params.Validate(); err != nil {
 		return err

@@ -33,6 +33,8 @@ func TestConfigValidate(t *testing.T) {
 		{"bad listen", func(c *Config) { c.Listen = "nope" }, "listen:"},
 		{"unknown strategy", func(c *Config) { c.Strategy = "fastest" }, "strategy:"},
 		{"bad log level", func(c *Config) { c.LogLevel = "loud" }, "log_level:"},
+		{"drain timeout negative", func(c *Config) { c.DrainTimeout = -time.Second }, "drain_timeout:"},
+		{"drain delay negative", func(c *Config) { c.DrainDelay = -time.Second }, "drain_delay:"},
 		{"threshold too high", func(c *Config) { c.ConcurrencyThreshold = 2000 }, "concurrency_threshold:"},
 		{"threshold negative", func(c *Config) { c.ConcurrencyThreshold = -1 }, "concurrency_threshold:"},
 		{"prefix too short", func(c *Config) { c.PrefixLength = 100 }, "prefix_length:"},

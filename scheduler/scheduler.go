@@ -64,6 +64,11 @@ type Scheduler struct {
 	tokenize *vllm.Tokenizer // nil: requests keyed by text
 	srv      *http.Server
 	closed   bool
+
+	// base is every request's base context; a drain that times out
+	// cancels it with frontend.ErrDrained.
+	base       context.Context
+	cancelBase context.CancelCauseFunc
 }
 
 // New validates cfg, connects to its workers and builds the scheduler. It
@@ -85,6 +90,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 		log = slog.New(slog.DiscardHandler)
 	}
 	s := &Scheduler{log: log, Index: idx}
+	s.base, s.cancelBase = context.WithCancelCause(context.Background())
 	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
 	cfg.Params.Index = idx
 	cfg.Params.PartTimer = func(profile, part string) func(time.Duration) {
@@ -459,7 +465,8 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		// No read or write timeout here: the front end sets them per
 		// request (the body; a non-streamed response), as streams last as
 		// long as generation does, bounded by the request timeout.
-		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		BaseContext: func(net.Listener) context.Context { return s.base },
 	}
 	srv := s.srv
 	s.mu.Unlock()
@@ -492,6 +499,49 @@ func (s *Scheduler) Shutdown(ctx context.Context) error {
 	return err
 }
 
+// drainGrace bounds the wait, after a drain timed out and cancelled the
+// requests left, for them to write their error and end.
+const drainGrace = 5 * time.Second
+
+// Drain shuts the scheduler down gracefully, as baton serve does on
+// SIGTERM: /readyz answers 503 at once (baton_draining is 1); after
+// Config.DrainDelay the scheduler stops accepting connections and lets the
+// requests in flight finish within Config.DrainTimeout. Those still
+// running then end with a stream_interrupted error (a 503 before their
+// first byte), each counted once with the outcome "interrupted". Then it
+// closes the scheduler. It returns once all that is done.
+func (s *Scheduler) Drain() {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	if srv == nil {
+		s.Close()
+		return
+	}
+	start := time.Now()
+	s.Handler.Drain()
+	s.Metrics.Draining.Set(1)
+	s.log.Info("draining", "in_flight", s.Handler.InFlight(), "delay", s.cfg.DrainDelay, "timeout", s.cfg.DrainTimeout)
+	if s.cfg.DrainDelay > 0 {
+		time.Sleep(s.cfg.DrainDelay)
+		s.log.Info("draining: no longer accepting", "in_flight", s.Handler.InFlight())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.DrainTimeout)
+	err := srv.Shutdown(ctx)
+	cancel()
+	interrupted := 0
+	if err != nil {
+		interrupted = s.Handler.InFlight()
+		s.log.Warn("drain timed out; interrupting the requests left", "in_flight", interrupted, "timeout", s.cfg.DrainTimeout)
+		s.cancelBase(frontend.ErrDrained)
+		ctx, cancel := context.WithTimeout(context.Background(), drainGrace)
+		srv.Shutdown(ctx) // now waits for the interrupted requests to end
+		cancel()
+	}
+	s.Close()
+	s.log.Info("drained", "duration", time.Since(start).Round(time.Millisecond), "interrupted", interrupted)
+}
+
 // Close stops serving at once and releases the pool and worker
 // connections. It is idempotent.
 func (s *Scheduler) Close() error {
@@ -503,6 +553,7 @@ func (s *Scheduler) Close() error {
 	s.closed = true
 	srv, clients, scrapers, tokenize := s.srv, s.clients, s.scrapers, s.tokenize
 	s.mu.Unlock()
+	s.cancelBase(nil)
 	if srv != nil {
 		srv.Close()
 	}

@@ -91,6 +91,7 @@ func TestFlagErrorsNameTheFlag(t *testing.T) {
 		{[]string{"demo", "--log-level", "loud"}, `--log-level: must be debug, info, warn or error, got "loud"`},
 		{append([]string{"serve", "--strategy", "fastest"}, w...), `--strategy: unknown strategy "fastest"`},
 		{append([]string{"serve", "--prefix-length", "10"}, w...), "--prefix-length: must be 1024–65536, got 10"},
+		{append([]string{"serve", "--drain-timeout", "0s"}, w...), "--drain-timeout: must be positive, got 0s"},
 		{append([]string{"serve", "--concurrency-threshold", "5000"}, w...), "--concurrency-threshold: must be 1–1024, got 5000"},
 		{append([]string{"serve", "--listen", "nowhere"}, w...), "--listen: "},
 		{[]string{"serve", "--worker", "localhost"}, "--worker localhost: address localhost: missing port in address"},

@@ -28,6 +28,7 @@ type schedulerFlags struct {
 	threshold int
 	prefixLen int
 	logLevel  string
+	drain     time.Duration
 	workers   workerList // serve's --worker flags
 }
 
@@ -39,6 +40,7 @@ func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrate
 	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "in-flight requests at which prefix_aware and kv_aware spill to a less busy worker, 1–1024 (default 16)")
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "characters (bytes on /invocations) of routing text prefix_aware hashes, 1024–65536 (default 4096)")
 	fs.StringVar(&f.logLevel, "log-level", "", "log level: debug, info, warn, error (default info)")
+	fs.DurationVar(&f.drain, "drain-timeout", 0, "on SIGTERM or SIGINT, how long requests in flight may finish before they are interrupted (default 30s)")
 }
 
 // load reads the config file, if any, and applies the flags set on fs,
@@ -75,6 +77,12 @@ func (f *schedulerFlags) load(fs *flag.FlagSet) (scheduler.Config, error) {
 	if set["log-level"] {
 		cfg.LogLevel = f.logLevel
 	}
+	if set["drain-timeout"] {
+		if f.drain <= 0 {
+			return cfg, fmt.Errorf("--drain-timeout: must be positive, got %s", f.drain)
+		}
+		cfg.DrainTimeout = f.drain
+	}
 	cfg.Workers = append(cfg.Workers, f.workers.workers...)
 	return cfg, nil
 }
@@ -99,7 +107,7 @@ func (f *schedulerFlags) check(fs *flag.FlagSet, cfg scheduler.Config, withoutWo
 		if field == "workers" && fs.Lookup("worker") != nil {
 			return "--worker"
 		}
-		for _, name := range []string{"listen", "strategy", "concurrency-threshold", "prefix-length", "log-level"} {
+		for _, name := range []string{"listen", "strategy", "concurrency-threshold", "prefix-length", "log-level", "drain-timeout"} {
 			if set[name] && field == strings.ReplaceAll(name, "-", "_") {
 				return "--" + name
 			}
@@ -209,10 +217,7 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 		return err
 	case <-ctx.Done():
 	}
-	log.Info("shutting down")
-	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	s.Shutdown(sctx)
+	s.Drain()
 	return <-errc
 }
 

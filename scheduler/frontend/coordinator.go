@@ -285,6 +285,7 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		return false, err
 	}
 	defer stream.Close()
+	stream = drainStream{stream, ctx}
 	inter := m.InterToken.WithLabelValues(x.strategy)
 	final, written, err := openai.Write(x.w, x.req, x.req.ID, stream, &openai.Observer{
 		FirstToken: firstToken,
@@ -304,6 +305,22 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		x.usage(wk, final)
 	}
 	return written, err
+}
+
+// drainStream is a worker's stream whose error, once the scheduler's drain
+// timed out (ErrDrained), says so: the client's stream_interrupted event
+// then tells why it broke.
+type drainStream struct {
+	engine.Stream
+	ctx context.Context
+}
+
+func (d drainStream) Recv() (engine.Event, error) {
+	ev, err := d.Stream.Recv()
+	if err != nil && errors.Is(context.Cause(d.ctx), ErrDrained) {
+		return ev, errInterrupted
+	}
+	return ev, err
 }
 
 func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
@@ -330,6 +347,8 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 	outcome := outcomeOf(ctx, err)
 	var e *openai.Error
 	switch {
+	case outcome == metrics.OutcomeInterrupted:
+		e = errInterrupted
 	case errors.As(err, &e):
 	case outcome == metrics.OutcomeTimeout:
 		e = openai.Timeout()
@@ -364,6 +383,8 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 func outcomeOf(ctx context.Context, err error) string {
 	var e *openai.Error
 	switch {
+	case errors.Is(context.Cause(ctx), ErrDrained):
+		return metrics.OutcomeInterrupted
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return metrics.OutcomeTimeout
 	case errors.Is(err, context.Canceled) || errors.Is(err, engine.ErrClientGone) || ctx.Err() != nil:

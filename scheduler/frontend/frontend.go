@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -58,7 +59,20 @@ type Server struct {
 	queue   chan struct{}
 	freedMu sync.Mutex
 	freed   chan struct{}
+
+	draining atomic.Bool  // Drain was called: not ready
+	inFlight atomic.Int64 // generation requests being served
 }
+
+// ErrDrained is the cause with which the scheduler cancels the requests
+// still running when its drain times out (context.WithCancelCause on the
+// requests' base context): they end with a stream_interrupted error event,
+// or a 503 before their first byte, and the outcome "interrupted".
+var ErrDrained = errors.New("the scheduler is shutting down and its drain timed out")
+
+// errInterrupted is what a request cut short by ErrDrained answers.
+var errInterrupted = &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeServer, Code: "stream_interrupted",
+	Message: "the scheduler shut down before the request finished (drain timeout); retry it", RetryAfter: 1}
 
 // Option configures a Server.
 type Option func(*Server)
@@ -182,8 +196,23 @@ func (s *Server) knownModel(model string) bool {
 	return false
 }
 
-// ready answers 200 when at least one worker is available, else 503.
+// Drain marks the server as draining for shutdown: /readyz and /ping
+// answer 503 from now on, so that load balancers stop sending it
+// requests. Requests that still arrive are served; the caller stops
+// accepting them (http.Server.Shutdown).
+func (s *Server) Drain() { s.draining.Store(true) }
+
+// InFlight returns the generation requests being served.
+func (s *Server) InFlight() int { return int(s.inFlight.Load()) }
+
+// ready answers 200 when at least one worker is available and the server
+// is not draining, else 503.
 func (s *Server) ready(w http.ResponseWriter, r *http.Request) {
+	if s.draining.Load() {
+		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeServer, Code: "draining",
+			Message: "the scheduler is shutting down"})
+		return
+	}
 	for _, wk := range s.pool.Snapshot().Workers {
 		if wk.Available() {
 			w.Write([]byte("ready\n"))
@@ -201,6 +230,8 @@ type route struct {
 // generate serves one generation request.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	start := time.Now()
+	s.inFlight.Add(1)
+	defer s.inFlight.Add(-1)
 	strategy := s.name
 	req, rreq, err := s.parse(w, r, rt)
 	if err != nil {

@@ -22,6 +22,7 @@ const (
 	OutcomeTimeout     = "timeout"      // the request deadline passed
 	OutcomeOverloaded  = "overloaded"   // 429: every worker at capacity and the queue full
 	OutcomeRateLimited = "rate_limited" // 429: over its API key's token limit
+	OutcomeInterrupted = "interrupted"  // still running when the scheduler's drain timed out
 )
 
 // Metrics holds the scheduler's metrics and the registry that serves them.
@@ -52,7 +53,9 @@ type Metrics struct {
 	PrefixCopies *prometheus.CounterVec // outcome
 	Retries      *prometheus.CounterVec // reason
 
-	QueueDepth      prometheus.Gauge       //
+	QueueDepth prometheus.Gauge //
+	// Draining is 1 once the scheduler drains for shutdown, else 0.
+	Draining        prometheus.Gauge
 	QueueRejections *prometheus.CounterVec // reason (full, timeout)
 
 	BreakerTransitions *prometheus.CounterVec // worker, to
@@ -140,6 +143,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_retries_total", Help: "Requests sent to another worker after one failed before the first token, by reason.",
 		}, []string{"reason"}),
+		Draining: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_draining", Help: "1 while the scheduler drains for shutdown: /readyz answers 503 and in-flight requests finish.",
+		}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_queue_depth", Help: "Requests waiting in the scheduler for a worker with room (max_in_flight).",
 		}),
@@ -199,7 +205,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs, m.Tokenize, m.TokenizeDuration,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions, m.PrefixCopies,
-		m.Spills, m.Retries, m.QueueDepth, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
+		m.Spills, m.Retries, m.QueueDepth, m.Draining, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
 		f(c)
