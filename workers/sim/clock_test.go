@@ -34,10 +34,10 @@ func TestSleepUntilStops(t *testing.T) {
 	for _, which := range []string{"stop", "ctxDone"} {
 		stop, ctxDone := make(chan struct{}), make(chan struct{})
 		ch := map[string]chan struct{}{"stop": stop, "ctxDone": ctxDone}[which]
-		time.AfterFunc(10*time.Millisecond, func() { close(ch) })
 		timer := time.NewTimer(time.Hour)
 		timer.Stop()
-		start := time.Now()
+		start := time.Now() // before the close is armed: it comes 10 ms after start at least
+		time.AfterFunc(10*time.Millisecond, func() { close(ch) })
 		if sleepUntil(start.Add(time.Minute), timer, stop, ctxDone) {
 			t.Fatalf("%s: sleepUntil returned true before a minute passed", which)
 		}
