@@ -12,8 +12,14 @@ import (
 	"time"
 
 	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/packages/ssestream"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/grpcworker"
+	"github.com/batonllm/baton/workers/sim"
 )
 
 // drainScale runs the simulated clock slowly enough that a stream of a
@@ -178,4 +184,86 @@ func gather(t *testing.T, s *scheduler.Scheduler) string {
 	rec := httptest.NewRecorder()
 	s.Handler.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	return rec.Body.String()
+}
+
+// TestDrainingWorkerRequestsGoElsewhere: a worker that drains refuses new
+// requests with Unavailable before their first token; the scheduler, whose
+// health checks have not noticed yet, retries them on another worker and
+// the client sees no error. The drained worker's running stream finishes.
+func TestDrainingWorkerRequestsGoElsewhere(t *testing.T) {
+	slow := startWorker(t, "w0", drainScale, "127.0.0.1:0", false)
+	fast := startWorker(t, "w1", fastScale, "127.0.0.1:0", false)
+	// Health checks too rare to notice the drain during the test: every
+	// request routed to w0 reaches it and is refused.
+	_, addr := startScheduler(t, scheduler.Config{
+		Strategy: "round_robin",
+		Pool:     pool.Config{HealthInterval: time.Hour},
+		Workers:  []scheduler.WorkerConfig{{Name: "w0", Address: slow.GRPCAddr}, {Name: "w1", Address: fast.GRPCAddr}},
+	})
+	c := oaClient(t, addr)
+
+	// A stream on w0, running when it starts to drain.
+	var stream *ssestream.Stream[openai.ChatCompletionChunk]
+	var resp *http.Response
+	for range 2 { // round robin: one of two requests lands on w0
+		stream = c.Chat.Completions.NewStreaming(ctxT(t, time.Minute), chatParams(text("on the draining worker", 400), 40), option.WithResponseInto(&resp))
+		if !stream.Next() {
+			t.Fatalf("stream ended before its first chunk: %v", stream.Err())
+		}
+		if resp.Header.Get("X-Baton-Worker") == "w0" {
+			break
+		}
+		for stream.Next() {
+		}
+		stream.Close()
+	}
+	defer stream.Close()
+	if got := resp.Header.Get("X-Baton-Worker"); got != "w0" {
+		t.Fatalf("no stream landed on w0 (last on %q)", got)
+	}
+	drained := make(chan sim.DrainResult, 1)
+	go func() { drained <- slow.Drain(ctxT(t, time.Minute)) }()
+	hc0, err := grpcworker.Dial(slow.GRPCAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hc0.Close()
+	eventually(t, 10*time.Second, func() error { // the drain has begun
+		if err := hc0.Check(ctxT(t, time.Second)); !errors.Is(err, engine.ErrUnavailable) {
+			return fmt.Errorf("w0's health during its drain: %v, want NOT_SERVING", err)
+		}
+		return nil
+	})
+
+	hc := httpClient(t)
+	retriesBefore, _ := metric(scrape(t, hc, addr), "baton_retries_total")
+	for i := range 4 {
+		got := chat(t, c, chatParams(fmt.Sprintf("during the drain %d", i), 5))
+		if got.worker != "w1" {
+			t.Errorf("request %d during w0's drain served by %q, want w1", i, got.worker)
+		}
+	}
+	m := scrapeSettled(t, hc, addr)
+	if retries, _ := metric(m, "baton_retries_total"); retries-retriesBefore < 1 {
+		t.Errorf("retries during w0's drain: %v, want at least 1 (round robin sends it every other request)", retries-retriesBefore)
+	}
+
+	var acc openai.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatalf("the stream on the draining worker: %v", err)
+	}
+	if len(acc.Choices) != 1 || acc.Choices[0].FinishReason == "" {
+		t.Errorf("the stream on the draining worker did not finish: %+v", acc.Choices)
+	}
+	select {
+	case res := <-drained:
+		if res.Left != 0 {
+			t.Errorf("w0's drain left %d calls running", res.Left)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("w0's drain did not end")
+	}
 }

@@ -81,6 +81,7 @@ func TestFlagErrorsNameTheFlag(t *testing.T) {
 		{[]string{"worker", "--cpu-blocks", "-7"}, "--cpu-blocks: must be at least 1, or -1 for no CPU tier, got -7"},
 		{[]string{"worker", "--cpu-blocks", "0"}, "--cpu-blocks: must be at least 1, or -1 for no CPU tier, got 0"},
 		{[]string{"worker", "--kv-blocks", "-3"}, "--kv-blocks: must be at least 1, got -3"},
+		{[]string{"worker", "--drain-timeout", "0s"}, "--drain-timeout: must be positive, got 0s"},
 		{[]string{"worker", "--model-preset", "gpt-9"}, "--model-preset: "},
 		{[]string{"worker", "--gpu", "a4"}, "--gpu: "},
 		{[]string{"worker", "--served-model-name", "a,a"}, `--served-model-name: "a" listed twice`},

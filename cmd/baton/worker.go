@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"strings"
+	"time"
 
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvstore"
@@ -130,11 +131,15 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	metricsListen := fs.String("metrics-listen", "", "listen `address` of the worker's Prometheus /metrics (off when empty)")
 	pprofListen := fs.String("pprof-listen", "", "loopback listen `address` of net/http/pprof under /debug/pprof/ (off when empty)")
+	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "on SIGTERM or SIGINT, how long running sequences may finish (NOT_SERVING, new ones refused) before the worker writes its hottest blocks to the shared tier and exits")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
 	if err := f.check(fs); err != nil {
 		return err
+	}
+	if *drainTimeout <= 0 {
+		return fmt.Errorf("--drain-timeout: must be positive, got %s", *drainTimeout)
 	}
 	if *pprofListen != "" {
 		if err := loopbackAddr(*pprofListen); err != nil {
@@ -180,7 +185,15 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		"metrics", debugAddr(metricsSrv), "pprof", debugAddr(pprofSrv))
 	go logWarmup(ctx, w.Engine, log)
 	<-ctx.Done()
-	log.Info("worker stopping")
+	log.Info("worker draining", "running", w.Engine.Load().Running, "waiting", w.Engine.Load().Waiting, "timeout", *drainTimeout)
+	start := time.Now()
+	dctx, cancel := context.WithTimeout(context.Background(), *drainTimeout)
+	res := w.Drain(dctx)
+	cancel()
+	if res.Left > 0 {
+		log.Warn("drain timed out; stopping with calls running", "left", res.Left)
+	}
+	log.Info("worker drained", "duration", time.Since(start).Round(time.Millisecond), "hot_blocks_written", res.HotBlocks)
 	return nil
 }
 

@@ -475,6 +475,23 @@ func (c *Cache) Snapshot(fn func(gpu, cpu []uint64, used int64)) {
 	fn(keys, cpu, c.refd+c.reserved)
 }
 
+// hottest returns up to n unreferenced blocks that the shared tier may
+// lack, most recently used first: the GPU tier's, then the CPU tier's.
+// Blocks fetched from the shared tier are left out.
+func (c *Cache) hottest(n int) []storeWrite {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []storeWrite
+	for _, l := range []*block{&c.lru, &c.cpuLRU} {
+		for b := l.prev; b != l && len(out) < n; b = b.prev {
+			if !b.fromStore && b.ns.Model != "" {
+				out = append(out, storeWrite{b.ns, b.key})
+			}
+		}
+	}
+	return out
+}
+
 func (c *Cache) ref(b *block) {
 	if b.refs == 0 {
 		c.unlink(b)

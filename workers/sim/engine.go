@@ -19,6 +19,9 @@ import (
 var (
 	// ErrClosed: the engine is closed. It wraps engine.ErrUnavailable.
 	ErrClosed = fmt.Errorf("sim engine closed: %w", engine.ErrUnavailable)
+	// ErrDraining: the engine drains for shutdown (Drain) and takes no
+	// new sequence. It wraps engine.ErrUnavailable.
+	ErrDraining = fmt.Errorf("sim engine draining: %w", engine.ErrUnavailable)
 	// ErrUnknownModel: the engine does not serve the requested model
 	// (engine.ErrUnknownModel, so callers need not know the engine).
 	ErrUnknownModel = engine.ErrUnknownModel
@@ -119,6 +122,7 @@ type Engine struct {
 
 	mu       sync.Mutex
 	closed   bool
+	draining bool
 	incoming []*seq // Generate → step loop
 
 	wakeCh chan struct{} // capacity 1
@@ -349,6 +353,9 @@ func (e *Engine) enqueue(s *seq) error {
 	defer e.mu.Unlock()
 	if e.closed {
 		return ErrClosed
+	}
+	if e.draining {
+		return ErrDraining
 	}
 	s.queued = time.Now()
 	e.setPending(s, s.prompt)

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -133,6 +134,61 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...
 		}()
 	}
 	return w, nil
+}
+
+// DrainWriteTimeout bounds, after a drain, the writing of the worker's
+// hottest blocks to the shared tier.
+const DrainWriteTimeout = 5 * time.Second
+
+// DrainResult is what a drain did.
+type DrainResult struct {
+	// Left is the calls (gRPC Generate, Decode, Prefill) still running
+	// when the drain's context ended; 0 when every one finished.
+	Left int
+	// HotBlocks is the blocks written to the shared tier.
+	HotBlocks int
+}
+
+// Drain stops the worker gracefully, before Close: its gRPC health turns
+// NOT_SERVING (schedulers stop routing to it), new sequences are refused
+// with gRPC Unavailable (ErrDraining; a scheduler retries them on another
+// worker) and those running go on until they end or ctx does. Then, with
+// a shared tier, it writes up to Config.Tiers.StoreQueue of its most
+// recently used blocks there (Engine.WriteHot), within DrainWriteTimeout.
+func (w *Worker) Drain(ctx context.Context) DrainResult {
+	w.server.Shutdown()
+	w.Engine.Drain()
+	httpDone := make(chan struct{})
+	go func() {
+		defer close(httpDone)
+		if w.http != nil {
+			w.http.Shutdown(ctx) // its requests are sequences too
+		}
+	}()
+	var res DrainResult
+	if !w.waitIdle(ctx) {
+		res.Left = w.server.Calls()
+	}
+	<-httpDone
+	wctx, cancel := context.WithTimeout(context.Background(), DrainWriteTimeout)
+	defer cancel()
+	res.HotBlocks = w.Engine.WriteHot(wctx, w.Engine.Config().Tiers.StoreQueue)
+	return res
+}
+
+// waitIdle waits until the engine runs no sequence and no call is being
+// answered, or ctx ends; it reports whether the worker became idle.
+func (w *Worker) waitIdle(ctx context.Context) bool {
+	t := time.NewTicker(drainPoll)
+	defer t.Stop()
+	for !w.Engine.Idle() || w.server.Calls() > 0 {
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return false
+		}
+	}
+	return true
 }
 
 // Close stops serving at once (in-flight streams fail, as when a worker

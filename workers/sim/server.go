@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -25,6 +26,7 @@ type Server struct {
 	e      *Engine
 	tr     transfer.Transport
 	health *health.Server
+	calls  atomic.Int64 // Generate, Decode and Prefill calls running
 }
 
 // ServerOption configures NewServer.
@@ -74,6 +76,9 @@ func (s *Server) Register(g *grpc.Server) {
 // worker before it stops.
 func (s *Server) Shutdown() { s.health.Shutdown() }
 
+// Calls returns the Generate, Decode and Prefill calls being served.
+func (s *Server) Calls() int { return int(s.calls.Load()) }
+
 // Info describes the worker.
 func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoResponse, error) {
 	cfg := s.e.Config()
@@ -92,6 +97,8 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 
 // Generate runs one sequence and streams its tokens, then its final usage.
 func (s *Server) Generate(req *workerpb.GenerateRequest, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
+	s.calls.Add(1)
+	defer s.calls.Add(-1)
 	st, err := s.e.Generate(out.Context(), engineRequest(req))
 	if err != nil {
 		return toStatus(err)
@@ -102,6 +109,8 @@ func (s *Server) Generate(req *workerpb.GenerateRequest, out grpc.ServerStreamin
 // Decode waits (bounded) for the request's transfer, then runs it as
 // Generate does.
 func (s *Server) Decode(req *workerpb.DecodeRequest, out grpc.ServerStreamingServer[workerpb.GenerateEvent]) error {
+	s.calls.Add(1)
+	defer s.calls.Add(-1)
 	timeout := time.Duration(req.GetTransferTimeoutMs()) * time.Millisecond
 	st, err := s.e.Decode(out.Context(), engineRequest(req.GetRequest()), req.GetTransferId(), timeout)
 	if err != nil {
@@ -113,6 +122,8 @@ func (s *Server) Decode(req *workerpb.DecodeRequest, out grpc.ServerStreamingSer
 // Prefill computes the request's blocks and pushes those the decode worker
 // lacks to it.
 func (s *Server) Prefill(ctx context.Context, req *workerpb.PrefillRequest) (*workerpb.PrefillResult, error) {
+	s.calls.Add(1)
+	defer s.calls.Add(-1)
 	res, err := s.e.Prefill(ctx, &engine.PrefillRequest{
 		Request:         engineRequest(req.GetRequest()),
 		TransferID:      req.GetTransferId(),
@@ -281,7 +292,7 @@ func toStatus(err error) error {
 		code = codes.NotFound
 	case errors.Is(err, ErrInvalid):
 		code = codes.InvalidArgument
-	case errors.Is(err, ErrClosed):
+	case errors.Is(err, ErrClosed), errors.Is(err, ErrDraining):
 		code = codes.Unavailable
 	case errors.Is(err, ErrSlowSubscriber):
 		code = codes.Aborted

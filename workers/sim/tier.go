@@ -159,8 +159,10 @@ func (e *Engine) writer() {
 	}
 }
 
-// put writes one batch, a Put per namespace.
-func (e *Engine) put(batch []storeWrite) {
+// put writes one batch, a Put per namespace, and returns the blocks
+// written.
+func (e *Engine) put(batch []storeWrite) int {
+	written := 0
 	byNS := make(map[transfer.Namespace][]transfer.Block)
 	for _, w := range batch {
 		buf := e.getBuf()
@@ -184,9 +186,11 @@ func (e *Engine) put(batch []storeWrite) {
 		}
 		e.statsMu.Unlock()
 		if err == nil {
+			written += len(keys)
 			e.hub.publishCache(CacheEvent{Kind: BlockStored, Tier: TierRedis, Keys: keys})
 		}
 	}
+	return written
 }
 
 // Warm fetches the blocks of one prefix (chained keys, leading first) in
