@@ -104,7 +104,9 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 		if !errors.Is(err, transfer.ErrBypassed) {
 			t.Fatalf("call with the breaker open: error %v, want ErrBypassed", err)
 		}
-		if d > 5*time.Millisecond {
+		// Bypassing touches no network (inner's count, below); the bound
+		// only catches a call that waited for a timeout.
+		if d > 100*time.Millisecond {
 			t.Errorf("bypassed call took %v", d)
 		}
 	}
