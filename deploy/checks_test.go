@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -23,6 +24,7 @@ import (
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/sim"
 )
 
 // The checks below read the built output of every kustomization, so they
@@ -607,5 +609,75 @@ func checkWorkers(t *testing.T, o *objects, where string, cfg scheduler.Config) 
 	}
 	if want := expected[o.dir].disaggregated; want != (roles[scheduler.RolePrefill] > 0 && roles[scheduler.RoleDecode] > 0) {
 		t.Errorf("%s: roles %v; want prefill and decode workers: %v", where, roles, want)
+	}
+}
+
+// TestTerminationGrace checks that each baton pod's
+// terminationGracePeriodSeconds exceeds its preStop sleep plus the drain
+// its process does on SIGTERM: the scheduler's drain_delay and
+// drain_timeout; a worker's --drain-timeout, which it must set, and the
+// writing of its hot blocks. Kubernetes kills what outlives the grace.
+// The scheduler needs a preStop sleep (endpoints drop it meanwhile), and
+// no baton container an exec hook: the image has no shell.
+func TestTerminationGrace(t *testing.T) {
+	for _, o := range built(t) {
+		for _, c := range o.containers() {
+			cmd := c.command()
+			if cmd == "" {
+				continue
+			}
+			grace := 30 * time.Second // the API server's default
+			if g := c.w.pod.Spec.TerminationGracePeriodSeconds; g != nil {
+				grace = time.Duration(*g) * time.Second
+			}
+			var preStop time.Duration
+			if l := c.Lifecycle; l != nil && l.PreStop != nil {
+				switch {
+				case l.PreStop.Exec != nil:
+					t.Errorf("%s: %s: preStop exec: the baton image has no shell; use sleep", o.dir, c)
+				case l.PreStop.Sleep != nil:
+					preStop = time.Duration(l.PreStop.Sleep.Seconds) * time.Second
+				}
+			}
+			var drain time.Duration
+			switch cmd {
+			case "serve":
+				if preStop == 0 {
+					t.Errorf("%s: %s: no preStop sleep: SIGTERM would come before endpoints drop the pod", o.dir, c)
+				}
+				_, data, err := o.schedulerConfig(c)
+				if err != nil {
+					t.Errorf("%s: %s: %v", o.dir, c, err)
+					continue
+				}
+				file := filepath.Join(t.TempDir(), "config.yaml")
+				if err := os.WriteFile(file, data, 0o600); err != nil {
+					t.Fatal(err)
+				}
+				cfg, err := scheduler.LoadConfig(file)
+				if err != nil {
+					t.Errorf("%s: %s: %v", o.dir, c, err)
+					continue
+				}
+				cfg = cfg.WithDefaults()
+				drain = cfg.DrainDelay + cfg.DrainTimeout
+				if v, ok := c.flag("drain-timeout"); ok {
+					if d, err := time.ParseDuration(v); err == nil {
+						drain = cfg.DrainDelay + d
+					}
+				}
+			case "worker":
+				v, ok := c.flag("drain-timeout")
+				d, err := time.ParseDuration(v)
+				if !ok || err != nil {
+					t.Errorf("%s: %s: want --drain-timeout=<duration>, got %q", o.dir, c, v)
+					continue
+				}
+				drain = d + sim.DrainWriteTimeout
+			}
+			if grace <= preStop+drain {
+				t.Errorf("%s: %s: terminationGracePeriodSeconds %v must exceed preStop %v + drain %v", o.dir, c, grace, preStop, drain)
+			}
+		}
 	}
 }
