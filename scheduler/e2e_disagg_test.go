@@ -110,7 +110,7 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 	}
 
 	hc := httpClient(t)
-	m := scrape(t, hc, f.addr)
+	m := scrapeSettled(t, hc, f.addr)
 	if v, _ := metric(m, "baton_disagg_decisions_total", `decision="remote"`); v != 5 {
 		t.Errorf("remote decisions = %v, want 5", v)
 	}
@@ -136,12 +136,12 @@ func TestRepeatedPrefixTransfersOnlyNewBlocks(t *testing.T) {
 	shared := len(userKeys(prefix)) - 1
 	// Decode workers are picked by load, so ask until the same one serves.
 	for i := 1; i < 20; i++ {
-		before := scrape(t, hc, f.addr)
+		before := scrapeSettled(t, hc, f.addr)
 		r := chat(t, c, chatParams(question(i), 10))
 		if r.worker != first.worker {
 			continue
 		}
-		after := scrape(t, hc, f.addr)
+		after := scrapeSettled(t, hc, f.addr)
 		sent0, _ := metric(before, "baton_transfer_blocks_total", `kind="sent"`)
 		sent1, _ := metric(after, "baton_transfer_blocks_total", `kind="sent"`)
 		held0, _ := metric(before, "baton_transfer_blocks_total", `kind="held"`)
@@ -168,7 +168,7 @@ func TestConditionalDisaggregation(t *testing.T) {
 	if long.prefill != "p0" || !strings.Contains(long.route, "prefill=remote") {
 		t.Errorf("long prompt: prefill worker %q, route %q", long.prefill, long.route)
 	}
-	m := scrape(t, httpClient(t), f.addr)
+	m := scrapeSettled(t, httpClient(t), f.addr)
 	if v, _ := metric(m, "baton_disagg_decisions_total", `decision="local"`, `reason="short"`); v != 1 {
 		t.Errorf("local short decisions = %v, want 1", v)
 	}
@@ -214,7 +214,7 @@ func TestPrefillWorkerKilledMidPrefill(t *testing.T) {
 	if pw := got.prefill; pw == victim {
 		t.Errorf("the killed worker %s is named as the prefill worker", victim)
 	}
-	m := scrape(t, httpClient(t), f.addr)
+	m := scrapeSettled(t, httpClient(t), f.addr)
 	if v, _ := metric(m, "baton_transfer_failures_total"); v < 1 {
 		t.Errorf("transfer failures = %v, want at least 1", v)
 	}
@@ -288,7 +288,7 @@ func TestCorruptBlockNeverEntersCache(t *testing.T) {
 	if got.content != want.content {
 		t.Errorf("text %q, want %q", got.content, want.content)
 	}
-	m := scrape(t, httpClient(t), f.addr)
+	m := scrapeSettled(t, httpClient(t), f.addr)
 	if v, _ := metric(m, "baton_transfer_blocks_total", `kind="rejected"`); v != 1 {
 		t.Errorf("rejected blocks = %v, want 1", v)
 	}
@@ -319,7 +319,7 @@ func TestStalledTransferPastDeadline(t *testing.T) {
 	if d := time.Since(start); d > 3*time.Second {
 		t.Errorf("request took %v: the stalled transfer was waited out", d)
 	}
-	m := scrape(t, httpClient(t), f.addr)
+	m := scrapeSettled(t, httpClient(t), f.addr)
 	if v, _ := metric(m, "baton_transfer_failures_total", `reason="timeout"`); v < 1 {
 		if all, _ := metric(m, "baton_transfer_failures_total"); all < 1 {
 			t.Errorf("transfer failures = %v, want the stall counted", all)

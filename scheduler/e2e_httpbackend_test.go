@@ -54,7 +54,7 @@ func TestHTTPBackend(t *testing.T) {
 		if second.cached == 0 {
 			t.Errorf("repeated prompt: cached_tokens = 0 (prompt %d), want > 0", second.prompt)
 		}
-		m := scrape(t, httpClient(t), addr)
+		m := scrapeSettled(t, httpClient(t), addr)
 		if v, _ := metric(m, "baton_cached_tokens_total", `worker="`+first.worker+`"`); v == 0 {
 			t.Errorf("baton_cached_tokens_total{worker=%q} = 0, want the cached tokens of the repeated prompt", first.worker)
 		}

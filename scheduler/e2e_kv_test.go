@@ -99,7 +99,7 @@ func TestKVAwareRoutesToTheHolder(t *testing.T) {
 			t.Errorf("doc %d: %d of %d prompt tokens cached", i, r.cached, r.prompt)
 		}
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	pred, _ := metric(m, "baton_kv_predicted_cached_tokens_total", `strategy="kv_aware"`)
 	got, _ := metric(m, "baton_kv_achieved_cached_tokens_total", `strategy="kv_aware"`)
 	if pred <= 0 || got < pred*0.9 || got > pred*1.1 {
@@ -137,7 +137,7 @@ func TestKVAwareRoutesToTheCPUTierHolder(t *testing.T) {
 	if again.worker != r.worker || again.cached == 0 {
 		t.Errorf("follow-up on %s with %d cached tokens; the CPU tier of %s holds the document", again.worker, again.cached, r.worker)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	if v, _ := metric(m, "baton_cached_tokens_by_tier_total", `tier="cpu"`); v <= 0 {
 		t.Errorf("cpu-tier hits = %v", v)
 	}
@@ -204,7 +204,7 @@ func TestHotPrefixSpreadsAndWarmsFromRedis(t *testing.T) {
 	if spread.cached < int64(len(keys))*16*9/10 {
 		t.Errorf("the second worker's first request found %d of %d tokens cached; it should warm from Redis", spread.cached, spread.prompt)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	if v, _ := metric(m, "baton_cached_tokens_by_tier_total", `tier="redis"`); v <= 0 {
 		t.Errorf("redis-tier hits = %v, want the second worker's", v)
 	}
@@ -349,7 +349,7 @@ func TestKVAwareCopiesHotPrefixOntoIdleWorker(t *testing.T) {
 	if copied.cached < copied.prompt*8/10 {
 		t.Errorf("replicated request: %d of %d prompt tokens reused; the copied prefix should count", copied.cached, copied.prompt)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	if n, _ := metric(m, "baton_prefix_copies_total", `outcome="copied"`); n < 1 {
 		t.Errorf("baton_prefix_copies_total{outcome=copied} = %v, want at least 1", n)
 	}

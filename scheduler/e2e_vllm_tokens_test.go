@@ -107,7 +107,7 @@ func TestVLLMTokenKeys(t *testing.T) {
 	if hit := predictedHit(t, got.route); hit < 0.9 {
 		t.Errorf("route %q: predicted hit %v, want the shared prefix, over 0.9 of the prompt", got.route, hit)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	if got, _ := metric(m, "baton_tokenize_total", `outcome="miss"`); got != 1 {
 		t.Errorf(`baton_tokenize_total{outcome="miss"} = %v, want 1`, got)
 	}
@@ -136,7 +136,7 @@ func TestVLLMTokenizeCache(t *testing.T) {
 	if got := eng.tokenizeCalls(); got != 2 {
 		t.Errorf("after another prompt the engine tokenized %d times, want 2", got)
 	}
-	m := scrape(t, httpClient(t), addr)
+	m := scrapeSettled(t, httpClient(t), addr)
 	for outcome, want := range map[string]float64{"hit": 1, "miss": 2, "failed": 0} {
 		if got, _ := metric(m, "baton_tokenize_total", `outcome="`+outcome+`"`); got != want {
 			t.Errorf(`baton_tokenize_total{outcome=%q} = %v, want %v`, outcome, got, want)

@@ -514,14 +514,18 @@ func (s *Scheduler) Drain() {
 	s.mu.Lock()
 	srv := s.srv
 	s.mu.Unlock()
-	if srv == nil {
-		s.Close()
-		return
-	}
 	start := time.Now()
 	s.Handler.Drain()
 	s.Metrics.Draining.Set(1)
 	s.log.Info("draining", "in_flight", s.Handler.InFlight(), "delay", s.cfg.DrainDelay, "timeout", s.cfg.DrainTimeout)
+	interrupted := 0
+	if srv == nil {
+		// Serve has not begun: nothing was accepted, and Serve returns
+		// at once after Close.
+		s.Close()
+		s.log.Info("drained", "duration", time.Since(start).Round(time.Millisecond), "interrupted", interrupted)
+		return
+	}
 	if s.cfg.DrainDelay > 0 {
 		time.Sleep(s.cfg.DrainDelay)
 		s.log.Info("draining: no longer accepting", "in_flight", s.Handler.InFlight())
@@ -529,7 +533,6 @@ func (s *Scheduler) Drain() {
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.DrainTimeout)
 	err := srv.Shutdown(ctx)
 	cancel()
-	interrupted := 0
 	if err != nil {
 		interrupted = s.Handler.InFlight()
 		s.log.Warn("drain timed out; interrupting the requests left", "in_flight", interrupted, "timeout", s.cfg.DrainTimeout)
