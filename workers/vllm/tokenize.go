@@ -106,8 +106,8 @@ func (t *Tokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32
 	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxTokenizeBytes)); err != nil {
 		return nil, fmt.Errorf("POST %s: reading: %w", t.url, err)
 	}
-	var out tokenizeResponse
-	if err := json.Unmarshal(buf.Bytes(), &out); err != nil {
+	out, err := parseTokenizeResponse(buf.Bytes())
+	if err != nil {
 		return nil, fmt.Errorf("POST %s: %w", t.url, err)
 	}
 	if out.Count != len(out.Tokens) {
