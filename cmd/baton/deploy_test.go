@@ -163,47 +163,6 @@ func TestDeployManifestsParse(t *testing.T) {
 	}
 }
 
-// TestDeployKustomizations checks every path a kustomization refers to
-// exists, since kustomize itself is not available to the tests.
-func TestDeployKustomizations(t *testing.T) {
-	n := 0
-	for _, m := range readManifests(t) {
-		if base := filepath.Base(m.path); base != "kustomization.yaml" {
-			continue
-		}
-		n++
-		dir := filepath.Join(deployDir, filepath.Dir(m.path))
-		var refs []string
-		refs = append(refs, strs(get(m.doc, "resources"))...)
-		refs = append(refs, strs(get(m.doc, "components"))...)
-		for _, p := range list(m.doc, "patches") {
-			if path := str(p, "path"); path != "" {
-				refs = append(refs, path)
-			}
-		}
-		for _, g := range list(m.doc, "configMapGenerator") {
-			for _, f := range strs(get(g, "files")) {
-				_, path, ok := strings.Cut(f, "=")
-				if !ok {
-					path = f
-				}
-				refs = append(refs, path)
-			}
-		}
-		for _, r := range refs {
-			if strings.Contains(r, "://") {
-				continue
-			}
-			if _, err := os.Stat(filepath.Join(dir, r)); err != nil {
-				t.Errorf("%s: %s: %v", m.path, r, err)
-			}
-		}
-	}
-	if n < 3 {
-		t.Errorf("found %d kustomizations; want the base and the sim and vllm overlays at least", n)
-	}
-}
-
 // schedulerConfigs returns every scheduler config file under deploy/, by
 // path relative to deploy/: the files configMapGenerators turn into
 // config.yaml, and config.yaml keys of literal ConfigMaps.
