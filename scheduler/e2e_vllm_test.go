@@ -33,6 +33,7 @@ type fakeEngine struct {
 	chats         int
 	tokenizes     int
 	tokenizeFails bool
+	salts         []string // cache_salt of each chat completion
 	pub           *kveventstest.Publisher
 	ts            float64 // of the last batch published
 }
@@ -70,11 +71,12 @@ func fakeTokens(msgs []fakeMessage) []uint32 {
 }
 
 // publish publishes the blocks of tokens as stored, under the engine's own
-// chained hashes.
-func (f *fakeEngine) publish(tokens []uint32) error {
+// chained hashes, salted as vLLM does with the request's cache_salt (the
+// last of the first block's extra keys).
+func (f *fakeEngine) publish(tokens []uint32, salt string) error {
 	var hashes []kvevents.Hash
 	n := len(tokens) / fakeBlockSize * fakeBlockSize
-	var h uint64 = 7 // the engine's seed, unlike baton's
+	var h uint64 = 7 + xxhash.Sum64String(salt) // the engine's seed, unlike baton's
 	for i := 0; i < n; i += fakeBlockSize {
 		h = kvevents.NextKey(h, tokens[i:i+fakeBlockSize])
 		hashes = append(hashes, kvevents.IntHash(h))
@@ -83,9 +85,12 @@ func (f *fakeEngine) publish(tokens []uint32) error {
 		return nil
 	}
 	f.ts++
-	_, err := f.pub.Publish(kvevents.Batch{TS: f.ts, Events: []kvevents.Event{&kvevents.BlockStored{
-		BlockHashes: hashes, TokenIDs: tokens[:n], BlockSize: fakeBlockSize, Medium: "GPU",
-	}}})
+	ev := &kvevents.BlockStored{BlockHashes: hashes, TokenIDs: tokens[:n], BlockSize: fakeBlockSize, Medium: "GPU"}
+	if salt != "" {
+		ev.ExtraKeys = make([][]string, len(hashes))
+		ev.ExtraKeys[0] = []string{salt}
+	}
+	_, err := f.pub.Publish(kvevents.Batch{TS: f.ts, Events: []kvevents.Event{ev}})
 	return err
 }
 
@@ -106,8 +111,9 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 	})
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
-			Model    string        `json:"model"`
-			Messages []fakeMessage `json:"messages"`
+			Model     string        `json:"model"`
+			Messages  []fakeMessage `json:"messages"`
+			CacheSalt string        `json:"cache_salt"`
 		}
 		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Model != model {
 			http.Error(w, `{"error":{"message":"bad request","type":"BadRequestError","code":400}}`, http.StatusBadRequest)
@@ -115,8 +121,9 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 		}
 		f.mu.Lock()
 		f.chats++
+		f.salts = append(f.salts, req.CacheSalt)
 		if f.pub != nil {
-			if err := f.publish(fakeTokens(req.Messages)); err != nil {
+			if err := f.publish(fakeTokens(req.Messages), req.CacheSalt); err != nil {
 				t.Errorf("fake engine: publishing: %v", err)
 			}
 		}

@@ -190,3 +190,61 @@ func TestVLLMTokenizeFails(t *testing.T) {
 		t.Errorf("logged %d failures and %d recoveries, want one of each: %q", failed, recovered, logs.messages())
 	}
 }
+
+// TestVLLMTenantCacheSalt: a request's tenant reaches a vLLM engine as
+// its cache_salt, so the engine keeps each tenant's blocks apart, and
+// kv_aware keys the request with the same salt: a prompt one tenant
+// cached is a hit for that tenant only. A client's own cache_salt stands.
+func TestVLLMTenantCacheSalt(t *testing.T) {
+	e0, w0 := startPublishingEngine(t, "v0")
+	_, addr := startScheduler(t, scheduler.Config{
+		Strategy: "kv_aware", Pool: fastPool(),
+		Workers: []scheduler.WorkerConfig{w0},
+	})
+	if err := e0.pub.WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	c := oaClient(t, addr)
+	prefix := longPrefix(400)
+	ask := func(tenant, question string) chatResult {
+		p := openai.ChatCompletionNewParams{
+			Model:    model,
+			Messages: []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(prefix), openai.UserMessage(question)},
+		}
+		if tenant != "" {
+			p.PromptCacheKey = openai.String(tenant)
+		}
+		return chat(t, c, p)
+	}
+	ask("tenant-a", "first question")
+	// The engine's events reach the index: tenant a's next request is a
+	// predicted hit.
+	var hitA float64
+	eventually(t, 10*time.Second, func() error {
+		hitA = predictedHit(t, ask("tenant-a", "again").route)
+		if hitA < 0.9 {
+			return fmt.Errorf("tenant a's repeated prefix: predicted hit %v", hitA)
+		}
+		return nil
+	})
+	if hit := predictedHit(t, ask("tenant-b", "first question").route); hit != 0 {
+		t.Errorf("tenant b on tenant a's prefix: predicted hit %v, want 0", hit)
+	}
+	e0.mu.Lock()
+	salts := append([]string(nil), e0.salts...)
+	e0.mu.Unlock()
+	if len(salts) < 3 || salts[0] != "tenant-a" || salts[len(salts)-1] != "tenant-b" {
+		t.Errorf("cache_salt the engine saw: %q, want tenant-a first and tenant-b last", salts)
+	}
+	// A client that sets cache_salt itself keeps it.
+	body := `{"model":"` + model + `","prompt_cache_key":"tenant-a","cache_salt":"mine","messages":[{"role":"user","content":"hello"}]}`
+	if r := do(t, httpClient(t), http.MethodPost, "http://"+addr+"/v1/chat/completions", body, nil); r.status != http.StatusOK {
+		t.Fatalf("status %d: %s", r.status, r.body)
+	}
+	e0.mu.Lock()
+	last := e0.salts[len(e0.salts)-1]
+	e0.mu.Unlock()
+	if last != "mine" {
+		t.Errorf("the client's cache_salt became %q, want mine", last)
+	}
+}

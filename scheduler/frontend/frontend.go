@@ -311,14 +311,21 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 		}
 		return nil, nil, openai.ModelNotFound(req.Model)
 	}
+	bound := false // the tenant is the API key's, whatever the body says
 	if s.admission != nil {
 		tenant, err := s.admission.Admit(r.Context(), blockkey.Tokens(blockkey.Chars(req.Prompt))+req.MaxTokens)
 		if err != nil {
 			return nil, nil, err
 		}
 		if tenant != "" {
-			req.Tenant = tenant
+			req.Tenant, bound = tenant, true
 		}
+	}
+	if s.tok != nil && req.Tenant != "" && !rt.native {
+		// Engines keyed by their tokens (vLLM, SGLang) isolate tenants
+		// in their own caches by cache_salt, which their events carry
+		// and the request's keys take (tokenizer.keys).
+		req.Body = withCacheSalt(req.Body, req.Tenant, bound)
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}

@@ -178,6 +178,30 @@ func cacheSalt(body []byte) string {
 	return v.CacheSalt
 }
 
+// withCacheSalt returns body, a JSON object, with its cache_salt set to
+// tenant: where it has none, or always when force (a tenant bound to the
+// caller's API key, which must not read another tenant's cache by naming
+// its salt). body is returned as it is when it is not an object.
+func withCacheSalt(body []byte, tenant string, force bool) []byte {
+	if !force && cacheSalt(body) != "" {
+		return body
+	}
+	var m map[string]json.RawMessage
+	if json.Unmarshal(body, &m) != nil || m == nil {
+		return body
+	}
+	salt, err := json.Marshal(tenant)
+	if err != nil {
+		return body
+	}
+	m["cache_salt"] = salt
+	out, err := json.Marshal(m)
+	if err != nil {
+		return body
+	}
+	return out
+}
+
 // tokenCache is an LRU of prompts' tokens, bounded by their total count.
 type tokenCache struct {
 	max int

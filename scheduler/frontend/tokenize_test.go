@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -178,5 +179,35 @@ func BenchmarkTokenKeys8000(b *testing.B) {
 			slices.Sort(took)
 			b.ReportMetric(float64(took[len(took)*99/100].Nanoseconds()), "p99-ns")
 		})
+	}
+}
+
+// A tenant reaches the engine as cache_salt: where the body has none, or
+// over the body's own when the tenant is bound to the caller's key.
+func TestWithCacheSalt(t *testing.T) {
+	for _, tt := range []struct {
+		body  string
+		force bool
+		want  string // the cache_salt sent; "" when the body is unchanged
+	}{
+		{`{"model":"m","messages":[]}`, false, "t"},
+		{`{"model":"m","cache_salt":"own"}`, false, "own"},
+		{`{"model":"m","cache_salt":"own"}`, true, "t"},
+		{`["not an object"]`, true, ""},
+		{`null`, true, ""},
+	} {
+		got := withCacheSalt([]byte(tt.body), "t", tt.force)
+		if tt.want == "" {
+			if string(got) != tt.body {
+				t.Errorf("%s: rewritten as %s", tt.body, got)
+			}
+			continue
+		}
+		if salt := cacheSalt(got); salt != tt.want {
+			t.Errorf("%s (force %t): cache_salt %q, want %q", tt.body, tt.force, salt, tt.want)
+		}
+		if !bytes.Contains(got, []byte(`"model":"m"`)) {
+			t.Errorf("%s: the rest of the body was lost: %s", tt.body, got)
+		}
 	}
 }
