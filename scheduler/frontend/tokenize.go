@@ -6,11 +6,13 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/routing"
@@ -71,6 +73,7 @@ func WithTokenKeys(tk TokenKeys) Option {
 const (
 	tokHit         = "hit"         // the cache had the tokens
 	tokMiss        = "miss"        // the tokenizer gave them
+	tokShared      = "shared"      // a call for the same prompt in flight gave them
 	tokFailed      = "failed"      // it failed: text keys
 	tokUnsupported = "unsupported" // the request cannot be tokenized: text keys
 )
@@ -82,6 +85,9 @@ type tokenizer struct {
 	metrics *metrics.Metrics
 	log     *slog.Logger
 	failing atomic.Bool // the last tokenizer call failed
+	// calls merges concurrent misses of one prompt into one call, by the
+	// prompt's hash (with the cache only: the hash is its key).
+	calls singleflight.Group
 }
 
 func newTokenizer(cfg TokenKeys, m *metrics.Metrics, log *slog.Logger) *tokenizer {
@@ -129,9 +135,25 @@ func (t *tokenizer) tokens(ctx context.Context, req *engine.Request) ([]uint32, 
 			return toks, tokHit
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
-	toks, err := t.cfg.Tokenizer.Tokenize(ctx, req)
-	cancel()
+	var toks []uint32
+	var err error
+	shared := false
+	if t.cache != nil {
+		// A burst of one prompt (siblings of a new document) asks the
+		// engine once. The call outlives a caller that goes away (its
+		// timeout still bounds it): the others wait on it.
+		var v any
+		v, err, shared = t.calls.Do(strconv.FormatUint(h, 16), func() (any, error) {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.cfg.Timeout)
+			defer cancel()
+			return t.cfg.Tokenizer.Tokenize(ctx, req)
+		})
+		toks, _ = v.([]uint32)
+	} else {
+		ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
+		toks, err = t.cfg.Tokenizer.Tokenize(ctx, req)
+		cancel()
+	}
 	if err != nil {
 		if !t.failing.Swap(true) {
 			t.log.Warn("tokenization failed; keying requests by their text until it works", "err", err)
@@ -143,6 +165,9 @@ func (t *tokenizer) tokens(ctx context.Context, req *engine.Request) ([]uint32, 
 	}
 	if len(toks) == 0 {
 		return nil, tokUnsupported
+	}
+	if shared {
+		return toks, tokShared
 	}
 	if t.cache != nil {
 		t.cache.add(h, toks)

@@ -11,6 +11,8 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -208,6 +210,66 @@ func TestWithCacheSalt(t *testing.T) {
 		}
 		if !bytes.Contains(got, []byte(`"model":"m"`)) {
 			t.Errorf("%s: the rest of the body was lost: %s", tt.body, got)
+		}
+	}
+}
+
+// gatedTokenizer counts its calls and answers once gate is closed.
+type gatedTokenizer struct {
+	Tokenizer
+	gate  chan struct{}
+	calls atomic.Int32
+}
+
+func (g *gatedTokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32, error) {
+	g.calls.Add(1)
+	select {
+	case <-g.gate:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return g.Tokenizer.Tokenize(ctx, req)
+}
+
+// TestTokenizeMergesConcurrentMisses: a burst of one new prompt asks the
+// engine once, and every request of the burst gets its tokens, even when
+// the one whose call it is goes away.
+func TestTokenizeMergesConcurrentMisses(t *testing.T) {
+	g := &gatedTokenizer{Tokenizer: sim.Tokenizer{}, gate: make(chan struct{})}
+	m := metrics.New()
+	tk := newTokenizer(TokenKeys{Tokenizer: g, BlockSize: func() int { return 16 }, Model: func() string { return "m" }},
+		m, slog.New(slog.DiscardHandler))
+	req := &engine.Request{Model: "m", Prompt: strings.Repeat("sibling ", 100)}
+	gone, cancel := context.WithCancel(context.Background())
+	const n = 8
+	var wg sync.WaitGroup
+	got := make([]bool, n)
+	for i := range n {
+		ctx := context.Background()
+		if i == 0 {
+			ctx = gone
+		}
+		wg.Go(func() {
+			var rreq routing.Request
+			got[i] = tk.keys(ctx, req, &rreq) && rreq.Tokens == 200
+		})
+	}
+	// Every request waits on the one call; the first caller leaves.
+	for deadline := time.Now().Add(10 * time.Second); g.calls.Load() == 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // let the others join the call
+	cancel()
+	close(g.gate)
+	wg.Wait()
+	if c := g.calls.Load(); c < 1 || c > 2 {
+		// A request that arrives after the call ended finds the cache;
+		// one that arrives before the others joined may start a second.
+		t.Errorf("%d tokenizer calls for one prompt, want 1 (2 at most)", c)
+	}
+	for i, ok := range got {
+		if !ok {
+			t.Errorf("request %d got no token keys", i)
 		}
 	}
 }
