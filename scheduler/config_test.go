@@ -45,6 +45,8 @@ func TestConfigValidate(t *testing.T) {
 		{"queue", func(c *Config) { c.MaxQueue = -2 }, "max_queue:"},
 		{"capacity", func(c *Config) { c.MaxInFlight = -1 }, "max_in_flight:"},
 		{"queue timeout", func(c *Config) { c.QueueTimeout = -time.Second }, "queue_timeout:"},
+		{"negative prompt limit", func(c *Config) { c.MaxPromptTokens = -1 }, "max_prompt_tokens:"},
+		{"header limit tiny", func(c *Config) { c.MaxHeaderBytes = 100 }, "max_header_bytes:"},
 		{"pool timing", func(c *Config) { c.Pool.HealthTimeout = time.Minute; c.Pool.HealthInterval = time.Second }, "pool.health_timeout:"},
 		{"no workers", func(c *Config) { c.Workers = nil }, "workers:"},
 		{"missing address", func(c *Config) { c.Workers[0].Address = "" }, "workers[0].address:"},

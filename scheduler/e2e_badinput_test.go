@@ -247,3 +247,35 @@ func TestBodyEncodingsAndMethods(t *testing.T) {
 		})
 	}
 }
+
+// TestHostileInputLimits: a prompt over max_prompt_tokens is refused with
+// OpenAI's context_length_exceeded before any worker sees it, and header
+// lines over max_header_bytes get a 431; neither counts against a worker.
+func TestHostileInputLimits(t *testing.T) {
+	_, workers := startWorkers(t, 1, fastScale)
+	_, addr := startScheduler(t, scheduler.Config{Strategy: "random", Workers: workers, Pool: fastPool(),
+		Config: frontend.Config{MaxPromptTokens: 100, MaxHeaderBytes: 8 << 10}})
+	hc := httpClient(t)
+	url := "http://" + addr + "/v1/chat/completions"
+	chatOf := func(chars int) string {
+		return `{"model":"` + model + `","max_tokens":4,"messages":[{"role":"user","content":"` + strings.Repeat("x", chars) + `"}]}`
+	}
+	if r := do(t, hc, "POST", url, chatOf(300), nil); r.status != 200 {
+		t.Fatalf("a prompt under the limit: status %d: %.300s", r.status, r.body)
+	}
+	r := do(t, hc, "POST", url, chatOf(1000), nil)
+	if _, _, code, _ := decodeError(t, r.body); r.status != 400 || code != "context_length_exceeded" {
+		t.Errorf("a prompt of ~250 tokens over a limit of 100: status %d code %q, want 400 context_length_exceeded", r.status, code)
+	}
+	r = do(t, hc, "POST", url, chatOf(10), map[string]string{"X-Padding": strings.Repeat("p", 16<<10)})
+	if r.status != http.StatusRequestHeaderFieldsTooLarge {
+		t.Errorf("16 KiB of headers over a limit of 8 KiB: status %d, want 431", r.status)
+	}
+	m := scrapeSettled(t, hc, addr)
+	if v, _ := metric(m, "baton_requests_total", `outcome="ok"`); v != 1 {
+		t.Errorf("requests that reached a worker: %v, want 1", v)
+	}
+	if v, _ := metric(m, "baton_breaker_transitions_total"); v != 0 {
+		t.Errorf("breaker transitions %v, want 0", v)
+	}
+}

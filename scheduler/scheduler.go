@@ -462,6 +462,7 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
+		MaxHeaderBytes:    s.cfg.Config.WithDefaults().MaxHeaderBytes,
 		// No read or write timeout here: the front end sets them per
 		// request (the body; a non-streamed response), as streams last as
 		// long as generation does, bounded by the request timeout.

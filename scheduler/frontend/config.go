@@ -72,6 +72,14 @@ type Config struct {
 	// IdleTimeout closes a kept-alive connection that carries no request
 	// for this long. Default 2m.
 	IdleTimeout time.Duration `yaml:"idle_timeout"`
+	// MaxPromptTokens refuses (400, code context_length_exceeded) a
+	// prompt longer than this many tokens, counted at 4 characters a
+	// token, before it reaches a worker. 0 (the default): no limit but
+	// max_body_bytes and the engines' own.
+	MaxPromptTokens int `yaml:"max_prompt_tokens"`
+	// MaxHeaderBytes bounds a request's header lines; larger get a 431.
+	// Default 64 KiB: OpenAI clients send a few hundred bytes.
+	MaxHeaderBytes int `yaml:"max_header_bytes"`
 }
 
 // Default returns the configuration used for zero fields.
@@ -87,8 +95,12 @@ func Default() Config {
 		ReadTimeout:    DefaultReadTimeout,
 		WriteTimeout:   DefaultTimeout + writeTimeoutSlack,
 		IdleTimeout:    DefaultIdleTimeout,
+		MaxHeaderBytes: DefaultMaxHeaderBytes,
 	}
 }
+
+// DefaultMaxHeaderBytes is Config.MaxHeaderBytes's default.
+const DefaultMaxHeaderBytes = 64 << 10
 
 // WithDefaults returns c with zero fields set to Default's values.
 func (c Config) WithDefaults() Config {
@@ -125,6 +137,9 @@ func (c Config) WithDefaults() Config {
 	if c.IdleTimeout == 0 {
 		c.IdleTimeout = d.IdleTimeout
 	}
+	if c.MaxHeaderBytes == 0 {
+		c.MaxHeaderBytes = d.MaxHeaderBytes
+	}
 	return c
 }
 
@@ -153,6 +168,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("write_timeout: must be positive, got %s", c.WriteTimeout)
 	case c.IdleTimeout < 0:
 		return fmt.Errorf("idle_timeout: must be positive, got %s", c.IdleTimeout)
+	case c.MaxPromptTokens < 0:
+		return fmt.Errorf("max_prompt_tokens: must be positive (0: no limit), got %d", c.MaxPromptTokens)
+	case c.MaxHeaderBytes < 4096:
+		return fmt.Errorf("max_header_bytes: must be at least 4096, got %d", c.MaxHeaderBytes)
 	}
 	for i, m := range c.Models {
 		if m == "" {

@@ -311,6 +311,14 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 		}
 		return nil, nil, openai.ModelNotFound(req.Model)
 	}
+	if n := blockkey.Tokens(blockkey.Chars(req.Prompt)); s.cfg.MaxPromptTokens > 0 && n > s.cfg.MaxPromptTokens {
+		param := "prompt"
+		if req.Path == openai.ChatPath {
+			param = "messages"
+		}
+		return nil, nil, openai.Invalid(param, "context_length_exceeded",
+			fmt.Sprintf("the prompt has about %d tokens, more than this server's limit of %d (max_prompt_tokens)", n, s.cfg.MaxPromptTokens))
+	}
 	bound := false // the tenant is the API key's, whatever the body says
 	if s.admission != nil {
 		tenant, err := s.admission.Admit(r.Context(), blockkey.Tokens(blockkey.Chars(req.Prompt))+req.MaxTokens)
