@@ -130,14 +130,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 			return local(reasonSkipped)
 		}
 		m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
-		m.TransferBytes.Add(float64(res.BytesSent))
-		m.TransferBlocks.WithLabelValues("sent").Add(float64(res.BlocksSent))
-		m.TransferBlocks.WithLabelValues("held").Add(float64(res.BlocksHeld))
-		if res.BlocksRejected > 0 {
-			m.TransferBlocks.WithLabelValues("rejected").Add(float64(res.BlocksRejected))
-			m.TransferFailures.WithLabelValues("corrupt").Inc()
-		}
-		m.TransferDuration.Observe(res.Transfer.Seconds())
+		x.pushed(res)
 		m.TTFTPhase.WithLabelValues("queue").Observe(res.Queue.Seconds())
 		m.TTFTPhase.WithLabelValues("prefill").Observe(res.Prefill.Seconds())
 		m.TTFTPhase.WithLabelValues("transfer").Observe(res.Transfer.Seconds())
@@ -201,11 +194,22 @@ func (x *exchange) copyPrefix(ctx context.Context, holder, dw *pool.Worker) *pla
 		return nil
 	}
 	m.PrefixCopies.WithLabelValues("copied").Inc()
-	m.TransferBytes.Add(float64(res.BytesSent))
-	m.TransferBlocks.WithLabelValues("sent").Add(float64(res.BlocksSent))
-	m.TransferDuration.Observe(res.Transfer.Seconds())
+	x.pushed(res)
 	x.w.Header().Set(HeaderPrefillWorker, holder.Name)
 	return &plan{transferID: id, result: res, worker: holder.Name}
+}
+
+// pushed records a prefill's push of KV blocks to another worker.
+func (x *exchange) pushed(res *engine.PrefillResult) {
+	m := x.s.metrics
+	m.TransferBytes.Add(float64(res.BytesSent))
+	m.TransferBlocks.WithLabelValues("sent").Add(float64(res.BlocksSent))
+	m.TransferBlocks.WithLabelValues("held").Add(float64(res.BlocksHeld))
+	if res.BlocksRejected > 0 {
+		m.TransferBlocks.WithLabelValues("rejected").Add(float64(res.BlocksRejected))
+		m.TransferFailures.WithLabelValues("corrupt").Inc()
+	}
+	m.TransferDuration.Observe(res.Transfer.Seconds())
 }
 
 // pickPrefill picks a prefill worker by the prefill strategy, skipping

@@ -86,7 +86,7 @@ type tokenizer struct {
 	log     *slog.Logger
 	failing atomic.Bool // the last tokenizer call failed
 	// calls merges concurrent misses of one prompt into one call, by the
-	// prompt's hash (with the cache only: the hash is its key).
+	// prompt's hash.
 	calls singleflight.Group
 }
 
@@ -128,32 +128,21 @@ func (t *tokenizer) keys(ctx context.Context, req *engine.Request, rreq *routing
 // tokens returns req's tokens, from the cache or the tokenizer, and the
 // outcome; nil tokens when there are none to key by.
 func (t *tokenizer) tokens(ctx context.Context, req *engine.Request) ([]uint32, string) {
-	var h uint64
+	h := promptHash(req)
 	if t.cache != nil {
-		h = promptHash(req)
 		if toks, ok := t.cache.get(h); ok {
 			return toks, tokHit
 		}
 	}
-	var toks []uint32
-	var err error
-	shared := false
-	if t.cache != nil {
-		// A burst of one prompt (siblings of a new document) asks the
-		// engine once. The call outlives a caller that goes away (its
-		// timeout still bounds it): the others wait on it.
-		var v any
-		v, err, shared = t.calls.Do(strconv.FormatUint(h, 16), func() (any, error) {
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.cfg.Timeout)
-			defer cancel()
-			return t.cfg.Tokenizer.Tokenize(ctx, req)
-		})
-		toks, _ = v.([]uint32)
-	} else {
-		ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
-		toks, err = t.cfg.Tokenizer.Tokenize(ctx, req)
-		cancel()
-	}
+	// A burst of one prompt (siblings of a new document) asks the engine
+	// once. The call outlives a caller that goes away (its timeout still
+	// bounds it): the others wait on it.
+	v, err, shared := t.calls.Do(strconv.FormatUint(h, 16), func() (any, error) {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.cfg.Timeout)
+		defer cancel()
+		return t.cfg.Tokenizer.Tokenize(ctx, req)
+	})
+	toks, _ := v.([]uint32)
 	if err != nil {
 		if !t.failing.Swap(true) {
 			t.log.Warn("tokenization failed; keying requests by their text until it works", "err", err)
