@@ -150,11 +150,12 @@ func TestHotPrefixSpreadsAndWarmsFromRedis(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { store.Close() })
-	// Slow enough that a long completion keeps its worker busy; the
-	// threshold of 1 makes the hot prefix's holder full at once.
+	// At the modelled pace (time scale 1) a long completion, 32 tokens
+	// at least, keeps its worker busy for a quarter of a second or more;
+	// the threshold of 1 makes the hot prefix's holder full at once.
 	// A lookup in Redis may take its time on a loaded machine: this test
 	// is about where the blocks come from, not how fast.
-	_, s, addr := startTiered(t, 2, 20, store, func(c *sim.Config) {
+	_, s, addr := startTiered(t, 2, 1, store, func(c *sim.Config) {
 		c.Tiers.StorePolicy = sim.PolicyWriteThrough
 		c.Tiers.StoreTimeout = 10 * time.Second
 	}, func(c *scheduler.Config) { c.ConcurrencyThreshold = 1 })
