@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -60,7 +61,8 @@ func TestSchedulerStartedBeforeItsWorkers(t *testing.T) {
 		addrs[name] = freeAddr(t)
 		cfg.Workers = append(cfg.Workers, scheduler.WorkerConfig{Name: name, Address: addrs[name]})
 	}
-	s, addr := startScheduler(t, cfg)
+	f := startFleetSpec(t, simfleet.Spec{Scheduler: cfg}) // its workers are down
+	s, addr := f.Scheduler, f.Addr
 	hc := httpClient(t)
 	if r := do(t, hc, http.MethodGet, "http://"+addr+"/readyz", "", nil); r.status != http.StatusServiceUnavailable {
 		t.Errorf("/readyz with no worker up: %d, want 503", r.status)

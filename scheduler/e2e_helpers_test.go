@@ -110,7 +110,27 @@ func startScheduler(t testing.TB, cfg scheduler.Config) (*scheduler.Scheduler, s
 func startSchedulerLog(t testing.TB, cfg scheduler.Config, log *slog.Logger) (*scheduler.Scheduler, string) {
 	t.Helper()
 	f := startFleetSpec(t, simfleet.Spec{Scheduler: cfg, Log: log})
+	waitDescribed(t, f.Scheduler)
 	return f.Scheduler, f.Addr
+}
+
+// waitDescribed waits until s knows every worker's description. A worker
+// whose Describe timed out at start (a loaded machine) joins its pool at a
+// later health check; until then it serves nothing, which would skew a
+// test that counts where requests went.
+func waitDescribed(t testing.TB, s *scheduler.Scheduler) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		p := s.Pending()
+		if len(p) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("workers %v still not described after 20s", p)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // startFleetSpec starts spec's fleet without waiting for it to be ready

@@ -399,6 +399,16 @@ func (s *Scheduler) described(w *pool.Worker, d engine.Description) {
 	s.apply(w, d)
 }
 
+// Pending returns the names of the workers whose description is not known
+// yet: they serve nothing until their pool's health checks reach them.
+func (s *Scheduler) Pending() []string {
+	var names []string
+	for _, w := range s.pending.Snapshot().Workers {
+		names = append(names, w.Name)
+	}
+	return names
+}
+
 // roleOf returns the worker's configured role, else the engine's.
 func (s *Scheduler) roleOf(name string, d engine.Description) string {
 	if r := s.roles[name]; r != "" {

@@ -95,8 +95,8 @@ func StartWorkers(spec Spec) (*Fleet, error) {
 }
 
 // Start starts spec's workers and a scheduler in front of them, serving on
-// a free loopback port, and returns once the scheduler is ready (unless
-// spec.ReadyTimeout is negative). On error everything started is closed.
+// a free loopback port, and returns once the scheduler is ready and knows
+// every worker (unless spec.ReadyTimeout is negative). On error everything started is closed.
 func Start(spec Spec) (*Fleet, error) {
 	f := &Fleet{}
 	if err := f.start(spec); err != nil {
@@ -136,7 +136,20 @@ func (f *Fleet) start(spec Spec) error {
 	if timeout == 0 {
 		timeout = DefaultReadyTimeout
 	}
-	return waitReady(f.URL()+"/readyz", timeout)
+	start := time.Now()
+	if err := waitReady(f.URL()+"/readyz", timeout); err != nil {
+		return err
+	}
+	// Ready means one worker serves; a fleet that is measured needs all of
+	// them (a Describe that timed out on a loaded machine is asked again at
+	// the next health check).
+	for p := s.Pending(); len(p) > 0; p = s.Pending() {
+		if time.Since(start) > timeout {
+			return fmt.Errorf("workers %v not described after %v", p, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil
 }
 
 func (f *Fleet) startWorkers(spec Spec) error {
