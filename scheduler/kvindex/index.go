@@ -152,6 +152,10 @@ type Load struct {
 	GPUBlocksTotal       int64
 	CPUBlocksUsed        int64
 	CPUBlocksTotal       int64
+	// Slots is the prompts the worker keeps cached at once when it keeps
+	// one per slot (llama-server), 0 otherwise: the learned index keeps
+	// that many chains for it (see Capacity).
+	Slots int
 }
 
 // Match is what Lookup tells of one worker for one request.
@@ -225,13 +229,34 @@ func (x *Index) Evicted() uint64 {
 }
 
 // AddWorker tracks the worker without a watch stream, so that Predict
-// records predictions for it: call it for workers that do not stream
-// cache events (OpenAI-compatible HTTP engines) when they join, and
-// RemoveWorker when they leave. Watched workers are tracked from their
-// first Info or snapshot.
+// records predictions for it (see Learn for workers that never report
+// their blocks). Watched workers are tracked from their first Info or
+// snapshot; RemoveWorker forgets either.
 func (x *Index) AddWorker(name string) error {
 	_, err := x.worker(name)
 	return err
+}
+
+// Learn tracks the worker as one that publishes no cache events (an
+// OpenAI-compatible HTTP engine, llama-server, vLLM or SGLang without KV
+// events), within capacity c: the requests Predict records on it stay
+// there, as the engine would keep them (least recently used out, within
+// c), not for PredictTTL, and Finished corrects them with the cached
+// tokens each response reports. Calling it again changes the capacity;
+// what the worker holds beyond it goes at the next request.
+func (x *Index) Learn(name string, c Capacity) error {
+	w, err := x.worker(name)
+	if err != nil {
+		return err
+	}
+	x.blocks.mu.Lock()
+	defer x.blocks.mu.Unlock()
+	if w.lrn == nil {
+		w.lrn = &learned{refs: make(map[uint64]int32)}
+		w.isLearned.Store(true)
+	}
+	w.lrn.cap = c
+	return nil
 }
 
 // worker returns name's state, tracking it if needed.
@@ -282,6 +307,9 @@ func (x *Index) Apply(name string, ev Event) error {
 	bit := uint64(1) << w.slot
 	if snap := ev.Snapshot; snap != nil {
 		x.blocks.mu.Lock()
+		if w.lrn != nil {
+			w.lrn.clear(&x.blocks, bit)
+		}
 		x.blocks.clearSlot(w.slot, false)
 		for i := range snap.Blocks {
 			x.blocks.apply(bit, &snap.Blocks[i])
@@ -344,7 +372,10 @@ func (x *Index) RemoveWorker(name string) {
 // for about 10 ns a key and does not allocate once the index has grown.
 // It also counts the request in the worker's Routed. A worker the index
 // does not track (see AddWorker) is ignored, so a request routed while its
-// worker is removed does not bring the worker back.
+// worker is removed does not bring the worker back. On a learned worker
+// (see Learn) the blocks are recorded as held, without a TTL, until the
+// worker's capacity or Finished drops them; call Finished when the
+// request ends.
 func (x *Index) Predict(name string, keys []uint64) {
 	now := x.cfg.Now().UnixNano()
 	until := now + int64(x.cfg.PredictTTL)
@@ -354,8 +385,58 @@ func (x *Index) Predict(name string, keys []uint64) {
 	if w == nil {
 		return
 	}
-	added := x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
+	var added int64
+	if w.learning() {
+		added = x.learn(w, keys)
+	} else {
+		added = x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
+	}
 	w.predicted(added, now, &x.cfg)
+}
+
+// learn records keys on the learned worker w, within its capacity.
+// x.workers.mu is held.
+func (x *Index) learn(w *worker, keys []uint64) int64 {
+	if len(keys) == 0 {
+		return 0
+	}
+	w.mu.Lock()
+	load := w.load
+	w.mu.Unlock()
+	x.blocks.mu.Lock()
+	defer x.blocks.mu.Unlock()
+	l := w.lrn
+	prompts, blocks := l.cap.Prompts, l.cap.Blocks
+	if prompts <= 0 {
+		prompts = load.Slots
+	}
+	if blocks <= 0 {
+		blocks = load.GPUBlocksTotal
+	}
+	if blocks <= 0 {
+		blocks = DefaultLearnedBlocks
+	}
+	return l.record(&x.blocks, uint64(1)<<w.slot, keys, prompts, blocks)
+}
+
+// Finished reports the end of a request Predict recorded on a learned
+// worker (see Learn), with keys as given to Predict and what the worker
+// reported (u): a hit shorter than u.PredictedTokens drops what the
+// worker turned out not to hold (see learned.finish). Other workers
+// ignore it.
+func (x *Index) Finished(name string, keys []uint64, u Usage) {
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	w := x.workers.get(name)
+	if w == nil || !w.learning() {
+		return
+	}
+	w.mu.Lock()
+	bt := w.blockTokens
+	w.mu.Unlock()
+	x.blocks.mu.Lock()
+	defer x.blocks.mu.Unlock()
+	w.lrn.finish(&x.blocks, uint64(1)<<w.slot, keys, u, bt)
 }
 
 // Prefilled records that a request routed to the worker has been prefilled

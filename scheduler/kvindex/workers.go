@@ -34,7 +34,16 @@ type worker struct {
 
 	corrMu     sync.Mutex                     // serializes ObserveTTFT's updates
 	correction atomic.Pointer[correctionSums] // read by Lookup
+
+	// isLearned is set once, by Learn; lrn is guarded by the block
+	// table's lock.
+	isLearned atomic.Bool
+	lrn       *learned
 }
+
+// learning reports whether the worker's blocks are learned (see
+// Index.Learn).
+func (w *worker) learning() bool { return w.isLearned.Load() }
 
 func newWorker(name string, slot int) *worker {
 	return &worker{name: name, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
