@@ -102,6 +102,11 @@ type Client struct {
 	hc            *http.Client
 	headerTimeout time.Duration
 	apiKey        string
+	// protocol is the engine's disaggregation protocol; bootstrapHost and
+	// bootstrapPort its bootstrap server's address (Bootstrap).
+	protocol      Protocol
+	bootstrapHost string
+	bootstrapPort int
 }
 
 // New returns a client of the engine at baseURL (for instance
@@ -125,6 +130,7 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	for _, opt := range opts {
 		opt(c)
 	}
+	c.setBootstrapDefaults(u)
 	if c.hc == nil {
 		c.hc = &http.Client{Transport: newTransport(c.headerTimeout)}
 	}

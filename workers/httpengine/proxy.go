@@ -32,6 +32,21 @@ const maxUsageBody = 8 << 20
 //
 // Cancelling ctx (the client went away) cancels the engine's request.
 func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
+	return c.proxy(ctx, req, w, onFirstToken, -1)
+}
+
+// ProxyCached is Proxy for a decode engine after a remote prefill: the
+// usage relayed (and returned) reports cached prompt tokens, those the
+// prefill engine found in its cache, rather than the decode engine's
+// count, which takes the blocks it received for cached. A non-streamed
+// response larger than 8 MiB is relayed with its own usage.
+func (c *Client) ProxyCached(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error) {
+	return c.proxy(ctx, req, w, onFirstToken, max(cached, 0))
+}
+
+// proxy is Proxy, rewriting the usage's cached tokens to cached unless it
+// is negative.
+func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error) {
 	var res engine.ProxyResult
 	if req == nil {
 		return res, fmt.Errorf("proxy: %w: nil request", ErrInvalid)
@@ -58,6 +73,7 @@ func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.Response
 		onFirstToken = nil
 	}
 	rw := &relayWriter{w: w, rc: http.NewResponseController(w), onFirst: onFirstToken}
+	rw.rewriteCached, rw.cached = ok && cached >= 0, cached
 	var usage usageTracker
 	if isEventStream(ct) {
 		err = rw.relayEvents(resp.Body, &usage, ok)
@@ -65,6 +81,9 @@ func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.Response
 		err = rw.relayBody(resp.Body, &usage, ok)
 	}
 	res.Usage = usage.final()
+	if res.Usage != nil && rw.rewrote {
+		res.Usage.CachedTokens = cached
+	}
 	if err != nil {
 		if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
 			err = fmt.Errorf("%w: %w", ctxErr, err)
@@ -84,6 +103,22 @@ type relayWriter struct {
 	w       http.ResponseWriter
 	rc      *http.ResponseController
 	onFirst func()
+	// With rewriteCached, cached replaces the usage's cached tokens;
+	// rewrote says whether a usage was rewritten.
+	rewriteCached bool
+	cached        int
+	rewrote       bool
+}
+
+// rewrite returns the data of a chunk or response with its usage's cached
+// tokens replaced, when the relay does that.
+func (rw *relayWriter) rewrite(data []byte) ([]byte, bool) {
+	if !rw.rewriteCached || valueStart(data, `"usage"`) != '{' {
+		return data, false
+	}
+	out, ok := withCachedTokens(data, rw.cached)
+	rw.rewrote = rw.rewrote || ok
+	return out, ok
 }
 
 func (rw *relayWriter) write(b []byte) error {
@@ -145,6 +180,9 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 					} else {
 						usage.observe(data)
 					}
+					if patched, ok := rw.rewrite(data); ok {
+						line = append(append([]byte("data: "), patched...), '\n')
+					}
 				}
 			}
 			if err := rw.write(line); err != nil {
@@ -175,6 +213,28 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 // relayBody copies a whole (non-streamed) response as it comes, keeping up
 // to maxUsageBody of a 2xx body to read its usage at the end.
 func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bool) error {
+	if inspect && rw.rewriteCached {
+		// The usage comes last: keep the response (sent whole once
+		// generated anyway) to rewrite it.
+		b, err := io.ReadAll(io.LimitReader(body, maxUsageBody+1))
+		if err != nil {
+			return fmt.Errorf("reading engine response: %w", err)
+		}
+		if len(b) <= maxUsageBody {
+			var c chunkJSON
+			if json.Unmarshal(b, &c) == nil {
+				usage.take(&c)
+			}
+			b, _ = rw.rewrite(b)
+			if err := rw.write(b); err != nil {
+				return err
+			}
+			rw.firstToken()
+			return rw.flush()
+		}
+		body = io.MultiReader(bytes.NewReader(b), body)
+		inspect = false
+	}
 	var kept bytes.Buffer
 	buf := make([]byte, 32<<10)
 	for {
