@@ -55,8 +55,8 @@ func TestBenchEndToEnd(t *testing.T) {
 		if s.HitRate < 0 || s.HitRate > 1 || s.PromptTokens <= 0 {
 			t.Errorf("%s: hit rate %v over %d prompt tokens", s.Strategy, s.HitRate, s.PromptTokens)
 		}
-		if s.HitRate > lim.Infinite+1e-9 {
-			t.Errorf("%s: hit rate %v above the infinite-cache limit %v", s.Strategy, s.HitRate, lim.Infinite)
+		if s.HitRate > lim.Infinite+1e-9 || s.HitRate > lim.Belady+1e-9 {
+			t.Errorf("%s: hit rate %v above a bound: infinite cache %v, MIN %v", s.Strategy, s.HitRate, lim.Infinite, lim.Belady)
 		}
 		if !(s.TTFT.P50 > 0 && s.TTFT.P50 <= s.TTFT.P90 && s.TTFT.P90 <= s.TTFT.P99 && s.E2E.P50 >= s.TTFT.P50) {
 			t.Errorf("%s: latencies out of order: ttft %+v e2e %+v", s.Strategy, s.TTFT, s.E2E)

@@ -2,6 +2,12 @@ package bench
 
 import (
 	"container/list"
+	"fmt"
+
+	"github.com/batonllm/baton/transfer/kvblock"
+	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/engine/cost"
+	"github.com/batonllm/baton/workers/sim"
 
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/transfer/blockkey"
@@ -10,16 +16,72 @@ import (
 // BlockTokens is the simulated engine's KV block: 64 characters, 16 tokens.
 const BlockTokens = blockkey.DefaultBlockChars / blockkey.CharsPerToken
 
-// Limits are the KV hit rates no router can exceed on a workload.
+// Limits are the KV hit rates of a workload's request sequence that do not
+// depend on routing: two bounds no router exceeds, and a reference.
 type Limits struct {
 	// Infinite is the hit rate of one cache of unbounded size that sees
-	// every request: only first occurrences miss.
+	// every request: only first occurrences miss. A bound.
 	Infinite float64 `json:"infinite_hit_rate"`
+	// Belady is the hit rate of Belady's offline optimum (MIN) over the
+	// request sequence's blocks with the fleet's total capacity
+	// (PooledBlocks): a bound for that fleet (see belady.go).
+	Belady float64 `json:"belady_hit_rate"`
 	// Pooled is the hit rate of one LRU cache holding the fleet's total
-	// block capacity: a perfect router over a fleet whose caches were one.
+	// block capacity. A reference, not a bound: a router can beat it, as
+	// routers that partition the prefixes among workers keep each one
+	// longer than one LRU of all of them would.
 	Pooled float64 `json:"pooled_hit_rate"`
 	// PooledBlocks is that capacity, in 16-token blocks.
 	PooledBlocks int64 `json:"pooled_blocks"`
+}
+
+// Sentence states l in the report's words.
+func (l Limits) Sentence() string {
+	return fmt.Sprintf("Hit-rate bounds of this request sequence (no router exceeds them): infinite cache %.1f%%; "+
+		"Belady's MIN over the fleet's %d blocks %.1f%%. Reference, not a bound: one pooled LRU of those blocks %.1f%%.",
+		l.Infinite*100, l.PooledBlocks, l.Belady*100, l.Pooled*100)
+}
+
+// FleetBlocks is the total KV capacity, in blocks, of the largest of
+// fleets built from o: every worker's GPU and CPU tiers and the shared
+// tier, counted generously (the shared tier's bytes over a block's payload
+// alone), so that the MIN bound computed over it stays a bound for every
+// column of the run.
+func FleetBlocks(o Options, fleets []Fleet) (int64, error) {
+	cm, err := cost.NewEngine(orDefault(o.Model, "llama-3.1-8b"), orDefault(o.GPU, "h100"), 1)
+	if err != nil {
+		return 0, err
+	}
+	perWorker := o.KVBlocks
+	if perWorker == 0 {
+		perWorker = cm.BlockCapacity(BlockTokens)
+	}
+	switch {
+	case o.CPUBlocks > 0:
+		perWorker += o.CPUBlocks
+	case o.CPUBlocks < 0:
+		perWorker += int64(sim.DefaultCPUMemoryBytes / cm.KVBytesPerBlock())
+	}
+	workers := o.Workers
+	for _, f := range fleets {
+		workers = max(workers, f.Workers, f.Prefill+f.Decode)
+	}
+	total := perWorker * int64(workers)
+	if o.SharedTier {
+		bytes := o.SharedTierBytes
+		if bytes == 0 {
+			bytes = kvstore.DefaultMemoryCapacity
+		}
+		total += bytes / int64(kvblock.Size(cm.KVBytesPerToken(), BlockTokens, kvblock.DefaultScale))
+	}
+	return total, nil
+}
+
+func orDefault(s, d string) string {
+	if s == "" {
+		return d
+	}
+	return s
 }
 
 // cachedTokens is what the simulated engine reports as cached for a prompt
@@ -30,14 +92,15 @@ func cachedTokens(matched, promptTokens int) int {
 }
 
 // ComputeLimits replays the workload's routing text through an infinite
-// cache and a pooled LRU of capacity blocks (0: infinite only), keyed by
-// blockkey at 16-token granularity, as the workers key their caches.
+// cache, Belady's MIN and a pooled LRU of capacity blocks (0: infinite
+// only), keyed by blockkey at 16-token granularity, as the workers key
+// their caches.
 func ComputeLimits(w *workload.Workload, model string, capacity int64) Limits {
 	seed := blockkey.Seed(model, "")
 	inf := map[uint64]bool{}
 	lru := newLRU(capacity)
 	var prompt, infHit, poolHit int
-	var keys []uint64
+	var keys, refs []uint64
 	for i := range w.Requests {
 		text := w.Requests[i].RoutingText()
 		p := blockkey.Tokens(blockkey.Chars(text))
@@ -53,12 +116,20 @@ func ComputeLimits(w *workload.Workload, model string, capacity int64) Limits {
 		}
 		if capacity > 0 {
 			poolHit += cachedTokens(lru.access(keys), p)
+			refs = append(refs, keys...)
 		}
 	}
 	l := Limits{PooledBlocks: capacity}
 	if prompt > 0 {
 		l.Infinite = float64(infHit) / float64(prompt)
 		l.Pooled = float64(poolHit) / float64(prompt)
+		hits := 0
+		for _, h := range beladyHits(refs, capacity, true) {
+			if h {
+				hits++
+			}
+		}
+		l.Belady = float64(hits*BlockTokens) / float64(prompt)
 	}
 	return l
 }

@@ -99,7 +99,7 @@ func (rep *Report) Plots(dir string) ([]string, error) {
 
 	// Hit rate per strategy against the limits.
 	p = plot.New()
-	p.Title.Text = "KV hit rate against the limits"
+	p.Title.Text = "KV hit rate against the bounds"
 	p.Y.Label.Text = "cached / prompt tokens (%)"
 	var labels []string
 	vals := plotter.Values{}
@@ -108,8 +108,8 @@ func (rep *Report) Plots(dir string) ([]string, error) {
 		vals = append(vals, s.HitRate*100)
 	}
 	if rep.Limits != nil {
-		labels = append(labels, "pooled LRU", "infinite")
-		vals = append(vals, rep.Limits.Pooled*100, rep.Limits.Infinite*100)
+		labels = append(labels, "pooled LRU (ref.)", "MIN bound", "infinite")
+		vals = append(vals, rep.Limits.Pooled*100, rep.Limits.Belady*100, rep.Limits.Infinite*100)
 	}
 	if len(vals) > 0 {
 		b, err := plotter.NewBarChart(vals, vg.Points(40))

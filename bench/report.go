@@ -348,8 +348,7 @@ func (rep *Report) Markdown(w io.Writer) {
 		fmt.Fprintln(w, line)
 	}
 	if rep.Limits != nil {
-		fmt.Fprintf(w, "\nHit-rate limits of this request sequence (no router exceeds them): infinite cache %.1f%%; "+
-			"one pooled LRU of the fleet's %d blocks %.1f%%.\n", rep.Limits.Infinite*100, rep.Limits.PooledBlocks, rep.Limits.Pooled*100)
+		fmt.Fprintf(w, "\n%s\n", rep.Limits.Sentence())
 	}
 	for _, s := range rep.Strategies {
 		if len(s.Counters) == 0 {

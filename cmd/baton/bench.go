@@ -13,7 +13,6 @@ import (
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/routing"
-	"github.com/batonllm/baton/workers/sim"
 )
 
 // benchCmd runs baton bench: one workload replayed against each strategy.
@@ -44,6 +43,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
+	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
@@ -95,6 +95,17 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	// The hit-rate bounds (an infinite cache; Belady's MIN over the
+	// fleet's capacity) and the pooled-LRU reference.
+	capacity, err := bench.FleetBlocks(o, fleets)
+	if err != nil {
+		return err
+	}
+	limits := bench.ComputeLimits(w, *model, capacity)
+	if *limitsOnly {
+		fmt.Fprintln(stdout, limits.Sentence())
+		return nil
+	}
 	if !*quiet {
 		o.Progress = stderr
 	}
@@ -107,17 +118,6 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		o.Rate = c.Rate
 		calib = c.String()
 	}
-	// The hit-rate limits: an infinite cache, and one LRU holding the
-	// fleet's total capacity.
-	perWorker := *kvBlocks
-	if perWorker == 0 {
-		cm, err := sim.NewCostModel(*model, *gpu, 1)
-		if err != nil {
-			return err
-		}
-		perWorker = cm.BlockCapacity(bench.BlockTokens)
-	}
-	limits := bench.ComputeLimits(w, *model, perWorker*int64(*workers))
 
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
