@@ -107,7 +107,10 @@ const (
 //
 // Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
-// worker's events see them, and counts the request in its Routed. Done
+// worker's events see them, and counts the request in its Routed; on a
+// worker that publishes no events (kvindex.Index.Learn) they stay, as
+// the index's only knowledge of it, and Finish corrects them with the
+// cached tokens the response reported. Done
 // feeds the worker's correction factor with the achieved time to first
 // token and takes the request's tokens off its pending prefill.
 // Decision.PredictedCached is the prompt tokens the worker is expected to
@@ -133,6 +136,7 @@ func NewKVAware(p Params) (Strategy, error) {
 		usesKeys:  true,
 		committer: []Committer{kv},
 		doner:     []Doner{kv},
+		finisher:  []Finisher{kv},
 	}).timed(p.PartTimer), nil
 }
 
@@ -268,6 +272,19 @@ func (s *kvScorer) Done(req *Request, d Decision, info DoneInfo) {
 	s.idx.Prefilled(d.Worker.Name, max(req.Tokens-d.PredictedCached, 0))
 }
 
+// Finish tells the index what the worker reported of the request: on a
+// worker that publishes no cache events, its cached tokens correct what
+// the index learned there.
+func (s *kvScorer) Finish(req *Request, d Decision, info FinishInfo) {
+	if len(req.Keys) == 0 || d.Worker == nil {
+		return
+	}
+	s.idx.Finished(d.Worker.Name, req.Keys, kvindex.Usage{
+		OK: info.Usage, PromptTokens: info.PromptTokens, CachedTokens: info.CachedTokens,
+		PredictedTokens: d.PredictedCached,
+	})
+}
+
 // estimate returns the estimated TTFT of req on the worker m describes,
 // with load requests in flight.
 func estimate(m *kvindex.Match, req *Request, load int) candidate {
@@ -364,4 +381,5 @@ var (
 	_ Scorer    = (*kvScorer)(nil)
 	_ Committer = (*kvScorer)(nil)
 	_ Doner     = (*kvScorer)(nil)
+	_ Finisher  = (*kvScorer)(nil)
 )

@@ -170,6 +170,7 @@ type Profile struct {
 	usesKeys  bool
 	committer []Committer // scorers that record their choices
 	doner     []Doner     // scorers that learn from the outcomes
+	finisher  []Finisher  // scorers that learn from what workers reported
 	// timers hear each part's time (Params.PartTimer): the filters, each
 	// scorer in order, the picker; nil when not timed.
 	timers []func(time.Duration)
@@ -212,6 +213,13 @@ func (p *Profile) Commit(req *Request, d Decision) {
 func (p *Profile) Done(req *Request, d Decision, info DoneInfo) {
 	for _, x := range p.doner {
 		x.Done(req, d, info)
+	}
+}
+
+// Finish reports the end of d to the scorers that learn from it.
+func (p *Profile) Finish(req *Request, d Decision, info FinishInfo) {
+	for _, x := range p.finisher {
+		x.Finish(req, d, info)
 	}
 }
 

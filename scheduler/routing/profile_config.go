@@ -159,6 +159,9 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 		if d, ok := s.(Doner); ok {
 			prof.doner = append(prof.doner, d)
 		}
+		if f, ok := s.(Finisher); ok {
+			prof.finisher = append(prof.finisher, f)
+		}
 		if k, ok := s.(KeyUser); ok && k.UsesKeys() {
 			prof.usesKeys = true
 		}

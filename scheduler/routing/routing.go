@@ -168,6 +168,33 @@ func Done(s Strategy, req *Request, d Decision, info DoneInfo) {
 	}
 }
 
+// FinishInfo is what a worker reported of a committed request once it
+// ended.
+type FinishInfo struct {
+	// Usage: the worker reported the request's usage; PromptTokens and
+	// CachedTokens are its counts, in the engine's tokens.
+	Usage                      bool
+	PromptTokens, CachedTokens int
+}
+
+// Finisher is implemented by strategies that learn from what the worker
+// reported of their choices (kv_aware: the cached tokens of engines that
+// publish no cache events, which correct what the KV index learned of
+// them). Finish is called once per committed decision, after Done, from
+// the request's goroutine, when the attempt ended, whether or not it
+// succeeded or reported usage. It must not block.
+type Finisher interface {
+	Finish(req *Request, d Decision, info FinishInfo)
+}
+
+// Finish reports the end of the committed decision d to s if s learns
+// from it.
+func Finish(s Strategy, req *Request, d Decision, info FinishInfo) {
+	if x, ok := s.(Finisher); ok {
+		x.Finish(req, d, info)
+	}
+}
+
 // Route renders the X-Baton-Route header value of the decision made by the
 // named strategy, such as "prefix_aware; spill=false". It allocates, so call
 // it after the decision, not within Pick.
