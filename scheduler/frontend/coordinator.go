@@ -59,6 +59,8 @@ type exchange struct {
 	// dz is the server's Disagg when the fleet had prefill workers as the
 	// request arrived, else nil: the request is served colocated.
 	dz *Disagg
+	// fin is what the worker reported of the attempt, for the strategy.
+	fin routing.FinishInfo
 }
 
 // disaggregated returns s.disagg while it has prefill workers, else nil.
@@ -113,7 +115,7 @@ func (x *exchange) run(ctx context.Context) string {
 		x.predicted = -1
 		routing.Commit(x.genStrategy(), x.rreq, d)
 		s.metrics.Decisions.WithLabelValues(x.genStrategy().Name(), d.Reason.String()).Inc()
-		x.committed, x.reported = d, false
+		x.committed, x.reported, x.fin = d, false, routing.FinishInfo{}
 		if x.dz == nil && s.usesKeys {
 			x.predicted = d.PredictedCached
 		}
@@ -155,6 +157,7 @@ func (x *exchange) run(ctx context.Context) string {
 
 		written, err := x.serve(ctx, wk, p)
 		x.done(0, err)
+		routing.Finish(x.genStrategy(), x.rreq, x.committed, x.fin)
 		done(classify(err))
 		if err == nil {
 			return metrics.OutcomeOK
@@ -325,6 +328,7 @@ func (d drainStream) Recv() (engine.Event, error) {
 
 func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
 	x.used = f.PromptTokens + f.CompletionTokens
+	x.fin = routing.FinishInfo{Usage: true, PromptTokens: f.PromptTokens, CachedTokens: f.CachedTokens}
 	m := x.s.metrics
 	m.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
 	m.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))
