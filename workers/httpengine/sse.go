@@ -141,6 +141,14 @@ type usageJSON struct {
 	} `json:"prompt_tokens_details"`
 }
 
+// timingsJSON is what this package reads of llama-server's timings: the
+// prompt tokens it found cached (cache_n) and those it computed
+// (prompt_n).
+type timingsJSON struct {
+	CacheN  int `json:"cache_n"`
+	PromptN int `json:"prompt_n"`
+}
+
 // chunkJSON is what this package reads of a completion or chat completion,
 // streamed chunk or whole response.
 type chunkJSON struct {
@@ -159,6 +167,10 @@ type chunkJSON struct {
 		FinishReason *string `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *usageJSON `json:"usage"`
+	// Timings is llama-server's account of the request, on its last
+	// chunk or whole response: its cached tokens even where its usage
+	// has none.
+	Timings *timingsJSON `json:"timings"`
 
 	// A mid-stream error: {"error": {...}} (OpenAI, newer vLLM) or a flat
 	// {"object": "error", "message": ...} (older vLLM).
@@ -210,14 +222,15 @@ func (c *chunkJSON) hasGenerated() bool {
 
 // usageTracker gathers the usage and finish reason of a relayed response.
 type usageTracker struct {
-	usage  *usageJSON
-	finish string
+	usage   *usageJSON
+	timings *timingsJSON
+	finish  string
 }
 
 // observe reads what matters of one chunk (its usage and first finish
 // reason), decoding it only when it carries one of them.
 func (u *usageTracker) observe(data []byte) {
-	hasUsage := valueStart(data, `"usage"`) == '{'
+	hasUsage := valueStart(data, `"usage"`) == '{' || valueStart(data, `"timings"`) == '{'
 	hasFinish := u.finish == "" && valueStart(data, `"finish_reason"`) == '"'
 	if !hasUsage && !hasFinish {
 		return
@@ -270,6 +283,9 @@ func (u *usageTracker) take(c *chunkJSON) {
 	if c.Usage != nil {
 		u.usage = c.Usage
 	}
+	if c.Timings != nil {
+		u.timings = c.Timings
+	}
 	if u.finish == "" {
 		for _, ch := range c.Choices {
 			if ch.FinishReason != nil && *ch.FinishReason != "" {
@@ -282,10 +298,21 @@ func (u *usageTracker) take(c *chunkJSON) {
 
 // final returns the engine's usage, or nil if it reported none.
 func (u *usageTracker) final() *engine.Final {
-	if u.usage == nil {
+	if u.usage == nil && u.timings == nil {
 		return nil
 	}
-	return toFinal(u.usage, u.finish)
+	f := toFinal(u.usage, u.finish)
+	if t := u.timings; t != nil {
+		// llama-server's timings say what its usage may not: the prompt
+		// tokens it found cached.
+		if u.usage == nil {
+			f.PromptTokens = t.PromptN + t.CacheN
+		}
+		if u.usage == nil || u.usage.PromptTokensDetails == nil {
+			f.CachedTokens = t.CacheN
+		}
+	}
+	return f
 }
 
 func toFinal(u *usageJSON, finish string) *engine.Final {
