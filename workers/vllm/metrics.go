@@ -20,11 +20,18 @@ type Engine uint8
 const (
 	VLLM Engine = iota
 	SGLang
+	// LlamaCPP is llama.cpp's llama-server (with --metrics), whose
+	// requests_processing and requests_deferred are its running and
+	// waiting requests.
+	LlamaCPP
 )
 
 func (e Engine) String() string {
-	if e == SGLang {
+	switch e {
+	case SGLang:
 		return "sglang"
+	case LlamaCPP:
+		return "llamacpp"
 	}
 	return "vllm"
 }
@@ -57,6 +64,10 @@ type Metrics struct {
 	// KVTokens is the KV cache's capacity in tokens (SGLang's
 	// max_total_num_tokens), 0 when unknown.
 	KVTokens int64
+	// Slots is the prompts the engine keeps cached at once when it keeps
+	// one per slot (llama-server's total_slots), 0 otherwise. Parse does
+	// not set it: workers/llamacpp reads it from the engine's /props.
+	Slots int
 }
 
 // Blocks returns the GPU KV blocks in use and in all, in blocks of
@@ -96,6 +107,11 @@ var engineNames = map[Engine]names{
 		waiting:  "sglang:num_queue_reqs",
 		usage:    []string{"sglang:token_usage"},
 		kvTokens: "sglang:max_total_num_tokens",
+	},
+	LlamaCPP: {
+		running: "llamacpp:requests_processing",
+		waiting: "llamacpp:requests_deferred",
+		usage:   []string{"llamacpp:kv_cache_usage_ratio"}, // before 2025
 	},
 }
 

@@ -1,0 +1,421 @@
+// Package llamatest is a fake llama.cpp llama-server for tests. It speaks
+// the server's HTTP API (chat and text completions, streamed or not,
+// /health, /props, /slots, /metrics, /v1/models) and keeps its prompt
+// cache as the server does, one prompt per slot: a request takes the idle
+// slot whose prompt it shares most of (more than Config.Similarity of its
+// own), else the one used least lately, reuses the tokens they share if
+// it asked to (cache_prompt), and leaves its own prompt there. It reports
+// what it reused in timings.cache_n and, like newer servers, in usage.
+// Its "tokens" are 4 characters of the prompt; it generates no real text.
+package llamatest
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Config describes a fake server. The zero value is one slot of 8,192
+// tokens, with /metrics, serving "model".
+type Config struct {
+	// Slots is the server's --parallel; 0 means 1.
+	Slots int
+	// CtxPerSlot is the tokens a slot holds; 0 means 8,192.
+	CtxPerSlot int
+	// NoMetrics answers /metrics 501, as a server started without
+	// --metrics does.
+	NoMetrics bool
+	// Model is the model it serves; "" means "model".
+	Model string
+	// Similarity is the server's --slot-prompt-similarity; 0 means its
+	// default, 0.5.
+	Similarity float64
+	// CachePromptDefault is what a request without cache_prompt gets:
+	// false as in servers before late 2024.
+	CachePromptDefault bool
+	// NoUsageDetails leaves prompt_tokens_details out of usage, as
+	// servers before 2025 did: only timings tell the cached tokens.
+	NoUsageDetails bool
+}
+
+// Request is what the server did with one completion request.
+type Request struct {
+	Slot         int
+	PromptTokens int
+	CachedTokens int
+	CachePrompt  bool // the request asked to reuse the slot's cache
+}
+
+// Server is a running fake llama-server.
+type Server struct {
+	// URL is its base URL, as http://127.0.0.1:port.
+	URL string
+
+	cfg Config
+	hs  *httptest.Server
+
+	mu       sync.Mutex
+	freed    *sync.Cond // a slot became idle
+	slots    []slot
+	tick     int64
+	deferred int
+	loading  bool
+	requests []Request
+	hold     *Hold
+}
+
+// Hold holds the next request in its slot until released.
+type Hold struct {
+	arrived, release chan struct{}
+}
+
+// Hold makes the next request wait, holding its slot, until the Hold is
+// released.
+func (s *Server) Hold() *Hold {
+	h := &Hold{arrived: make(chan struct{}), release: make(chan struct{})}
+	s.mu.Lock()
+	s.hold = h
+	s.mu.Unlock()
+	return h
+}
+
+// Wait returns once the held request has taken its slot.
+func (h *Hold) Wait() { <-h.arrived }
+
+// Release lets the held request finish.
+func (h *Hold) Release() { close(h.release) }
+
+type slot struct {
+	tokens []string
+	busy   bool
+	used   int64 // tick of its last request
+}
+
+// Start starts a server; the test's cleanup closes it.
+func Start(t testing.TB, cfg Config) *Server {
+	if cfg.Slots <= 0 {
+		cfg.Slots = 1
+	}
+	if cfg.CtxPerSlot <= 0 {
+		cfg.CtxPerSlot = 8192
+	}
+	if cfg.Model == "" {
+		cfg.Model = "model"
+	}
+	if cfg.Similarity == 0 {
+		cfg.Similarity = 0.5
+	}
+	s := &Server{cfg: cfg, slots: make([]slot, cfg.Slots)}
+	s.freed = sync.NewCond(&s.mu)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", s.health)
+	mux.HandleFunc("GET /props", s.props)
+	mux.HandleFunc("GET /slots", s.slotsJSON)
+	mux.HandleFunc("GET /metrics", s.metrics)
+	mux.HandleFunc("GET /v1/models", s.models)
+	mux.HandleFunc("POST /v1/chat/completions", s.complete)
+	mux.HandleFunc("POST /v1/completions", s.complete)
+	s.hs = httptest.NewServer(mux)
+	s.URL = s.hs.URL
+	t.Cleanup(s.hs.Close)
+	return s
+}
+
+// Restart empties every slot, as a server that restarted would have
+// them.
+func (s *Server) Restart() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := range s.slots {
+		s.slots[i].tokens = nil
+	}
+}
+
+// SetLoading makes /health answer 503, as while the server loads its
+// model, or 200 again.
+func (s *Server) SetLoading(loading bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.loading = loading
+}
+
+// Requests returns what the server did with each completion request so
+// far, in order.
+func (s *Server) Requests() []Request {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Request(nil), s.requests...)
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(v)
+}
+
+func (s *Server) health(w http.ResponseWriter, _ *http.Request) {
+	s.mu.Lock()
+	loading := s.loading
+	s.mu.Unlock()
+	if loading {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{
+			"error": map[string]any{"code": 503, "message": "Loading model", "type": "unavailable_error"}})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+}
+
+func (s *Server) props(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{
+		"default_generation_settings": map[string]any{"n_ctx": s.cfg.CtxPerSlot, "params": map[string]any{"temperature": 0.8}},
+		"total_slots":                 s.cfg.Slots,
+		"model_path":                  "models/" + s.cfg.Model + ".gguf",
+		"build_info":                  "b0-llamatest",
+	})
+}
+
+func (s *Server) slotsJSON(w http.ResponseWriter, _ *http.Request) {
+	s.mu.Lock()
+	out := make([]map[string]any, len(s.slots))
+	for i, sl := range s.slots {
+		out[i] = map[string]any{"id": i, "n_ctx": s.cfg.CtxPerSlot, "is_processing": sl.busy}
+	}
+	s.mu.Unlock()
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
+	if s.cfg.NoMetrics {
+		writeJSON(w, http.StatusNotImplemented, map[string]any{
+			"error": map[string]any{"code": 501, "message": "This server does not support metrics endpoint. Start it with `--metrics`", "type": "not_supported_error"}})
+		return
+	}
+	s.mu.Lock()
+	busy := 0
+	for _, sl := range s.slots {
+		if sl.busy {
+			busy++
+		}
+	}
+	deferred := s.deferred
+	s.mu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+	fmt.Fprintf(w, "# HELP llamacpp:requests_processing Number of requests processing.\n# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing %d\n", busy)
+	fmt.Fprintf(w, "# HELP llamacpp:requests_deferred Number of requests deferred.\n# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred %d\n", deferred)
+}
+
+func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{"id": s.cfg.Model, "object": "model", "owned_by": "llamacpp"}}})
+}
+
+// completion is what the server reads of a request.
+type completion struct {
+	Messages []struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	} `json:"messages"`
+	Prompt        json.RawMessage `json:"prompt"`
+	MaxTokens     int             `json:"max_tokens"`
+	Stream        bool            `json:"stream"`
+	StreamOptions struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	CachePrompt *bool `json:"cache_prompt"`
+}
+
+// promptText renders the request's prompt as the server's chat template
+// would, roughly.
+func (c *completion) promptText() string {
+	if len(c.Messages) == 0 {
+		var p string
+		json.Unmarshal(c.Prompt, &p)
+		return p
+	}
+	var b strings.Builder
+	for _, m := range c.Messages {
+		b.WriteString("<|" + m.Role + "|>")
+		var str string
+		if json.Unmarshal(m.Content, &str) == nil {
+			b.WriteString(str)
+			continue
+		}
+		var parts []struct {
+			Text string `json:"text"`
+		}
+		json.Unmarshal(m.Content, &parts)
+		for _, p := range parts {
+			b.WriteString(p.Text)
+		}
+	}
+	b.WriteString("<|assistant|>")
+	return b.String()
+}
+
+// tokenize cuts text into tokens of 4 characters.
+func tokenize(text string) []string {
+	var toks []string
+	for len(text) > 0 {
+		n := min(4, len(text))
+		toks = append(toks, text[:n])
+		text = text[n:]
+	}
+	return toks
+}
+
+func commonPrefix(a, b []string) int {
+	n := min(len(a), len(b))
+	for i := range n {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return n
+}
+
+// acquire takes the slot for prompt as llama-server picks it, waiting
+// while every slot is busy, and returns it with the tokens it reuses.
+func (s *Server) acquire(prompt []string, cachePrompt bool) (int, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	waited := false
+	for {
+		best, bestSim, lru := -1, 0.0, -1
+		for i, sl := range s.slots {
+			if sl.busy {
+				continue
+			}
+			if sim := float64(commonPrefix(sl.tokens, prompt)) / float64(max(len(prompt), 1)); len(sl.tokens) > 0 && sim > s.cfg.Similarity && sim > bestSim {
+				best, bestSim = i, sim
+			}
+			if lru < 0 || sl.used < s.slots[lru].used {
+				lru = i
+			}
+		}
+		if best < 0 {
+			best = lru
+		}
+		if best >= 0 {
+			if waited {
+				s.deferred--
+			}
+			sl := &s.slots[best]
+			cached := 0
+			if cachePrompt {
+				// At least one token is evaluated, for its logits.
+				cached = min(commonPrefix(sl.tokens, prompt), len(prompt)-1)
+			}
+			s.tick++
+			sl.busy, sl.used, sl.tokens = true, s.tick, append([]string(nil), prompt...)
+			s.requests = append(s.requests, Request{Slot: best, PromptTokens: len(prompt), CachedTokens: cached, CachePrompt: cachePrompt})
+			return best, cached
+		}
+		if !waited {
+			waited = true
+			s.deferred++
+		}
+		s.freed.Wait()
+	}
+}
+
+func (s *Server) release(i int) {
+	s.mu.Lock()
+	s.slots[i].busy = false
+	s.mu.Unlock()
+	s.freed.Broadcast()
+}
+
+func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	var c completion
+	if err == nil {
+		err = json.Unmarshal(body, &c)
+	}
+	if err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]any{"error": map[string]any{"code": 400, "message": "bad request: " + err.Error(), "type": "invalid_request_error"}})
+		return
+	}
+	prompt := tokenize(c.promptText())
+	if len(prompt) > s.cfg.CtxPerSlot {
+		writeJSON(w, http.StatusBadRequest, map[string]any{"error": map[string]any{"code": 400,
+			"message": fmt.Sprintf("the request exceeds the available context size (%d tokens)", s.cfg.CtxPerSlot), "type": "exceed_context_size_error"}})
+		return
+	}
+	cachePrompt := s.cfg.CachePromptDefault
+	if c.CachePrompt != nil {
+		cachePrompt = *c.CachePrompt
+	}
+	i, cached := s.acquire(prompt, cachePrompt)
+	defer s.release(i)
+	s.mu.Lock()
+	h := s.hold
+	s.hold = nil
+	s.mu.Unlock()
+	if h != nil {
+		close(h.arrived)
+		<-h.release
+	}
+
+	n := c.MaxTokens
+	if n <= 0 {
+		n = 4
+	}
+	text := strings.Repeat("ok ", n)
+	chat := len(c.Messages) > 0
+	usage := map[string]any{"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+	if !s.cfg.NoUsageDetails {
+		usage["prompt_tokens_details"] = map[string]any{"cached_tokens": cached}
+	}
+	timings := map[string]any{"cache_n": cached, "prompt_n": len(prompt) - cached, "prompt_ms": 1.0, "predicted_n": n, "predicted_ms": 1.0}
+	object, id, created := "text_completion", "cmpl-llamatest", time.Now().Unix()
+	if chat {
+		object, id = "chat.completion", "chatcmpl-llamatest"
+	}
+	if !c.Stream {
+		choice := map[string]any{"index": 0, "finish_reason": "length", "text": text}
+		if chat {
+			choice = map[string]any{"index": 0, "finish_reason": "length", "message": map[string]any{"role": "assistant", "content": text}}
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model,
+			"choices": []any{choice}, "usage": usage, "timings": timings})
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(http.StatusOK)
+	fl, _ := w.(http.Flusher)
+	send := func(v any) {
+		b, _ := json.Marshal(v)
+		fmt.Fprintf(w, "data: %s\n\n", b)
+		if fl != nil {
+			fl.Flush()
+		}
+	}
+	if chat {
+		object = "chat.completion.chunk"
+	}
+	chunk := func(choice map[string]any) map[string]any {
+		return map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{choice}}
+	}
+	for range n {
+		if chat {
+			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": "ok "}, "finish_reason": nil}))
+		} else {
+			send(chunk(map[string]any{"index": 0, "text": "ok ", "finish_reason": nil}))
+		}
+	}
+	last := chunk(map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"})
+	if !chat {
+		last = chunk(map[string]any{"index": 0, "text": "", "finish_reason": "length"})
+	}
+	last["timings"] = timings
+	send(last)
+	if c.StreamOptions.IncludeUsage {
+		send(map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{}, "usage": usage})
+	}
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
