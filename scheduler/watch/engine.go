@@ -46,8 +46,12 @@ type EngineConfig struct {
 	// DefaultBlockSize.
 	BlockSize int
 	// Events subscribes to the engine's KV events; an empty Endpoint means
-	// the engine publishes none, and the index knows its load only.
+	// the engine publishes none: the index learns its blocks from routing
+	// (kvindex.Index.Learn) within Capacity.
 	Events kvevents.SubscriberConfig
+	// Capacity bounds what the index learns of an engine without events;
+	// its zero fields mean what the engine's metrics say.
+	Capacity kvindex.Capacity
 	// Model returns the model that salts the engine's block keys. It is
 	// called when the first events arrive, so that an engine that did not
 	// say at start which model it serves has said by then. Nil: "".
@@ -191,6 +195,9 @@ func (e *engine) run(ctx context.Context, done chan<- struct{}) {
 	}
 	// The index knows the worker (and its block size) from the start.
 	e.setInfo()
+	if e.st.sub == nil {
+		e.logIndexErr(e.idx.Learn(e.name, e.cfg.Capacity))
+	}
 	e.apply(kvindex.Event{Snapshot: &kvindex.Snapshot{}})
 	for {
 		select {
@@ -262,7 +269,7 @@ func (e *engine) scraped(m vllm.Metrics) {
 		return
 	}
 	used, total := m.Blocks(e.blockSize)
-	e.load = kvindex.Load{Running: m.Running, Waiting: m.Waiting, GPUBlocksUsed: used, GPUBlocksTotal: total}
+	e.load = kvindex.Load{Running: m.Running, Waiting: m.Waiting, GPUBlocksUsed: used, GPUBlocksTotal: total, Slots: m.Slots}
 	l := e.load
 	e.apply(kvindex.Event{Load: &l})
 }

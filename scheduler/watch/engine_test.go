@@ -148,3 +148,31 @@ func TestEngine(t *testing.T) {
 		t.Errorf("after Remove Engines() = %+v, want none", got)
 	}
 }
+
+// TestEngineWithoutEvents: the index learns an engine without events
+// from routing, within the slots its metrics report.
+func TestEngineWithoutEvents(t *testing.T) {
+	idx := kvindex.New(kvindex.Config{})
+	w := watch.New(idx, watch.Config{})
+	defer w.Close()
+	src := &fakeMetrics{m: vllm.Metrics{HasLoad: true, Slots: 1, KVTokens: 4096}}
+	if err := w.AddEngine("e0", watch.EngineConfig{Metrics: src, ScrapeInterval: 10 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, func() error {
+		if m := match(idx, nil); m.Load.Slots != 1 {
+			return fmt.Errorf("load %+v, want 1 slot", m.Load)
+		}
+		return nil
+	})
+	a, b := []uint64{1, 2, 3}, []uint64{7, 8, 9}
+	idx.Predict("e0", a)
+	if m := match(idx, a); m.GPU != 3 {
+		t.Errorf("the prompt routed: %d blocks held, want 3", m.GPU)
+	}
+	idx.Finished("e0", a, kvindex.Usage{})
+	idx.Predict("e0", b) // takes the one slot
+	if m := match(idx, a); m.GPU != 0 {
+		t.Errorf("one slot, another prompt routed since: %d blocks held, want 0", m.GPU)
+	}
+}
