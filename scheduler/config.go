@@ -19,6 +19,7 @@ import (
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/tlsconf"
 )
 
 // Worker kinds: how the scheduler talks to a worker.
@@ -241,6 +242,16 @@ type Config struct {
 	// Auth turns on API keys and their per-key limits. Default: none,
 	// every request is served.
 	Auth auth.Config `yaml:"auth"`
+	// TLS serves the HTTP API over HTTPS with cert_file and key_file, read
+	// again when they change or on SIGHUP; ca_file also requires client
+	// certificates it signed. Default: plain HTTP.
+	TLS tlsconf.Config `yaml:"tls"`
+	// WorkerTLS connects to grpc workers over TLS: ca_file verifies their
+	// certificates, which must name server_name or else the host of each
+	// worker's address; cert_file and key_file are the scheduler's client
+	// certificate, for workers that require one (mutual TLS). Default:
+	// plaintext, for loopback or a trusted network.
+	WorkerTLS tlsconf.Config `yaml:"worker_tls"`
 	// Workers is the static worker list.
 	Workers []WorkerConfig `yaml:"workers"`
 	// Profiles are custom routing strategies built from the pipeline's
@@ -331,6 +342,15 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	}
 	if err := c.Auth.Validate(); err != nil {
 		return fmt.Errorf("auth.%w", err)
+	}
+	if c.TLS.ServerName != "" {
+		return errors.New("tls.server_name: the front end is a server; worker_tls.server_name names the workers")
+	}
+	if err := c.TLS.Validate("tls", true); err != nil {
+		return err
+	}
+	if err := c.WorkerTLS.Validate("worker_tls", false); err != nil {
+		return err
 	}
 	if len(c.Workers) == 0 {
 		return errors.New("workers: at least one worker is required")

@@ -53,6 +53,7 @@ type Scheduler struct {
 	// Auth checks API keys in front of Handler; nil when no keys are
 	// configured.
 	Auth *auth.Auth
+	tls  tlsState
 
 	placeMu sync.Mutex            // serializes moves between pools
 	where   map[string]*pool.Pool // each worker's pool, by name
@@ -100,6 +101,9 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	s.cfg = cfg
 	s.Strategy, err = strategies.New(cfg.Strategy, cfg.Params)
 	if err != nil {
+		return nil, err
+	}
+	if err := s.setupTLS(cfg); err != nil {
 		return nil, err
 	}
 	if err := s.build(cfg, strategies); err != nil {
@@ -273,7 +277,7 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		w.Client = c
 		w.Discover = len(wc.Models) == 0
 	default:
-		c, err := grpcworker.Dial(wc.Address)
+		c, err := grpcworker.Dial(wc.Address, s.workerDialOptions()...)
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
@@ -478,10 +482,15 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		// long as generation does, bounded by the request timeout.
 		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 		BaseContext: func(net.Listener) context.Context { return s.base },
+		TLSConfig:   s.tls.front, // its GetCertificate serves the files
 	}
 	srv := s.srv
 	s.mu.Unlock()
-	if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+	serve := srv.Serve
+	if s.tls.front != nil {
+		serve = func(l net.Listener) error { return srv.ServeTLS(l, "", "") }
+	}
+	if err := serve(l); !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil

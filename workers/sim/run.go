@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/workers/grpcworker"
@@ -44,6 +46,8 @@ type StartOption func(*startOptions)
 type startOptions struct {
 	transport       transfer.Transport
 	maxRequestBytes int
+	serverTLS       *tls.Config
+	clientTLS       *tls.Config
 }
 
 // DefaultMaxRequestBytes bounds one gRPC request a worker accepts (a
@@ -56,6 +60,15 @@ const DefaultMaxRequestBytes = 64 << 20
 // 413 and does not count against the worker.
 func WithMaxRequestBytes(n int) StartOption {
 	return func(o *startOptions) { o.maxRequestBytes = n }
+}
+
+// WithTLS serves the worker's gRPC API with server (tlsconf.Server; a
+// ClientCAs there makes it accept only clients with a certificate the CA
+// signed) and, unless WithTransport gives another transport, pushes KV
+// blocks to other workers with client (tlsconf.Client: their certificates
+// verified, the worker's own presented).
+func WithTLS(server, client *tls.Config) StartOption {
+	return func(o *startOptions) { o.serverTLS, o.clientTLS = server, client }
 }
 
 // WithTransport makes the worker push KV blocks (Prefill) over tr instead
@@ -100,16 +113,24 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...
 	}
 	w := &Worker{Engine: e, GRPCAddr: gl.Addr().String(), Transport: o.transport}
 	if w.Transport == nil {
-		w.Transport, w.ownTransport = transfer.NewGRPC(), true
+		var topts []transfer.Option
+		if o.clientTLS != nil {
+			topts = append(topts, transfer.WithTransportCredentials(credentials.NewTLS(o.clientTLS)))
+		}
+		w.Transport, w.ownTransport = transfer.NewGRPC(topts...), true
 	}
 	w.server = NewServer(e, WithServerTransport(w.Transport))
 	maxReq := o.maxRequestBytes
 	if maxReq <= 0 {
 		maxReq = DefaultMaxRequestBytes
 	}
-	w.grpc = grpc.NewServer(append(transfer.ServerOptions(),
+	sopts := append(transfer.ServerOptions(),
 		grpc.KeepaliveEnforcementPolicy(grpcworker.KeepaliveEnforcement),
-		grpc.MaxRecvMsgSize(maxReq))...)
+		grpc.MaxRecvMsgSize(maxReq))
+	if o.serverTLS != nil {
+		sopts = append(sopts, grpc.Creds(credentials.NewTLS(o.serverTLS)))
+	}
+	w.grpc = grpc.NewServer(sopts...)
 	w.server.Register(w.grpc)
 	transfer.NewGRPCServer(e).Register(w.grpc)
 	if hl != nil {

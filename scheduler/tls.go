@@ -1,0 +1,69 @@
+package scheduler
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+
+	"google.golang.org/grpc/credentials"
+
+	"github.com/batonllm/baton/transfer/tlsconf"
+	"github.com/batonllm/baton/workers/grpcworker"
+)
+
+// tlsState is the scheduler's TLS: the front end's server config and the
+// credentials grpc workers are dialled with.
+type tlsState struct {
+	front       *tls.Config // nil: plain HTTP
+	workerCreds credentials.TransportCredentials
+	certs       []*tlsconf.Certificate // what ReloadCertificates re-reads
+}
+
+// setupTLS builds s.tls from cfg's tls and worker_tls. Its errors name the
+// field.
+func (s *Scheduler) setupTLS(cfg Config) error {
+	if cfg.TLS.Enabled() {
+		front, cert, err := tlsconf.Server(cfg.TLS, s.log)
+		if err != nil {
+			return fmt.Errorf("tls.%w", err)
+		}
+		s.tls.front = front
+		s.tls.certs = append(s.tls.certs, cert)
+	}
+	if cfg.WorkerTLS.Enabled() {
+		client, cert, err := tlsconf.Client(cfg.WorkerTLS, s.log)
+		if err != nil {
+			return fmt.Errorf("worker_tls.%w", err)
+		}
+		s.tls.workerCreds = credentials.NewTLS(client)
+		if cert != nil {
+			s.tls.certs = append(s.tls.certs, cert)
+		}
+	}
+	return nil
+}
+
+// workerDialOptions returns the options grpc workers are dialled with.
+func (s *Scheduler) workerDialOptions() []grpcworker.Option {
+	if s.tls.workerCreds == nil {
+		return nil
+	}
+	return []grpcworker.Option{grpcworker.WithTransportCredentials(s.tls.workerCreds)}
+}
+
+// ReloadCertificates reads the front end's and the worker client's
+// certificates again (baton serve does on SIGHUP; they are also re-read
+// when their files change). On error the certificates in use stay.
+func (s *Scheduler) ReloadCertificates() error {
+	var errs []error
+	for _, c := range s.tls.certs {
+		if err := c.Reload(); err != nil {
+			s.log.Error("tls certificate not reloaded; the previous one stays", "err", err)
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// TLS reports whether the HTTP API is served over HTTPS.
+func (s *Scheduler) TLS() bool { return s.tls.front != nil }
