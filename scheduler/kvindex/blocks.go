@@ -123,21 +123,32 @@ func (b *blocks) clearSlot(slot int, pred bool) {
 	}
 }
 
+// writeChunk is how many keys a write takes the table's lock for at once:
+// a lookup waits for at most one chunk (a few µs on a cold table), not a
+// whole prompt's hundreds of blocks.
+const writeChunk = 64
+
 // predict marks keys as predicted on the worker of bit until until, and
-// returns how many of them the worker held in no tier.
+// returns how many of them the worker held in no tier. It marks them from
+// the first, writeChunk at a time, so a lookup in between sees a leading
+// part of the chain predicted, which is a prefix like any other.
 func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int64) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	for _, k := range keys {
-		e := b.t.at(b.upsert(k))
-		if e.predUntil <= now {
-			e.pred = 0
+	for len(keys) > 0 {
+		chunk := keys[:min(len(keys), writeChunk)]
+		keys = keys[len(chunk):]
+		b.mu.Lock()
+		for _, k := range chunk {
+			e := b.t.at(b.upsert(k))
+			if e.predUntil <= now {
+				e.pred = 0
+			}
+			if (e.gpu|e.cpu|e.pred)&bit == 0 {
+				added++
+			}
+			e.pred |= bit
+			e.predUntil = until
 		}
-		if (e.gpu|e.cpu|e.pred)&bit == 0 {
-			added++
-		}
-		e.pred |= bit
-		e.predUntil = until
+		b.mu.Unlock()
 	}
 	return added
 }
@@ -145,16 +156,19 @@ func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int
 // counts are, per slot, the leading blocks found in GPU, CPU and Redis.
 type counts [MaxWorkers][3]int32
 
-// walkStride is how far walk leaps along a long prompt. A worker that
-// holds a block holds the blocks before it: engines match cached prefixes
-// block by block from the start, so a block past a missing one is of no
-// use, and their caches evict a chain from its end (its first blocks are
-// touched whenever a later one is). So where the holders of two blocks
-// walkStride apart are the same, so are the holders of every block
-// between, and walk credits them without reading them; it reads block by
-// block only where the holders change. On an index too large for the CPU's
-// caches each block read costs a cache miss or two, and a prompt of 8,000
-// tokens has 500 blocks.
+// walkStride is walk's first leap along a prompt. A worker that holds a
+// block holds the blocks before it: engines match cached prefixes block by
+// block from the start, so a block past a missing one is of no use, and
+// their caches evict a chain from its end (its first blocks are touched
+// whenever a later one is). So the holders of a prompt's blocks, tier by
+// tier, change only a few times along it, and where the holders of two
+// blocks are the same, so are those of every block between. walk gallops:
+// from a block it reads the blocks walkStride, 3×walkStride, 7×walkStride…
+// ahead while their holders stay the same, then bisects the last leap down
+// to walkStride blocks and reads those one by one to find where they
+// change. On an index too large for the CPU's caches each
+// block read costs a cache miss or two; a prompt of 8,000 tokens has 500
+// blocks, and one whose holders do not change costs seven reads.
 const walkStride = 8
 
 // walk counts, for the slots in alive, the request's leading blocks found
@@ -179,66 +193,67 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 		}
 		return g, c, r
 	}
-	// Walk the keys, keeping per tier the set of workers whose leading
-	// run of blocks continues in that tier. Runs of keys with the same
-	// sets are credited at once when the sets change, so the cost is per
-	// key plus per change, not per key and worker.
-	var runG, runC, runR uint64
-	var run int32
-	flush := func() {
-		for m := runG; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][0] += run
-		}
-		for m := runC; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][1] += run
-		}
-		for m := runR; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][2] += run
-		}
+	n := len(keys)
+	if n == 0 {
+		return
 	}
-	// step credits key k to the runs; false when no worker holds it.
-	step := func(k uint64) bool {
-		g, c, r := holders(k, alive)
-		if g != runG || c != runC || r != runR {
-			flush()
-			runG, runC, runR, run = g, c, r, 0
-		}
-		run++
+	// The run from block j has holders g, c, r; a worker that drops out
+	// of it never counts again (alive narrows).
+	j := 0
+	g, c, r := holders(keys[0], alive)
+	for g|c|r != 0 {
 		alive = g | c | r
-		return alive != 0
-	}
-	warmed := 0 // keys before it were warmed
-	for j := 0; j < len(keys); {
-		if j >= warmed {
-			if b.t.warmStrided(keys[j:], walkStride) == 0x5eed {
-				b.warmed.Add(1)
-			}
-			warmed = j + warmBatch*walkStride
-		}
-		if !step(keys[j]) {
-			break
-		}
-		j++
-		end := j + walkStride - 1
-		if end >= len(keys) {
-			continue
-		}
-		// Leap when the block walkStride-1 ahead has the same holders.
-		if g, c, r := holders(keys[end], alive); g == runG && c == runC && r == runR {
-			run += walkStride
-			j = end + 1
-			continue
-		}
-		// The holders change within the leap: read it block by block.
-		if b.t.warm(keys[j:end]) == 0x5eed {
+		// lo: the last block known to have the run's holders; hi: the
+		// first known not to (n: none), whose holders are ng, nc, nr.
+		lo, hi := j, n
+		var ng, nc, nr uint64
+		if b.t.warmGallop(keys, lo, walkStride) == 0x5eed {
 			b.warmed.Add(1)
 		}
-		for ; j < end; j++ {
-			if !step(keys[j]) {
-				flush()
-				return
+		for step := walkStride; lo < n-1; step *= 2 {
+			p := min(lo+step, n-1)
+			pg, pc, pr := holders(keys[p], alive)
+			if pg != g || pc != c || pr != r {
+				hi, ng, nc, nr = p, pg, pc, pr
+				break
+			}
+			lo = p
+		}
+		for hi < n && hi-lo > walkStride {
+			mid := lo + (hi-lo)/2
+			mg, mc, mr := holders(keys[mid], alive)
+			if mg == g && mc == c && mr == r {
+				lo = mid
+			} else {
+				hi, ng, nc, nr = mid, mg, mc, mr
 			}
 		}
+		// The last walkStride blocks block by block: exact where a cache
+		// has a hole (a block dropped from a tier in mid-chain).
+		if hi < n && hi-lo > 1 {
+			if b.t.warm(keys[lo+1:hi]) == 0x5eed {
+				b.warmed.Add(1)
+			}
+			for k := lo + 1; k < hi; k++ {
+				if kg, kc, kr := holders(keys[k], alive); kg != g || kc != c || kr != r {
+					hi, ng, nc, nr = k, kg, kc, kr
+					break
+				}
+			}
+		}
+		run := int32(hi - j)
+		for m := g; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][0] += run
+		}
+		for m := c; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][1] += run
+		}
+		for m := r; m != 0; m &= m - 1 {
+			cnt[bits.TrailingZeros64(m)][2] += run
+		}
+		if hi >= n {
+			return
+		}
+		j, g, c, r = hi, ng, nc, nr
 	}
-	flush()
 }

@@ -112,12 +112,14 @@ func (t *table) warm(keys []uint64) uint64 {
 	return sink
 }
 
-// warmStrided is warm over every stride-th key of keys.
-func (t *table) warmStrided(keys []uint64, stride int) uint64 {
+// warmGallop is warm over the keys walk's gallop from lo reads first:
+// those at lo+stride, lo+3×stride, lo+7×stride… and the last.
+func (t *table) warmGallop(keys []uint64, lo, stride int) uint64 {
 	var idx [warmBatch]uint32
 	n := 0
-	for j := 0; j < len(keys) && n < warmBatch; j += stride {
-		idx[n] = t.slots[t.home(keys[j])]
+	for step := stride; lo < len(keys)-1 && n < warmBatch; step *= 2 {
+		lo = min(lo+step, len(keys)-1)
+		idx[n] = t.slots[t.home(keys[lo])]
 		n++
 	}
 	var sink uint64
