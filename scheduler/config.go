@@ -35,6 +35,10 @@ const (
 	// cache events it follows (WorkerConfig.Events).
 	KindVLLM   = "vllm"
 	KindSGLang = "sglang"
+	// KindLlamaCPP is llama.cpp's llama-server served as an http engine,
+	// whose load and slots the scheduler also reads (/metrics or /slots,
+	// /props) and whose requests set cache_prompt.
+	KindLlamaCPP = "llamacpp"
 )
 
 // engineKind reports whether kind is vllm or sglang.
@@ -42,7 +46,7 @@ func engineKind(kind string) bool { return kind == KindVLLM || kind == KindSGLan
 
 // httpKind reports whether a worker of kind is served over the OpenAI
 // HTTP API.
-func httpKind(kind string) bool { return kind == KindHTTP || engineKind(kind) }
+func httpKind(kind string) bool { return kind == KindHTTP || kind == KindLlamaCPP || engineKind(kind) }
 
 // WorkerConfig is one statically configured worker.
 type WorkerConfig struct {
@@ -52,7 +56,7 @@ type WorkerConfig struct {
 	// Address is host:port for grpc workers, a base URL (http://host:port)
 	// for http, vllm and sglang engines. Required.
 	Address string `yaml:"address"`
-	// Kind is grpc (default), http, vllm or sglang.
+	// Kind is grpc (default), http, vllm, sglang or llamacpp.
 	Kind string `yaml:"kind"`
 	// Models the worker serves. Empty: any model (grpc workers are asked at
 	// start).
@@ -60,6 +64,12 @@ type WorkerConfig struct {
 	// Role is both (prefill and decode: colocated serving), prefill or
 	// decode. Empty: grpc workers are asked at start; http engines are both.
 	Role string `yaml:"role"`
+	// CachePrompts is the prompts an engine that publishes no KV cache
+	// events keeps cached at once, which bounds what kv_aware learns it
+	// holds: llama-server's slots (--parallel), or more with its
+	// --cache-ram. Default 0: what the engine says (llama-server's
+	// /props), else only its KV capacity bounds it.
+	CachePrompts int `yaml:"cache_prompts"`
 
 	EngineConfig `yaml:",inline"`
 }
@@ -362,7 +372,7 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		case w.Address == "":
 			return fmt.Errorf("%s.address: required", field)
 		case w.Kind != KindGRPC && !httpKind(w.Kind):
-			return fmt.Errorf("%s.kind: must be %s, %s, %s or %s, got %q", field, KindGRPC, KindHTTP, KindVLLM, KindSGLang, w.Kind)
+			return fmt.Errorf("%s.kind: must be %s, %s, %s, %s or %s, got %q", field, KindGRPC, KindHTTP, KindVLLM, KindSGLang, KindLlamaCPP, w.Kind)
 		case seen[w.Name]:
 			return fmt.Errorf("%s.name: %q is used by another worker", field, w.Name)
 		case w.Role != "" && w.Role != RoleBoth && w.Role != RolePrefill && w.Role != RoleDecode:
@@ -370,11 +380,23 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		case httpKind(w.Kind) && (w.Role == RolePrefill || w.Role == RoleDecode):
 			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only, got %q", field, w.Kind, w.Role)
 		}
-		if engineKind(w.Kind) {
+		switch {
+		case w.CachePrompts < 0:
+			return fmt.Errorf("%s.cache_prompts: must be 0 (what the engine says) or more, got %d", field, w.CachePrompts)
+		case w.CachePrompts > 0 && w.Kind == KindGRPC:
+			return fmt.Errorf("%s.cache_prompts: baton workers report their cache; only http, vllm, sglang and llamacpp workers have it", field)
+		}
+		if engineKind(w.Kind) || w.Kind == KindLlamaCPP {
 			if err := w.EngineConfig.validate(field); err != nil {
 				return err
 			}
-		} else if w.EngineConfig != (EngineConfig{}) {
+		}
+		if rest := w.EngineConfig; w.Kind == KindLlamaCPP {
+			rest.MetricsPath, rest.MetricsInterval, rest.MetricsTimeout = "", 0, 0
+			if rest != (EngineConfig{}) {
+				return fmt.Errorf("%s.%s: llamacpp workers have only metrics_path, metrics_interval and metrics_timeout", field, rest.firstSet())
+			}
+		} else if !engineKind(w.Kind) && w.EngineConfig != (EngineConfig{}) {
 			return fmt.Errorf("%s.%s: only vllm and sglang workers have it (kind is %s)", field, w.EngineConfig.firstSet(), w.Kind)
 		}
 		seen[w.Name] = true

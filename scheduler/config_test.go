@@ -25,6 +25,11 @@ func TestConfigValidate(t *testing.T) {
 	if err := valid().Validate(registry()); err != nil {
 		t.Fatalf("valid config: %v", err)
 	}
+	llama := valid()
+	llama.Workers[1].Kind, llama.Workers[1].CachePrompts, llama.Workers[1].MetricsPath = KindLlamaCPP, 4, "/metrics"
+	if err := llama.Validate(registry()); err != nil {
+		t.Fatalf("valid config with a llamacpp worker: %v", err)
+	}
 	cases := []struct {
 		name  string
 		edit  func(*Config)
@@ -56,6 +61,12 @@ func TestConfigValidate(t *testing.T) {
 		{"duplicate names", func(c *Config) { c.Workers[1].Name = "127.0.0.1:9000" }, "workers[1].name:"},
 		{"bad role", func(c *Config) { c.Workers[0].Role = "verifier" }, "workers[0].role:"},
 		{"http prefill", func(c *Config) { c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
+		{"llamacpp prefill", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
+		{"llamacpp events", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].Events = "tcp://h:5557" }, "workers[1].events:"},
+		{"llamacpp tokenize path", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].TokenizePath = "/tokenize" }, "workers[1].tokenize_path:"},
+		{"llamacpp metrics path", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].MetricsPath = "metrics" }, "workers[1].metrics_path:"},
+		{"negative cache prompts", func(c *Config) { c.Workers[1].CachePrompts = -1 }, "workers[1].cache_prompts:"},
+		{"cache prompts of a grpc worker", func(c *Config) { c.Workers[0].CachePrompts = 2 }, "workers[0].cache_prompts:"},
 		{"vllm prefill", func(c *Config) { c.Workers[2].Role = RolePrefill }, "workers[2].role:"},
 		{"sglang address not a URL", func(c *Config) { c.Workers[2].Kind = KindSGLang; c.Workers[2].Address = "h:8000" }, "workers[2].address:"},
 		{"events not an endpoint", func(c *Config) { c.Workers[2].Events = "127.0.0.1:5557" }, "workers[2].events:"},

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -27,6 +28,7 @@ import (
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/httpengine"
+	"github.com/batonllm/baton/workers/llamacpp"
 	"github.com/batonllm/baton/workers/vllm"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
@@ -61,7 +63,7 @@ type Scheduler struct {
 
 	mu       sync.Mutex
 	clients  []engine.Client
-	scrapers []*vllm.Scraper
+	scrapers []io.Closer
 	tokenize *vllm.Tokenizer // nil: requests keyed by text
 	srv      *http.Server
 	closed   bool
@@ -159,15 +161,15 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		if err != nil {
 			return err
 		}
-		// Baton workers stream their cache events into the index; other
-		// engines are known to it by name only (predictions still apply).
-		if engineKind(wc.Kind) {
+		// Baton workers stream their cache events into the index; the
+		// blocks of engines that publish none are learned from routing.
+		if engineKind(wc.Kind) || wc.Kind == KindLlamaCPP {
 			// Their load feeds kv_aware and kv_usage alike: always scraped.
 			err = s.watchEngine(wc, watchWorkers)
 		} else if src, ok := w.Client.(watch.Source); ok && watchWorkers {
 			err = s.watcher.Add(w.Name, src)
 		} else if watchWorkers {
-			err = s.Index.AddWorker(w.Name)
+			err = s.Index.Learn(w.Name, kvindex.Capacity{Prompts: wc.CachePrompts})
 		}
 		if err != nil {
 			s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
@@ -276,6 +278,13 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		}
 		w.Client = c
 		w.Discover = len(wc.Models) == 0
+	case KindLlamaCPP:
+		c, err := llamacpp.New(wc.Address)
+		if err != nil {
+			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
+		}
+		w.Client = c
+		w.Discover = len(wc.Models) == 0
 	default:
 		c, err := grpcworker.Dial(wc.Address, s.workerDialOptions()...)
 		if err != nil {
@@ -300,26 +309,21 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 	return w, desc, nil
 }
 
-// watchEngine has the watcher follow a vllm or sglang worker: its load
-// from its metrics and, if withEvents, its KV cache events.
+// watchEngine has the watcher follow a vllm, sglang or llamacpp worker:
+// its load from its metrics and, if withEvents, its KV cache events;
+// without events the index learns its blocks from routing.
 func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
-	kind := vllm.VLLM
-	if wc.Kind == KindSGLang {
-		kind = vllm.SGLang
-	}
-	sc, err := vllm.NewScraper(wc.Address, wc.MetricsPath, kind)
+	sc, err := s.scraper(wc)
 	if err != nil {
 		return err
 	}
-	s.mu.Lock()
-	s.scrapers = append(s.scrapers, sc)
-	s.mu.Unlock()
 	log := s.log.With("worker", wc.Name)
 	cfg := watch.EngineConfig{
 		Metrics:        sc,
 		ScrapeInterval: wc.MetricsInterval,
 		ScrapeTimeout:  wc.MetricsTimeout,
 		BlockSize:      wc.BlockSize,
+		Capacity:       kvindex.Capacity{Prompts: wc.CachePrompts},
 		Model:          func() string { return s.modelOf(wc) },
 		Logger:         s.log,
 	}
@@ -340,6 +344,31 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 		log.Info("engine's KV events not followed: the strategy does not read the KV index", "strategy", s.cfg.Strategy)
 	}
 	return s.watcher.AddEngine(wc.Name, cfg)
+}
+
+// scraper returns the scraper of a vllm, sglang or llamacpp worker's
+// load, closed with the scheduler.
+func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
+	var sc interface {
+		watch.MetricsSource
+		io.Closer
+	}
+	var err error
+	switch wc.Kind {
+	case KindLlamaCPP:
+		sc, err = llamacpp.NewScraper(wc.Address, wc.MetricsPath)
+	case KindSGLang:
+		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang)
+	default:
+		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM)
+	}
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.scrapers = append(s.scrapers, sc)
+	s.mu.Unlock()
+	return sc, nil
 }
 
 // engineCounts returns the counts of the vllm and sglang workers followed,
