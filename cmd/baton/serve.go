@@ -30,7 +30,12 @@ type schedulerFlags struct {
 	logLevel  string
 	drain     time.Duration
 	workers   workerList // serve's --worker flags
+	tlsCert   string     // serve's --tls-cert-file
+	tlsKey    string     // serve's --tls-key-file
 }
+
+// tlsFlags maps serve's TLS flags to their config fields.
+var tlsFlags = map[string]string{"tls-cert-file": "tls.cert_file", "tls-key-file": "tls.key_file"}
 
 // register defines the flags on fs, with the command's own defaults.
 func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrategy string) {
@@ -83,6 +88,12 @@ func (f *schedulerFlags) load(fs *flag.FlagSet) (scheduler.Config, error) {
 		}
 		cfg.DrainTimeout = f.drain
 	}
+	if set["tls-cert-file"] {
+		cfg.TLS.CertFile = f.tlsCert
+	}
+	if set["tls-key-file"] {
+		cfg.TLS.KeyFile = f.tlsKey
+	}
 	cfg.Workers = append(cfg.Workers, f.workers.workers...)
 	return cfg, nil
 }
@@ -106,6 +117,11 @@ func (f *schedulerFlags) check(fs *flag.FlagSet, cfg scheduler.Config, withoutWo
 		}
 		if field == "workers" && fs.Lookup("worker") != nil {
 			return "--worker"
+		}
+		for name, f := range tlsFlags {
+			if (set["tls-cert-file"] || set["tls-key-file"]) && field == f {
+				return "--" + name
+			}
 		}
 		for _, name := range []string{"listen", "strategy", "concurrency-threshold", "prefix-length", "log-level", "drain-timeout"} {
 			if set[name] && field == strings.ReplaceAll(name, "-", "_") {
@@ -174,6 +190,8 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var f schedulerFlags
 	f.register(fs, scheduler.DefaultListen, scheduler.DefaultStrategy)
 	fs.Var(&f.workers, "worker", "a worker, `[name=]host:port` (baton gRPC) or [name=]http://host:port (OpenAI-compatible engine); repeatable, added to the config's workers")
+	fs.StringVar(&f.tlsCert, "tls-cert-file", "", "serve HTTPS with this PEM certificate `file` (chain), re-read when it changes or on SIGHUP (config tls.cert_file)")
+	fs.StringVar(&f.tlsKey, "tls-key-file", "", "PEM private key `file` of --tls-cert-file (config tls.key_file)")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
@@ -204,7 +222,7 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 	if err != nil {
 		return err
 	}
-	log.Info("scheduler listening", "addr", l.Addr().String(), "strategy", cfg.Strategy, "workers", len(cfg.Workers))
+	log.Info("scheduler listening", "addr", l.Addr().String(), "tls", s.TLS(), "strategy", cfg.Strategy, "workers", len(cfg.Workers))
 	if ready != nil {
 		ready(l.Addr().String())
 	}
@@ -221,8 +239,8 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 	return <-errc
 }
 
-// reloadOnHangup reloads s's API keys on each SIGHUP until the returned
-// stop is called.
+// reloadOnHangup reloads s's API keys and TLS certificates on each SIGHUP
+// until the returned stop is called.
 func reloadOnHangup(s *scheduler.Scheduler, log *slog.Logger) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -233,6 +251,9 @@ func reloadOnHangup(s *scheduler.Scheduler, log *slog.Logger) (stop func()) {
 		for {
 			select {
 			case <-hup:
+				if s.ReloadCertificates() == nil && s.TLS() {
+					log.Info("TLS certificates reloaded on SIGHUP")
+				} // a failed reload logs its own error
 				switch {
 				case s.Auth == nil:
 					log.Info("SIGHUP ignored: no API keys configured")

@@ -11,6 +11,7 @@ import (
 
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/transfer/tlsconf"
 	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -131,12 +132,20 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
 	metricsListen := fs.String("metrics-listen", "", "listen `address` of the worker's Prometheus /metrics (off when empty)")
 	pprofListen := fs.String("pprof-listen", "", "loopback listen `address` of net/http/pprof under /debug/pprof/ (off when empty)")
+	var tlsCfg tlsconf.Config
+	fs.StringVar(&tlsCfg.CertFile, "tls-cert-file", "", "serve gRPC over TLS with this PEM certificate `file`, also presented to the workers KV blocks are pushed to; re-read when it changes")
+	fs.StringVar(&tlsCfg.KeyFile, "tls-key-file", "", "PEM private key `file` of --tls-cert-file")
+	fs.StringVar(&tlsCfg.CAFile, "tls-ca-file", "", "PEM CA certificate `file`: only clients (schedulers, workers pushing KV blocks) with a certificate it signed are served, and the workers KV blocks are pushed to must have one")
+	fs.StringVar(&tlsCfg.ServerName, "tls-server-name", "", "`name` the certificates of the workers KV blocks are pushed to must hold (default: the host of their address)")
 	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "on SIGTERM or SIGINT, how long running sequences may finish (NOT_SERVING, new ones refused) before the worker writes its hottest blocks to the shared tier and exits")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
 	if err := f.check(fs); err != nil {
 		return err
+	}
+	if err := tlsCfg.Validate("tls", true); err != nil {
+		return tlsFlagError(err)
 	}
 	if *drainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout: must be positive, got %s", *drainTimeout)
@@ -162,7 +171,19 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if f.store != nil {
 		defer f.store.Close()
 	}
-	w, err := sim.Start(f.config(*name), *listen, *httpListen, log)
+	var startOpts []sim.StartOption
+	if tlsCfg.Enabled() {
+		server, _, err := tlsconf.Server(tlsCfg, log)
+		if err != nil {
+			return tlsFlagError(err)
+		}
+		client, _, err := tlsconf.Client(tlsCfg, log)
+		if err != nil {
+			return tlsFlagError(err)
+		}
+		startOpts = append(startOpts, sim.WithTLS(server, client))
+	}
+	w, err := sim.Start(f.config(*name), *listen, *httpListen, log, startOpts...)
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
@@ -181,7 +202,7 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		}
 		defer pprofSrv.Close()
 	}
-	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil,
+	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "tls", tlsCfg.Enabled(), "mutual_tls", tlsCfg.CAFile != "", "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil,
 		"metrics", debugAddr(metricsSrv), "pprof", debugAddr(pprofSrv))
 	go logWarmup(ctx, w.Engine, log)
 	<-ctx.Done()
@@ -195,6 +216,14 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	log.Info("worker drained", "duration", time.Since(start).Round(time.Millisecond), "hot_blocks_written", res.HotBlocks)
 	return nil
+}
+
+// tlsFlagError names worker's TLS flag in a tlsconf error that names its
+// field (tls.cert_file or cert_file: --tls-cert-file).
+func tlsFlagError(err error) error {
+	return renameField(err, func(field string) string {
+		return "--tls-" + strings.ReplaceAll(strings.TrimPrefix(field, "tls."), "_", "-")
+	})
 }
 
 // debugAddr returns s's bound address, or "" without s.
