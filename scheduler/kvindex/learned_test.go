@@ -1,6 +1,7 @@
 package kvindex
 
 import (
+	"fmt"
 	"testing"
 	"time"
 )
@@ -176,5 +177,33 @@ func TestLearnedRemoveWorker(t *testing.T) {
 	x.Learn("w", Capacity{})
 	if got := gpuHit(x, question(1, 9), "w"); got != 0 {
 		t.Errorf("a worker back under the same name: %d blocks found, want 0", got)
+	}
+}
+
+// BenchmarkPredictLearned records a request on a learned worker holding
+// chains chains of 120 blocks, all sharing a 100-block system prompt: the
+// scan for the chain it shares most with is the cost.
+func BenchmarkPredictLearned(b *testing.B) {
+	for _, chains := range []int{64, 256, 1024} {
+		b.Run(fmt.Sprintf("chains=%d", chains), func(b *testing.B) {
+			x := New(Config{})
+			x.Learn("w", Capacity{Blocks: 1 << 30})
+			shared := keys(0, 100)
+			chain := func(i int) []uint64 {
+				return append(append([]uint64(nil), shared...), keys(uint64(1000+i*20), uint64(1000+i*20+20))...)
+			}
+			for i := range chains {
+				ks := chain(i)
+				x.Predict("w", ks)
+				x.Finished("w", ks, Usage{})
+			}
+			ks := chain(chains / 2)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				x.Predict("w", ks)
+				x.Finished("w", ks, Usage{})
+			}
+		})
 	}
 }
