@@ -139,8 +139,8 @@ func (p *Pool) Add(w *Worker) error {
 }
 
 // Remove removes the worker named name and returns it, or nil if there is
-// none. Its calls in flight go on; the caller closes its client once they
-// end.
+// none. Its calls in flight go on, and it refuses new ones (ErrRemoved);
+// the caller closes its client once they end (Worker.Drained).
 func (p *Pool) Remove(name string) *Worker {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -150,13 +150,15 @@ func (p *Pool) Remove(name string) *Worker {
 	}
 	delete(p.workers, name)
 	p.publish()
+	w.retire()
 	return w
 }
 
 // Set replaces the pool's membership with workers, as service discovery
 // reports it. A Worker already in the pool keeps its health, breaker and
-// in-flight count; pass the same *Worker to keep them. Set changes nothing
-// if workers holds an invalid worker or a name twice.
+// in-flight count; pass the same *Worker to keep them. Workers left out
+// are removed as by Remove. Set changes nothing if workers holds an
+// invalid worker or a name twice.
 func (p *Pool) Set(workers []*Worker) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -175,6 +177,11 @@ func (p *Pool) Set(workers []*Worker) error {
 	}
 	for _, w := range workers {
 		_ = p.adopt(w) // checked above
+	}
+	for name, w := range p.workers {
+		if next[name] != w {
+			defer w.retire() // once the snapshot without it is published
+		}
 	}
 	p.workers = next
 	p.publish()
@@ -206,6 +213,7 @@ func (p *Pool) adopt(w *Worker) error {
 		return nil
 	}
 	w.pool = p
+	w.drained = make(chan struct{})
 	timeout := p.cfg.BreakerOpenTimeout
 	failures := p.cfg.BreakerFailures
 	w.breaker = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{

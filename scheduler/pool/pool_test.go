@@ -591,3 +591,70 @@ func TestConcurrentUse(t *testing.T) {
 		}
 	}
 }
+
+// TestRemoveDrains: a removed worker finishes the calls it has, refuses
+// new ones, and says when the last has ended.
+func TestRemoveDrains(t *testing.T) {
+	p := newPool(t, Config{})
+	w := newWorker("a")
+	if err := p.Add(w); err != nil {
+		t.Fatal(err)
+	}
+	done1, err := w.Acquire()
+	if err != nil {
+		t.Fatal(err)
+	}
+	done2, err := w.Acquire()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p.Remove("a"); got != w {
+		t.Fatalf("Remove returned %v, want the worker", got)
+	}
+	if !w.Removed() {
+		t.Error("Removed() = false after Remove")
+	}
+	if _, err := w.Acquire(); !errors.Is(err, ErrRemoved) {
+		t.Errorf("Acquire after Remove: %v, want ErrRemoved", err)
+	}
+	drained := func() bool {
+		select {
+		case <-w.Drained():
+			return true
+		default:
+			return false
+		}
+	}
+	done1(nil)
+	if drained() {
+		t.Fatal("drained with a call in flight")
+	}
+	done2(nil)
+	if !drained() {
+		t.Fatal("not drained once its calls ended")
+	}
+	if got := w.InFlight(); got != 0 {
+		t.Errorf("InFlight() = %d, want 0", got)
+	}
+}
+
+// TestSetRemovesLeftOut: Set retires the workers it leaves out, and keeps
+// those it is given again.
+func TestSetRemovesLeftOut(t *testing.T) {
+	p := newPool(t, Config{})
+	a, b := newWorker("a"), newWorker("b")
+	if err := p.Set([]*Worker{a, b}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Set([]*Worker{a}); err != nil {
+		t.Fatal(err)
+	}
+	if a.Removed() || !b.Removed() {
+		t.Errorf("Removed(): a %t, b %t; want false, true", a.Removed(), b.Removed())
+	}
+	select {
+	case <-b.Drained():
+	default:
+		t.Error("b, idle and removed, is not drained")
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -17,6 +18,10 @@ import (
 // breaker refuses the call: it is open, or half-open with its probe calls
 // all taken. The caller should pick another worker.
 var ErrBreakerOpen = errors.New("breaker open")
+
+// ErrRemoved is returned (wrapped) by Worker.Acquire once the worker has
+// left its pool: a decision picked from an older Snapshot is picked again.
+var ErrRemoved = errors.New("worker removed from its pool")
 
 // Worker is one engine the scheduler routes to. Set the exported fields,
 // then hand the Worker to Pool.Add or Pool.Set, which give it its breaker;
@@ -56,6 +61,12 @@ type Worker struct {
 	// which is serialized, touches them.
 	failedChecks int
 	described    *engine.Description
+
+	// removed is set when the worker leaves its pool, after which Acquire
+	// refuses; drained is closed once it is set and no call is in flight.
+	removed     atomic.Bool
+	drained     chan struct{}
+	drainedOnce sync.Once
 }
 
 // ServedModels returns the models the worker serves; empty means any. The
@@ -121,7 +132,13 @@ func (w *Worker) Available() bool {
 // When the breaker refuses the call, Acquire returns an error wrapping
 // ErrBreakerOpen and the gobreaker error (gobreaker.ErrOpenState or
 // gobreaker.ErrTooManyRequests), and counts nothing.
+//
+// Once the worker has left its pool, Acquire returns an error wrapping
+// ErrRemoved and counts nothing.
 func (w *Worker) Acquire() (done func(err error), err error) {
+	if w.removed.Load() {
+		return nil, fmt.Errorf("worker %s: %w", w.Name, ErrRemoved)
+	}
 	report := func(error) {}
 	if w.breaker != nil {
 		report, err = w.breaker.Allow()
@@ -129,16 +146,46 @@ func (w *Worker) Acquire() (done func(err error), err error) {
 			return nil, fmt.Errorf("worker %s: %w: %w", w.Name, ErrBreakerOpen, err)
 		}
 	}
+	// Counted before removed is read again, and retire sets removed before
+	// it reads the count: a call either sees removed or is seen by Drained.
 	w.inFlight.Add(1)
+	if w.removed.Load() {
+		w.release()
+		report(nil)
+		return nil, fmt.Errorf("worker %s: %w", w.Name, ErrRemoved)
+	}
 	var once atomic.Bool
 	return func(err error) {
 		if !once.CompareAndSwap(false, true) {
 			return
 		}
-		w.inFlight.Add(-1)
+		w.release()
 		report(err)
 	}, nil
 }
+
+// release ends a call in flight.
+func (w *Worker) release() {
+	if w.inFlight.Add(-1) == 0 && w.removed.Load() {
+		w.drainedOnce.Do(func() { close(w.drained) })
+	}
+}
+
+// retire marks the worker as removed from its pool. p.mu is held.
+func (w *Worker) retire() {
+	w.removed.Store(true)
+	if w.inFlight.Load() == 0 {
+		w.drainedOnce.Do(func() { close(w.drained) })
+	}
+}
+
+// Removed reports whether the worker has left its pool.
+func (w *Worker) Removed() bool { return w.removed.Load() }
+
+// Drained returns a channel closed once the worker has left its pool and
+// its calls in flight have ended; nil before the worker joined a pool.
+// Whoever removed the worker closes its client then.
+func (w *Worker) Drained() <-chan struct{} { return w.drained }
 
 // onBreakerChange is the breaker's OnStateChange hook. The breaker calls
 // it with its lock held.
