@@ -52,6 +52,10 @@ type EngineConfig struct {
 	// Capacity bounds what the index learns of an engine without events;
 	// its zero fields mean what the engine's metrics say.
 	Capacity kvindex.Capacity
+	// Cost returns the engine's cost figures and whether it has any
+	// (configured, or measured by baton calibrate); nil: none, and
+	// kv_aware assumes kvindex.DefaultCost.
+	Cost func() (kvindex.Cost, bool)
 	// Model returns the model that salts the engine's block keys. It is
 	// called when the first events arrive, so that an engine that did not
 	// say at start which model it serves has said by then. Nil: "".
@@ -321,7 +325,11 @@ func (e *engine) setInfo() {
 		bs = DefaultBlockSize
 	}
 	e.blockSize = bs
-	e.logIndexErr(e.idx.SetInfo(e.name, kvindex.Info{BlockTokens: bs}))
+	info := kvindex.Info{BlockTokens: bs}
+	if e.cfg.Cost != nil {
+		info.Cost, info.HasCost = e.cfg.Cost()
+	}
+	e.logIndexErr(e.idx.SetInfo(e.name, info))
 }
 
 func (e *engine) logIndexErr(err error) {

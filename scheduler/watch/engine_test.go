@@ -156,7 +156,11 @@ func TestEngineWithoutEvents(t *testing.T) {
 	w := watch.New(idx, watch.Config{})
 	defer w.Close()
 	src := &fakeMetrics{m: vllm.Metrics{HasLoad: true, Slots: 1, KVTokens: 4096}}
-	if err := w.AddEngine("e0", watch.EngineConfig{Metrics: src, ScrapeInterval: 10 * time.Millisecond}); err != nil {
+	cost := kvindex.DefaultCost
+	cost.FLOPS /= 2
+	err := w.AddEngine("e0", watch.EngineConfig{Metrics: src, ScrapeInterval: 10 * time.Millisecond,
+		Cost: func() (kvindex.Cost, bool) { return cost, true }})
+	if err != nil {
 		t.Fatal(err)
 	}
 	waitUntil(t, func() error {
@@ -165,6 +169,9 @@ func TestEngineWithoutEvents(t *testing.T) {
 		}
 		return nil
 	})
+	if m := match(idx, nil); !m.HasCost || m.Cost != cost {
+		t.Errorf("index has cost %+v (set %v), want the configured %+v", m.Cost, m.HasCost, cost)
+	}
 	a, b := []uint64{1, 2, 3}, []uint64{7, 8, 9}
 	idx.Predict("e0", a)
 	if m := match(idx, a); m.GPU != 3 {
