@@ -439,3 +439,11 @@ func (rep *Report) WriteFiles(dir string) ([]string, error) {
 	}
 	return append(files, pl...), nil
 }
+
+// Summarize is the report of one strategy's results rs, in modelled
+// seconds, on a fleet of workers token-streaming workers: the bench's
+// statistics for runs it did not make (bench/vsim's).
+func Summarize(strategy string, rs []Result, workers int) *StrategyReport {
+	o := Options{Speedup: 1, Workers: workers}
+	return summarize(strategy, rs, &o, workers, 0)
+}

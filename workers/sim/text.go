@@ -28,6 +28,12 @@ const (
 // promptHash is the seed of a prompt's deterministic completion.
 func promptHash(prompt string) uint64 { return xxhash.Sum64String(prompt) }
 
+// NaturalLength is the number of tokens the engine generates for prompt
+// before stopping on its own (a completion is the shorter of it and
+// max_tokens, without stop strings): for bench/vsim, which plays the
+// engine on a virtual clock.
+func NaturalLength(prompt string) int { return naturalLength(promptHash(prompt)) }
+
 // naturalLength is the number of tokens the model "wants" to generate for
 // a prompt of hash h before stopping on its own.
 func naturalLength(h uint64) int {

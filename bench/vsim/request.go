@@ -1,0 +1,254 @@
+package vsim
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/batonllm/baton/bench"
+	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+var errTooLong = errors.New("prompt exceeds the worker's KV capacity")
+
+// request is one request's life in the fleet: the coordinator's part.
+type request struct {
+	s       *Sim
+	out     *bench.Result
+	rreq    *routing.Request
+	arrival float64
+	last    float64 // time of the latest token
+	// The generating worker's committed decision, the strategy that made
+	// it, and its in-flight slot.
+	gen      routing.Strategy
+	d        routing.Decision
+	release  func(error)
+	reported bool
+	// reused is the prompt tokens a remote prefill reused (its cached
+	// tokens or the decode worker's held ones), -1 without one.
+	reused int
+}
+
+// arrive routes request i at s.now, as the scheduler's coordinator does.
+func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result) {
+	text := wr.RoutingText()
+	keys := blockkey.Append(nil, seed, text, blockkey.DefaultBlockChars)
+	prompt := blockkey.Tokens(blockkey.Chars(text))
+	r := &request{s: s, out: out, arrival: s.now, reused: -1,
+		rreq: &routing.Request{Model: s.cfg.Model, PrefixKey: blockkey.Prefix(seed, text, s.prefixLen)}}
+	if s.usesKeys {
+		r.rreq.Keys, r.rreq.Tokens = keys, prompt
+	}
+	out.Index, out.PromptTokens = i, prompt
+	limit := wr.MaxTokens
+	if limit == 0 {
+		limit = s.defaultMax
+	}
+	gen := min(limit, sim.NaturalLength(text))
+
+	r.gen = s.strategy
+	if s.cfg.Disaggregated() {
+		r.gen = s.decode
+	}
+	d, err := r.gen.Pick(r.rreq, s.pool.Snapshot())
+	if err != nil {
+		out.Err = err.Error()
+		return
+	}
+	wk := d.Worker
+	done, err := wk.Acquire()
+	if err != nil {
+		out.Err = err.Error()
+		return
+	}
+	r.release, r.d = done, d
+	routing.Commit(r.gen, r.rreq, d)
+	out.Worker, out.Spill = wk.Name, d.Spill
+	de := s.engines[wk]
+	decode := &seq{req: r, keys: keys, prompt: prompt, gen: gen,
+		blocks: int64((prompt + gen + sim.BlockTokens - 1) / sim.BlockTokens)}
+	if decode.blocks > de.cache.Capacity() {
+		// The engine refuses it (sim.ErrInvalid): a client error.
+		out.Err = fmt.Sprintf("%d prompt and %d completion tokens need %d blocks, capacity %d", prompt, gen, decode.blocks, de.cache.Capacity())
+		routing.Done(r.gen, r.rreq, d, routing.DoneInfo{Err: errTooLong})
+		done(nil)
+		return
+	}
+	local := func() { de.enqueue(decode, s.now) }
+
+	switch {
+	case s.cfg.Disaggregated():
+		if prompt < s.cfg.MinRemotePrefillTokens {
+			local()
+			return
+		}
+		pd, err := s.strategy.Pick(r.rreq, s.prefill.Snapshot())
+		if err != nil {
+			local()
+			return
+		}
+		pdone, err := pd.Worker.Acquire()
+		if err != nil {
+			local()
+			return
+		}
+		routing.Commit(s.strategy, r.rreq, pd)
+		r.d.Estimate = 0 // it estimated a local prefill
+		s.remotePrefill(r, pd.Worker, de, decode, func(first time.Duration, skipped bool) {
+			info := routing.DoneInfo{FirstToken: first}
+			routing.Done(s.strategy, r.rreq, pd, info)
+			pdone(nil)
+			if skipped {
+				r.d.Estimate = d.Estimate
+			}
+		})
+	case d.Reason == routing.ReasonReplicate && d.Home != nil && d.Home != wk:
+		// kv_aware copies a hot prefix from its holder rather than
+		// recomputing it on the idle worker.
+		hdone, err := d.Home.Acquire()
+		if err != nil {
+			local()
+			return
+		}
+		r.d.Estimate = 0
+		s.remotePrefill(r, d.Home, de, decode, func(time.Duration, bool) { hdone(nil) })
+	default:
+		local()
+	}
+}
+
+// remotePrefill prefills r's prompt on pw and pushes the blocks de lacks
+// to it, then starts the decode there, as workers/sim's Prefill and the
+// coordinator do; when de already holds all but MinRemotePrefillTokens it
+// skips, and de prefills locally. ended hears the prefill's first-token
+// time (from arrival to the end of the prefill) once the push is done.
+func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq, ended func(first time.Duration, skipped bool)) {
+	held := de.cache.Holds(decode.keys)
+	lead := 0
+	for lead < len(held) && held[lead] {
+		lead++
+	}
+	if decode.prompt-lead*sim.BlockTokens < s.cfg.MinRemotePrefillTokens {
+		ended(0, true)
+		de.enqueue(decode, s.now)
+		return
+	}
+	pe := s.engines[pw]
+	p := &seq{req: r, keys: decode.keys, prompt: decode.prompt,
+		blocks: int64((decode.prompt + sim.BlockTokens - 1) / sim.BlockTokens)}
+	if p.blocks > pe.cache.Capacity() {
+		// The prefill worker refuses it; the decode worker prefills.
+		ended(0, true)
+		de.enqueue(decode, s.now)
+		return
+	}
+	p.prefilled = func(p *seq, now float64) {
+		var send []uint64
+		for i, k := range p.keys {
+			if !held[i] {
+				send = append(send, k)
+			}
+		}
+		delay := 0.0
+		if s.linkBW > 0 {
+			delay = float64(len(send)) * s.kvPerBlock / s.linkBW
+		}
+		first := time.Duration((now - r.arrival) * float64(time.Second))
+		s.at(now+delay, func(now float64) {
+			for _, k := range send {
+				de.cache.Insert(nsNone, k, false)
+			}
+			pe.cache.Release(p.keys[:p.held], 0)
+			p.held = 0
+			pe.wake(now)
+			r.reused = min(max(p.cached, lead*sim.BlockTokens), decode.prompt)
+			decode.transferred = true
+			ended(first, false)
+			de.enqueue(decode, now)
+		})
+	}
+	pe.enqueue(p, s.now)
+}
+
+// token records a token of r at now.
+func (r *request) token(now float64) {
+	if r.out.CompletionTokens == 0 {
+		r.out.TTFT = now - r.arrival
+		if !r.reported {
+			r.reported = true
+			routing.Done(r.gen, r.rreq, r.d, routing.DoneInfo{FirstToken: time.Duration(r.out.TTFT * float64(time.Second))})
+		}
+	} else {
+		r.out.Gaps = append(r.out.Gaps, now-r.last)
+	}
+	r.last = now
+	r.out.CompletionTokens++
+}
+
+// finish ends r at now: its usage, and its worker's in-flight slot.
+func (r *request) finish(now float64) {
+	r.out.E2E = now - r.arrival
+	r.out.Done = now
+	r.release(nil)
+}
+
+// setCached records the prompt tokens r's generating worker found cached.
+func (r *request) setCached(cached int) {
+	if r.reused >= 0 {
+		cached = r.reused
+	}
+	r.out.CachedTokens = cached
+}
+
+// emit applies a cache event of e to the KV index, as the watcher does.
+func (e *engine) emit(ev sim.CacheEvent) {
+	if !e.watched {
+		return
+	}
+	ce := kvindex.CacheEvent{Keys: ev.Keys, Tier: tierOf(ev.Tier)}
+	switch ev.Kind {
+	case sim.BlockRemoved:
+		ce.Kind = kvindex.Removed
+	case sim.BlockTierChanged:
+		ce.Kind = kvindex.Moved
+		if ev.FromTier != 0 {
+			ce.From, ce.HasFrom = tierOf(ev.FromTier), true
+		}
+	}
+	e.evSeq++
+	e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Cache: &ce})
+}
+
+func tierOf(t sim.Tier) kvindex.Tier {
+	switch t {
+	case sim.TierCPU:
+		return kvindex.TierCPU
+	case sim.TierRedis:
+		return kvindex.TierRedis
+	}
+	return kvindex.TierGPU
+}
+
+// load is e's load report.
+func (e *engine) load() kvindex.Load {
+	return kvindex.Load{Running: len(e.run), Waiting: len(e.queue), WaitingPrefillTokens: e.waitingPrefill,
+		GPUBlocksUsed: e.cache.Used(), GPUBlocksTotal: e.cache.Capacity(),
+		CPUBlocksUsed: e.cache.CPUUsed(), CPUBlocksTotal: e.cache.CPUCapacity()}
+}
+
+// report publishes e's load at most every LoadInterval of modelled time,
+// as the engine does in real time.
+func (e *engine) report(now float64) {
+	if !e.watched || now-e.lastLoad < e.cfg.LoadInterval.Seconds() && e.lastLoad >= 0 {
+		return
+	}
+	e.lastLoad = now
+	l := e.load()
+	e.evSeq++
+	e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Load: &l})
+}

@@ -1,0 +1,356 @@
+// Package vsim replays a workload through baton's routing on a virtual
+// clock: the scheduler's strategies (routing profiles over a pool
+// snapshot, the KV index, thresholds, prefill/decode coordination) in
+// front of simulated engines that schedule as workers/sim does
+// (continuous batching, chunked prefill, the prefix cache and its CPU
+// tier, the cost model, KV transfer time), with no gRPC, no goroutine per
+// request and no wall clock. Hours of traffic take seconds, and a run is
+// deterministic under its seed. baton tune searches fleet shapes with it.
+//
+// What it leaves out: failures and retries (breakers, timeouts), the
+// scheduler's queue (MaxInFlight), the shared Redis tier and warm-up, and
+// the milliseconds of network and HTTP a real run adds.
+package vsim
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/batonllm/baton/bench"
+	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/frontend"
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
+	eng "github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/engine/cost"
+	"github.com/batonllm/baton/workers/sim"
+)
+
+// Config is one fleet and routing configuration. The zero value of a
+// field means bench's and the scheduler's defaults.
+type Config struct {
+	// Model and GPU are the simulated workers' presets; default
+	// llama-3.1-8b on h100.
+	Model, GPU string
+	// Workers colocated workers (role both) when Prefill is 0, else
+	// Prefill prefill and Decode decode workers.
+	Workers, Prefill, Decode int
+	// Strategy routes requests (in a disaggregated fleet: picks the
+	// prefill worker); DecodeStrategy picks the decode worker (default
+	// least_outstanding, the scheduler's).
+	Strategy, DecodeStrategy string
+	// ConcurrencyThreshold is routing.Params' (default 16).
+	ConcurrencyThreshold int
+	// MinRemotePrefillTokens is the scheduler's
+	// disaggregation.min_remote_prefill_tokens (default 512).
+	MinRemotePrefillTokens int
+	// PrefixLength is the characters prefix_aware hashes (default 4,096).
+	PrefixLength int
+	// KVBlocks is each worker's GPU KV capacity in blocks (default: from
+	// GPU memory); CPUBlocks its CPU tier as bench's --cpu-blocks (0:
+	// none, -1: the simulator's default).
+	KVBlocks, CPUBlocks int64
+	// Rate is the Poisson arrival rate (requests/s) of an untimed
+	// workload, or replaces a timed one's timestamps; RateScale, when
+	// positive, multiplies the arrival rate (divides a trace's offsets).
+	Rate, RateScale float64
+	// Seed seeds the arrivals and the strategies' random choices.
+	Seed uint64
+	// Registry holds the strategies; nil: routing's built-ins.
+	Registry *routing.Registry
+}
+
+func (c Config) withDefaults() Config {
+	if c.Model == "" {
+		c.Model = "llama-3.1-8b"
+	}
+	if c.GPU == "" {
+		c.GPU = "h100"
+	}
+	if c.Strategy == "" {
+		c.Strategy = routing.Default
+	}
+	if c.DecodeStrategy == "" {
+		c.DecodeStrategy = routing.LeastOutstanding
+	}
+	if c.MinRemotePrefillTokens == 0 {
+		c.MinRemotePrefillTokens = 512
+	}
+	if c.PrefixLength == 0 {
+		c.PrefixLength = frontend.DefaultPrefixLength
+	}
+	if c.Workers == 0 && c.Prefill == 0 {
+		c.Workers = 1
+	}
+	return c
+}
+
+// Disaggregated reports whether c has prefill workers.
+func (c Config) Disaggregated() bool { return c.Prefill > 0 }
+
+// GPUs is the fleet's size.
+func (c Config) GPUs() int { return c.Workers + c.Prefill + c.Decode }
+
+// Label names the fleet and routing, as tune's tables show it.
+func (c Config) Label() string {
+	c = c.withDefaults()
+	s := fmt.Sprintf("colocated:%d %s", c.Workers, c.Strategy)
+	if c.Disaggregated() {
+		s = fmt.Sprintf("disagg:%d:%d %s", c.Prefill, c.Decode, c.Strategy)
+	}
+	if c.Strategy == routing.PrefixAware || c.Strategy == routing.KVAware {
+		t := c.ConcurrencyThreshold
+		if t == 0 {
+			t = routing.DefaultConcurrencyThreshold
+		}
+		s += fmt.Sprintf(" threshold=%d", t)
+	}
+	if c.Disaggregated() {
+		s += fmt.Sprintf(" min_remote=%d", c.MinRemotePrefillTokens)
+	}
+	return s
+}
+
+// Result is one run: each request's outcome, as baton bench measures it
+// (in modelled seconds), and the simulation's own counters.
+type Result struct {
+	Requests []bench.Result
+	// Events is the simulated events processed (arrivals, engine steps,
+	// transfers); Steps the engine steps among them.
+	Events, Steps int64
+	// Duration is the modelled seconds from the first arrival to the last
+	// completion.
+	Duration float64
+}
+
+// Run replays w on the fleet of cfg and returns every request's outcome.
+// It fails only on an invalid configuration or workload; ctx stops it
+// between events.
+func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error) {
+	s, err := newSim(cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer s.close()
+	return s.run(ctx, w)
+}
+
+// epoch is the virtual clock's origin, for the KV index's timestamps.
+var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// Sim is one run's state.
+type Sim struct {
+	cfg        Config
+	now        float64
+	events     eventHeap
+	seq        uint64
+	processed  int64
+	strategy   routing.Strategy // the prefill strategy when disaggregated
+	decode     routing.Strategy // generating workers' strategy when disaggregated
+	usesKeys   bool
+	index      *kvindex.Index
+	pool       *pool.Pool // generating workers: both or decode
+	prefill    *pool.Pool // prefill workers (empty: colocated)
+	engines    map[*pool.Worker]*engine
+	figures    cost.Figures
+	kvPerBlock float64
+	linkBW     float64
+	defaultMax int
+	prefixLen  int
+	seed       uint64
+}
+
+func newSim(cfg Config) (*Sim, error) {
+	cfg = cfg.withDefaults()
+	if cfg.Prefill > 0 && cfg.Decode == 0 || cfg.Prefill == 0 && cfg.Decode > 0 || cfg.Prefill > 0 && cfg.Workers > 0 {
+		return nil, fmt.Errorf("fleet: %d colocated, %d prefill, %d decode workers: either colocated workers or both prefill and decode ones", cfg.Workers, cfg.Prefill, cfg.Decode)
+	}
+	reg := cfg.Registry
+	if reg == nil {
+		reg = &routing.Registry{}
+		routing.RegisterBuiltins(reg)
+	}
+	s := &Sim{cfg: cfg, engines: map[*pool.Worker]*engine{}, prefixLen: cfg.PrefixLength, seed: cfg.Seed}
+	s.index = kvindex.New(kvindex.Config{Now: func() time.Time {
+		return epoch.Add(time.Duration(s.now * float64(time.Second)))
+	}})
+	params := routing.Params{ConcurrencyThreshold: cfg.ConcurrencyThreshold, Rand: routing.SeededRand(cfg.Seed), Index: s.index}
+	var err error
+	if s.strategy, err = reg.New(cfg.Strategy, params); err != nil {
+		return nil, err
+	}
+	if cfg.Disaggregated() {
+		if s.decode, err = reg.New(cfg.DecodeStrategy, params); err != nil {
+			return nil, fmt.Errorf("decode %w", err)
+		}
+	}
+	s.usesKeys = routing.UsesKeys(s.strategy) || s.decode != nil && routing.UsesKeys(s.decode)
+
+	// One real engine, closed at once, gives the configuration with its
+	// defaults and the cost figures a worker reports.
+	simCfg := sim.Config{Cost: cost.Config{Model: cfg.Model, GPU: cfg.GPU},
+		Tiers: sim.Tiers{GPUBlocks: cfg.KVBlocks, CPUBlocks: cpuBlocks(cfg.CPUBlocks)}}
+	probe, err := sim.New(simCfg)
+	if err != nil {
+		return nil, err
+	}
+	full := probe.Config()
+	cm := probe.CostModel()
+	gpuCap, cpuCap := probe.Cache().Capacity(), probe.Cache().CPUCapacity()
+	s.figures, _ = cost.FromProto(probe.CostParams())
+	probe.Close()
+	s.kvPerBlock = float64(cm.KVBytesPerToken()) * sim.BlockTokens
+	s.linkBW = full.Disagg.LinkBandwidth
+	s.defaultMax = full.DefaultMaxTokens
+
+	pcfg := pool.Config{HealthInterval: time.Hour, HealthTimeout: time.Minute}
+	if s.pool, err = pool.New(pcfg); err != nil {
+		return nil, err
+	}
+	if s.prefill, err = pool.New(pcfg); err != nil {
+		s.pool.Close()
+		return nil, err
+	}
+	mk := func(role string, n int) []*pool.Worker {
+		var ws []*pool.Worker
+		for i := range n {
+			name := fmt.Sprintf("%s-%d", role, i)
+			pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
+			e := &engine{sim: s, name: name, cfg: full, cost: cm, pcie: s.figures.CPUCopySeconds, lastLoad: -1}
+			e.watched = s.usesKeys
+			e.cache = sim.NewTieredCache(sim.CacheConfig{GPUBlocks: gpuCap, CPUBlocks: cpuCap, Emit: e.emit})
+			if e.watched {
+				s.index.SetInfo(name, kvindex.Info{BlockTokens: sim.BlockTokens, Cost: s.figures, HasCost: true})
+				s.index.Apply(name, kvindex.Event{Seq: 1, Snapshot: &kvindex.Snapshot{Load: e.load()}})
+				e.evSeq = 1
+			}
+			s.engines[pw] = e
+			ws = append(ws, pw)
+		}
+		return ws
+	}
+	gen := mk(sim.RoleBoth, cfg.Workers)
+	if cfg.Disaggregated() {
+		gen = mk(sim.RoleDecode, cfg.Decode)
+		if err := s.prefill.Set(mk(sim.RolePrefill, cfg.Prefill)); err != nil {
+			s.close()
+			return nil, err
+		}
+	}
+	if err := s.pool.Set(gen); err != nil {
+		s.close()
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Sim) close() {
+	s.pool.Close()
+	s.prefill.Close()
+}
+
+// cpuBlocks maps bench's --cpu-blocks to sim.Tiers.CPUBlocks.
+func cpuBlocks(n int64) int64 {
+	switch {
+	case n == 0:
+		return -1
+	case n < 0:
+		return 0
+	}
+	return n
+}
+
+// client stands in for an engine client: the pool only health-checks it.
+type client struct{}
+
+func (client) Generate(context.Context, *eng.Request) (eng.Stream, error) {
+	return nil, errors.New("vsim: no engine behind this client")
+}
+func (client) Check(context.Context) error { return nil }
+func (client) Close() error                { return nil }
+
+// at schedules fn at virtual time t (never before now).
+func (s *Sim) at(t float64, fn func(now float64)) {
+	s.seq++
+	heap.Push(&s.events, event{t: max(t, s.now), seq: s.seq, fn: fn})
+}
+
+func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
+	rate := s.cfg.Rate
+	arr, err := bench.Arrivals(w, rate, s.cfg.Seed)
+	if err != nil {
+		return nil, err
+	}
+	scale := 1.0
+	if s.cfg.RateScale > 0 {
+		scale = 1 / s.cfg.RateScale
+	}
+	res := &Result{Requests: make([]bench.Result, len(w.Requests))}
+	seed := blockkey.Seed(s.cfg.Model, "")
+	// Arrivals are fed one ahead, so the heap holds the engines' events
+	// and the next arrival only.
+	var next func(i int)
+	next = func(i int) {
+		if i >= len(w.Requests) {
+			return
+		}
+		s.at(arr[i]*scale, func(now float64) {
+			s.arrive(i, &w.Requests[i], seed, &res.Requests[i])
+			next(i + 1)
+		})
+	}
+	next(0)
+	for len(s.events) > 0 {
+		if s.processed&1023 == 0 && ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		ev := heap.Pop(&s.events).(event)
+		s.now = ev.t
+		s.processed++
+		ev.fn(ev.t)
+	}
+	res.Events = s.processed
+	first, last := 0.0, 0.0
+	for i := range res.Requests {
+		r := &res.Requests[i]
+		if i == 0 || r.Done-r.E2E < first {
+			first = r.Done - r.E2E
+		}
+		last = max(last, r.Done)
+	}
+	res.Duration = last - first
+	for _, e := range s.engines {
+		res.Steps += e.steps
+	}
+	return res, nil
+}
+
+type event struct {
+	t   float64
+	seq uint64
+	fn  func(now float64)
+}
+
+type eventHeap []event
+
+func (h eventHeap) Len() int { return len(h) }
+func (h eventHeap) Less(i, j int) bool {
+	if h[i].t != h[j].t {
+		return h[i].t < h[j].t
+	}
+	return h[i].seq < h[j].seq
+}
+func (h eventHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *eventHeap) Push(x any)   { *h = append(*h, x.(event)) }
+func (h *eventHeap) Pop() any {
+	old := *h
+	n := len(old)
+	x := old[n-1]
+	*h = old[:n-1]
+	return x
+}
