@@ -17,6 +17,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/frontend"
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/tlsconf"
@@ -70,6 +71,11 @@ type WorkerConfig struct {
 	// --cache-ram. Default 0: what the engine says (llama-server's
 	// /props), else only its KV capacity bounds it.
 	CachePrompts int `yaml:"cache_prompts"`
+	// Cost is the engine's cost figures, as baton calibrate prints them,
+	// from which kv_aware estimates its time to first token. Default: the
+	// simulated engine's (Llama-3.1-8B on one H100), which kv_aware's
+	// online correction then scales. Baton workers report their own.
+	Cost CostConfig `yaml:"cost"`
 
 	EngineConfig `yaml:",inline"`
 }
@@ -121,6 +127,74 @@ type EngineConfig struct {
 	// a repeated prompt costs no call. Default 4Mi tokens (16 MiB); -1: no
 	// cache.
 	TokenizeCacheTokens int `yaml:"tokenize_cache_tokens"`
+}
+
+// CostConfig is an engine's cost figures (see workers/engine/cost.Figures);
+// each zero field keeps the default's.
+type CostConfig struct {
+	// FLOPS is the effective compute of a prefill, FLOP/s.
+	FLOPS float64 `yaml:"flops"`
+	// DecodeStepSeconds is one decode step at batch 1, short context.
+	DecodeStepSeconds float64 `yaml:"decode_step_seconds"`
+	// HBMBytesPerSecond is the bandwidth at which each step reads the KV
+	// of the sequences decoded.
+	HBMBytesPerSecond float64 `yaml:"hbm_bytes_per_second"`
+	// Layers and Hidden are the model's, which the prefill formula uses;
+	// KVBytesPerBlock is a block's KV bytes.
+	Layers          int   `yaml:"layers"`
+	Hidden          int   `yaml:"hidden"`
+	KVBytesPerBlock int64 `yaml:"kv_bytes_per_block"`
+	// MaxBatchedTokens is a step's token budget.
+	MaxBatchedTokens int `yaml:"max_batched_tokens"`
+}
+
+// Figures returns c over the default figures, and whether any was set.
+func (c CostConfig) Figures() (kvindex.Cost, bool) {
+	f := kvindex.DefaultCost
+	if c == (CostConfig{}) {
+		return f, false
+	}
+	if c.FLOPS > 0 {
+		f.FLOPS = c.FLOPS
+	}
+	if c.DecodeStepSeconds > 0 {
+		f.DecodeStepSeconds = c.DecodeStepSeconds
+	}
+	if c.HBMBytesPerSecond > 0 {
+		f.HBMBytesPerSecond = c.HBMBytesPerSecond
+	}
+	if c.Layers > 0 {
+		f.Layers = c.Layers
+	}
+	if c.Hidden > 0 {
+		f.Hidden = c.Hidden
+	}
+	if c.KVBytesPerBlock > 0 {
+		f.KVBytesPerBlock = c.KVBytesPerBlock
+	}
+	if c.MaxBatchedTokens > 0 {
+		f.MaxBatchedTokens = c.MaxBatchedTokens
+	}
+	return f, true
+}
+
+// validate reports the first negative figure of c, prefixed with field.
+func (c CostConfig) validate(field string) error {
+	switch {
+	case c.FLOPS < 0:
+		return fmt.Errorf("%s.flops: must be positive, got %v", field, c.FLOPS)
+	case c.DecodeStepSeconds < 0:
+		return fmt.Errorf("%s.decode_step_seconds: must be positive, got %v", field, c.DecodeStepSeconds)
+	case c.HBMBytesPerSecond < 0:
+		return fmt.Errorf("%s.hbm_bytes_per_second: must be positive, got %v", field, c.HBMBytesPerSecond)
+	case c.Layers < 0 || c.Hidden < 0:
+		return fmt.Errorf("%s.layers: layers and hidden must be positive, got %d and %d", field, c.Layers, c.Hidden)
+	case c.KVBytesPerBlock < 0:
+		return fmt.Errorf("%s.kv_bytes_per_block: must be positive, got %d", field, c.KVBytesPerBlock)
+	case c.MaxBatchedTokens < 0:
+		return fmt.Errorf("%s.max_batched_tokens: must be positive, got %d", field, c.MaxBatchedTokens)
+	}
+	return nil
 }
 
 // TokenizeNone as a tokenize_path keys requests by their text.
@@ -385,6 +459,11 @@ func (c Config) Validate(strategies *routing.Registry) error {
 			return fmt.Errorf("%s.cache_prompts: must be 0 (what the engine says) or more, got %d", field, w.CachePrompts)
 		case w.CachePrompts > 0 && w.Kind == KindGRPC:
 			return fmt.Errorf("%s.cache_prompts: baton workers report their cache; only http, vllm, sglang and llamacpp workers have it", field)
+		case w.Cost != (CostConfig{}) && w.Kind == KindGRPC:
+			return fmt.Errorf("%s.cost: baton workers report their own cost figures", field)
+		}
+		if err := w.Cost.validate(field + ".cost"); err != nil {
+			return err
 		}
 		if engineKind(w.Kind) || w.Kind == KindLlamaCPP {
 			if err := w.EngineConfig.validate(field); err != nil {

@@ -170,6 +170,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			err = s.watcher.Add(w.Name, src)
 		} else if watchWorkers {
 			err = s.Index.Learn(w.Name, kvindex.Capacity{Prompts: wc.CachePrompts})
+			if c, ok := wc.Cost.Figures(); ok && err == nil {
+				err = s.Index.SetInfo(w.Name, kvindex.Info{Cost: c, HasCost: true})
+			}
 		}
 		if err != nil {
 			s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
@@ -324,6 +327,7 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 		ScrapeTimeout:  wc.MetricsTimeout,
 		BlockSize:      wc.BlockSize,
 		Capacity:       kvindex.Capacity{Prompts: wc.CachePrompts},
+		Cost:           wc.Cost.Figures,
 		Model:          func() string { return s.modelOf(wc) },
 		Logger:         s.log,
 	}
