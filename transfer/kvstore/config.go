@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/batonllm/baton/transfer/tlsconf"
 )
 
 // RedisConfig configures the Redis tier. The zero value of every field but
@@ -22,6 +24,14 @@ type RedisConfig struct {
 	DB int `yaml:"db"`
 	// TLS connects with TLS, verifying the server against the system roots.
 	TLS bool `yaml:"tls"`
+	// TLSCAFile is a PEM file of the CA certificates that sign the
+	// server's certificate, in place of the system roots.
+	TLSCAFile string `yaml:"tls_ca_file"`
+	// TLSCertFile and TLSKeyFile are a client certificate and key, for a
+	// server that requires one (redis-server's tls-auth-clients yes, its
+	// default); re-read when they change.
+	TLSCertFile string `yaml:"tls_cert_file"`
+	TLSKeyFile  string `yaml:"tls_key_file"`
 	// TLSInsecureSkipVerify skips that verification. For tests only.
 	TLSInsecureSkipVerify bool `yaml:"tls_insecure_skip_verify"`
 	// TTL is how long a block stays in Redis after its last write; default
@@ -76,6 +86,10 @@ func (c RedisConfig) Validate() error {
 		return fmt.Errorf("redis.db: must not be negative, got %d", c.DB)
 	case c.TLSInsecureSkipVerify && !c.TLS:
 		return errors.New("redis.tls_insecure_skip_verify: set without redis.tls")
+	case c.TLSCAFile != "" && !c.TLS:
+		return errors.New("redis.tls_ca_file: set without redis.tls (a rediss:// URL)")
+	case c.TLSCertFile != "" && !c.TLS:
+		return errors.New("redis.tls_cert_file: set without redis.tls (a rediss:// URL)")
 	case c.DialTimeout < 0:
 		return fmt.Errorf("redis.dial_timeout: must not be negative, got %v", c.DialTimeout)
 	case c.ReadTimeout < 0:
@@ -85,7 +99,16 @@ func (c RedisConfig) Validate() error {
 	case c.PoolSize < 0:
 		return fmt.Errorf("redis.pool_size: must not be negative, got %d", c.PoolSize)
 	}
+	if err := c.tlsFiles().Validate("redis", false); err != nil {
+		// tlsconf names the fields redis.ca_file…: these are tls_ca_file….
+		return errors.New("redis.tls_" + strings.TrimPrefix(err.Error(), "redis."))
+	}
 	return nil
+}
+
+// tlsFiles returns c's TLS files as a tlsconf.Config.
+func (c RedisConfig) tlsFiles() tlsconf.Config {
+	return tlsconf.Config{CAFile: c.TLSCAFile, CertFile: c.TLSCertFile, KeyFile: c.TLSKeyFile}
 }
 
 func validAddr(addr string) error {

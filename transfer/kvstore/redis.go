@@ -3,9 +3,11 @@ package kvstore
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,6 +16,7 @@ import (
 	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/batonllm/baton/transfer"
+	"github.com/batonllm/baton/transfer/tlsconf"
 )
 
 // Redis is the shared tier in a Redis server, through go-redis. Every call
@@ -62,17 +65,52 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 	}
 	if cfg.TLS {
 		host, _, _ := net.SplitHostPort(cfg.Addr)
-		opts.TLSConfig = &tls.Config{
-			MinVersion:         tls.VersionTLS12,
-			ServerName:         host,
-			InsecureSkipVerify: cfg.TLSInsecureSkipVerify, // tests only (Validate says so)
+		files := cfg.tlsFiles()
+		files.ServerName = host
+		tc, _, err := tlsconf.Client(files, nil)
+		if err != nil {
+			return nil, fmt.Errorf("redis.tls_%w", err)
 		}
+		tc.InsecureSkipVerify = cfg.TLSInsecureSkipVerify // tests only (Validate says so)
+		opts.TLSConfig = tc
 	}
 	r := &Redis{client: redis.NewClient(opts)}
 	if cfg.TTL > 0 {
 		r.ttl = cfg.TTL
 	}
 	return r, nil
+}
+
+// ErrRefused is returned (wrapped) by Check when the server refused the
+// client's credentials: its password (WRONGPASS, NOAUTH) or its TLS
+// certificates. Unlike an unreachable server, that will not mend itself.
+var ErrRefused = errors.New("redis refused the credentials")
+
+// Check sends one PING. An error wrapping ErrRefused means the password
+// or the TLS settings are wrong; any other error means the server did
+// not answer. A worker checks once at start.
+func (r *Redis) Check(ctx context.Context) error {
+	err := r.client.Ping(ctx).Err()
+	if err == nil {
+		return nil
+	}
+	var (
+		unknownCA *x509.UnknownAuthorityError
+		hostname  x509.HostnameError
+		verify    *tls.CertificateVerificationError
+		alert     tls.AlertError
+		remote    *net.OpError
+	)
+	msg := err.Error()
+	switch {
+	case strings.HasPrefix(msg, "WRONGPASS"), strings.HasPrefix(msg, "NOAUTH"),
+		strings.Contains(msg, "AUTH") && strings.Contains(msg, "without any password configured"):
+		return fmt.Errorf("%w: password: %v", ErrRefused, err)
+	case errors.As(err, &unknownCA), errors.As(err, &hostname), errors.As(err, &verify), errors.As(err, &alert),
+		errors.As(err, &remote) && strings.Contains(remote.Err.Error(), "remote error: tls"):
+		return fmt.Errorf("%w: tls: %v", ErrRefused, err)
+	}
+	return fmt.Errorf("redis at %s: %w", r.client.Options().Addr, err)
 }
 
 // Put writes blocks with one pipelined SET … EX per block, in one round

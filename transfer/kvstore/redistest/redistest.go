@@ -12,6 +12,8 @@ package redistest
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -36,12 +38,36 @@ const (
 // startTimeout bounds the wait for a new server to answer PING.
 const startTimeout = 10 * time.Second
 
+// Options configure a server StartWith launches. The zero value is
+// Start's server: plaintext, no password.
+type Options struct {
+	// Password turns on requirepass: clients must AUTH with it.
+	Password string
+	// TLS, if not nil, makes the server speak TLS only, on its one port.
+	TLS *TLS
+}
+
+// TLS names a TLS server's PEM files (make them with tlsconf/tlstest).
+type TLS struct {
+	// CertFile and KeyFile are the server's certificate, which must name
+	// 127.0.0.1 and be good for client authentication too: the readiness
+	// PING presents it when ClientCerts is set.
+	CertFile, KeyFile string
+	// CAFile signs the server's certificate and, with ClientCerts, the
+	// clients'.
+	CAFile string
+	// ClientCerts requires clients to present a certificate the CA
+	// signed (tls-auth-clients yes).
+	ClientCerts bool
+}
+
 // Server is one redis-server process on a loopback port.
 type Server struct {
 	t    testing.TB
 	bin  string
 	port int
 	dir  string
+	opts Options
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -54,11 +80,18 @@ type Server struct {
 // when no redis-server can be had.
 func Start(t testing.TB) *Server {
 	t.Helper()
+	return StartWith(t, Options{})
+}
+
+// StartWith is Start with a password or TLS. A redis-server built without
+// TLS support skips t when o.TLS is set, saying so.
+func StartWith(t testing.TB, o Options) *Server {
+	t.Helper()
 	bin, err := Binary()
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &Server{t: t, bin: bin, dir: t.TempDir()}
+	s := &Server{t: t, bin: bin, dir: t.TempDir(), opts: o}
 	t.Cleanup(s.Stop)
 	// Another process may take the free port before redis-server binds
 	// it; then try another.
@@ -69,6 +102,9 @@ func Start(t testing.TB) *Server {
 		err = s.start()
 		if err == nil {
 			return s
+		}
+		if errors.Is(err, errNoTLS) {
+			t.Skip(err)
 		}
 		if attempt == 3 {
 			t.Fatal(err)
@@ -141,13 +177,26 @@ func (s *Server) start() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	logs := new(bytes.Buffer)
-	cmd := exec.Command(s.bin,
+	args := []string{
 		"--port", strconv.Itoa(s.port),
 		"--bind", "127.0.0.1",
 		"--save", "",
 		"--appendonly", "no",
 		"--dir", s.dir,
-	)
+	}
+	if s.opts.Password != "" {
+		args = append(args, "--requirepass", s.opts.Password)
+	}
+	if tc := s.opts.TLS; tc != nil {
+		auth := "no"
+		if tc.ClientCerts {
+			auth = "yes"
+		}
+		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(s.port),
+			"--tls-cert-file", tc.CertFile, "--tls-key-file", tc.KeyFile,
+			"--tls-ca-cert-file", tc.CAFile, "--tls-auth-clients", auth)
+	}
+	cmd := exec.Command(s.bin, args...)
 	cmd.Stdout, cmd.Stderr = logs, logs
 	// Its own process group, so a Ctrl-C meant for go test is not what
 	// stops it first; Stop and t.Cleanup do.
@@ -164,14 +213,18 @@ func (s *Server) start() error {
 
 	deadline := time.Now().Add(startTimeout)
 	for {
-		err := ping(s.Addr(), 200*time.Millisecond)
+		err := s.ping(200 * time.Millisecond)
 		if err == nil {
 			return nil
 		}
 		select {
 		case <-done:
 			s.cmd = nil
-			return fmt.Errorf("redistest: redis-server on port %d exited: %s", s.port, strings.TrimSpace(logs.String()))
+			out := strings.TrimSpace(logs.String())
+			if s.opts.TLS != nil && noTLS(out) {
+				return fmt.Errorf("%w (%s): %s", errNoTLS, s.bin, out)
+			}
+			return fmt.Errorf("redistest: redis-server on port %d exited: %s", s.port, out)
 		default:
 		}
 		if time.Now().After(deadline) {
@@ -241,18 +294,81 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
+// errNoTLS is start's error when redis-server lacks TLS support.
+var errNoTLS = errors.New("redistest: this redis-server was built without TLS support (BUILD_TLS=no), so the TLS tests cannot run")
+
+// noTLS reports whether a redis-server's output says it cannot serve
+// TLS: 7.0 logs "this Redis was not built with TLS support", older ones
+// reject tls-port as a bad directive.
+func noTLS(out string) bool {
+	for _, s := range []string{"TLS support", "Bad directive", "TLS is not"} {
+		if strings.Contains(out, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// ping is the package's ping with the server's password and TLS.
+func (s *Server) ping(timeout time.Duration) error {
+	var tc *tls.Config
+	if o := s.opts.TLS; o != nil {
+		b, err := os.ReadFile(o.CAFile)
+		if err != nil {
+			return err
+		}
+		roots := x509.NewCertPool()
+		roots.AppendCertsFromPEM(b)
+		tc = &tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}
+		if o.ClientCerts {
+			pair, err := tls.LoadX509KeyPair(o.CertFile, o.KeyFile)
+			if err != nil {
+				return err
+			}
+			tc.Certificates = []tls.Certificate{pair}
+		}
+	}
+	return pingWith(s.Addr(), timeout, s.opts.Password, tc)
+}
+
 // ping sends one inline PING and expects +PONG.
 func ping(addr string, timeout time.Duration) error {
-	c, err := net.DialTimeout("tcp", addr, timeout)
+	return pingWith(addr, timeout, "", nil)
+}
+
+// pingWith is ping over TLS when tc is not nil, after AUTH password
+// when it is not empty.
+func pingWith(addr string, timeout time.Duration, password string, tc *tls.Config) error {
+	var c net.Conn
+	var err error
+	if tc != nil {
+		c, err = tls.DialWithDialer(&net.Dialer{Timeout: timeout}, "tcp", addr, tc)
+	} else {
+		c, err = net.DialTimeout("tcp", addr, timeout)
+	}
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(timeout))
+	r := bufio.NewReader(c)
+	if password != "" {
+		// RESP, not inline: the password may hold spaces.
+		if _, err := fmt.Fprintf(c, "*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n", len(password), password); err != nil {
+			return err
+		}
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return err
+		}
+		if line != "+OK\r\n" {
+			return fmt.Errorf("AUTH answered %q", strings.TrimSpace(line))
+		}
+	}
 	if _, err := c.Write([]byte("PING\r\n")); err != nil {
 		return err
 	}
-	line, err := bufio.NewReader(c).ReadString('\n')
+	line, err := r.ReadString('\n')
 	if err != nil {
 		return err
 	}
