@@ -47,6 +47,21 @@ func (b *blocks) apply(bit uint64, ce *CacheEvent) {
 	}
 }
 
+// applyChunked is apply taking the lock writeChunk keys at a time. A
+// lookup in between sees part of the event applied: a stored chain's
+// leading blocks (a prefix like any other), or a removal's first blocks
+// gone, which can only shorten the prefix it credits.
+func (b *blocks) applyChunked(bit uint64, ce *CacheEvent) {
+	part := *ce
+	for keys := ce.Keys; len(keys) > 0; {
+		part.Keys = keys[:min(len(keys), writeChunk)]
+		keys = keys[len(part.Keys):]
+		b.mu.Lock()
+		b.apply(bit, &part)
+		b.mu.Unlock()
+	}
+}
+
 // set records that the worker of bit holds key in tier, confirming a
 // prediction.
 func (b *blocks) set(key, bit uint64, tier Tier) {

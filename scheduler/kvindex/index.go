@@ -341,9 +341,7 @@ func (x *Index) Apply(name string, ev Event) error {
 	}
 	w.mu.Unlock()
 	if ev.Cache != nil {
-		x.blocks.mu.Lock()
-		x.blocks.apply(bit, ev.Cache)
-		x.blocks.mu.Unlock()
+		x.blocks.applyChunked(bit, ev.Cache)
 	}
 	return nil
 }
