@@ -17,6 +17,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/batonllm/baton/transfer/kvstore/redistest"
 	"github.com/batonllm/baton/transfer/tlsconf/tlstest"
 )
 
@@ -122,5 +123,45 @@ func TestServeAndWorkerOverMutualTLS(t *testing.T) {
 			t.Fatalf("no completion over mutual TLS: %v", err)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestWorkerRedisCredentials: a worker whose Redis refuses its password or
+// its TLS settings does not start, and says which flag is at fault; with
+// the right ones it starts with the tier.
+func TestWorkerRedisCredentials(t *testing.T) {
+	const password = "worker-pass"
+	ca := tlstest.NewCA(t, "redis")
+	srv := ca.Issue("127.0.0.1")
+	plain := redistest.StartWith(t, redistest.Options{Password: password})
+	secure := redistest.StartWith(t, redistest.Options{Password: password, TLS: &redistest.TLS{
+		CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: ca.File,
+	}})
+	other := tlstest.NewCA(t, "other")
+	refused := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--redis", "redis://:wrong-one@" + plain.Addr()}, "--redis: redis refused the credentials: password: WRONGPASS"},
+		{[]string{"--redis", "redis://" + plain.Addr()}, "--redis: redis refused the credentials: password: NOAUTH"},
+		{[]string{"--redis", "rediss://:" + password + "@" + secure.Addr(), "--redis-ca-file", other.File}, "--redis: redis refused the credentials: tls:"},
+		{[]string{"--redis", "redis://" + plain.Addr(), "--redis-ca-file", ca.File}, "--redis-ca-file: set without redis.tls"},
+		{[]string{"--redis-ca-file", ca.File}, "--redis-ca-file, --redis-cert-file, --redis-key-file: set without --redis"},
+	}
+	for _, c := range refused {
+		args := append([]string{"worker", "--listen", "127.0.0.1:0"}, c.args...)
+		err := run(context.Background(), args, io.Discard, io.Discard)
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) {
+			t.Errorf("%v: got %v, want an error starting %q", c.args, err, c.want)
+		}
+		if err != nil && strings.Contains(err.Error(), "wrong-one") {
+			t.Errorf("%v: the error shows the password: %v", c.args, err)
+		}
+	}
+	for _, args := range [][]string{
+		{"--redis", "redis://:" + password + "@" + plain.Addr()},
+		{"--redis", "rediss://:" + password + "@" + secure.Addr(), "--redis-ca-file", ca.File},
+	} {
+		runCommand(t, `(redis_tier=true)`, append([]string{"worker", "--listen", "127.0.0.1:0"}, args...)...)
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -28,6 +29,7 @@ type simFlags struct {
 	cpuBlocks            int64
 	storePolicy          string
 	redis                string
+	redisTLS             [3]string // --redis-ca-file, --redis-cert-file, --redis-key-file
 	warmupTopK           int
 	store                transfer.Store // set by the caller from redis
 }
@@ -46,7 +48,10 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.Int64Var(&f.cpuBlocks, "cpu-blocks", 0, "CPU (host memory) KV tier in blocks of 16 tokens (default: 256 GiB of real KV; -1 = no CPU tier)")
 	fs.StringVar(&f.storePolicy, "store-policy", sim.PolicyDemotion, "when blocks are written to the shared tier: demotion (when they leave the local tiers) or write-through")
 	fs.IntVar(&f.warmupTopK, "warmup-top-k", 0, "at start, warm the KV cache with the blocks of the fleet's `N` hottest prefixes from the shared tier (e.g. 32; 0 = off); NOT_SERVING until done, within 10s")
-	fs.StringVar(&f.redis, "redis", "", "shared KV tier: Redis `URL` (host:port or redis[s]://[user[:password]@]host[:port][/db]), behind a breaker")
+	fs.StringVar(&f.redis, "redis", "", "shared KV tier: Redis `URL` (host:port or redis[s]://[user[:password]@]host[:port][/db]), behind a breaker; a refused password or certificate stops the start")
+	fs.StringVar(&f.redisTLS[0], "redis-ca-file", "", "PEM CA certificate `file` that signs a rediss:// server's certificate (default: the system roots)")
+	fs.StringVar(&f.redisTLS[1], "redis-cert-file", "", "PEM client certificate `file` for a rediss:// server that requires one (tls-auth-clients)")
+	fs.StringVar(&f.redisTLS[2], "redis-key-file", "", "PEM private key `file` of --redis-cert-file")
 }
 
 // check rejects flag values out of range, naming the flag. In sim.Config
@@ -90,22 +95,47 @@ func (f *simFlags) check(fs *flag.FlagSet) error {
 	return nil
 }
 
+// redisFlags maps RedisConfig's TLS fields to their flags.
+var redisFlags = map[string]string{"redis.tls_ca_file": "--redis-ca-file", "redis.tls_cert_file": "--redis-cert-file", "redis.tls_key_file": "--redis-key-file"}
+
 // openStore opens the Redis tier --redis names, behind a breaker, or
 // returns nil without one. The caller closes it. opts observe the breaker.
+// A server that refuses the password or the TLS settings is an error; one
+// that does not answer is not (the breaker bypasses it until it does).
 func (f *simFlags) openStore(opts ...kvstore.BreakerOption) (transfer.Store, error) {
 	if f.redis == "" {
+		if f.redisTLS != [3]string{} {
+			return nil, errors.New("--redis-ca-file, --redis-cert-file, --redis-key-file: set without --redis")
+		}
 		return nil, nil
 	}
 	cfg, err := kvstore.ParseRedisURL(f.redis)
 	if err != nil {
 		return nil, fmt.Errorf("--redis: %w", err)
 	}
+	cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile = f.redisTLS[0], f.redisTLS[1], f.redisTLS[2]
 	r, err := kvstore.NewRedis(cfg)
 	if err != nil {
+		return nil, renameField(err, func(field string) string {
+			if name, ok := redisFlags[field]; ok {
+				return name
+			}
+			return "--redis"
+		})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), redisCheckTimeout)
+	err = r.Check(ctx)
+	cancel()
+	if errors.Is(err, kvstore.ErrRefused) {
+		r.Close()
 		return nil, fmt.Errorf("--redis: %w", err)
 	}
 	return kvstore.NewBreaker(r, kvstore.BreakerConfig{Name: "redis"}, opts...), nil
 }
+
+// redisCheckTimeout bounds the PING at start that checks the password and
+// TLS settings.
+const redisCheckTimeout = 2 * time.Second
 
 func (f *simFlags) config(name string) sim.Config {
 	c := sim.Config{
