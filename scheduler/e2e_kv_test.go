@@ -41,6 +41,7 @@ func startTiered(t *testing.T, n int, scale float64, store transfer.Store, edit 
 		sched(&spec.Scheduler)
 	}
 	f := startFleetSpec(t, spec)
+	waitDescribed(t, f.Scheduler)
 	return f.Workers, f.Scheduler, f.Addr
 }
 
@@ -188,9 +189,12 @@ func TestHotPrefixSpreadsAndWarmsFromRedis(t *testing.T) {
 		defer wg.Done()
 		busy <- chat(t, c, chatParams(doc+" a long answer", 400))
 	}()
-	eventually(t, 5*time.Second, func() error {
+	// The long answer keeps its worker busy for seconds at the modelled
+	// pace, longer on a loaded machine: the wait only bounds how late the
+	// request may start.
+	eventually(t, 30*time.Second, func() error {
 		if s.Pool.Snapshot().Worker(first.worker).InFlight() == 0 {
-			return fmt.Errorf("holder not busy yet")
+			return fmt.Errorf("holder not busy yet (in flight: %s)", inFlight(s))
 		}
 		return nil
 	})
@@ -357,4 +361,13 @@ func TestKVAwareCopiesHotPrefixOntoIdleWorker(t *testing.T) {
 	if n, _ := metric(m, "baton_routing_decisions_total", `reason="replicate"`); n < 1 {
 		t.Errorf("baton_routing_decisions_total{reason=replicate} = %v, want at least 1", n)
 	}
+}
+
+// inFlight lists the requests in flight on each worker of s's pool.
+func inFlight(s *scheduler.Scheduler) string {
+	var parts []string
+	for _, w := range s.Pool.Snapshot().Workers {
+		parts = append(parts, fmt.Sprintf("%s=%d", w.Name, w.InFlight()))
+	}
+	return strings.Join(parts, " ")
 }
