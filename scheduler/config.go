@@ -127,6 +127,12 @@ type EngineConfig struct {
 	// a repeated prompt costs no call. Default 4Mi tokens (16 MiB); -1: no
 	// cache.
 	TokenizeCacheTokens int `yaml:"tokenize_cache_tokens"`
+	// BootstrapHost and BootstrapPort are where an sglang prefill worker's
+	// bootstrap server listens (its --disaggregation-bootstrap-port),
+	// which its decode workers reach to pair with it. Default: the host
+	// of its address, port 8998.
+	BootstrapHost string `yaml:"bootstrap_host"`
+	BootstrapPort int    `yaml:"bootstrap_port"`
 }
 
 // CostConfig is an engine's cost figures (see workers/engine/cost.Figures);
@@ -225,6 +231,10 @@ func (c EngineConfig) validate(field string) error {
 		return fmt.Errorf("%s.tokenize_timeout: must be positive, got %s", field, c.TokenizeTimeout)
 	case c.TokenizeCacheTokens < -1:
 		return fmt.Errorf("%s.tokenize_cache_tokens: must be -1 (no cache) or positive, got %d", field, c.TokenizeCacheTokens)
+	case c.BootstrapPort < 0 || c.BootstrapPort > 65535:
+		return fmt.Errorf("%s.bootstrap_port: must be 1–65535, got %d", field, c.BootstrapPort)
+	case strings.ContainsAny(c.BootstrapHost, "/ "):
+		return fmt.Errorf("%s.bootstrap_host: a host name or address, got %q", field, c.BootstrapHost)
 	}
 	return nil
 }
@@ -338,6 +348,9 @@ type Config struct {
 	WorkerTLS tlsconf.Config `yaml:"worker_tls"`
 	// Workers is the static worker list.
 	Workers []WorkerConfig `yaml:"workers"`
+	// Discovery finds the workers instead: by DNS or Kubernetes
+	// EndpointSlices. Default: the static workers list.
+	Discovery DiscoveryConfig `yaml:"discovery"`
 	// Profiles are custom routing strategies built from the pipeline's
 	// parts (filters, weighted scorers, a picker); strategy and
 	// disaggregation.decode_strategy may name them.
@@ -436,12 +449,13 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	if err := c.WorkerTLS.Validate("worker_tls", false); err != nil {
 		return err
 	}
-	if len(c.Workers) == 0 {
-		return errors.New("workers: at least one worker is required")
+	workers, fieldOf, err := c.Discovery.workersToValidate(c.Workers)
+	if err != nil {
+		return err
 	}
 	seen := map[string]bool{}
-	for i, w := range c.Workers {
-		field := fmt.Sprintf("workers[%d]", i)
+	for i, w := range workers {
+		field := fieldOf(i)
 		switch {
 		case w.Address == "":
 			return fmt.Errorf("%s.address: required", field)
@@ -451,8 +465,10 @@ func (c Config) Validate(strategies *routing.Registry) error {
 			return fmt.Errorf("%s.name: %q is used by another worker", field, w.Name)
 		case w.Role != "" && w.Role != RoleBoth && w.Role != RolePrefill && w.Role != RoleDecode:
 			return fmt.Errorf("%s.role: must be %s, %s or %s, got %q", field, RoleBoth, RolePrefill, RoleDecode, w.Role)
-		case httpKind(w.Kind) && (w.Role == RolePrefill || w.Role == RoleDecode):
-			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only, got %q", field, w.Kind, w.Role)
+		case (w.Kind == KindHTTP || w.Kind == KindLlamaCPP) && (w.Role == RolePrefill || w.Role == RoleDecode):
+			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only; vllm and sglang ones also prefill or decode, got %q", field, w.Kind, w.Role)
+		case w.Kind != KindSGLang && (w.BootstrapHost != "" || w.BootstrapPort != 0):
+			return fmt.Errorf("%s.bootstrap_port: only sglang workers have a bootstrap server (kind is %s)", field, w.Kind)
 		}
 		switch {
 		case w.CachePrompts < 0:
@@ -485,6 +501,33 @@ func (c Config) Validate(strategies *routing.Registry) error {
 			}
 		} else if !strings.HasPrefix(w.Address, "http://") && !strings.HasPrefix(w.Address, "https://") {
 			return fmt.Errorf("%s.address: the address of %s engines is a URL such as http://host:8000, got %q", field, w.Kind, w.Address)
+		}
+	}
+	return validatePairs(c.Workers)
+}
+
+// validatePairs checks that every prefill worker can hand its KV blocks
+// to every decode worker: they must be of one kind, each kind moving
+// blocks by its own protocol (baton's transfer, vLLM's NixlConnector,
+// SGLang's bootstrap server). Roles left to grpc workers to say are not
+// known here.
+func validatePairs(workers []WorkerConfig) error {
+	for i, p := range workers {
+		if p.Role != RolePrefill {
+			continue
+		}
+		decoders := 0
+		for _, d := range workers {
+			if d.Role != RoleDecode {
+				continue
+			}
+			if d.Kind != p.Kind {
+				return fmt.Errorf("workers[%d].kind: a %s prefill worker cannot hand its KV cache to %s decode worker %q; prefill and decode workers must be of one kind", i, p.Kind, d.Kind, d.Name)
+			}
+			decoders++
+		}
+		if decoders == 0 && engineKind(p.Kind) {
+			return fmt.Errorf("workers[%d].role: a %s prefill worker needs %s workers with role decode", i, p.Kind, p.Kind)
 		}
 	}
 	return nil

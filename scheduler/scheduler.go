@@ -16,9 +16,11 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/batonllm/baton/scheduler/auth"
+	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
@@ -61,10 +63,20 @@ type Scheduler struct {
 	where   map[string]*pool.Pool // each worker's pool, by name
 	roles   map[string]string     // configured roles; "" asks the engine
 
+	// Membership (members.go): the workers configured or discovered, by
+	// name, and the source that reports them (nil: static).
+	memberMu      sync.Mutex
+	members       map[string]WorkerConfig
+	source        discovery.Source
+	watchWorkers  bool // the strategies read the KV index
+	discovered    prometheus.Gauge
+	memberChanges *prometheus.CounterVec
+	bg            sync.WaitGroup // following the source; draining workers
+
 	mu       sync.Mutex
 	clients  []engine.Client
-	scrapers []io.Closer
-	tokenize *vllm.Tokenizer // nil: requests keyed by text
+	scrapers map[string]io.Closer // by worker
+	tokenize *vllm.Tokenizer      // nil: requests keyed by text
 	srv      *http.Server
 	closed   bool
 
@@ -145,48 +157,20 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}),
 		pool.OnDescribe(s.described),
 	}
+	s.watchWorkers = watchWorkers
 	s.where = make(map[string]*pool.Pool)
-	s.roles = make(map[string]string) // read-only once the pools exist
-	for _, wc := range cfg.Workers {
-		s.roles[wc.Name] = wc.Role
-	}
+	s.roles = make(map[string]string)
+	s.scrapers = make(map[string]io.Closer)
 	var err error
 	for _, pp := range []**pool.Pool{&s.Pool, &s.PrefillPool, &s.pending} {
 		if *pp, err = pool.New(cfg.Pool, opts...); err != nil {
 			return err
 		}
 	}
-	for _, wc := range cfg.Workers {
-		w, desc, err := s.connect(wc)
-		if err != nil {
-			return err
-		}
-		// Baton workers stream their cache events into the index; the
-		// blocks of engines that publish none are learned from routing.
-		if engineKind(wc.Kind) || wc.Kind == KindLlamaCPP {
-			// Their load feeds kv_aware and kv_usage alike: always scraped.
-			err = s.watchEngine(wc, watchWorkers)
-		} else if src, ok := w.Client.(watch.Source); ok && watchWorkers {
-			err = s.watcher.Add(w.Name, src)
-		} else if watchWorkers {
-			err = s.Index.Learn(w.Name, kvindex.Capacity{Prompts: wc.CachePrompts})
-			if c, ok := wc.Cost.Figures(); ok && err == nil {
-				err = s.Index.SetInfo(w.Name, kvindex.Info{Cost: c, HasCost: true})
-			}
-		}
-		if err != nil {
-			s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
-		}
-		if desc == nil {
-			// Not known yet: the pending pool's health checks ask again
-			// until the worker answers; it serves nothing until then.
-			s.log.Warn("worker info unavailable; not routing to it until it answers", "worker", wc.Name, "addr", wc.Address)
-			s.place(w, s.pending)
-			continue
-		}
-		s.apply(w, *desc)
+	if err := s.discover(cfg); err != nil {
+		return err
 	}
-	if len(s.Pool.Snapshot().Workers) == 0 && len(s.pending.Snapshot().Workers) == 0 {
+	if s.source == nil && len(s.Pool.Snapshot().Workers) == 0 && len(s.pending.Snapshot().Workers) == 0 {
 		return errors.New("workers: prefill workers need at least one decode (or both) worker")
 	}
 	decode, err := strategies.New(d.DecodeStrategy, cfg.Params)
@@ -275,7 +259,7 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models}
 	switch wc.Kind {
 	case KindHTTP, KindVLLM, KindSGLang:
-		c, err := httpengine.New(wc.Address)
+		c, err := httpengine.New(wc.Address, disaggProtocol(wc))
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
@@ -310,6 +294,20 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		desc = &d
 	}
 	return w, desc, nil
+}
+
+// disaggProtocol is how a worker's engine hands KV blocks to another in
+// disaggregated serving: none unless it prefills or decodes.
+func disaggProtocol(wc WorkerConfig) httpengine.Option {
+	p := httpengine.Colocated
+	switch {
+	case wc.Role != RolePrefill && wc.Role != RoleDecode:
+	case wc.Kind == KindVLLM:
+		p = httpengine.NIXL
+	case wc.Kind == KindSGLang:
+		p = httpengine.Bootstrap
+	}
+	return httpengine.WithProtocol(p, wc.BootstrapHost, wc.BootstrapPort)
 }
 
 // watchEngine has the watcher follow a vllm, sglang or llamacpp worker:
@@ -370,7 +368,7 @@ func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
 		return nil, err
 	}
 	s.mu.Lock()
-	s.scrapers = append(s.scrapers, sc)
+	s.scrapers[wc.Name] = sc
 	s.mu.Unlock()
 	return sc, nil
 }
@@ -448,7 +446,10 @@ func (s *Scheduler) Pending() []string {
 
 // roleOf returns the worker's configured role, else the engine's.
 func (s *Scheduler) roleOf(name string, d engine.Description) string {
-	if r := s.roles[name]; r != "" {
+	s.placeMu.Lock()
+	r := s.roles[name]
+	s.placeMu.Unlock()
+	if r != "" {
 		return r
 	}
 	if d.Role == "" {
@@ -477,8 +478,8 @@ func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
 	s.placeMu.Lock()
 	defer s.placeMu.Unlock()
 	from := s.where[w.Name]
-	if from == target {
-		return
+	if _, member := s.roles[w.Name]; from == target || !member || w.Removed() {
+		return // or it left while describing itself
 	}
 	if from != nil {
 		from.Remove(w.Name)
@@ -607,9 +608,15 @@ func (s *Scheduler) Close() error {
 		return nil
 	}
 	s.closed = true
-	srv, clients, scrapers, tokenize := s.srv, s.clients, s.scrapers, s.tokenize
 	s.mu.Unlock()
 	s.cancelBase(nil)
+	if s.source != nil {
+		s.source.Close()
+	}
+	s.bg.Wait() // no worker joins or leaves past this
+	s.mu.Lock()
+	srv, clients, scrapers, tokenize := s.srv, s.clients, s.scrapers, s.tokenize
+	s.mu.Unlock()
 	if srv != nil {
 		srv.Close()
 	}
