@@ -42,6 +42,9 @@ type Config struct {
 	// NoUsageDetails leaves prompt_tokens_details out of usage, as
 	// servers before 2025 did: only timings tell the cached tokens.
 	NoUsageDetails bool
+	// PrefillPerToken is the time each prompt token not reused takes to
+	// compute, and TokenTime each generated token: 0 answers at once.
+	PrefillPerToken, TokenTime time.Duration
 }
 
 // Request is what the server did with one completion request.
@@ -99,6 +102,13 @@ type slot struct {
 
 // Start starts a server; the test's cleanup closes it.
 func Start(t testing.TB, cfg Config) *Server {
+	s := New(cfg)
+	t.Cleanup(s.Close)
+	return s
+}
+
+// New starts a server outside a test (a benchmark's fleet); Close it.
+func New(cfg Config) *Server {
 	if cfg.Slots <= 0 {
 		cfg.Slots = 1
 	}
@@ -123,9 +133,11 @@ func Start(t testing.TB, cfg Config) *Server {
 	mux.HandleFunc("POST /v1/completions", s.complete)
 	s.hs = httptest.NewServer(mux)
 	s.URL = s.hs.URL
-	t.Cleanup(s.hs.Close)
 	return s
 }
+
+// Close stops the server.
+func (s *Server) Close() { s.hs.Close() }
 
 // Restart empties every slot, as a server that restarted would have
 // them.
@@ -361,6 +373,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		<-h.release
 	}
 
+	time.Sleep(time.Duration(len(prompt)-cached) * s.cfg.PrefillPerToken)
 	n := c.MaxTokens
 	if n <= 0 {
 		n = 4
@@ -377,6 +390,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		object, id = "chat.completion", "chatcmpl-llamatest"
 	}
 	if !c.Stream {
+		time.Sleep(time.Duration(n) * s.cfg.TokenTime)
 		choice := map[string]any{"index": 0, "finish_reason": "length", "text": text}
 		if chat {
 			choice = map[string]any{"index": 0, "finish_reason": "length", "message": map[string]any{"role": "assistant", "content": text}}
@@ -402,6 +416,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		return map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{choice}}
 	}
 	for range n {
+		time.Sleep(s.cfg.TokenTime)
 		if chat {
 			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": "ok "}, "finish_reason": nil}))
 		} else {
