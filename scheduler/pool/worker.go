@@ -45,6 +45,9 @@ type Worker struct {
 	// Close it: whoever created the client closes it once the worker is
 	// removed and its calls have ended.
 	Client engine.Client
+	// MaxLoRAs is how many LoRA adapters the engine holds at once (vLLM's
+	// --max-loras); 0: no bound known, and none is evicted to load one.
+	MaxLoRAs int
 
 	pool     *Pool // set once by Pool.Add or Pool.Set
 	models   atomic.Pointer[[]string]
@@ -67,6 +70,8 @@ type Worker struct {
 	removed     atomic.Bool
 	drained     chan struct{}
 	drainedOnce sync.Once
+
+	lora adapters // the LoRA adapters it holds (adapters.go)
 }
 
 // ServedModels returns the models the worker serves; empty means any. The

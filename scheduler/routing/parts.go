@@ -22,7 +22,7 @@ func (modelFilter) Name() string                           { return "model" }
 func (modelFilter) Keep(req *Request, w *pool.Worker) bool { return w.Serves(req.Model) }
 
 // defaultFilters are every profile's unless it says otherwise.
-var defaultFilters = []Filter{availableFilter{}, modelFilter{}}
+var defaultFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{}}
 
 // loadScorer prefers workers with fewer requests in flight: 1/(1+n).
 type loadScorer struct{}

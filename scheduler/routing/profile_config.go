@@ -15,7 +15,8 @@ import (
 type ProfileConfig struct {
 	// Name is the profile's strategy name, used like a built-in's.
 	Name string `yaml:"name"`
-	// Filters drop workers, in order. Default [available, model].
+	// Filters drop workers, in order. Default [available, model, adapter];
+	// adapter is added to any list without it.
 	Filters []string `yaml:"filters"`
 	// Scorers rate the workers left, each score in [0, 1] times its
 	// weight, summed. None: every worker scores 0 and the picker decides.
@@ -141,6 +142,11 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 		prof.filters = make([]Filter, len(pc.Filters))
 		for i, f := range pc.Filters {
 			prof.filters[i] = r.filters[f]
+		}
+		// A request for an adapter never goes to a worker without it,
+		// whatever the profile lists.
+		if !slices.Contains(prof.filters, Filter(adapterFilter{})) {
+			prof.filters = append(prof.filters, adapterFilter{})
 		}
 	}
 	for _, sc := range pc.Scorers {

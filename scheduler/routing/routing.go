@@ -23,8 +23,12 @@ var ErrNoWorker = errors.New("no worker available")
 
 // Request is what a strategy knows of a request.
 type Request struct {
-	// Model is the model the client asked for.
+	// Model is the model the client asked for: for a LoRA adapter, its
+	// base model.
 	Model string
+	// Adapter is the LoRA adapter the client asked for, empty for a base
+	// model: only workers that hold it are eligible.
+	Adapter string
 	// Tenant is the request's tenant id (prompt_cache_key or
 	// X-Prefix-Aware-Id), empty if none.
 	Tenant string

@@ -81,7 +81,11 @@ type Client interface {
 // Description is what an engine says it serves.
 type Description struct {
 	// Models the engine serves; empty means it does not say (any model).
+	// An engine that holds LoRA adapters may list them here too.
 	Models []string
+	// Adapters are the LoRA adapters the engine holds now, when it tells
+	// them from its base models (vLLM's /v1/models entries with a parent).
+	Adapters []string
 	// Role is "both", "prefill" or "decode"; engines without
 	// disaggregation are "both".
 	Role string

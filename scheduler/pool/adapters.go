@@ -1,0 +1,137 @@
+package pool
+
+import (
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// AdapterGrace is how long an adapter the scheduler loaded onto a worker
+// (AddAdapter) counts as held even when the engine's description omits
+// it: engines that load on a request's arrival list it only once that
+// request reached them.
+const AdapterGrace = 10 * time.Second
+
+// adapters is what a worker holds of LoRA adapters: the set the routing
+// filter reads without locks, and when each was loaded and last used,
+// for the least-recently-used choice of what to evict.
+type adapters struct {
+	held atomic.Pointer[[]string]
+	mu   sync.Mutex
+	used map[string]int64 // adapter → last use, Unix nanoseconds
+	// loaded are the adapters the scheduler loaded, by when.
+	loaded map[string]time.Time
+}
+
+// HoldsAdapter reports whether the worker holds the LoRA adapter name. It
+// reads an atomic and does not allocate.
+func (w *Worker) HoldsAdapter(name string) bool {
+	if h := w.lora.held.Load(); h != nil {
+		return slices.Contains(*h, name)
+	}
+	return false
+}
+
+// Adapters returns the LoRA adapters the worker holds. The slice must not
+// be modified.
+func (w *Worker) Adapters() []string {
+	if h := w.lora.held.Load(); h != nil {
+		return *h
+	}
+	return nil
+}
+
+// AdapterSlotFree reports whether the worker can load one more adapter
+// without evicting one: MaxLoRAs is 0 (no bound known) or not reached.
+func (w *Worker) AdapterSlotFree() bool {
+	return w.MaxLoRAs <= 0 || len(w.Adapters()) < w.MaxLoRAs
+}
+
+// AddAdapter records that the worker holds name, loaded now.
+func (w *Worker) AddAdapter(name string) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.loaded == nil {
+		a.loaded = make(map[string]time.Time)
+	}
+	a.loaded[name] = time.Now()
+	a.touch(name)
+	held := slices.Clone(w.Adapters())
+	if !slices.Contains(held, name) {
+		held = append(held, name)
+	}
+	a.held.Store(&held)
+}
+
+// RemoveAdapter records that the worker no longer holds name.
+func (w *Worker) RemoveAdapter(name string) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.loaded, name)
+	delete(a.used, name)
+	held := slices.DeleteFunc(slices.Clone(w.Adapters()), func(s string) bool { return s == name })
+	a.held.Store(&held)
+}
+
+// SetAdapters replaces the adapters the worker holds with those its engine
+// reports, keeping any the scheduler loaded in the last AdapterGrace.
+func (w *Worker) SetAdapters(names []string) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	held := slices.Clone(names)
+	now := time.Now()
+	for n, t := range a.loaded {
+		switch {
+		case slices.Contains(held, n):
+		case now.Sub(t) < AdapterGrace:
+			held = append(held, n)
+		default:
+			delete(a.loaded, n)
+		}
+	}
+	for n := range a.used {
+		if !slices.Contains(held, n) {
+			delete(a.used, n)
+		}
+	}
+	slices.Sort(held)
+	a.held.Store(&held)
+}
+
+// TouchAdapter records a use of name on the worker, for LRUAdapter.
+func (w *Worker) TouchAdapter(name string) {
+	w.lora.mu.Lock()
+	w.lora.touch(name)
+	w.lora.mu.Unlock()
+}
+
+// touch records a use of name. a.mu is held.
+func (a *adapters) touch(name string) {
+	if a.used == nil {
+		a.used = make(map[string]int64)
+	}
+	a.used[name] = time.Now().UnixNano()
+}
+
+// LRUAdapter returns the adapter the worker used least lately, other than
+// keep; an adapter never used counts as oldest. ok is false when it holds
+// none other.
+func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var oldest int64
+	for _, n := range w.Adapters() {
+		if n == keep {
+			continue
+		}
+		if t := a.used[n]; !ok || t < oldest {
+			name, oldest, ok = n, t, true
+		}
+	}
+	return name, ok
+}
