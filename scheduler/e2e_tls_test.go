@@ -293,3 +293,43 @@ func TestTLSConfigErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestHTTPSClientCertificates: with tls.ca_file the front end serves only
+// clients whose certificate that CA signed.
+func TestHTTPSClientCertificates(t *testing.T) {
+	ca := tlstest.NewCA(t, "front")
+	srv := ca.Issue("127.0.0.1")
+	_, workers := startWorkers(t, 1, fastScale)
+	_, addr := startScheduler(t, scheduler.Config{
+		Workers: workers,
+		TLS:     tlsconf.Config{CertFile: srv.CertFile, KeyFile: srv.KeyFile, CAFile: ca.File},
+	})
+	signed, foreign := ca.Issue("client"), tlstest.NewCA(t, "other").Issue("client")
+	for _, tc := range []struct {
+		name   string
+		pair   *tlstest.Pair
+		served bool
+	}{
+		{"signed client certificate", &signed, true},
+		{"no client certificate", nil, false},
+		{"client certificate another CA signed", &foreign, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, tr := httpsClient(t, addr, ca.File)
+			if tc.pair != nil {
+				pair, err := tls.LoadX509KeyPair(tc.pair.CertFile, tc.pair.KeyFile)
+				if err != nil {
+					t.Fatal(err)
+				}
+				tr.TLSClientConfig.Certificates = []tls.Certificate{pair}
+			}
+			_, err := c.Chat.Completions.New(ctxT(t, 10*time.Second), chatParams("hello", 4))
+			if tc.served && err != nil {
+				t.Fatalf("chat completion: %v", err)
+			}
+			if !tc.served && err == nil {
+				t.Fatal("chat completion served")
+			}
+		})
+	}
+}
