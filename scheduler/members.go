@@ -127,9 +127,19 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	case wc.Role != "" && wc.Role != RoleBoth && wc.Role != RolePrefill && wc.Role != RoleDecode:
 		return wc, fmt.Errorf("%s %q: unknown role", discovery.LabelRole, wc.Role)
 	}
+	rest := wc.EngineConfig
+	if wc.Kind == KindLlamaCPP {
+		rest.MetricsPath, rest.MetricsInterval, rest.MetricsTimeout = "", 0, 0
+	}
+	if !engineKind(wc.Kind) && rest != (EngineConfig{}) {
+		return wc, fmt.Errorf("%s %q: discovery.worker has settings of vllm and sglang workers only (%s)", discovery.LabelKind, wc.Kind, rest.firstSet())
+	}
 	host, _, err := net.SplitHostPort(m.Address)
 	if err != nil {
 		return wc, err
+	}
+	if strings.Contains(host, ":") {
+		host = "[" + host + "]"
 	}
 	if httpKind(wc.Kind) {
 		wc.Address = "http://" + m.Address
