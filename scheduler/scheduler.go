@@ -18,6 +18,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sony/gobreaker/v2"
+	"golang.org/x/net/netutil"
 
 	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/discovery"
@@ -517,9 +518,13 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 		BaseContext: func(net.Listener) context.Context { return s.base },
 		TLSConfig:   s.tls.front, // its GetCertificate serves the files
+		ConnState:   s.connState,
 	}
 	srv := s.srv
 	s.mu.Unlock()
+	if n := s.cfg.Config.WithDefaults().MaxConnections; n > 0 {
+		l = netutil.LimitListener(l, n)
+	}
 	serve := srv.Serve
 	if s.tls.front != nil {
 		serve = func(l net.Listener) error { return srv.ServeTLS(l, "", "") }
@@ -528,6 +533,16 @@ func (s *Scheduler) Serve(l net.Listener) error {
 		return err
 	}
 	return nil
+}
+
+// connState counts the front end's open connections.
+func (s *Scheduler) connState(_ net.Conn, st http.ConnState) {
+	switch st {
+	case http.StateNew:
+		s.Metrics.Connections.Inc()
+	case http.StateClosed, http.StateHijacked:
+		s.Metrics.Connections.Dec()
+	}
 }
 
 // ReloadKeys reads the API keys again (baton serve does on SIGHUP). On

@@ -80,6 +80,12 @@ type Config struct {
 	// MaxHeaderBytes bounds a request's header lines; larger get a 431.
 	// Default 64 KiB: OpenAI clients send a few hundred bytes.
 	MaxHeaderBytes int `yaml:"max_header_bytes"`
+	// MaxConnections bounds the client connections held open at once;
+	// past it a new connection waits in the kernel's accept queue until
+	// one closes (as HAProxy's maxconn does), so that a flood of
+	// connections cannot exhaust the scheduler's file descriptors. Idle
+	// connections close after idle_timeout. Default 10,000; -1: no limit.
+	MaxConnections int `yaml:"max_connections"`
 }
 
 // Default returns the configuration used for zero fields.
@@ -96,8 +102,12 @@ func Default() Config {
 		WriteTimeout:   DefaultTimeout + writeTimeoutSlack,
 		IdleTimeout:    DefaultIdleTimeout,
 		MaxHeaderBytes: DefaultMaxHeaderBytes,
+		MaxConnections: DefaultMaxConnections,
 	}
 }
+
+// DefaultMaxConnections is Config.MaxConnections's default.
+const DefaultMaxConnections = 10_000
 
 // DefaultMaxHeaderBytes is Config.MaxHeaderBytes's default.
 const DefaultMaxHeaderBytes = 64 << 10
@@ -140,6 +150,9 @@ func (c Config) WithDefaults() Config {
 	if c.MaxHeaderBytes == 0 {
 		c.MaxHeaderBytes = d.MaxHeaderBytes
 	}
+	if c.MaxConnections == 0 {
+		c.MaxConnections = d.MaxConnections
+	}
 	return c
 }
 
@@ -172,6 +185,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("max_prompt_tokens: must be positive (0: no limit), got %d", c.MaxPromptTokens)
 	case c.MaxHeaderBytes < 4096:
 		return fmt.Errorf("max_header_bytes: must be at least 4096, got %d", c.MaxHeaderBytes)
+	case c.MaxConnections < -1:
+		return fmt.Errorf("max_connections: must be -1 (no limit) or positive, got %d", c.MaxConnections)
 	}
 	for i, m := range c.Models {
 		if m == "" {

@@ -55,7 +55,10 @@ type Metrics struct {
 
 	QueueDepth prometheus.Gauge //
 	// Draining is 1 once the scheduler drains for shutdown, else 0.
-	Draining        prometheus.Gauge
+	Draining prometheus.Gauge
+	// Connections is the client connections open on the front end
+	// (max_connections bounds it).
+	Connections     prometheus.Gauge
 	QueueRejections *prometheus.CounterVec // reason (full, timeout)
 
 	BreakerTransitions *prometheus.CounterVec // worker, to
@@ -146,6 +149,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Draining: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_draining", Help: "1 while the scheduler drains for shutdown: /readyz answers 503 and in-flight requests finish.",
 		}),
+		Connections: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_http_connections", Help: "Client connections open on the front end; max_connections bounds them.",
+		}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_queue_depth", Help: "Requests waiting in the scheduler for a worker with room (max_in_flight).",
 		}),
@@ -205,7 +211,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs, m.Tokenize, m.TokenizeDuration,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
 		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions, m.PrefixCopies,
-		m.Spills, m.Retries, m.QueueDepth, m.Draining, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
+		m.Spills, m.Retries, m.QueueDepth, m.Draining, m.Connections, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
 		f(c)
