@@ -68,6 +68,9 @@ type Config struct {
 	Disagg Disagg
 	// Warmup warms a starting engine from the shared tier.
 	Warmup Warmup
+	// LoRA lists the LoRA adapters of Models the engine can load, and
+	// models their slots.
+	LoRA LoRA
 }
 
 // Batching bounds the step loop's batches, as vLLM's scheduler options do.
@@ -367,6 +370,7 @@ func (c Config) WithDefaults() Config {
 	c.Batching = c.Batching.WithDefaults()
 	c.Tiers = c.Tiers.WithDefaults()
 	c.Disagg = c.Disagg.WithDefaults()
+	c.LoRA = c.LoRA.WithDefaults()
 	return c
 }
 
@@ -408,6 +412,7 @@ func (c Config) Validate() error {
 		{"tiers", c.Tiers.Validate},
 		{"disagg", c.Disagg.Validate},
 		{"warmup", c.Warmup.Validate},
+		{"lora", func() error { return c.LoRA.validate(c.Models) }},
 	}
 	for _, g := range groups {
 		if err := g.validate(); err != nil {

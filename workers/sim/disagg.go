@@ -240,6 +240,9 @@ func (e *Engine) Decode(ctx context.Context, req *engine.Request, transferID str
 	if err != nil {
 		return nil, err
 	}
+	if s.adapter != "" {
+		return nil, fmt.Errorf("adapter %q: disaggregated serving of adapters is not modelled: %w", s.adapter, ErrUnknownModel)
+	}
 	if transferID != "" {
 		s.transferred = true
 		if timeout <= 0 {

@@ -149,9 +149,12 @@ type Engine struct {
 	statsMu          sync.Mutex
 	stats            Stats
 
+	lora *loraSlots
+
 	// Step loop only.
-	queue []*seq // admitted order: FCFS
-	run   []*seq
+	queue    []*seq // admitted order: FCFS
+	run      []*seq
+	loraSeen []string // the adapters of a step's batch
 }
 
 // New validates cfg and starts an engine.
@@ -191,6 +194,7 @@ func New(cfg Config) (*Engine, error) {
 	for _, m := range cfg.Models {
 		e.models[m] = true
 	}
+	e.lora = newLoRASlots(cfg.LoRA, e.quit, e.loraLoadTime)
 	e.wg.Add(2)
 	go e.loop()
 	go e.reportLoad()
@@ -268,7 +272,19 @@ func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 	if err != nil {
 		return nil, err
 	}
-	return e.start(ctx, s)
+	if s.adapter == "" {
+		return e.start(ctx, s)
+	}
+	release, err := e.lora.acquire(ctx, s.adapter)
+	if err != nil {
+		return nil, err
+	}
+	st, err := e.start(ctx, s)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return loraStream{st, release}, nil
 }
 
 // newSeq validates req and builds its sequence; prefillOnly sequences stop
@@ -277,7 +293,8 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 	if req == nil {
 		return nil, fmt.Errorf("nil request: %w", ErrInvalid)
 	}
-	if !e.models[req.Model] {
+	_, isAdapter := e.lora.adapter(req.Model)
+	if !e.models[req.Model] && (!isAdapter || prefillOnly) {
 		return nil, fmt.Errorf("model %q: %w", req.Model, ErrUnknownModel)
 	}
 	if req.Prompt == "" {
@@ -298,6 +315,9 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 		limit:  req.MaxTokens,
 		hash:   promptHash(req.Prompt),
 		wake:   e.wake,
+	}
+	if isAdapter {
+		s.adapter = req.Model
 	}
 	if prefillOnly {
 		s.pre = &prefillJob{done: make(chan struct{})}
@@ -541,7 +561,7 @@ func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
 		e.stats.PCIeSeconds += pcie
 		e.statsMu.Unlock()
 	}
-	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill + pcie, batch, decodes == batch
+	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill + pcie + e.loraStepSeconds(), batch, decodes == batch
 }
 
 // complete applies the step: prefill chunks enter the cache (full blocks

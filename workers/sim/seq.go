@@ -11,14 +11,15 @@ import (
 // seq is one sequence. The step loop owns every field but cancelled and
 // the stream's own state.
 type seq struct {
-	id     string
-	ns     transfer.Namespace // model and tenant salt of its blocks
-	keys   []uint64           // full prompt blocks' chained keys
-	prompt int                // prompt tokens
-	limit  int                // max tokens
-	hash   uint64             // prompt hash: seeds the completion
-	nat    int                // natural completion length
-	blocks int64              // blocks the sequence needs in all
+	id      string
+	ns      transfer.Namespace // model and tenant salt of its blocks
+	keys    []uint64           // full prompt blocks' chained keys
+	prompt  int                // prompt tokens
+	limit   int                // max tokens
+	hash    uint64             // prompt hash: seeds the completion
+	nat     int                // natural completion length
+	blocks  int64              // blocks the sequence needs in all
+	adapter string             // the LoRA adapter it runs with, if any
 	// transferred: Decode with a transfer; its cached blocks were pushed
 	// by a prefill worker, not reused here.
 	transferred bool

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -84,7 +85,7 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 	cfg := s.e.Config()
 	return &workerpb.InfoResponse{
 		Name:       cfg.Name,
-		Models:     append([]string(nil), cfg.Models...),
+		Models:     append(slices.Clone(cfg.Models), s.e.Adapters()...),
 		Role:       cfg.role(),
 		BlockChars: blockkey.DefaultBlockChars,
 		GpuBlocks:  s.e.Cache().Capacity(),

@@ -1,0 +1,128 @@
+package sim
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+func loraConfig(slots int) Config {
+	return Config{Models: []string{testModel}, LoRA: LoRA{MaxLoRAs: slots, Adapters: []engine.Adapter{
+		{Name: "sql", Base: testModel, Bytes: 64 << 20},
+		{Name: "chat", Base: testModel, Bytes: 64 << 20},
+		{Name: "math", Base: testModel, Bytes: 128 << 20},
+	}}}
+}
+
+func genModel(t *testing.T, e *Engine, model, prompt string) (result, error) {
+	t.Helper()
+	st, err := e.Generate(context.Background(), &engine.Request{Model: model, Prompt: prompt, MaxTokens: 2})
+	if err != nil {
+		return result{}, err
+	}
+	return collect(t, st)
+}
+
+// Concurrent requests for an adapter not in a slot wait for one load.
+func TestLoRALoadsOnceForABurst(t *testing.T) {
+	e := newEngine(t, loraConfig(2))
+	var wg sync.WaitGroup
+	errs := make(chan error, 50)
+	for i := range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, err := genModel(t, e, "sql", strings.Repeat("q", 64+i))
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("Generate: %v", err)
+		}
+	}
+	st := e.LoRAStats()
+	if st.Loads != 1 {
+		t.Errorf("loads = %d, want 1", st.Loads)
+	}
+	// 64 MiB over the H100's PCIe link, as modelled.
+	want, _ := e.loraLoadTime(engine.Adapter{Bytes: 64 << 20})
+	if st.LoadSeconds != want || want <= 0 {
+		t.Errorf("load seconds = %v, want %v (> 0)", st.LoadSeconds, want)
+	}
+	if got := e.Adapters(); len(got) != 1 || got[0] != "sql" {
+		t.Errorf("Adapters() = %v, want [sql]", got)
+	}
+}
+
+// With its slots full, a load evicts the adapter used least lately.
+func TestLoRAEvictsLeastRecentlyUsed(t *testing.T) {
+	e := newEngine(t, loraConfig(2))
+	for _, m := range []string{"sql", "chat", "sql", "math"} {
+		if _, err := genModel(t, e, m, strings.Repeat("p", 80)); err != nil {
+			t.Fatalf("Generate(%s): %v", m, err)
+		}
+	}
+	if got, want := strings.Join(e.Adapters(), ","), "math,sql"; got != want {
+		t.Errorf("adapters held = %s, want %s (chat, least recently used, evicted)", got, want)
+	}
+	if st := e.LoRAStats(); st.Loads != 3 || st.Evictions != 1 {
+		t.Errorf("loads, evictions = %d, %d; want 3, 1", st.Loads, st.Evictions)
+	}
+	if _, err := genModel(t, e, "tax", "x"); err == nil {
+		t.Errorf("Generate(unknown adapter) succeeded")
+	}
+}
+
+// A step whose batch mixes adapters costs more than one of the base model.
+func TestLoRAMixedBatchCostsMore(t *testing.T) {
+	run := func(models ...string) float64 {
+		e := newEngine(t, loraConfig(3))
+		for _, m := range models[1:] {
+			if _, err := genModel(t, e, m, "warm"+strings.Repeat("w", 70)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := e.Stats().ModelledSeconds
+		var wg sync.WaitGroup
+		for i, m := range models {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if _, err := genModel(t, e, m, strings.Repeat(string(rune('a'+i)), 64)); err != nil {
+					t.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+		return e.Stats().ModelledSeconds - before
+	}
+	base := run(testModel, testModel, testModel)
+	mixed := run(testModel, "sql", "chat")
+	if !(mixed > base) {
+		t.Errorf("modelled seconds: mixed batch %v, base-only batch %v; want mixed > base", mixed, base)
+	}
+}
+
+func TestLoRAConfigErrors(t *testing.T) {
+	for _, tt := range []struct {
+		lora LoRA
+		want string
+	}{
+		{LoRA{Adapters: []engine.Adapter{{Base: testModel}}}, "lora.adapters[0].name: required"},
+		{LoRA{Adapters: []engine.Adapter{{Name: "a", Base: "other"}}}, "lora.adapters[0].base:"},
+		{LoRA{Adapters: []engine.Adapter{{Name: testModel, Base: testModel}}}, "lora.adapters[0].name:"},
+		{LoRA{Adapters: []engine.Adapter{{Name: "a", Base: testModel}, {Name: "a", Base: testModel}}}, "lora.adapters[1].name:"},
+		{LoRA{MaxLoRAs: -1}, "lora.max_loras:"},
+	} {
+		err := Config{Models: []string{testModel}, LoRA: tt.lora}.Validate()
+		if err == nil || !strings.HasPrefix(err.Error(), tt.want) {
+			t.Errorf("Validate(%+v) = %v, want %q…", tt.lora, err, tt.want)
+		}
+	}
+}
