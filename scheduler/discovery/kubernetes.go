@@ -96,7 +96,7 @@ type Kubernetes struct {
 
 // NewKubernetes starts following the EndpointSlices cfg selects. Its first
 // set comes once the informer has listed them. A member is a ready
-// endpoint (a terminating pod is not ready): its name is its pod's, its
+// endpoint that is not terminating: its name is its pod's, its
 // address the endpoint's first address and the port cfg.Port names; its
 // role and kind are its slice's LabelRole and LabelKind, labels first,
 // then annotations. A nil log discards.
@@ -201,7 +201,10 @@ func (k *Kubernetes) members(list []*discoveryv1.EndpointSlice) []Member {
 		}
 		role, kind := sliceMeta(s, LabelRole), sliceMeta(s, LabelKind)
 		for _, e := range s.Endpoints {
-			if len(e.Addresses) == 0 || (e.Conditions.Ready != nil && !*e.Conditions.Ready) {
+			// A Service that publishes not-ready addresses marks every
+			// endpoint ready, a terminating one too.
+			c := e.Conditions
+			if len(e.Addresses) == 0 || (c.Ready != nil && !*c.Ready) || (c.Terminating != nil && *c.Terminating) {
 				continue
 			}
 			addr := net.JoinHostPort(e.Addresses[0], strconv.Itoa(int(port)))

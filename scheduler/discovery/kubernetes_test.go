@@ -109,6 +109,19 @@ func TestKubernetesFollowsEndpointSlices(t *testing.T) {
 	if diff := cmp.Diff(want, next(t, k)); diff != "" {
 		t.Fatalf("slice removed (-want +got):\n%s", diff)
 	}
+
+	// A Service with publishNotReadyAddresses marks a terminating pod
+	// ready: it leaves all the same.
+	term := endpoint("decode-1", "10.0.1.2", ptr(true))
+	term.Conditions.Terminating = ptr(true)
+	d = slice("decode-abc", "baton-decode", map[string]string{LabelRole: "decode"}, endpoint("decode-0", "10.0.1.1", ptr(true)), term)
+	if _, err := esl.Update(ctx, d, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	want = []Member{{Name: "decode-0", Address: "10.0.1.1:9000", Role: "decode"}}
+	if diff := cmp.Diff(want, next(t, k)); diff != "" {
+		t.Fatalf("endpoint terminating (-want +got):\n%s", diff)
+	}
 }
 
 // TestKubernetesPort: without a port name a slice's only port is used, and
