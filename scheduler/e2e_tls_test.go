@@ -23,6 +23,20 @@ import (
 	"github.com/batonllm/baton/workers/sim"
 )
 
+// httpsHTTP is an HTTP client trusting the CA in caFile.
+func httpsHTTP(t *testing.T, caFile string) *http.Client {
+	t.Helper()
+	b, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(b)
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots}}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
+}
+
 // httpsClient is oaClient over HTTPS, trusting the CA in caFile; its
 // transport is returned too, to drop its connections.
 func httpsClient(t *testing.T, addr, caFile string) (openai.Client, *http.Transport) {
@@ -83,6 +97,11 @@ func TestHTTPSFrontEndRotatesCertificate(t *testing.T) {
 	}
 	if err := s.ReloadCertificates(); err != nil {
 		t.Errorf("ReloadCertificates: %v", err)
+	}
+	r := do(t, httpsHTTP(t, ca.File), http.MethodGet, "https://"+addr+"/metrics", "", nil)
+	m := string(r.body)
+	if v, _ := metric(m, "baton_tls_certificate_expiry_timestamp_seconds", `link="front"`); v != float64(second.Cert.NotAfter.Unix()) {
+		t.Errorf("baton_tls_certificate_expiry_timestamp_seconds{link=\"front\"} = %v, want the new certificate's %d", v, second.Cert.NotAfter.Unix())
 	}
 
 	// A client that trusts another CA refuses the server.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/batonllm/baton/transfer/tlsconf"
@@ -29,6 +30,7 @@ func (s *Scheduler) setupTLS(cfg Config) error {
 		}
 		s.tls.front = front
 		s.tls.certs = append(s.tls.certs, cert)
+		s.certExpiry("front", cert)
 	}
 	if cfg.WorkerTLS.Enabled() {
 		client, cert, err := tlsconf.Client(cfg.WorkerTLS, s.log)
@@ -38,9 +40,20 @@ func (s *Scheduler) setupTLS(cfg Config) error {
 		s.tls.workerCreds = credentials.NewTLS(client)
 		if cert != nil {
 			s.tls.certs = append(s.tls.certs, cert)
+			s.certExpiry("workers", cert)
 		}
 	}
 	return nil
+}
+
+// certExpiry exports when cert, the one link uses, expires, so that an
+// alert can fire before a rotation that never happened matters.
+func (s *Scheduler) certExpiry(link string, cert *tlsconf.Certificate) {
+	s.Metrics.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name:        "baton_tls_certificate_expiry_timestamp_seconds",
+		Help:        "When the TLS certificate in use expires (its NotAfter), in Unix seconds; link is front (HTTPS) or workers (the client certificate presented to workers).",
+		ConstLabels: prometheus.Labels{"link": link},
+	}, func() float64 { return float64(cert.Leaf().NotAfter.Unix()) }))
 }
 
 // workerDialOptions returns the options grpc workers are dialled with.
