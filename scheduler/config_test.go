@@ -61,6 +61,16 @@ func TestConfigValidate(t *testing.T) {
 		{"duplicate names", func(c *Config) { c.Workers[1].Name = "127.0.0.1:9000" }, "workers[1].name:"},
 		{"bad role", func(c *Config) { c.Workers[0].Role = "verifier" }, "workers[0].role:"},
 		{"http prefill", func(c *Config) { c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
+		{"vllm prefill without a vllm decode worker", func(c *Config) { c.Workers[2].Role = RolePrefill }, "workers[2].role:"},
+		{"vllm prefill, grpc decode", func(c *Config) { c.Workers[2].Role = RolePrefill; c.Workers[0].Role = RoleDecode }, "workers[2].kind:"},
+		{"sglang prefill, vllm decode", func(c *Config) {
+			c.Workers[2].Role = RoleDecode
+			c.Workers = append(c.Workers, WorkerConfig{Name: "s", Address: "http://h:30000", Kind: KindSGLang, Role: RolePrefill})
+		}, "workers[3].kind:"},
+		{"grpc prefill, vllm decode", func(c *Config) { c.Workers[0].Role = RolePrefill; c.Workers[2].Role = RoleDecode }, "workers[0].kind:"},
+		{"bootstrap port of a vllm worker", func(c *Config) { c.Workers[2].BootstrapPort = 8998 }, "workers[2].bootstrap_port:"},
+		{"bootstrap port of a grpc worker", func(c *Config) { c.Workers[0].BootstrapPort = 8998 }, "workers[0].bootstrap_port:"},
+		{"bootstrap port range", func(c *Config) { c.Workers[2].Kind = KindSGLang; c.Workers[2].BootstrapPort = 70000 }, "workers[2].bootstrap_port:"},
 		{"llamacpp prefill", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].Role = RolePrefill }, "workers[1].role:"},
 		{"llamacpp events", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].Events = "tcp://h:5557" }, "workers[1].events:"},
 		{"llamacpp tokenize path", func(c *Config) { c.Workers[1].Kind = KindLlamaCPP; c.Workers[1].TokenizePath = "/tokenize" }, "workers[1].tokenize_path:"},
@@ -70,7 +80,7 @@ func TestConfigValidate(t *testing.T) {
 		{"cost of a grpc worker", func(c *Config) { c.Workers[0].Cost.FLOPS = 1e15 }, "workers[0].cost:"},
 		{"negative flops", func(c *Config) { c.Workers[1].Cost.FLOPS = -1 }, "workers[1].cost.flops:"},
 		{"negative decode step", func(c *Config) { c.Workers[2].Cost.DecodeStepSeconds = -1 }, "workers[2].cost.decode_step_seconds:"},
-		{"vllm prefill", func(c *Config) { c.Workers[2].Role = RolePrefill }, "workers[2].role:"},
+		{"bootstrap host", func(c *Config) { c.Workers[2].Kind = KindSGLang; c.Workers[2].BootstrapHost = "http://h" }, "workers[2].bootstrap_host:"},
 		{"sglang address not a URL", func(c *Config) { c.Workers[2].Kind = KindSGLang; c.Workers[2].Address = "h:8000" }, "workers[2].address:"},
 		{"events not an endpoint", func(c *Config) { c.Workers[2].Events = "127.0.0.1:5557" }, "workers[2].events:"},
 		{"replay not an endpoint", func(c *Config) { c.Workers[2].EventsReplay = "http://h:5558" }, "workers[2].events_replay:"},
@@ -102,6 +112,24 @@ func TestConfigValidate(t *testing.T) {
 				t.Errorf("error %q does not start with the field %q", err, c.field)
 			}
 		})
+	}
+}
+
+func TestConfigValidateEnginePairs(t *testing.T) {
+	for _, kind := range []string{KindVLLM, KindSGLang} {
+		cfg := Config{Workers: []WorkerConfig{
+			{Name: "p0", Address: "http://p0:8000", Kind: kind, Role: RolePrefill},
+			{Name: "p1", Address: "http://p1:8000", Kind: kind, Role: RolePrefill},
+			{Name: "d0", Address: "http://d0:8000", Kind: kind, Role: RoleDecode},
+			{Name: "w0", Address: "http://w0:8000", Kind: KindHTTP},
+		}}
+		if kind == KindSGLang {
+			cfg.Workers[0].BootstrapPort = 9000
+			cfg.Workers[1].BootstrapHost = "10.0.0.8"
+		}
+		if err := cfg.Validate(registry()); err != nil {
+			t.Errorf("%s prefill and decode workers: %v", kind, err)
+		}
 	}
 }
 

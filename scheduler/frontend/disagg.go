@@ -11,6 +11,7 @@ import (
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // HeaderPrefillWorker names the prefill worker when one computed the
@@ -54,6 +55,13 @@ type plan struct {
 	transferID string
 	result     *engine.PrefillResult
 	worker     string // the prefill worker
+	// protocol is the engines' own protocol, when they hand blocks off
+	// by one (disagg_engine.go): decode is then the NIXL decode request,
+	// and cached the prompt tokens to report cached (-1: the decode
+	// engine's count).
+	protocol httpengine.Protocol
+	decode   *engine.Request
+	cached   int
 }
 
 // prefill runs the prefill phase of a request bound for decode worker dw.

@@ -1,0 +1,367 @@
+package frontend
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/httpengine"
+	"github.com/batonllm/baton/workers/openai"
+)
+
+// Disaggregation between engines that hand KV blocks to each other by
+// their own protocols (vLLM's NixlConnector, SGLang's bootstrap server);
+// the coordinator only pairs them and carries the protocol's fields.
+
+// engineDisaggregator is implemented by clients of OpenAI HTTP engines
+// that serve disaggregated prefill or decode by their own protocol
+// (httpengine.Client of vllm and sglang workers with role prefill or
+// decode). Its methods are called from the request's goroutine, except
+// PrefillBootstrap, which runs on its own beside the decode's Proxy.
+type engineDisaggregator interface {
+	engine.Proxier
+	// Protocol is the engine's protocol; httpengine.Colocated: none.
+	Protocol() httpengine.Protocol
+	// Bootstrap is the address of a Bootstrap prefill engine's bootstrap
+	// server, which the decode engine reaches.
+	Bootstrap() (host string, port int)
+	// PrefillNIXL runs a NIXL prefill and returns the transfer parameters
+	// for the decode request; errors wrapping engine.ErrTransfer mean the
+	// engine cannot hand its blocks off.
+	PrefillNIXL(ctx context.Context, req *engine.Request) (*httpengine.NIXLResult, error)
+	// PrefillBootstrap sends a Bootstrap prefill, calls started once the
+	// engine accepted it, and returns when its response ends.
+	PrefillBootstrap(ctx context.Context, req *engine.Request, started func()) error
+	// ProxyCached is Proxy, reporting cached prompt tokens in the usage.
+	ProxyCached(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error)
+}
+
+// protocolOf returns the disaggregation protocol of wk's engine.
+func protocolOf(wk *pool.Worker) httpengine.Protocol {
+	if d, ok := wk.Client.(engineDisaggregator); ok {
+		return d.Protocol()
+	}
+	return httpengine.Colocated
+}
+
+// newRoom returns a bootstrap room: SGLang's are random 63-bit integers.
+var newRoom = func() uint64 { return uint64(rand.Int64()) }
+
+// local records that the decode worker prefills the request itself.
+func (x *exchange) local(reason string) *plan {
+	x.s.metrics.DisaggDecisions.WithLabelValues("local", reason).Inc()
+	x.disagg = "local(" + reason + ")"
+	return nil
+}
+
+// prefillNIXL runs the prefill of a request bound for dw, a vLLM decode
+// engine, on a vLLM prefill engine, and returns the decode request that
+// pulls its blocks. Each attempt of the request makes a new pair (the
+// prefill engine holds its blocks for the decode request of that pair
+// only); a failed prefill moves to another prefill worker, up to the
+// retries, and then, returning nil, to a local prefill on dw.
+func (x *exchange) prefillNIXL(ctx context.Context, dw *pool.Worker, attempt int) *plan {
+	s, dz := x.s, x.dz
+	m := s.metrics
+	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < dz.MinRemoteTokens {
+		return x.local(reasonShort)
+	}
+	var tried []*pool.Worker
+	for i := 0; i <= dz.Retries; i++ {
+		pd, err := x.pickPrefill(tried)
+		if err != nil {
+			if i == 0 {
+				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
+				return x.local(reasonNoPrefillWorker)
+			}
+			break
+		}
+		pw := pd.Worker
+		tried = append(tried, pw)
+		pc, ok := pw.Client.(engineDisaggregator)
+		if !ok || pc.Protocol() != httpengine.NIXL {
+			continue
+		}
+		done, err := pw.Acquire()
+		if err != nil {
+			continue
+		}
+		routing.Commit(s.strategy, x.rreq, pd)
+		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
+		// Both requests of a pair carry its id (X-Request-Id): vLLM keys
+		// the blocks it holds for the decode engine by it.
+		req := x.req.Request
+		req.ID = x.req.ID + "-" + strconv.Itoa(attempt) + "-" + strconv.Itoa(i)
+		called := time.Now()
+		res, err := pc.PrefillNIXL(ctx, &req)
+		info := routing.DoneInfo{Err: err}
+		if err == nil {
+			info.FirstToken = time.Since(x.start)
+		}
+		routing.Done(s.strategy, x.rreq, pd, info)
+		done(classify(err))
+		if ctx.Err() != nil {
+			return nil // the client is gone; serving fails with ctx
+		}
+		switch {
+		case errors.Is(err, engine.ErrTransfer):
+			m.TransferFailures.WithLabelValues("no_kv_transfer_params").Inc()
+			s.log.Warn("prefill engine cannot hand off its KV cache", "id", x.req.ID, "prefill_worker", pw.Name, "err", err)
+			return x.local(reasonTransferFailed)
+		case err != nil && !pool.IsWorkerFault(err):
+			return x.local(reasonRequest)
+		case err != nil:
+			m.TransferFailures.WithLabelValues(failureReason(err)).Inc()
+			s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
+			if i < dz.Retries {
+				m.Fallbacks.WithLabelValues("prefill_retry").Inc()
+			}
+			continue
+		}
+		if req.Body, err = httpengine.NIXLDecodeBody(x.req.Body, res.Params); err != nil {
+			return x.local(reasonRequest)
+		}
+		cached := -1 // without the prefill's count, the decode engine's
+		if res.Usage != nil && res.CachedReported {
+			cached = res.Usage.CachedTokens
+		}
+		m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+		m.TTFTPhase.WithLabelValues("prefill").Observe(time.Since(called).Seconds())
+		x.w.Header().Set(HeaderPrefillWorker, pw.Name)
+		x.disagg = "remote"
+		return &plan{worker: pw.Name, protocol: httpengine.NIXL, decode: &req, cached: cached}
+	}
+	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
+	return x.local(reasonPrefillFailed)
+}
+
+// errPrefillFailed cancels a Bootstrap decode whose prefill failed.
+var errPrefillFailed = errors.New("the paired prefill failed")
+
+// serveBootstrap serves the request on dw, an SGLang decode engine, paired
+// with an SGLang prefill engine: both get the request with the prefill
+// engine's bootstrap address and a new room, at once. A prefill that
+// fails before the decode engine's answer reached the client cancels the
+// decode and pairs dw with another prefill worker and a new room, up to
+// the retries; a decode engine cannot prefill alone, so when they are
+// spent the request fails (with no fault of dw's).
+func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstToken func()) (bool, error) {
+	s, dz := x.s, x.dz
+	m := s.metrics
+	dc := dw.Client.(engineDisaggregator)
+	var tried []*pool.Worker
+	var lastErr error
+	for i := 0; i <= dz.Retries; i++ {
+		pd, err := x.pickPrefill(tried)
+		if err != nil {
+			if i == 0 {
+				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
+				lastErr = err
+			}
+			break
+		}
+		pw := pd.Worker
+		tried = append(tried, pw)
+		pc, ok := pw.Client.(engineDisaggregator)
+		if !ok || pc.Protocol() != httpengine.Bootstrap {
+			continue
+		}
+		pdone, err := pw.Acquire()
+		if err != nil {
+			continue
+		}
+		routing.Commit(s.strategy, x.rreq, pd)
+		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
+		host, port := pc.Bootstrap()
+		req := x.req.Request
+		req.ID = x.req.ID + "-" + strconv.Itoa(i)
+		if req.Body, err = httpengine.BootstrapBody(x.req.Body, host, port, newRoom()); err != nil {
+			routing.Done(s.strategy, x.rreq, pd, routing.DoneInfo{Err: err})
+			pdone(nil)
+			return false, err
+		}
+		h := x.w.Header()
+		h.Set(HeaderPrefillWorker, pw.Name)
+		h.Set(HeaderRoute, x.route+"; prefill=remote")
+		x.disagg = "remote"
+		res, written, err, perr := x.pair(ctx, pc, dc, &req, firstToken, func(first time.Duration, err error) {
+			routing.Done(s.strategy, x.rreq, pd, routing.DoneInfo{FirstToken: first, Err: err})
+			pdone(classify(err))
+		})
+		if written {
+			m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+			if res.Usage != nil {
+				x.usage(dw, res.Usage)
+			}
+			if err == nil && res.Status >= 400 {
+				err = pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
+			}
+		}
+		if written || ctx.Err() != nil || perr == nil {
+			return written, err
+		}
+		// The prefill failed and nothing reached the client.
+		lastErr = perr
+		m.TransferFailures.WithLabelValues(failureReason(perr)).Inc()
+		s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", perr)
+		if !pool.IsWorkerFault(perr) {
+			h.Del(HeaderPrefillWorker)
+			return false, pool.ClientError(perr)
+		}
+		if i < dz.Retries {
+			m.Fallbacks.WithLabelValues("prefill_retry").Inc()
+		}
+	}
+	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
+	x.w.Header().Del(HeaderPrefillWorker)
+	msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
+	if lastErr != nil {
+		msg += ": " + lastErr.Error()
+	}
+	// Not the decode worker's fault, nor worth another one.
+	return false, pool.ClientError(openai.NoWorker(msg))
+}
+
+// pair sends req to the prefill engine pc and the decode engine dc at once
+// and relays the decode engine's response to the client once the prefill
+// engine accepted its part, or the decode engine answered. A prefill
+// refused before that cancels the decode: written is false, and perr says
+// why. prefilled is called once the prefill ended, with the time of its
+// acceptance.
+func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *engine.Request, firstToken func(),
+	prefilled func(time.Duration, error)) (res engine.ProxyResult, written bool, err, perr error) {
+	pctx, pcancel := context.WithCancel(ctx)
+	defer pcancel()
+	dctx, dcancel := context.WithCancelCause(ctx)
+	defer dcancel(nil)
+	accepted := make(chan error, 1) // the prefill's fate, known before its body
+	ended := make(chan struct{})
+	var first time.Duration
+	var prefillErr error
+	go func() {
+		defer close(ended)
+		ok := false
+		prefillErr = pc.PrefillBootstrap(pctx, req, func() {
+			ok = true
+			first = time.Since(x.start)
+			accepted <- nil
+		})
+		if !ok {
+			accepted <- prefillErr
+			dcancel(errPrefillFailed)
+		}
+	}()
+	g := &gate{w: x.w, accepted: accepted}
+	res, err = dc.Proxy(dctx, req, g, g.onFirst(firstToken))
+	if err == nil {
+		// The decode engine answered: with the blocks, or a refusal of
+		// the request itself, relayed as is.
+		g.release()
+	}
+	pcancel() // a prefill still running once its decode ended is of no use
+	<-ended
+	prefilled(first, prefillErr)
+	if err != nil && !g.open && ctx.Err() == nil && errors.Is(context.Cause(dctx), errPrefillFailed) {
+		return res, false, err, prefillErr
+	}
+	return res, g.open, err, nil
+}
+
+// gate holds back what the decode engine relays until its paired prefill
+// engine accepted the request, so that a prefill refused meanwhile leaves
+// the client untouched and the request free to pair again. It is used
+// from the request's goroutine only; the prefill's goroutine reports on
+// accepted.
+type gate struct {
+	w        http.ResponseWriter
+	accepted <-chan error
+	open     bool // what came so far went to the client
+	refused  bool // the prefill was refused: nothing goes through
+	status   int
+	buf      bytes.Buffer
+	first    func() // the first token, held back with the bytes
+}
+
+func (g *gate) Header() http.Header { return g.w.Header() }
+
+func (g *gate) WriteHeader(status int) {
+	if g.poll() {
+		g.w.WriteHeader(status)
+		return
+	}
+	g.status = status
+}
+
+func (g *gate) Write(b []byte) (int, error) {
+	if g.poll() {
+		return g.w.Write(b)
+	}
+	return g.buf.Write(b)
+}
+
+// FlushError flushes what went through (http.ResponseController's hook).
+func (g *gate) FlushError() error {
+	if g.poll() {
+		return http.NewResponseController(g.w).Flush()
+	}
+	return nil
+}
+
+// poll reports whether writes go through, releasing what was held back if
+// the prefill was accepted meanwhile.
+func (g *gate) poll() bool {
+	if g.open || g.refused {
+		return g.open
+	}
+	select {
+	case err := <-g.accepted:
+		if err != nil {
+			g.refused = true
+			return false
+		}
+		g.release()
+	default:
+	}
+	return g.open
+}
+
+// release sends what was held back, and lets everything through.
+func (g *gate) release() {
+	if g.open {
+		return
+	}
+	g.open = true
+	if g.status != 0 {
+		g.w.WriteHeader(g.status)
+	}
+	if g.buf.Len() > 0 {
+		_, _ = g.w.Write(g.buf.Bytes())
+		g.buf.Reset()
+	}
+	_ = http.NewResponseController(g.w).Flush()
+	if f := g.first; f != nil {
+		g.first = nil
+		f()
+	}
+}
+
+// onFirst returns the decode's first-token callback, deferred to the
+// gate's release when the token is held back.
+func (g *gate) onFirst(f func()) func() {
+	return func() {
+		if g.open {
+			f()
+			return
+		}
+		g.first = f
+	}
+}
