@@ -26,6 +26,7 @@ func TestHelpExitsZero(t *testing.T) {
 		{[]string{"worker", "-help"}, "Usage: baton worker [flags]"},
 		{[]string{"demo", "--help"}, "Usage: baton demo [flags]"},
 		{[]string{"bench", "-h"}, "Usage: baton bench [flags]"},
+		{[]string{"tune", "-h"}, "Usage: baton tune [flags]"},
 	}
 	for _, c := range cases {
 		var stdout, stderr bytes.Buffer
@@ -105,6 +106,13 @@ func TestFlagErrorsNameTheFlag(t *testing.T) {
 		{[]string{"bench", "--cpu-blocks", "-7"}, "--cpu-blocks: must be at least -1"},
 		{[]string{"bench", "--prefix-length", "10"}, "--prefix-length: must be 1024–65536, got 10"},
 		{[]string{"bench", "--strategies", "kv_aware,fastest"}, `--strategies: unknown "fastest"`},
+		{[]string{"tune", "--gpus", "0"}, "--gpus: must be at least 1, got 0"},
+		{[]string{"tune", "--slo-ttft-p90", "0s"}, "--slo-ttft-p90: must be positive"},
+		{[]string{"tune", "--strategies", "kv_aware,fastest"}, `--strategies: unknown "fastest"`},
+		{[]string{"tune", "--thresholds", "8,x"}, `--thresholds: "x" is not a number`},
+		{[]string{"tune", "--min-remote", "0"}, "--min-remote: must be 1–1048576, got 0"},
+		{[]string{"tune", "--rate-scale", "0"}, "--rate-scale: must be positive"},
+		{[]string{"tune", "--workload", "long-context"}, "--rate: required for the long-context workload"},
 	}
 	for _, c := range cases {
 		err := run(context.Background(), c.args, io.Discard, io.Discard)

@@ -29,6 +29,7 @@ Usage:
   baton demo    [flags]   run a scheduler and a simulated fleet in one process
   baton bench   [flags]   benchmark routing strategies on a workload, side by side
   baton calibrate --worker URL   measure an engine's cost figures for its configuration
+  baton tune    [flags]   search prefill:decode splits and routing for goodput on a virtual clock
   baton version           print the version
 
 Run "baton COMMAND -h" or "baton help COMMAND" for a command's flags.
@@ -68,6 +69,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return benchCmd(ctx, args[1:], stdout, stderr)
 	case "calibrate":
 		return calibrateCmd(ctx, args[1:], stdout, stderr)
+	case "tune":
+		return tuneCmd(ctx, args[1:], stdout, stderr)
 	case "version", "-version", "--version":
 		fmt.Fprintln(stdout, "baton", buildVersion())
 		return nil
