@@ -70,6 +70,9 @@ type StrategyReport struct {
 
 	// DecisionP50us and DecisionP99us are the scheduler's routing decision
 	// latency (baton_routing_decision_seconds), microseconds of wall time.
+	// Virtual: the run was simulated on the virtual clock (bench/vsim),
+	// which has no wall-clock figures.
+	Virtual       bool    `json:"virtual,omitempty"`
 	DecisionP50us float64 `json:"routing_decision_p50_us"`
 	DecisionP99us float64 `json:"routing_decision_p99_us"`
 	// PartsUs are the p50 and p99 of each part of the routing profile
@@ -265,15 +268,24 @@ var rows = []row{
 	{"overflow spills", func(r *StrategyReport) float64 { return float64(r.Spills) }, 1, 0, false},
 	{"requests ok", func(r *StrategyReport) float64 { return float64(r.OK) }, 1, 0, false},
 	{"errors", func(r *StrategyReport) float64 { return float64(r.Errors) }, 1, 0, false},
-	{"routing decision p50 (µs)", func(r *StrategyReport) float64 { return r.DecisionP50us }, 1, 2, false},
-	{"routing decision p99 (µs)", func(r *StrategyReport) float64 { return r.DecisionP99us }, 1, 2, false},
-	{"send lag p99 (wall ms)", func(r *StrategyReport) float64 { return r.LagP99ms }, 1, 1, false},
+	{"routing decision p50 (µs)", func(r *StrategyReport) float64 { return wall(r, r.DecisionP50us) }, 1, 2, false},
+	{"routing decision p99 (µs)", func(r *StrategyReport) float64 { return wall(r, r.DecisionP99us) }, 1, 2, false},
+	{"send lag p99 (wall ms)", func(r *StrategyReport) float64 { return wall(r, r.LagP99ms) }, 1, 1, false},
 	{"CPU stretch (wall/modelled)", func(r *StrategyReport) float64 {
 		if r.CPUStretch == 0 {
 			return math.NaN()
 		}
 		return r.CPUStretch
 	}, 1, 2, false},
+}
+
+// wall is v, a wall-clock figure, or NaN (shown as –) for a run on the
+// virtual clock, which has none.
+func wall(r *StrategyReport, v float64) float64 {
+	if r.Virtual {
+		return math.NaN()
+	}
+	return v
 }
 
 func (rep *Report) base() *StrategyReport {

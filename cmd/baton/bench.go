@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/batonllm/baton/bench"
+	"github.com/batonllm/baton/bench/vsim"
 	"github.com/batonllm/baton/bench/workload"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/routing"
@@ -43,6 +45,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
+	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
 	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
@@ -109,6 +112,9 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if !*quiet {
 		o.Progress = stderr
 	}
+	if *virtual && (*target != "" || *conc != 0 || *sharedTier) {
+		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier; drop --target, --concurrency and --shared-tier")
+	}
 	var calib string
 	if o.Rate == 0 && !w.Timed {
 		c, err := bench.Calibrate(w, *model, *gpu, *workers, *load, 0, *kvBlocks)
@@ -130,7 +136,12 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		defer pprof.StopCPUProfile()
 	}
-	rep, err := bench.Run(ctx, o, w)
+	var rep *bench.Report
+	if *virtual {
+		rep, err = virtualBench(ctx, o, w)
+	} else {
+		rep, err = bench.Run(ctx, o, w)
+	}
 	if err != nil {
 		return err
 	}
@@ -208,4 +219,42 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		return workload.Azure(recs, seed), nil
 	}
 	return nil, fmt.Errorf("--workload: unknown %q (known: %s)", name, strings.Join(workload.Names, ", "))
+}
+
+// virtualBench is bench.Run on the virtual clock: each strategy and fleet
+// replayed by bench/vsim, summarized as the bench summarizes real runs.
+func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload) (*bench.Report, error) {
+	fleets := o.Fleets
+	if len(fleets) == 0 {
+		fleets = []bench.Fleet{{Workers: o.Workers}}
+	}
+	rep := &bench.Report{Workload: w.Name, Describe: w.Describe + " (virtual clock: bench/vsim)", Requests: len(w.Requests),
+		Workers: o.Workers, Speedup: 1, Rate: o.Rate, Seed: o.Seed, Model: o.Model, GPU: o.GPU}
+	for _, f := range fleets {
+		rep.Fleets = append(rep.Fleets, f.String())
+	}
+	if arr, err := bench.Arrivals(w, o.Rate, o.Seed); err == nil && len(arr) > 1 {
+		rep.OfferedRate = float64(len(arr)-1) / arr[len(arr)-1]
+	}
+	for _, s := range o.Strategies {
+		for _, f := range fleets {
+			c := vsim.Config{Model: o.Model, GPU: o.GPU, Workers: f.Workers, Prefill: f.Prefill, Decode: f.Decode,
+				Strategy: s, ConcurrencyThreshold: o.ConcurrencyThreshold, PrefixLength: o.PrefixLength,
+				KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed}
+			if f.Disaggregated() {
+				c.Workers = 0
+			}
+			res, err := vsim.Run(ctx, c, w)
+			if err != nil {
+				return nil, err
+			}
+			sr := bench.Summarize(bench.Column(s, f), res.Requests, max(c.Workers, c.Decode))
+			sr.Virtual = true
+			if o.Progress != nil {
+				fmt.Fprintf(o.Progress, "baton bench: %s on the virtual clock: %d events, %.0f s modelled\n", sr.Strategy, res.Events, res.Duration)
+			}
+			rep.Strategies = append(rep.Strategies, *sr)
+		}
+	}
+	return rep, nil
 }

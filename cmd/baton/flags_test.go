@@ -106,6 +106,7 @@ func TestFlagErrorsNameTheFlag(t *testing.T) {
 		{[]string{"bench", "--cpu-blocks", "-7"}, "--cpu-blocks: must be at least -1"},
 		{[]string{"bench", "--prefix-length", "10"}, "--prefix-length: must be 1024–65536, got 10"},
 		{[]string{"bench", "--strategies", "kv_aware,fastest"}, `--strategies: unknown "fastest"`},
+		{[]string{"bench", "--virtual", "--concurrency", "4"}, "--virtual: simulates in-process fleets in open loop"},
 		{[]string{"tune", "--gpus", "0"}, "--gpus: must be at least 1, got 0"},
 		{[]string{"tune", "--slo-ttft-p90", "0s"}, "--slo-ttft-p90: must be positive"},
 		{[]string{"tune", "--strategies", "kv_aware,fastest"}, `--strategies: unknown "fastest"`},

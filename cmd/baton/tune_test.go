@@ -1,0 +1,48 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// baton tune and baton bench --virtual on small workloads: reports on
+// stdout, files in --out, progress on stderr.
+func TestTuneAndVirtualBench(t *testing.T) {
+	trace := filepath.Join("..", "..", "bench", "workload", "testdata", "mooncake_conversation_head.jsonl")
+	dir := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	err := run(context.Background(), []string{"tune", "--trace", trace, "--requests", "40", "--gpus", "2",
+		"--strategies", "random,kv_aware", "--thresholds", "16", "--min-remote", "512", "--out", dir}, &stdout, &stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"## Best on", "strategy: ", "| colocated:2 random |"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("tune report lacks %q", want)
+		}
+	}
+	if !strings.Contains(stderr.String(), "baton tune: shape [") {
+		t.Errorf("no progress on stderr: %.200q", stderr.String())
+	}
+	for _, f := range []string{"report.md", "candidates.csv", "best.yaml", "goodput.png"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
+			t.Error(err)
+		}
+	}
+
+	stdout.Reset()
+	err = run(context.Background(), []string{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--requests", "40",
+		"--workers", "2", "--strategies", "random,kv_aware", "--quiet", "--out", t.TempDir()}, &stdout, &stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"| TTFT p50 (ms) |", "virtual clock", "Belady's MIN"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("virtual bench report lacks %q", want)
+		}
+	}
+}
