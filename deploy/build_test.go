@@ -17,6 +17,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -138,7 +139,7 @@ func (m *serviceMonitor) DeepCopyObject() runtime.Object {
 // errors too, so a new kind needs a decision here.
 var decoder = sync.OnceValue(func() runtime.Decoder {
 	s := runtime.NewScheme()
-	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme} {
 		if err := add(s); err != nil {
 			panic(err)
 		}
@@ -158,6 +159,8 @@ type objects struct {
 	deployments     []*appsv1.Deployment
 	statefulSets    []*appsv1.StatefulSet
 	pdbs            []*policyv1.PodDisruptionBudget
+	roles           []*rbacv1.Role
+	roleBindings    []*rbacv1.RoleBinding
 	serviceMonitors []*serviceMonitor
 }
 
@@ -190,6 +193,10 @@ func decode(dir string, ms []manifest) (*objects, error) {
 			o.statefulSets = append(o.statefulSets, obj)
 		case *policyv1.PodDisruptionBudget:
 			o.pdbs = append(o.pdbs, obj)
+		case *rbacv1.Role:
+			o.roles = append(o.roles, obj)
+		case *rbacv1.RoleBinding:
+			o.roleBindings = append(o.roleBindings, obj)
 		case *serviceMonitor:
 			o.serviceMonitors = append(o.serviceMonitors, obj)
 		default:

@@ -513,7 +513,11 @@ func TestSchedulerConfig(t *testing.T) {
 			if host == "127.0.0.1" || host == "localhost" || !hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, intstr.FromInt32(int32(p))) {
 				t.Errorf("%s: listen %q: want a non-loopback address on a port of %s", where, cfg.Listen, c)
 			}
-			checkWorkers(t, o, where, cfg)
+			if cfg.Discovery.Mode == scheduler.DiscoveryKubernetes {
+				checkDiscovery(t, o, where, cfg, c)
+			} else {
+				checkWorkers(t, o, where, cfg)
+			}
 		}
 		if n == 0 {
 			t.Errorf("%s: no container runs baton serve", o.dir)
