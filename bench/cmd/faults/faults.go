@@ -1,0 +1,162 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+)
+
+// fault is one injection: inject starts it, recover ends it, and side,
+// if not nil, adds load of its own while it lasts.
+type fault struct {
+	name    string
+	what    string // how it is injected, for the table
+	inject  func(ctx context.Context, h *harness) (note string, err error)
+	recover func(ctx context.Context, h *harness) error
+	side    func(ctx context.Context, h *harness)
+}
+
+// waitInFlight waits (up to 3s) until the first replica has requests in
+// flight on worker, so that a kill lands mid-call, and says how many.
+func (h *harness) waitInFlight(ctx context.Context, worker string) string {
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		m, err := scrape(ctx, h.f.bases[0])
+		if err == nil {
+			if n := m.sum("baton_worker_in_flight", map[string]string{"worker": worker}); n > 0 {
+				return fmt.Sprintf("%.0f in flight on %s at the kill", n, worker)
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return "none in flight on " + worker + " at the kill (3s wait)"
+}
+
+func (h *harness) kill(ctx context.Context, worker string) string {
+	note := h.waitInFlight(ctx, worker)
+	h.f.workers[worker].kill()
+	return note
+}
+
+func killWorker(worker string) func(context.Context, *harness) (string, error) {
+	return func(ctx context.Context, h *harness) (string, error) { return h.kill(ctx, worker), nil }
+}
+
+func restartWorker(worker string) func(context.Context, *harness) error {
+	return func(_ context.Context, h *harness) error { return h.f.restartWorker(worker, h.f.timeScale) }
+}
+
+func noop(context.Context, *harness) error { return nil }
+
+// cutClients sends n streamed requests spread over the window, each
+// closing its stream after the first token.
+func cutClients(n int) func(context.Context, *harness) {
+	return func(ctx context.Context, h *harness) {
+		c := newClient(h.f.bases, h.model, h.deadline, 64, h.rec)
+		defer c.close()
+		var wg sync.WaitGroup
+		gap := h.during / time.Duration(n) / 2 // over the window's first half
+		for i := range n {
+			if ctx.Err() != nil {
+				break
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := rand.New(rand.NewPCG(uint64(i), 3))
+				c.do(context.WithoutCancel(ctx), "cut", c.body(r, true, 64), true, true)
+			}()
+			time.Sleep(gap)
+		}
+		wg.Wait()
+	}
+}
+
+// burst runs n looping clients while the window lasts.
+func burst(n int) func(context.Context, *harness) {
+	return func(ctx context.Context, h *harness) {
+		c := newClient(h.f.bases, h.model, h.deadline, n, h.rec)
+		defer c.close()
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Add(1)
+			go c.loop(ctx, uint64(1000+i), "burst", &wg)
+		}
+		wg.Wait()
+	}
+}
+
+func allFaults(prefill, decode int) []fault {
+	capacity := decode * maxInFlight
+	return []fault{
+		{name: "prefill-kill", what: "SIGKILL prefill worker p0 with calls in flight; restarted at the window's end",
+			inject: killWorker("p0"), recover: restartWorker("p0")},
+		{name: "decode-kill", what: "SIGKILL decode worker d0 with streams in flight; restarted at the window's end",
+			inject: killWorker("d0"), recover: restartWorker("d0")},
+		{name: "slow-worker", what: "decode worker d1 restarted (SIGTERM, drained) at --time-scale ÷10; back to normal after",
+			inject: func(_ context.Context, h *harness) (string, error) {
+				h.f.workers["d1"].stop(10 * time.Second)
+				return "", h.f.restartWorker("d1", h.f.timeScale/10)
+			},
+			recover: func(_ context.Context, h *harness) error {
+				h.f.workers["d1"].stop(10 * time.Second)
+				return h.f.restartWorker("d1", h.f.timeScale)
+			}},
+		{name: "black-hole", what: "decode worker d1 SIGKILLed and its port taken by a listener that accepts and never answers",
+			inject: func(ctx context.Context, h *harness) (string, error) {
+				note := h.kill(ctx, "d1")
+				var err error
+				h.hole, err = newBlackHole(h.f.addrs["d1"])
+				return note, err
+			},
+			recover: func(_ context.Context, h *harness) error {
+				h.hole.close()
+				return h.f.restartWorker("d1", h.f.timeScale)
+			}},
+		{name: "redis-down", what: "SIGKILL redis-server; restarted empty on the same port",
+			inject: func(_ context.Context, h *harness) (string, error) {
+				h.f.redis.kill()
+				return "", nil
+			},
+			recover: func(_ context.Context, h *harness) error { return h.f.startRedis() }},
+		{name: "redis-slow", what: "a proxy in front of Redis holds every chunk 250ms, each way",
+			inject: func(_ context.Context, h *harness) (string, error) {
+				h.f.redisPx.setDelay(250 * time.Millisecond)
+				return "", nil
+			},
+			recover: func(_ context.Context, h *harness) error { h.f.redisPx.setDelay(0); return nil }},
+		{name: "scheduler-restart", what: "serve replica 1 SIGTERMed (drain), down for the window, then restarted; clients retry connection errors on the other replica",
+			inject: func(_ context.Context, h *harness) (string, error) {
+				h.f.scheds[1].stop(15 * time.Second)
+				return "", nil
+			},
+			recover: func(ctx context.Context, h *harness) error { return h.f.startScheduler(ctx, 1) }},
+		{name: "cut-500", what: "500 clients each close their stream after its first token",
+			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: cutClients(500)},
+		{name: "burst-3x", what: fmt.Sprintf("%d more looping clients: 3× the decode pool's %d in-flight slots", 3*capacity, capacity),
+			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: burst(3 * capacity)},
+		{name: "combined", what: "at once: SIGKILL p0 and d0, SIGKILL redis-server, serve replica 1 down, 100 clients cutting; all restored together",
+			inject: func(ctx context.Context, h *harness) (string, error) {
+				note := h.kill(ctx, "p0") + "; " + h.kill(ctx, "d0")
+				h.f.redis.kill()
+				h.f.scheds[1].stop(15 * time.Second)
+				return note, nil
+			},
+			recover: func(ctx context.Context, h *harness) error {
+				for _, step := range []func() error{
+					h.f.startRedis,
+					func() error { return h.f.restartWorker("p0", h.f.timeScale) },
+					func() error { return h.f.restartWorker("d0", h.f.timeScale) },
+					func() error { return h.f.startScheduler(ctx, 1) },
+				} {
+					if err := step(); err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+			side: cutClients(100)},
+	}
+}

@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// fleet is the disaggregated fleet under test: a redis-server behind a
+// delaying proxy, prefill and decode baton workers using it as their
+// shared tier, and baton serve replicas in front.
+type fleet struct {
+	dir, bin  string
+	timeScale float64
+
+	redis     *proc
+	redisAddr string      // the server's own address
+	redisPx   *delayProxy // what workers dial
+
+	workers map[string]*proc // by name: p0, p1, d0, d1
+	addrs   map[string]string
+	metrics map[string]string // each worker's /metrics base URL
+	names   []string
+
+	scheds []*proc
+	bases  []string // http://host:port of each replica
+	config string   // the replicas' YAML
+}
+
+// Scheduler settings of the fleet: a worker's capacity and the queue are
+// small, so that a burst at three times capacity is a few hundred streams.
+const (
+	maxInFlight = 32
+	maxQueue    = 32
+)
+
+func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas int, timeScale float64) (*fleet, error) {
+	f := &fleet{dir: dir, bin: bin, timeScale: timeScale, workers: map[string]*proc{}, addrs: map[string]string{}, metrics: map[string]string{}}
+	rbin, err := redisServer()
+	if err != nil {
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	f.redisAddr = loopback(port)
+	rdir := filepath.Join(dir, "redis")
+	if err := os.MkdirAll(rdir, 0o755); err != nil {
+		return nil, err
+	}
+	f.redis = newProc(dir, "redis", rbin, redisArgs(port, rdir)...)
+	if err := f.startRedis(); err != nil {
+		f.close()
+		return nil, err
+	}
+	if f.redisPx, err = newDelayProxy(f.redisAddr); err != nil {
+		f.close()
+		return nil, err
+	}
+	var yaml strings.Builder
+	fmt.Fprintf(&yaml, `strategy: prefix_aware
+log_level: warn
+drain_timeout: 5s
+request_timeout: 30s
+max_in_flight: %d
+max_queue: %d
+queue_timeout: 2s
+pool:
+  health_interval: 500ms
+  health_timeout: 400ms
+  breaker_open_timeout: 2s
+disaggregation:
+  transfer_timeout: 2s
+workers:
+`, maxInFlight, maxQueue)
+	for i := range prefill + decode {
+		role, name := "prefill", fmt.Sprintf("p%d", i)
+		if i >= prefill {
+			role, name = "decode", fmt.Sprintf("d%d", i-prefill)
+		}
+		port, err := freePort()
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		f.addrs[name] = loopback(port)
+		mport, err := freePort()
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		f.metrics[name] = "http://" + loopback(mport)
+		f.names = append(f.names, name)
+		fmt.Fprintf(&yaml, "  - {name: %s, address: %q, role: %s}\n", name, f.addrs[name], role)
+		f.workers[name] = f.workerProc(name, role, timeScale)
+		if err := f.startWorker(name); err != nil {
+			f.close()
+			return nil, err
+		}
+	}
+	f.config = filepath.Join(dir, "baton.yaml")
+	if err := os.WriteFile(f.config, []byte(yaml.String()), 0o644); err != nil {
+		f.close()
+		return nil, err
+	}
+	for i := range replicas {
+		port, err := freePort()
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		addr := loopback(port)
+		p := newProc(dir, fmt.Sprintf("serve%d", i), bin, "serve", "--config", f.config, "--listen", addr)
+		f.scheds = append(f.scheds, p)
+		f.bases = append(f.bases, "http://"+addr)
+		if err := f.startScheduler(ctx, i); err != nil {
+			f.close()
+			return nil, err
+		}
+	}
+	return f, nil
+}
+
+func (f *fleet) workerProc(name, role string, timeScale float64) *proc {
+	return newProc(f.dir, name, f.bin, "worker", "--name", name, "--listen", f.addrs[name], "--role", role,
+		"--redis", f.redisPx.addr(), "--time-scale", strconv.FormatFloat(timeScale, 'g', -1, 64),
+		"--metrics-listen", strings.TrimPrefix(f.metrics[name], "http://"),
+		"--log-level", "warn", "--drain-timeout", "5s")
+}
+
+func (f *fleet) startRedis() error {
+	if err := f.redis.start(); err != nil {
+		return err
+	}
+	return waitTCP(f.redis, f.redisAddr, 10*time.Second)
+}
+
+func (f *fleet) startWorker(name string) error {
+	p := f.workers[name]
+	if err := p.start(); err != nil {
+		return err
+	}
+	return waitTCP(p, f.addrs[name], 20*time.Second)
+}
+
+// restartWorker replaces a stopped worker with one at timeScale.
+func (f *fleet) restartWorker(name string, timeScale float64) error {
+	role := "prefill"
+	if strings.HasPrefix(name, "d") {
+		role = "decode"
+	}
+	f.workers[name] = f.workerProc(name, role, timeScale)
+	return f.startWorker(name)
+}
+
+func (f *fleet) startScheduler(ctx context.Context, i int) error {
+	if err := f.scheds[i].start(); err != nil {
+		return err
+	}
+	return waitReady(ctx, f.scheds[i], f.bases[i], len(f.names), 30*time.Second)
+}
+
+// waitAll waits until every replica sees every worker available again.
+func (f *fleet) waitAll(ctx context.Context, timeout time.Duration) error {
+	for i := range f.scheds {
+		if err := waitReady(ctx, f.scheds[i], f.bases[i], len(f.names), timeout); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// scrapeWorkers scrapes every worker's /metrics; one that does not answer
+// (killed) is left out.
+func (f *fleet) scrapeWorkers(ctx context.Context) map[string]metrics {
+	out := map[string]metrics{}
+	for name, base := range f.metrics {
+		if m, err := scrape(ctx, base); err == nil {
+			out[name] = m
+		}
+	}
+	return out
+}
+
+func (f *fleet) close() {
+	for _, p := range f.scheds {
+		p.stop(10 * time.Second)
+	}
+	for _, p := range f.workers {
+		p.stop(10 * time.Second)
+	}
+	if f.redisPx != nil {
+		f.redisPx.close()
+	}
+	if f.redis != nil {
+		f.redis.kill()
+	}
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// delayProxy forwards TCP connections from its loopback port to target,
+// holding every chunk it forwards, either way, for the current delay: a
+// slow network or a slow server.
+type delayProxy struct {
+	l      net.Listener
+	target string
+	delay  atomic.Int64 // nanoseconds
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+}
+
+func newDelayProxy(target string) (*delayProxy, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &delayProxy{l: l, target: target, conns: map[net.Conn]struct{}{}}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+func (p *delayProxy) addr() string             { return p.l.Addr().String() }
+func (p *delayProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
+
+func (p *delayProxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.serve(c)
+		}()
+	}
+}
+
+func (p *delayProxy) track(c net.Conn, add bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if add {
+		p.conns[c] = struct{}{}
+	} else {
+		delete(p.conns, c)
+	}
+}
+
+func (p *delayProxy) serve(c net.Conn) {
+	defer c.Close()
+	u, err := net.DialTimeout("tcp", p.target, time.Second)
+	if err != nil {
+		return // the client sees its connection closed: the server is down
+	}
+	defer u.Close()
+	p.track(c, true)
+	p.track(u, true)
+	defer p.track(c, false)
+	defer p.track(u, false)
+	done := make(chan struct{}, 2)
+	go func() { p.pipe(u, c); done <- struct{}{} }()
+	go func() { p.pipe(c, u); done <- struct{}{} }()
+	<-done
+	c.Close()
+	u.Close()
+	<-done
+}
+
+func (p *delayProxy) pipe(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if d := time.Duration(p.delay.Load()); d > 0 {
+				time.Sleep(d)
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// close stops accepting and closes every connection.
+func (p *delayProxy) close() {
+	p.l.Close()
+	p.mu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+// blackHole accepts connections on addr and never answers: a worker that
+// hangs. Its connections stay open until close.
+type blackHole struct {
+	l     net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+	done  chan struct{}
+}
+
+func newBlackHole(addr string) (*blackHole, error) {
+	var l net.Listener
+	var err error
+	// The worker it replaces has just been killed: its port may take a
+	// moment to be free.
+	for range 50 {
+		if l, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		return nil, err
+	}
+	b := &blackHole{l: l, done: make(chan struct{})}
+	go func() {
+		defer close(b.done)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			b.mu.Lock()
+			b.conns = append(b.conns, c)
+			b.mu.Unlock()
+		}
+	}()
+	return b, nil
+}
+
+func (b *blackHole) close() {
+	b.l.Close()
+	<-b.done
+	b.mu.Lock()
+	for _, c := range b.conns {
+		c.Close()
+	}
+	b.mu.Unlock()
+}
