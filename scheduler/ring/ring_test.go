@@ -223,3 +223,54 @@ func benchmarkLookup(b *testing.B, n int) {
 func BenchmarkLookup8(b *testing.B)   { benchmarkLookup(b, 8) }
 func BenchmarkLookup64(b *testing.B)  { benchmarkLookup(b, 64) }
 func BenchmarkLookup256(b *testing.B) { benchmarkLookup(b, 256) }
+
+// movedByRemoving returns the fraction of keys whose owner changes when
+// the last of n members leaves, failing if a key moves that the leaving
+// member did not own.
+func movedByRemoving(t testing.TB, n int, keys []uint64) float64 {
+	members := names(n)
+	before := owners(New(members, 0), keys)
+	gone := members[n-1]
+	after := owners(New(members[:n-1], 0), keys)
+	moved := 0
+	for i := range keys {
+		if before[i] == after[i] {
+			continue
+		}
+		if before[i] != gone {
+			t.Fatalf("n=%d: key %x moved from %s to %s, but only %s left", n, keys[i], before[i], after[i], gone)
+		}
+		moved++
+	}
+	return float64(moved) / float64(len(keys))
+}
+
+// TestRemoveMovesAboutOneNth measures the share of keys a departing member
+// takes with it at several ring sizes: its own share, 1/N give or take the
+// spread of 160 points per member.
+func TestRemoveMovesAboutOneNth(t *testing.T) {
+	keys := randomKeys(100_000)
+	for _, n := range []int{3, 8, 16, 64, 256} {
+		f := movedByRemoving(t, n, keys)
+		t.Logf("removing 1 of %d members moved %.2f%% of keys (1/N = %.2f%%, ratio %.2f)", n, 100*f, 100/float64(n), f*float64(n))
+		if r := f * float64(n); r < 0.5 || r > 1.5 {
+			t.Errorf("removing 1 of %d members moved %.2f%% of keys, want within half of 1/N (%.2f%%)", n, 100*f, 100/float64(n))
+		}
+	}
+}
+
+// benchmarkMembershipChange measures the ring rebuild a pool does when
+// one of n members leaves, and reports the share of keys that moved.
+func benchmarkMembershipChange(b *testing.B, n int) {
+	members := names(n)
+	moved := movedByRemoving(b, n, randomKeys(20_000))
+	b.ReportAllocs()
+	for b.Loop() {
+		New(members[:n-1], 0)
+	}
+	b.ReportMetric(moved*float64(n), "moved×N")
+}
+
+func BenchmarkMembershipChange8(b *testing.B)   { benchmarkMembershipChange(b, 8) }
+func BenchmarkMembershipChange64(b *testing.B)  { benchmarkMembershipChange(b, 64) }
+func BenchmarkMembershipChange256(b *testing.B) { benchmarkMembershipChange(b, 256) }
