@@ -25,6 +25,7 @@ func main() {
 	token := flag.Duration("token-time", 2*time.Millisecond, "time each generated token takes")
 	model := flag.String("model", "llama-3.1-8b", "model served")
 	out := flag.String("config", "llamafleet.yaml", "`file` the baton configuration is written to")
+	kind := flag.String("kind", "llamacpp", "kind of the workers in the configuration: llamacpp, or http (a baton that predates llamacpp)")
 	flag.Parse()
 	f, err := os.Create(*out)
 	if err != nil {
@@ -33,10 +34,12 @@ func main() {
 	}
 	fmt.Fprintln(f, "workers:")
 	for i := range *n {
+		// Servers since late 2024 reuse their cached prompt unless told
+		// not to.
 		s := llamatest.New(llamatest.Config{Slots: *slots, CtxPerSlot: *ctxTokens, Model: *model,
-			PrefillPerToken: *prefill, TokenTime: *token})
+			PrefillPerToken: *prefill, TokenTime: *token, CachePromptDefault: true})
 		defer s.Close()
-		fmt.Fprintf(f, "  - name: l%d\n    kind: llamacpp\n    address: %s\n    models: [%s]\n", i, s.URL, *model)
+		fmt.Fprintf(f, "  - name: l%d\n    kind: %s\n    address: %s\n    models: [%s]\n", i, *kind, s.URL, *model)
 	}
 	if err := f.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "llamafleet:", err)
