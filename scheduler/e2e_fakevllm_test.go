@@ -1,0 +1,195 @@
+package scheduler_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
+	"github.com/batonllm/baton/workers/vllm/vllmtest"
+)
+
+// startFakeVLLMs starts n fake vLLM engines (vllmtest) publishing their KV
+// events, and a scheduler routing to them with strategy, once subscribed
+// to every engine.
+func startFakeVLLMs(t *testing.T, n int, strategy string) (*scheduler.Scheduler, string, []*vllmtest.Server) {
+	t.Helper()
+	var engines []*vllmtest.Server
+	var workers []scheduler.WorkerConfig
+	for i := range n {
+		e, err := vllmtest.New(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		engines = append(engines, e)
+		workers = append(workers, scheduler.WorkerConfig{
+			Name: fmt.Sprintf("v%d", i), Kind: scheduler.KindVLLM, Address: e.URL,
+			EngineConfig: scheduler.EngineConfig{
+				Events: e.EventsEndpoint(), EventsReplay: e.ReplayEndpoint(), EventsTopic: e.Topic(),
+				MetricsInterval: 50 * time.Millisecond,
+			},
+		})
+	}
+	s, addr := startScheduler(t, scheduler.Config{Strategy: strategy, Pool: fastPool(), Workers: workers})
+	for _, e := range engines {
+		if err := e.WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return s, addr, engines
+}
+
+// fakeVLLMPrompt is a long-context prompt: document d, then question q.
+func fakeVLLMPrompt(d, q int) string {
+	return fmt.Sprintf("Document %d. %s\n\nQuestion %d: what does it say about item %d?", d, longPrefix(1200), q, q)
+}
+
+// engineTokens are the tokens a fake engine computes for a one-message
+// chat prompt.
+func engineTokens(prompt string) []uint32 {
+	return vllmtest.ChatTokens([]vllmtest.Message{{Role: "user", Content: json.RawMessage(strconv.Quote(prompt))}}, true)
+}
+
+// TestFakeVLLMPredictedHit: kv_aware over fake vLLM engines, on a short
+// long-context run (four documents, a question at a time): the hit it
+// predicts for the engine it picks is the hit that engine achieves, in
+// every request's route and in the totals, within 5%; a document's
+// questions stay on the engine that holds it.
+func TestFakeVLLMPredictedHit(t *testing.T) {
+	_, addr, engines := startFakeVLLMs(t, 3, "kv_aware")
+	c := oaClient(t, addr)
+	rng := rand.New(rand.NewPCG(1, 2))
+	holder := map[int]string{}
+	var predicted, achieved float64
+	for q := range 24 {
+		d := rng.IntN(4)
+		r, err := streamChat(t, c, chatParams(fakeVLLMPrompt(d, q), 4))
+		if err != nil {
+			t.Fatal(err)
+		}
+		hit := predictedHit(t, r.route)
+		got := float64(r.cached) / float64(r.prompt)
+		if math.Abs(hit-got) > 0.05 {
+			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (%d of %d tokens)", q, d, hit, r.worker, got, r.cached, r.prompt)
+		}
+		if h, ok := holder[d]; ok && r.worker != h {
+			t.Errorf("question %d on document %d went to %s, the document is on %s", q, d, r.worker, h)
+		} else if !ok {
+			holder[d] = r.worker
+		}
+		predicted += hit * float64(r.prompt)
+		achieved += float64(r.cached)
+	}
+	if achieved < 0.5*predicted || achieved == 0 {
+		t.Errorf("achieved %v cached tokens, predicted %v: the run reused too little to test", achieved, predicted)
+	}
+	m := scrapeSettled(t, httpClient(t), addr)
+	pred, _ := metric(m, "baton_kv_predicted_cached_tokens_total", `strategy="kv_aware"`)
+	got, _ := metric(m, "baton_kv_achieved_cached_tokens_total", `strategy="kv_aware"`)
+	if pred <= 0 || math.Abs(got-pred) > 0.05*pred {
+		t.Errorf("baton_kv_predicted_cached_tokens_total %v, baton_kv_achieved_cached_tokens_total %v: want within 5%%", pred, got)
+	}
+	t.Logf("predicted %v cached tokens, achieved %v", pred, got)
+	var engineCached int64
+	for _, e := range engines {
+		engineCached += e.Stats().CachedTokens
+	}
+	if float64(engineCached) != got {
+		t.Errorf("the engines found %d tokens cached, the scheduler counted %v achieved", engineCached, got)
+	}
+}
+
+// TestFakeVLLMAllBlocksCleared: an engine's AllBlocksCleared empties its
+// entries in the index, and only its own.
+func TestFakeVLLMAllBlocksCleared(t *testing.T) {
+	s, addr, engines := startFakeVLLMs(t, 2, "kv_aware")
+	c := oaClient(t, addr)
+	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	prompts := map[string][]uint64{}
+	for d := range 2 {
+		p := fakeVLLMPrompt(d, 0)
+		r := chat(t, c, chatParams(p, 4))
+		prompts[r.worker] = kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+	}
+	// kv_aware spreads two cold documents over two idle engines.
+	if len(prompts) != 2 {
+		t.Fatalf("two documents went to %d engines, want 2", len(prompts))
+	}
+	for w, keys := range prompts {
+		eventually(t, 10*time.Second, func() error {
+			if m := lookup(s, w, keys); m.GPU != len(keys) {
+				return fmt.Errorf("index has %d of %s's %d blocks", m.GPU, w, len(keys))
+			}
+			return nil
+		})
+	}
+	if err := engines[0].ResetPrefixCache(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, func() error {
+		if m := lookup(s, "v0", prompts["v0"]); m.GPU != 0 {
+			return fmt.Errorf("after v0's AllBlocksCleared the index has %d of its blocks", m.GPU)
+		}
+		return nil
+	})
+	if m := lookup(s, "v1", prompts["v1"]); m.GPU != len(prompts["v1"]) {
+		t.Errorf("v0's clear left %d of v1's %d blocks in the index", m.GPU, len(prompts["v1"]))
+	}
+	if n := engines[0].CachedBlocks(); n != 0 {
+		t.Errorf("v0 holds %d blocks after its reset", n)
+	}
+}
+
+// TestFakeVLLMTenants: the same prompt under two tenants never hits across
+// them inside the engine, which is sent each tenant as cache_salt; each
+// tenant's own repeat does.
+func TestFakeVLLMTenants(t *testing.T) {
+	_, addr, engines := startFakeVLLMs(t, 1, "kv_aware")
+	c := oaClient(t, addr)
+	p := fakeVLLMPrompt(0, 0)
+	ask := func(tenant string) chatResult {
+		params := chatParams(p, 4)
+		params.PromptCacheKey = openai.String(tenant)
+		return chat(t, c, params)
+	}
+	for i, want := range []struct {
+		tenant string
+		hit    bool
+	}{{"tenant-a", false}, {"tenant-b", false}, {"tenant-a", true}, {"tenant-b", true}} {
+		var r chatResult
+		if want.hit {
+			// The tenant's blocks reach the index through the engine's events.
+			eventually(t, 10*time.Second, func() error {
+				if r = ask(want.tenant); predictedHit(t, r.route) < 0.9 {
+					return fmt.Errorf("%s's repeat: route %q", want.tenant, r.route)
+				}
+				return nil
+			})
+		} else {
+			r = ask(want.tenant)
+			if hit := predictedHit(t, r.route); hit != 0 {
+				t.Errorf("request %d, %s's first: predicted hit %v, want 0", i, want.tenant, hit)
+			}
+		}
+		if got := r.cached > 0; got != want.hit {
+			t.Errorf("request %d (%s): %d of %d tokens cached, want a hit %v", i, want.tenant, r.cached, r.prompt, want.hit)
+		}
+	}
+	for _, req := range engines[0].Requests()[:2] {
+		if req.CachedTokens != 0 {
+			t.Errorf("the engine found %d tokens cached for %s's first request", req.CachedTokens, req.CacheSalt)
+		}
+	}
+	if salts := []string{engines[0].Requests()[0].CacheSalt, engines[0].Requests()[1].CacheSalt}; salts[0] != "tenant-a" || salts[1] != "tenant-b" {
+		t.Errorf("cache_salt the engine saw first: %q, want tenant-a then tenant-b", salts)
+	}
+}
