@@ -10,7 +10,7 @@ LDFLAGS  := -X main.version=$(VERSION)
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test test-short demo proto lint bench bench-proxy gobench clean
+.PHONY: all build test test-short demo proto lint bench bench-proxy faults soak gobench clean
 
 all: lint build test
 
@@ -55,6 +55,18 @@ bench-proxy:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
 	  else echo "haproxy is missing: run  sudo apt-get install -y haproxy"; exit 1; fi; }
 	$(GO) run ./bench/cmd/proxybench $(ARGS)
+
+# The fault matrix (bench/FAULTS.md): a disaggregated fleet of baton
+# processes on loopback (redis-server, 2 prefill + 2 decode workers, two
+# serve replicas) under a steady load while faults are injected one at a
+# time, then together; about four minutes (ARGS="-quick": two). The soak
+# holds 2,000 streams open against baton demo for 10 minutes
+# (ARGS="-streams 500 -duration 2m" for less). Both run under nice.
+faults: build
+	nice -n 19 $(GO) run ./bench/cmd/faults -baton $(BIN)/baton $(ARGS)
+
+soak: build
+	nice -n 19 $(GO) run ./bench/cmd/faults -soak -baton $(BIN)/baton $(ARGS)
 
 # Every go test benchmark.
 gobench:

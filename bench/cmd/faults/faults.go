@@ -18,20 +18,26 @@ type fault struct {
 	side    func(ctx context.Context, h *harness)
 }
 
-// waitInFlight waits (up to 3s) until the first replica has requests in
-// flight on worker, so that a kill lands mid-call, and says how many.
+// waitInFlight waits (up to 3s) until worker has sequences running or
+// waiting by its own /metrics, or either replica counts calls in flight
+// on it, so that a kill lands mid-call, and says how many.
 func (h *harness) waitInFlight(ctx context.Context, worker string) string {
 	deadline := time.Now().Add(3 * time.Second)
 	for time.Now().Before(deadline) {
-		m, err := scrape(ctx, h.f.bases[0])
-		if err == nil {
-			if n := m.sum("baton_worker_in_flight", map[string]string{"worker": worker}); n > 0 {
-				return fmt.Sprintf("%.0f in flight on %s at the kill", n, worker)
+		if m, err := scrape(ctx, h.f.metrics[worker]); err == nil {
+			if n := m.sum("baton_worker_sequences", nil); n > 0 {
+				return fmt.Sprintf("%.0f sequences on %s at the kill", n, worker)
 			}
 		}
-		time.Sleep(10 * time.Millisecond)
+		for _, base := range h.f.bases {
+			if m, err := scrape(ctx, base); err == nil {
+				if n := m.sum("baton_worker_in_flight", map[string]string{"worker": worker}); n > 0 {
+					return fmt.Sprintf("%.0f calls in flight on %s at the kill", n, worker)
+				}
+			}
+		}
 	}
-	return "none in flight on " + worker + " at the kill (3s wait)"
+	return "nothing seen in flight on " + worker + " within 3s"
 }
 
 func (h *harness) kill(ctx context.Context, worker string) string {
