@@ -42,10 +42,10 @@ func (w *Worker) Adapters() []string {
 	return nil
 }
 
-// AdapterSlotFree reports whether the worker can load one more adapter
-// without evicting one: MaxLoRAs is 0 (no bound known) or not reached.
+// AdapterSlotFree reports whether the scheduler may load one more adapter
+// onto the worker without evicting one: it holds fewer than MaxLoRAs.
 func (w *Worker) AdapterSlotFree() bool {
-	return w.MaxLoRAs <= 0 || len(w.Adapters()) < w.MaxLoRAs
+	return len(w.Adapters()) < w.MaxLoRAs
 }
 
 // AddAdapter records that the worker holds name, loaded now.

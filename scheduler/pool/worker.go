@@ -46,7 +46,8 @@ type Worker struct {
 	// removed and its calls have ended.
 	Client engine.Client
 	// MaxLoRAs is how many LoRA adapters the engine holds at once (vLLM's
-	// --max-loras); 0: no bound known, and none is evicted to load one.
+	// --max-loras): the scheduler loads adapters onto it up to that many,
+	// then evicts the least recently used. 0: it loads none onto it.
 	MaxLoRAs int
 
 	pool     *Pool // set once by Pool.Add or Pool.Set

@@ -180,8 +180,9 @@ func (c *Client) Check(ctx context.Context) error {
 }
 
 // Describe lists the models the engine serves, from its /v1/models (the
-// OpenAI model list vLLM, SGLang and llama-server all answer). An engine
-// without that route (404) serves any model. Role is always "both".
+// OpenAI model list vLLM, SGLang and llama-server all answer); entries
+// with a parent are LoRA adapters (vLLM's). An engine without that route
+// (404) serves any model. Role is always "both".
 func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 	d := engine.Description{Role: "both"}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+"/v1/models", nil)
@@ -202,7 +203,8 @@ func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 	}
 	var list struct {
 		Data []struct {
-			ID string `json:"id"`
+			ID     string `json:"id"`
+			Parent string `json:"parent"` // vLLM's: a LoRA adapter's base model
 		} `json:"data"`
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelList)).Decode(&list); err != nil {
@@ -211,6 +213,9 @@ func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 	for _, m := range list.Data {
 		if m.ID != "" && !slices.Contains(d.Models, m.ID) {
 			d.Models = append(d.Models, m.ID)
+			if m.Parent != "" && m.Parent != m.ID {
+				d.Adapters = append(d.Adapters, m.ID)
+			}
 		}
 	}
 	return d, nil

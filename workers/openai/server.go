@@ -95,18 +95,25 @@ func readError(w http.ResponseWriter, err error) error {
 
 // WriteModels writes the /v1/models list.
 func WriteModels(w http.ResponseWriter, models []string, created int64) {
+	WriteModelList(w, models, nil, created)
+}
+
+// WriteModelList writes the /v1/models list, each model with its parent
+// when parents has one: a LoRA adapter's base model, as vLLM lists them.
+func WriteModelList(w http.ResponseWriter, models []string, parents map[string]string, created int64) {
 	type model struct {
 		ID      string `json:"id"`
 		Object  string `json:"object"`
 		Created int64  `json:"created"`
 		OwnedBy string `json:"owned_by"`
+		Parent  string `json:"parent,omitempty"`
 	}
 	list := struct {
 		Object string  `json:"object"`
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
 	for _, m := range models {
-		list.Data = append(list.Data, model{ID: m, Object: "model", Created: created, OwnedBy: "baton"})
+		list.Data = append(list.Data, model{ID: m, Object: "model", Created: created, OwnedBy: "baton", Parent: parents[m]})
 	}
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(list)
