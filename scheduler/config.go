@@ -76,6 +76,11 @@ type WorkerConfig struct {
 	// simulated engine's (Llama-3.1-8B on one H100), which kv_aware's
 	// online correction then scales. Baton workers report their own.
 	Cost CostConfig `yaml:"cost"`
+	// MaxLoRAs is how many LoRA adapters (adapters:) the scheduler loads
+	// onto the worker at once, evicting the least recently used past it:
+	// vLLM's --max-loras, or a baton worker's lora.max_loras. Default 0:
+	// it loads none there (the worker serves those it holds).
+	MaxLoRAs int `yaml:"max_loras"`
 
 	EngineConfig `yaml:",inline"`
 }
@@ -355,6 +360,10 @@ type Config struct {
 	// parts (filters, weighted scorers, a picker); strategy and
 	// disaggregation.decode_strategy may name them.
 	Profiles []routing.ProfileConfig `yaml:"profiles"`
+	// Adapters are the LoRA adapters served as models of their own names:
+	// a request for one goes to a worker that holds it, or it is loaded
+	// onto one whose max_loras allows.
+	Adapters []AdapterConfig `yaml:"adapters"`
 }
 
 // RegisterProfiles returns a copy of strategies with c's custom profiles
@@ -389,6 +398,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.Discovery.Mode == "" {
+		c.Discovery.Mode = DiscoveryStatic
 	}
 	for i := range c.Workers {
 		w := &c.Workers[i]
@@ -502,6 +514,9 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		} else if !strings.HasPrefix(w.Address, "http://") && !strings.HasPrefix(w.Address, "https://") {
 			return fmt.Errorf("%s.address: the address of %s engines is a URL such as http://host:8000, got %q", field, w.Kind, w.Address)
 		}
+	}
+	if err := c.validateAdapters(); err != nil {
+		return err
 	}
 	return validatePairs(c.Workers)
 }

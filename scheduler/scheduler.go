@@ -202,6 +202,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			fopts = append(fopts, frontend.WithTokenKeys(*tk))
 		}
 	}
+	fopts = append(fopts, frontend.WithAdapters(frontend.Adapters{List: cfg.adapters(), Threshold: cfg.ConcurrencyThreshold}))
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, s.Strategy, s.Metrics, s.log, fopts...)
 	return err
 }
@@ -257,7 +258,7 @@ func (s *Scheduler) snapshot(p **pool.Pool) func() *pool.Snapshot {
 // leaves the worker's models or role to the engine, it asks once; a nil
 // description means the engine did not answer (yet).
 func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description, error) {
-	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models}
+	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models, MaxLoRAs: wc.MaxLoRAs}
 	switch wc.Kind {
 	case KindHTTP, KindVLLM, KindSGLang:
 		c, err := httpengine.New(wc.Address, disaggProtocol(wc))
@@ -465,6 +466,7 @@ func (s *Scheduler) apply(w *pool.Worker, d engine.Description) {
 	if len(w.Models) == 0 {
 		w.SetModels(d.Models)
 	}
+	w.SetAdapters(s.heldAdapters(d))
 	target := s.Pool
 	if s.roleOf(w.Name, d) == RolePrefill {
 		target = s.PrefillPool
@@ -484,7 +486,7 @@ func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
 	}
 	if from != nil {
 		from.Remove(w.Name)
-		w = &pool.Worker{Name: w.Name, Addr: w.Addr, Models: w.ServedModels(), Discover: w.Discover, Client: w.Client}
+		w = &pool.Worker{Name: w.Name, Addr: w.Addr, Models: w.ServedModels(), Discover: w.Discover, Client: w.Client, MaxLoRAs: w.MaxLoRAs}
 	}
 	if err := target.Add(w); err != nil {
 		s.log.Error("adding worker to its pool", "worker", w.Name, "err", err)

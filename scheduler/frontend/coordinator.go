@@ -12,6 +12,7 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/httpengine"
 	"github.com/batonllm/baton/workers/openai"
 )
 
@@ -61,6 +62,10 @@ type exchange struct {
 	dz *Disagg
 	// fin is what the worker reported of the attempt, for the strategy.
 	fin routing.FinishInfo
+	// ctx is the request's; adapter is how its LoRA adapter was found
+	// on the worker picked last (held or loaded), empty for a base model.
+	ctx     context.Context
+	adapter string
 }
 
 // disaggregated returns s.disagg while it has prefill workers, else nil.
@@ -127,11 +132,19 @@ func (x *exchange) run(ctx context.Context) string {
 		var p *plan
 		if x.dz != nil {
 			h.Del(HeaderPrefillWorker)
-			if attempt == 0 {
+			switch proto := protocolOf(wk); {
+			case proto == httpengine.NIXL:
+				// Every attempt pairs anew: the prefill engine holds its
+				// blocks for its pair's decode request only.
+				p = x.prefillNIXL(ctx, wk, attempt)
+			case proto == httpengine.Bootstrap:
+				// Prefill and decode run at once (serveBootstrap).
+				p = &plan{protocol: proto}
+			case attempt == 0:
 				// Later attempts prefill on their decode worker: the
 				// transfer went to the one that failed.
 				p = x.prefill(ctx, wk)
-			} else {
+			default:
 				x.disagg = "local(decode_retry)"
 				s.metrics.Fallbacks.WithLabelValues("decode_retry").Inc()
 			}
@@ -145,7 +158,12 @@ func (x *exchange) run(ctx context.Context) string {
 			}
 			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
 		} else {
-			h.Set(HeaderRoute, d.RouteHit(x.strategy, x.rreq.Tokens))
+			route := d.RouteHit(x.strategy, x.rreq.Tokens)
+			if x.adapter != "" {
+				route += "; adapter=" + x.adapter
+				s.lora.metrics.Requests.WithLabelValues(x.rreq.Adapter, x.adapter).Inc()
+			}
+			h.Set(HeaderRoute, route)
 			if d.Reason == routing.ReasonReplicate && d.Home != nil && d.Home != wk {
 				// The prefix moves by transfer, not recomputation: the
 				// estimate was of the latter.
@@ -243,6 +261,9 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	var err error
 	d, err = strategy.Pick(x.rreq, snap)
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
+	if x.rreq.Adapter != "" && x.s.lora != nil {
+		d, x.adapter, err = x.s.lora.route(x.ctx, x, strategy, d, err)
+	}
 	return d, err
 }
 
@@ -267,8 +288,19 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		x.lastTok = now
 		x.done(now.Sub(x.start), nil)
 	}
-	if p, ok := wk.Client.(engine.Proxier); ok {
-		res, err := p.Proxy(ctx, &x.req.Request, x.w, firstToken)
+	if pr, ok := wk.Client.(engine.Proxier); ok {
+		var res engine.ProxyResult
+		var err error
+		switch {
+		case p != nil && p.protocol == httpengine.Bootstrap:
+			return x.serveBootstrap(ctx, wk, firstToken)
+		case p != nil && p.protocol == httpengine.NIXL && p.cached >= 0:
+			res, err = wk.Client.(engineDisaggregator).ProxyCached(ctx, p.decode, x.w, firstToken, p.cached)
+		case p != nil && p.protocol == httpengine.NIXL:
+			res, err = pr.Proxy(ctx, p.decode, x.w, firstToken)
+		default:
+			res, err = pr.Proxy(ctx, &x.req.Request, x.w, firstToken)
+		}
 		if res.Usage != nil {
 			x.usage(wk, res.Usage)
 		}
@@ -358,6 +390,9 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 		e = openai.Timeout()
 	case outcome == metrics.OutcomeCanceled:
 		return outcome // nobody is listening
+	case errors.Is(err, errNoAdapterWorker):
+		e = adapterError(err)
+		outcome = metrics.OutcomeNoWorker
 	case errors.Is(err, routing.ErrNoWorker):
 		e = openai.NoWorker("no worker is available for model " + strconv.Quote(x.req.Model))
 	case errors.Is(err, engine.ErrUnknownModel):

@@ -24,6 +24,7 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/openai"
 )
 
@@ -52,6 +53,7 @@ type Server struct {
 	tokenKeys *TokenKeys
 	tok       *tokenizer
 	admission Admission // nil: every request is admitted
+	lora      *loader   // the LoRA adapters served (nil: none)
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -117,6 +119,9 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 		o(s)
 	}
 	s.freed = make(chan struct{})
+	if s.lora != nil {
+		s.lora.metrics, s.lora.pool = m.NewAdapters(), p
+	}
 	if s.cfg.MaxQueue > 0 {
 		s.queue = make(chan struct{}, s.cfg.MaxQueue)
 	}
@@ -178,13 +183,23 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	openai.WriteModels(w, models, s.created)
+	if s.lora != nil {
+		for _, a := range s.lora.cfg.List {
+			if slices.Contains(models, a.Base) && !slices.Contains(models, a.Name) {
+				models = append(models, a.Name)
+			}
+		}
+	}
+	openai.WriteModelList(w, models, s.lora.parents(), s.created)
 }
 
 // knownModel reports whether model is served: listed in the configured
 // models or, without such a list, served by some worker (a worker that
 // declares no models may serve any).
 func (s *Server) knownModel(model string) bool {
+	if a, ok := s.adapter(model); ok {
+		model = a.Base
+	}
 	if len(s.cfg.Models) > 0 {
 		return slices.Contains(s.cfg.Models, model)
 	}
@@ -194,6 +209,15 @@ func (s *Server) knownModel(model string) bool {
 		}
 	}
 	return false
+}
+
+// adapter returns the configured LoRA adapter named model, if any.
+func (s *Server) adapter(model string) (engine.Adapter, bool) {
+	if s.lora == nil {
+		return engine.Adapter{}, false
+	}
+	a, ok := s.lora.byName[model]
+	return a, ok
 }
 
 // Drain marks the server as draining for shutdown: /readyz and /ping
@@ -253,7 +277,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
 	defer cancel()
-	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated()}
+	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated(), ctx: ctx}
 	outcome := x.run(ctx)
 	if s.admission != nil {
 		s.admission.Done(r.Context(), x.used)
@@ -336,7 +360,12 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 		req.Body = withCacheSalt(req.Body, req.Tenant, bound)
 	}
 	seed := blockkey.Seed(req.Model, req.Tenant)
+	// An adapter's keys are seeded by its own name (req.Model), so its
+	// blocks are never its base model's.
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}
+	if a, ok := s.adapter(req.Model); ok {
+		rreq.Model, rreq.Adapter = a.Base, a.Name
+	}
 	if s.usesKeys && (s.tok == nil || !s.tok.keys(r.Context(), &req.Request, rreq)) {
 		rreq.Keys = blockkey.Append(make([]uint64, 0, len(req.Prompt)/blockkey.DefaultBlockChars), seed, req.Prompt, blockkey.DefaultBlockChars)
 		rreq.Tokens = blockkey.Tokens(blockkey.Chars(req.Prompt))

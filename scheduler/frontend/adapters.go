@@ -1,0 +1,247 @@
+package frontend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/batonllm/baton/scheduler/metrics"
+	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/openai"
+)
+
+// Adapters configures the LoRA adapters the fleet serves as models of
+// their own names.
+type Adapters struct {
+	// List are the adapters; each Base is a model workers serve.
+	List []engine.Adapter
+	// Threshold is the requests in flight past which a holder counts as
+	// busy, so that the adapter is loaded onto one more worker. 0:
+	// routing.DefaultConcurrencyThreshold.
+	Threshold int
+	// LoadTimeout bounds one load on one worker. 0: DefaultLoadTimeout.
+	LoadTimeout time.Duration
+}
+
+// DefaultLoadTimeout bounds an adapter load by default: vLLM reads an
+// adapter of a few hundred MB from local disk in seconds, from a remote
+// repository in tens of them.
+const DefaultLoadTimeout = time.Minute
+
+// WithAdapters has the server serve the LoRA adapters of a: a request for
+// one goes to a worker that holds it, or, when none does or they are all
+// busy, to one the adapter is loaded onto.
+func WithAdapters(a Adapters) Option {
+	return func(s *Server) {
+		if len(a.List) == 0 {
+			return
+		}
+		if a.Threshold <= 0 {
+			a.Threshold = routing.DefaultConcurrencyThreshold
+		}
+		if a.LoadTimeout <= 0 {
+			a.LoadTimeout = DefaultLoadTimeout
+		}
+		l := &loader{cfg: a, byName: make(map[string]engine.Adapter, len(a.List)), loads: make(map[string]*adapterLoad)}
+		for _, ad := range a.List {
+			l.byName[ad.Name] = ad
+		}
+		s.lora = l
+	}
+}
+
+// loader routes requests for adapters and loads them: one load of an
+// adapter at a time, which every request needing it waits for.
+type loader struct {
+	cfg     Adapters
+	byName  map[string]engine.Adapter
+	metrics *metrics.Adapters
+	pool    *pool.Pool
+
+	mu    sync.Mutex
+	loads map[string]*adapterLoad // adapter → its load in progress
+}
+
+// adapterLoad is a load in progress; w and err are set before done is
+// closed.
+type adapterLoad struct {
+	done chan struct{}
+	w    *pool.Worker
+	err  error
+}
+
+// errNoAdapterWorker: no worker can take the adapter (503).
+var errNoAdapterWorker = errors.New("no worker can load the adapter")
+
+// parents returns each adapter's base model, for /v1/models.
+func (l *loader) parents() map[string]string {
+	if l == nil {
+		return nil
+	}
+	p := make(map[string]string, len(l.byName))
+	for n, a := range l.byName {
+		p[n] = a.Base
+	}
+	return p
+}
+
+// route completes the pick of a request for an adapter: d and err are the
+// strategy's, among the holders. When no holder is available, or all are
+// past the threshold, it loads the adapter onto another worker and picks
+// again. It returns how the adapter was found: "held" or "loaded".
+func (l *loader) route(ctx context.Context, x *exchange, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, error) {
+	a := l.byName[x.rreq.Adapter]
+	if err == nil && !l.busy(x.rreq) {
+		d.Worker.TouchAdapter(a.Name)
+		return d, "held", nil
+	}
+	if err != nil && !errors.Is(err, routing.ErrNoWorker) && !errors.Is(err, routing.ErrFull) {
+		return d, "", err
+	}
+	w, lerr := l.ensure(ctx, a, x.tried)
+	if lerr != nil {
+		if err == nil || errors.Is(err, routing.ErrFull) {
+			// Busy holders still serve, or the request queues for them.
+			if err == nil {
+				d.Worker.TouchAdapter(a.Name)
+			}
+			return d, "held", err
+		}
+		return d, "", lerr
+	}
+	d, err = strategy.Pick(x.rreq, l.pool.Snapshot())
+	if err != nil {
+		return d, "", err
+	}
+	d.Worker.TouchAdapter(a.Name)
+	if d.Worker == w {
+		return d, "loaded", nil
+	}
+	return d, "held", nil
+}
+
+// busy reports whether every available holder of the request's adapter
+// it has not tried is past the threshold.
+func (l *loader) busy(req *routing.Request) bool {
+	for _, w := range l.pool.Snapshot().Workers {
+		if w.HoldsAdapter(req.Adapter) && w.Available() && !slices.Contains(req.Tried, w) && w.InFlight() < l.cfg.Threshold {
+			return false
+		}
+	}
+	return true
+}
+
+// ensure returns a worker a was loaded onto for this request: by the load
+// in progress, or by a new one unless a holder has room by now.
+func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker) (*pool.Worker, error) {
+	l.mu.Lock()
+	if ld := l.loads[a.Name]; ld != nil {
+		l.mu.Unlock()
+		l.metrics.Waiting.Inc()
+		defer l.metrics.Waiting.Dec()
+		select {
+		case <-ld.done:
+			return ld.w, ld.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	if !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
+		// A load ended between the pick and here.
+		l.mu.Unlock()
+		return nil, nil
+	}
+	ld := &adapterLoad{done: make(chan struct{})}
+	l.loads[a.Name] = ld
+	l.mu.Unlock()
+	l.metrics.Waiting.Inc()
+	ld.w, ld.err = l.load(ctx, a, tried)
+	l.metrics.Waiting.Dec()
+	l.mu.Lock()
+	delete(l.loads, a.Name)
+	l.mu.Unlock()
+	close(ld.done)
+	return ld.w, ld.err
+}
+
+// load loads a onto the best worker that can take it, and onto the next
+// when that fails. The load goes on if the request goes away, since
+// others may be waiting for it; LoadTimeout bounds each try.
+func (l *loader) load(ctx context.Context, a engine.Adapter, tried []*pool.Worker) (*pool.Worker, error) {
+	base := context.WithoutCancel(ctx)
+	failed := slices.Clone(tried)
+	var lastErr error
+	for {
+		w := l.target(a, failed)
+		if w == nil {
+			if lastErr != nil {
+				return nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
+			}
+			return nil, fmt.Errorf("%w %s", errNoAdapterWorker, a.Name)
+		}
+		lctx, cancel := context.WithTimeout(base, l.cfg.LoadTimeout)
+		t0 := time.Now()
+		err := l.loadOn(lctx, w, a)
+		cancel()
+		l.metrics.LoadSeconds.Observe(time.Since(t0).Seconds())
+		if err == nil {
+			l.metrics.Loads.WithLabelValues(w.Name, a.Name, "ok").Inc()
+			w.AddAdapter(a.Name)
+			return w, nil
+		}
+		l.metrics.Loads.WithLabelValues(w.Name, a.Name, "failed").Inc()
+		failed = append(failed, w)
+		lastErr = err
+	}
+}
+
+// target is the worker to load a onto: available, serving a's base, not
+// holding it, not in skip, allowed adapters (MaxLoRAs); one with a free
+// slot first, then the one with fewest requests in flight.
+func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
+	var best *pool.Worker
+	bestFree := false
+	for _, w := range l.pool.Snapshot().Workers {
+		if w.MaxLoRAs <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) {
+			continue
+		}
+		free := w.AdapterSlotFree()
+		if best == nil || (free && !bestFree) || (free == bestFree && w.InFlight() < best.InFlight()) {
+			best, bestFree = w, free
+		}
+	}
+	return best
+}
+
+// loadOn loads a onto w, first unloading its least recently used adapter
+// when its slots are full. Engines without a load API load on the first
+// request.
+func (l *loader) loadOn(ctx context.Context, w *pool.Worker, a engine.Adapter) error {
+	ld, api := w.Client.(engine.AdapterLoader)
+	if !w.AdapterSlotFree() {
+		if victim, ok := w.LRUAdapter(a.Name); ok {
+			if api {
+				if err := ld.UnloadAdapter(ctx, victim); err != nil {
+					return err
+				}
+			}
+			w.RemoveAdapter(victim)
+			l.metrics.Evictions.WithLabelValues(w.Name).Inc()
+		}
+	}
+	if !api {
+		return nil
+	}
+	return ld.LoadAdapter(ctx, a)
+}
+
+// adapterError is the client's answer when no worker could take the
+// adapter.
+func adapterError(err error) *openai.Error {
+	return openai.NoWorker(err.Error())
+}
