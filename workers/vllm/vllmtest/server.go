@@ -230,6 +230,10 @@ func (s *Server) BlockSize() int { return s.cfg.BlockSize }
 // GPUBlocks returns the KV cache's capacity in blocks.
 func (s *Server) GPUBlocks() int { return s.cfg.GPUBlocks }
 
+// Figures returns the modelled engine's cost figures in real seconds (over
+// the time scale), as a worker's cost configuration states them.
+func (s *Server) Figures() cost.Figures { return s.eng.Figures().Scaled(s.cfg.TimeScale) }
+
 // EventsEndpoint returns the KV event publisher's address, as
 // tcp://127.0.0.1:port; "" without events.
 func (s *Server) EventsEndpoint() string {

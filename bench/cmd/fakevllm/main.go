@@ -1,0 +1,146 @@
+// Command fakevllm starts a fleet of fake vLLM engines (workers/vllm/vllmtest:
+// vLLM's HTTP API, /tokenize, /metrics and ZeroMQ KV events, a prefix cache
+// of its own, prefill and decode times modelled by workers/engine/cost) and
+// prints a baton serve configuration of them, so that baton serve and baton
+// bench --target can run against engines that speak vLLM's protocols
+// without a GPU. They are not vLLM: say so beside any figure they produce.
+//
+//	go run ./bench/cmd/fakevllm -n 4 -time-scale 10 -config /tmp/fleet.yaml &
+//	baton serve --config /tmp/fleet.yaml --strategy kv_aware &
+//	baton bench --target http://127.0.0.1:8080 --workers 4 --speedup 10 --strategies kv_aware
+//
+// On SIGINT or SIGTERM it prints each engine's counters to stderr and
+// exits; a new run starts cold.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/batonllm/baton/workers/engine/cost"
+	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
+	"github.com/batonllm/baton/workers/vllm/vllmtest"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		fmt.Fprintln(os.Stderr, "fakevllm:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("fakevllm", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	n := fs.Int("n", 4, "fake vLLM engines to start")
+	host := fs.String("host", "127.0.0.1", "host the engines listen on")
+	port := fs.Int("port", 0, "first port: engine i listens on port+3i (HTTP), port+3i+1 (KV events) and port+3i+2 (replay); 0 picks free ports")
+	served := fs.String("served-model-name", "", "model name served (default: the preset's name)")
+	preset := fs.String("model-preset", cost.DefaultModel, "modelled model: "+strings.Join(names(cost.Models), ", "))
+	gpu := fs.String("gpu", cost.DefaultGPU, "modelled GPU: "+strings.Join(names(cost.GPUs), ", "))
+	scale := fs.Float64("time-scale", 1, "run the modelled clock this many times faster than real time (baton bench --speedup should match)")
+	blockSize := fs.Int("block-size", 16, "tokens a KV block")
+	kvBlocks := fs.Int("kv-blocks", 0, "GPU KV capacity of each engine in blocks (default: from the modelled GPU's memory)")
+	maxRunning := fs.Int("max-running", 256, "running sequences of each engine at most; the rest wait")
+	encoding := fs.String("encoding", "tagged-maps", "KV event encoding: array-like, tagged-maps, maps")
+	listen := fs.String("listen", "127.0.0.1:8080", "listen address written into the configuration for baton serve")
+	strategy := fs.String("strategy", "kv_aware", "strategy written into the configuration")
+	configPath := fs.String("config", "", "also write the configuration to `file`")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *n < 1 {
+		return fmt.Errorf("-n: must be at least 1, got %d", *n)
+	}
+	enc, err := parseEncoding(*encoding)
+	if err != nil {
+		return err
+	}
+	var engines []*vllmtest.Server
+	defer func() {
+		for _, e := range engines {
+			e.Close()
+		}
+	}()
+	for i := range *n {
+		cfg := vllmtest.Config{Model: *served, Cost: cost.Config{Model: *preset, GPU: *gpu}, TimeScale: *scale,
+			BlockSize: *blockSize, GPUBlocks: *kvBlocks, MaxRunning: *maxRunning, Encoding: enc}
+		addr := func(k int) string {
+			if *port == 0 {
+				return net.JoinHostPort(*host, "0")
+			}
+			return net.JoinHostPort(*host, strconv.Itoa(*port+3*i+k))
+		}
+		cfg.HTTPAddr, cfg.EventsAddr, cfg.ReplayAddr = addr(0), addr(1), addr(2)
+		e, err := vllmtest.New(cfg)
+		if err != nil {
+			return fmt.Errorf("engine %d: %w", i, err)
+		}
+		engines = append(engines, e)
+	}
+	var b strings.Builder
+	writeConfig(&b, engines, *listen, *strategy, *preset, *gpu, *scale)
+	fmt.Fprint(stdout, b.String())
+	if *configPath != "" {
+		if err := os.WriteFile(*configPath, []byte(b.String()), 0o644); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(stderr, "fakevllm: %d fake vLLM engines serving; interrupt to stop\n", len(engines))
+	<-ctx.Done()
+	for i, e := range engines {
+		st := e.Stats()
+		hit := 0.0
+		if st.PromptTokens > 0 {
+			hit = float64(st.CachedTokens) / float64(st.PromptTokens)
+		}
+		fmt.Fprintf(stderr, "fake-vllm-%d: %d requests, %d prompt tokens, %d cached (%.3f), %d tokenize calls, %d blocks stored, %d removed\n",
+			i, st.Requests, st.PromptTokens, st.CachedTokens, hit, st.Tokenizes, st.BlocksStored, st.BlocksRemoved)
+	}
+	return nil
+}
+
+// writeConfig writes baton serve's configuration of the engines.
+func writeConfig(w io.Writer, engines []*vllmtest.Server, listen, strategy, preset, gpu string, scale float64) {
+	fmt.Fprintf(w, "# %d fake vLLM engines (bench/cmd/fakevllm), not vLLM: %s on %s modelled by\n", len(engines), preset, gpu)
+	fmt.Fprintf(w, "# workers/engine/cost at time scale %g; cost figures are in real seconds.\n", scale)
+	fmt.Fprintf(w, "listen: %s\nstrategy: %s\nworkers:\n", listen, strategy)
+	for i, e := range engines {
+		f := e.Figures()
+		fmt.Fprintf(w, "  - name: fake-vllm-%d\n    kind: vllm\n    address: %s\n    models: [%s]\n", i, e.URL, e.Model())
+		fmt.Fprintf(w, "    events: %s\n    events_replay: %s\n    events_topic: %s\n", e.EventsEndpoint(), e.ReplayEndpoint(), e.Topic())
+		fmt.Fprintf(w, "    metrics_path: /metrics\n    metrics_interval: 250ms\n    block_size: %d\n", e.BlockSize())
+		fmt.Fprintf(w, "    cost:\n      flops: %.4g\n      decode_step_seconds: %.4g\n      hbm_bytes_per_second: %.4g\n      layers: %d\n      hidden: %d\n      kv_bytes_per_block: %d\n",
+			f.FLOPS, f.DecodeStepSeconds, f.HBMBytesPerSecond, f.Layers, f.Hidden, f.KVBytesPerBlock)
+	}
+}
+
+func parseEncoding(s string) (kveventstest.Encoding, error) {
+	for _, e := range []kveventstest.Encoding{kveventstest.ArrayLike, kveventstest.TaggedMaps, kveventstest.Maps} {
+		if e.String() == s {
+			return e, nil
+		}
+	}
+	return 0, errors.New("-encoding: must be array-like, tagged-maps or maps, got " + strconv.Quote(s))
+}
+
+func names[V any](m map[string]V) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}

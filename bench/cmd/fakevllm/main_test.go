@@ -1,0 +1,61 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/routing"
+)
+
+// TestConfigLoads: the configuration printed is one baton serve loads:
+// every engine a vllm worker with its events, replay socket, block size
+// and cost figures, reachable at its address.
+func TestConfigLoads(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "fleet.yaml")
+	ctx, cancel := context.WithCancel(context.Background())
+	var stdout, stderr bytes.Buffer
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, []string{"-n", "2", "-time-scale", "100", "-config", path}, &stdout, &stderr) }()
+	var cfg scheduler.Config
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if cfg, err = scheduler.LoadConfig(path); err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("loading the configuration: %v\n%s", err, stderr.String())
+	}
+	reg := &routing.Registry{}
+	routing.RegisterBuiltins(reg)
+	if err := cfg.Validate(reg); err != nil {
+		t.Fatalf("the configuration does not validate: %v", err)
+	}
+	if len(cfg.Workers) != 2 || cfg.Strategy != "kv_aware" {
+		t.Fatalf("configuration %+v, want 2 workers and kv_aware", cfg)
+	}
+	for _, w := range cfg.Workers {
+		if w.Kind != scheduler.KindVLLM || w.Events == "" || w.EventsReplay == "" || w.BlockSize != 16 || w.Cost.FLOPS <= 0 {
+			t.Errorf("worker %+v, want a vllm worker with events, replay, block size 16 and cost figures", w)
+		}
+		resp, err := http.Get(w.Address + "/health")
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Errorf("GET %s/health: %v %v", w.Address, resp, err)
+		} else {
+			resp.Body.Close()
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(stderr.String(), "fake-vllm-1: 0 requests") {
+		t.Errorf("stderr %q, want each engine's counters", stderr.String())
+	}
+}
