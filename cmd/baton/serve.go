@@ -222,7 +222,7 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 	if err != nil {
 		return err
 	}
-	log.Info("scheduler listening", "addr", l.Addr().String(), "tls", s.TLS(), "strategy", cfg.Strategy, "workers", len(cfg.Workers))
+	log.Info("scheduler listening", "addr", l.Addr().String(), "tls", s.TLS(), "strategy", cfg.Strategy, "workers", len(cfg.Workers), "discovery", cfg.WithDefaults().Discovery.Mode)
 	if ready != nil {
 		ready(l.Addr().String())
 	}
