@@ -107,6 +107,7 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 	}
 	took := time.Since(start)
 	wg.Wait()
+	c.close() // the server's goroutines of idle keep-alive connections go too
 	sleep(ctx, 5*time.Second)
 	end, _ := scrape(ctx, base)
 	load1 := loadAvg()
