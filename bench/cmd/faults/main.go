@@ -219,7 +219,7 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 	}
 	stopLoad()
 	loadWG.Wait()
-	steady.close() // the server's goroutines of idle keep-alive connections go too
+	steady.close()            // the server's goroutines of idle keep-alive connections go too
 	sleep(ctx, 3*time.Second) // let the last streams' goroutines end
 	idle1, _ := scrape(ctx, f.bases[0])
 	tier := f.scrapeWorkers(ctx)
