@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/transfer/tlsconf"
+	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -31,6 +33,8 @@ type simFlags struct {
 	redis                string
 	redisTLS             [3]string // --redis-ca-file, --redis-cert-file, --redis-key-file
 	warmupTopK           int
+	loraModules          string // --lora-modules name=MiB,...
+	maxLoRAs             int
 	store                transfer.Store // set by the caller from redis
 }
 
@@ -52,6 +56,8 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.redisTLS[0], "redis-ca-file", "", "PEM CA certificate `file` that signs a rediss:// server's certificate (default: the system roots)")
 	fs.StringVar(&f.redisTLS[1], "redis-cert-file", "", "PEM client certificate `file` for a rediss:// server that requires one (tls-auth-clients)")
 	fs.StringVar(&f.redisTLS[2], "redis-key-file", "", "PEM private key `file` of --redis-cert-file")
+	fs.StringVar(&f.loraModules, "lora-modules", "", "LoRA adapters of the first served model the worker can load, as `name=MiB,...` (their size, from which the load time over the host link is modelled)")
+	fs.IntVar(&f.maxLoRAs, "max-loras", 0, "LoRA adapters held at once, the least recently used evicted past it (default 1)")
 }
 
 // check rejects flag values out of range, naming the flag. In sim.Config
@@ -78,12 +84,17 @@ func (f *simFlags) check(fs *flag.FlagSet) error {
 		return fmt.Errorf("--cpu-blocks: must be at least 1, or -1 for no CPU tier, got %d", f.cpuBlocks)
 	case f.warmupTopK < 0:
 		return fmt.Errorf("--warmup-top-k: must not be negative, got %d", f.warmupTopK)
+	case set["max-loras"] && f.maxLoRAs < 1:
+		return fmt.Errorf("--max-loras: must be at least 1, got %d", f.maxLoRAs)
+	}
+	if _, err := f.adapters(nil); err != nil {
+		return err
 	}
 	flags := map[string]string{"models": "served-model-name", "role": "role", "time_scale": "time-scale",
 		"kv_scale": "kv-scale", "cost.model": "model-preset", "cost.gpu": "gpu", "cost.tp": "tp", "cost.mfu": "mfu",
 		"batching.max_running": "max-running", "batching.max_batched_tokens": "max-batched-tokens",
 		"tiers.gpu_blocks": "kv-blocks", "tiers.cpu_blocks": "cpu-blocks", "tiers.store_policy": "store-policy",
-		"warmup.top_k": "warmup-top-k"}
+		"warmup.top_k": "warmup-top-k", "lora.max_loras": "max-loras"}
 	if err := f.config("").Validate(); err != nil {
 		return renameField(err, func(field string) string {
 			if name, ok := flags[field]; ok && fs.Lookup(name) != nil {
@@ -148,7 +159,32 @@ func (f *simFlags) config(name string) sim.Config {
 	if f.served != "" {
 		c.Models = strings.Split(f.served, ",")
 	}
+	base := c.WithDefaults().Models[0]
+	c.LoRA.Adapters, _ = f.adapters(&base)
+	c.LoRA.MaxLoRAs = f.maxLoRAs
 	return c
+}
+
+// adapters parses --lora-modules into adapters of base (nil: not known
+// yet, for checking).
+func (f *simFlags) adapters(base *string) ([]engine.Adapter, error) {
+	if f.loraModules == "" {
+		return nil, nil
+	}
+	var out []engine.Adapter
+	for _, m := range strings.Split(f.loraModules, ",") {
+		name, mib, ok := strings.Cut(m, "=")
+		n, err := strconv.ParseInt(mib, 10, 64)
+		if !ok || name == "" || err != nil || n < 0 {
+			return nil, fmt.Errorf("--lora-modules: %q is not name=MiB", m)
+		}
+		a := engine.Adapter{Name: name, Bytes: n << 20}
+		if base != nil {
+			a.Base = *base
+		}
+		out = append(out, a)
+	}
+	return out, nil
 }
 
 func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error {
