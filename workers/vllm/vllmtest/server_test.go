@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"go.uber.org/goleak"
 
+	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/vllm"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
@@ -363,4 +365,38 @@ func TestMetrics(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// BenchmarkTokenize8000 measures what asking a fake engine's /tokenize for
+// an 8,000-token chat prompt costs, over loopback HTTP, through the
+// scheduler's client (vllm.Tokenizer): the JSON both ways and the fake's
+// tokenizer. p99-ns is the 99th percentile of one call.
+func BenchmarkTokenize8000(b *testing.B) {
+	s, err := vllmtest.New(vllmtest.Config{NoEvents: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(s.Close)
+	tok, err := vllm.NewTokenizer(s.URL, "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { tok.Close() })
+	body, _ := json.Marshal(map[string]any{"model": s.Model(), "messages": []map[string]any{{"role": "user", "content": strings.Repeat("word ", 8000)}}})
+	req := &engine.Request{Model: s.Model(), Path: "/v1/chat/completions", Body: body}
+	ctx := context.Background()
+	took := make([]time.Duration, 0, b.N)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		t0 := time.Now()
+		toks, err := tok.Tokenize(ctx, req)
+		took = append(took, time.Since(t0))
+		if err != nil || len(toks) != 8010 {
+			b.Fatalf("%d tokens, %v; want 8,010", len(toks), err)
+		}
+	}
+	b.StopTimer()
+	slices.Sort(took)
+	b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
 }
