@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/batonllm/baton/scheduler/pool"
@@ -243,7 +244,7 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 	defer pcancel()
 	dctx, dcancel := context.WithCancelCause(ctx)
 	defer dcancel(nil)
-	accepted := make(chan error, 1) // the prefill's fate, known before its body
+	g := &gate{w: x.w}
 	ended := make(chan struct{})
 	var first time.Duration
 	var prefillErr error
@@ -253,14 +254,13 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 		prefillErr = pc.PrefillBootstrap(pctx, req, func() {
 			ok = true
 			first = time.Since(x.start)
-			accepted <- nil
+			g.accept()
 		})
 		if !ok {
-			accepted <- prefillErr
+			g.refuse()
 			dcancel(errPrefillFailed)
 		}
 	}()
-	g := &gate{w: x.w, accepted: accepted}
 	res, err = dc.Proxy(dctx, req, g, g.onFirst(firstToken))
 	if err == nil {
 		// The decode engine answered: with the blocks, or a refusal of
@@ -278,23 +278,25 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 
 // gate holds back what the decode engine relays until its paired prefill
 // engine accepted the request, so that a prefill refused meanwhile leaves
-// the client untouched and the request free to pair again. It is used
-// from the request's goroutine only; the prefill's goroutine reports on
-// accepted.
+// the client untouched and the request free to pair again. The decode's
+// relay writes to it from the request's goroutine; the prefill's
+// goroutine opens it (accept), sending what was held back at once.
 type gate struct {
-	w        http.ResponseWriter
-	accepted <-chan error
-	open     bool // what came so far went to the client
-	refused  bool // the prefill was refused: nothing goes through
-	status   int
-	buf      bytes.Buffer
-	first    func() // the first token, held back with the bytes
+	mu      sync.Mutex
+	w       http.ResponseWriter
+	open    bool // what came so far went to the client; read once pair's goroutine ended
+	refused bool // the prefill was refused: held back unless the decode answers
+	status  int
+	buf     bytes.Buffer
+	first   func() // the first token, held back with the bytes
 }
 
 func (g *gate) Header() http.Header { return g.w.Header() }
 
 func (g *gate) WriteHeader(status int) {
-	if g.poll() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open {
 		g.w.WriteHeader(status)
 		return
 	}
@@ -302,47 +304,59 @@ func (g *gate) WriteHeader(status int) {
 }
 
 func (g *gate) Write(b []byte) (int, error) {
-	if g.poll() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open {
 		return g.w.Write(b)
+	}
+	if g.status == 0 {
+		g.status = http.StatusOK // as net/http writes it
 	}
 	return g.buf.Write(b)
 }
 
 // FlushError flushes what went through (http.ResponseController's hook).
 func (g *gate) FlushError() error {
-	if g.poll() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.open {
 		return http.NewResponseController(g.w).Flush()
 	}
 	return nil
 }
 
-// poll reports whether writes go through, releasing what was held back if
-// the prefill was accepted meanwhile.
-func (g *gate) poll() bool {
-	if g.open || g.refused {
-		return g.open
+// accept opens the gate unless the prefill was refused.
+func (g *gate) accept() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.refused {
+		g.releaseLocked()
 	}
-	select {
-	case err := <-g.accepted:
-		if err != nil {
-			g.refused = true
-			return false
-		}
-		g.release()
-	default:
-	}
-	return g.open
+}
+
+// refuse keeps the gate shut until the decode engine answers.
+func (g *gate) refuse() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.refused = true
 }
 
 // release sends what was held back, and lets everything through.
 func (g *gate) release() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.releaseLocked()
+}
+
+func (g *gate) releaseLocked() {
 	if g.open {
 		return
 	}
 	g.open = true
-	if g.status != 0 {
-		g.w.WriteHeader(g.status)
+	if g.status == 0 {
+		return // nothing came yet: what comes goes through
 	}
+	g.w.WriteHeader(g.status)
 	if g.buf.Len() > 0 {
 		_, _ = g.w.Write(g.buf.Bytes())
 		g.buf.Reset()
@@ -355,9 +369,11 @@ func (g *gate) release() {
 }
 
 // onFirst returns the decode's first-token callback, deferred to the
-// gate's release when the token is held back.
+// gate's opening when the token is held back.
 func (g *gate) onFirst(f func()) func() {
 	return func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
 		if g.open {
 			f()
 			return

@@ -1,0 +1,424 @@
+package scheduler_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/batonllm/baton/scheduler"
+)
+
+// pdEngine is a vLLM or SGLang server in a disaggregated fleet, speaking
+// its engine's protocol for its role:
+//
+//   - vLLM (NixlConnector): a prefill engine takes a request asking for a
+//     remote decode, computes one token and answers kv_transfer_params
+//     naming its engine and the blocks it holds for the request; a decode
+//     engine given kv_transfer_params pulls those blocks (the hub checks
+//     they are exactly the ones issued under the same X-Request-Id), or
+//     without them prefills itself.
+//   - SGLang (bootstrap): prefill and decode engines get the same request
+//     with the prefill engine's bootstrap host, port and a room; each
+//     waits, in the hub, for its partner to reach the room, so a
+//     scheduler that sent them one after the other would stall.
+//
+// Every engine generates the same text for the same prompt (a word per
+// token, from the prompt's tokens), so a disaggregated answer can be
+// compared with a colocated one. Its prefix cache has its own block size
+// and hash; the usage reports its hits as cached tokens (a vLLM decode
+// engine counts the blocks it pulled as cached, as vLLM does).
+type pdEngine struct {
+	name, kind, role string
+	bootstrapPort    int // an SGLang prefill engine's
+	hub              *pdHub
+	srv              *httptest.Server
+
+	mu       sync.Mutex
+	cache    map[uint64]int // block hash → block id
+	requests []pdRequest
+	// fail answers this status to every chat completion while set.
+	fail int
+	// hold keeps a prefill's answer, or a decode's stream after its first
+	// token, until the client goes away; canceled counts those that did.
+	hold     bool
+	canceled int
+}
+
+// pdRequest is a chat completion a pdEngine received.
+type pdRequest struct {
+	id   string // X-Request-Id
+	raw  []byte
+	body map[string]json.RawMessage
+}
+
+// field returns the body's value of key, compacted, or "" if absent.
+func (r pdRequest) field(key string) string {
+	v, ok := r.body[key]
+	if !ok {
+		return ""
+	}
+	var b bytes.Buffer
+	if json.Compact(&b, v) != nil {
+		return string(v)
+	}
+	return b.String()
+}
+
+// pdHub is what the engines of one test share: the transfer parameters
+// vLLM prefill engines issued, SGLang's bootstrap rooms, and the protocol
+// violations any engine saw, which fail the test.
+type pdHub struct {
+	t          testing.TB
+	mu         sync.Mutex
+	issued     map[string]string // X-Request-Id → kv_transfer_params
+	rooms      map[uint64]*pdRoom
+	violations []string
+}
+
+// pdRoom is an SGLang bootstrap room: each side closes its channel on
+// arrival, and the prefill engine kv once it sent the blocks.
+type pdRoom struct {
+	prefill, decode, kv chan struct{}
+	prefillAddr         string // host:port of the prefill engine's bootstrap server
+	decodeAddr          string // host:port the decode request named
+}
+
+func newPDHub(t testing.TB) *pdHub {
+	h := &pdHub{t: t, issued: map[string]string{}, rooms: map[uint64]*pdRoom{}}
+	t.Cleanup(func() {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		for _, v := range h.violations {
+			t.Errorf("protocol violation: %s", v)
+		}
+	})
+	return h
+}
+
+func (h *pdHub) violate(format string, args ...any) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.violateLocked(format, args...)
+}
+
+// violateLocked is violate with h.mu held.
+func (h *pdHub) violateLocked(format string, args ...any) {
+	h.violations = append(h.violations, fmt.Sprintf(format, args...))
+}
+
+// room returns the room, creating it.
+func (h *pdHub) room(id uint64) *pdRoom {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	r := h.rooms[id]
+	if r == nil {
+		r = &pdRoom{prefill: make(chan struct{}), decode: make(chan struct{}), kv: make(chan struct{})}
+		h.rooms[id] = r
+	}
+	return r
+}
+
+// startPDEngine starts an engine of kind (scheduler.KindVLLM or
+// KindSGLang) and role, closed when the test ends.
+func startPDEngine(t testing.TB, hub *pdHub, name, kind, role string) *pdEngine {
+	t.Helper()
+	e := &pdEngine{name: name, kind: kind, role: role, hub: hub, cache: map[uint64]int{}}
+	if kind == scheduler.KindSGLang && role == scheduler.RolePrefill {
+		e.bootstrapPort = 9000 + int(xxhash.Sum64String(name)%900) // distinct per name
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("GET /metrics", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, model)
+	})
+	mux.HandleFunc("POST /v1/chat/completions", e.chat)
+	e.srv = httptest.NewServer(mux)
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+// config is the engine's scheduler worker entry.
+func (e *pdEngine) config() scheduler.WorkerConfig {
+	wc := scheduler.WorkerConfig{Name: e.name, Kind: e.kind, Address: e.srv.URL, Role: e.role, Models: []string{model},
+		EngineConfig: scheduler.EngineConfig{TokenizePath: scheduler.TokenizeNone}}
+	if e.bootstrapPort != 0 {
+		wc.BootstrapPort = e.bootstrapPort
+	}
+	return wc
+}
+
+// received returns the chat completions received so far.
+func (e *pdEngine) received() []pdRequest {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]pdRequest(nil), e.requests...)
+}
+
+func (e *pdEngine) set(f func(e *pdEngine)) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	f(e)
+}
+
+func (e *pdEngine) cancels() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.canceled
+}
+
+// pdBlock is the engines' KV block size, in tokens.
+const pdBlock = 16
+
+// prefix looks tokens up in the engine's prefix cache and stores their
+// full blocks: it returns the tokens found cached and the ids of every
+// full block.
+func (e *pdEngine) prefix(tokens []uint32) (cached int, ids []int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := xxhash.Sum64String(e.name) // the engine's own seed
+	hit := true
+	for i := 0; i+pdBlock <= len(tokens); i += pdBlock {
+		var b [4 * pdBlock]byte
+		for j, tok := range tokens[i : i+pdBlock] {
+			binary.LittleEndian.PutUint32(b[4*j:], tok)
+		}
+		h = xxhash.Sum64(append(binary.LittleEndian.AppendUint64(nil, h), b[:]...))
+		id, ok := e.cache[h]
+		if !ok {
+			id = len(e.cache) + 1
+			e.cache[h] = id
+			hit = false
+		}
+		if hit {
+			cached += pdBlock
+		}
+		ids = append(ids, id)
+	}
+	return cached, ids
+}
+
+// pdWords is the text every engine generates for a prompt: n words, each
+// a function of the prompt's tokens and its position.
+func pdWords(tokens []uint32, n int) []string {
+	var seed uint64
+	for _, t := range tokens {
+		seed = seed*31 + uint64(t)
+	}
+	out := make([]string, n)
+	for i := range out {
+		out[i] = "w" + strconv.FormatUint((seed+uint64(i)*2654435761)%997, 10) + " "
+	}
+	return out
+}
+
+// nixlPrefillParams is what a vLLM prefill request must carry.
+const nixlPrefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
+	raw, _ := io.ReadAll(r.Body)
+	req := pdRequest{id: r.Header.Get("X-Request-Id"), raw: raw}
+	var body struct {
+		Messages            []fakeMessage   `json:"messages"`
+		Stream              bool            `json:"stream"`
+		MaxTokens           *int            `json:"max_tokens"`
+		MaxCompletionTokens *int            `json:"max_completion_tokens"`
+		StreamOptions       json.RawMessage `json:"stream_options"`
+		KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
+		BootstrapHost       string          `json:"bootstrap_host"`
+		BootstrapPort       int             `json:"bootstrap_port"`
+		BootstrapRoom       *uint64         `json:"bootstrap_room"`
+	}
+	if json.Unmarshal(raw, &req.body) != nil || json.Unmarshal(raw, &body) != nil {
+		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
+		return
+	}
+	e.mu.Lock()
+	e.requests = append(e.requests, req)
+	fail, hold := e.fail, e.hold
+	e.mu.Unlock()
+	sglangPrefill := e.kind == scheduler.KindSGLang && e.role == scheduler.RolePrefill
+	if fail != 0 && !sglangPrefill {
+		http.Error(w, `{"error":{"message":"injected failure"}}`, fail)
+		return
+	}
+	tokens := fakeTokens(body.Messages)
+	n := 16
+	if body.MaxTokens != nil {
+		n = *body.MaxTokens
+	}
+	includeUsage := strings.Contains(string(body.StreamOptions), `"include_usage":true`)
+	ans := pdAnswer{stream: body.Stream, usage: includeUsage, prompt: len(tokens)}
+	ctx := r.Context()
+	waitCancel := func() bool {
+		select {
+		case <-ctx.Done():
+			e.set(func(e *pdEngine) { e.canceled++ })
+			return true
+		case <-time.After(20 * time.Second):
+			return false
+		}
+	}
+	hasParams := len(body.KVTransferParams) > 0 && string(body.KVTransferParams) != "null"
+	switch {
+	case e.kind == scheduler.KindVLLM && e.role == scheduler.RolePrefill:
+		if got := req.field("kv_transfer_params"); got != nixlPrefillParams {
+			e.hub.violate("%s: prefill kv_transfer_params %s, want %s", e.name, got, nixlPrefillParams)
+		}
+		if body.Stream || body.StreamOptions != nil || body.MaxTokens == nil || *body.MaxTokens != 1 ||
+			body.MaxCompletionTokens != nil && *body.MaxCompletionTokens != 1 || req.id == "" {
+			e.hub.violate("%s: prefill request %s with X-Request-Id %q: want stream false, max_tokens 1, no stream_options, an id", e.name, raw, req.id)
+		}
+		cached, ids := e.prefix(tokens)
+		idsJSON, _ := json.Marshal(ids)
+		// Newer vLLM versions add fields: the scheduler must not care.
+		params := fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":%s,"remote_engine_id":"%s-engine","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"remote_request_id":%q,"x_future":{"a":[1,"<&>"]}}`,
+			idsJSON, e.name, req.id)
+		e.hub.mu.Lock()
+		e.hub.issued[req.id] = params
+		e.hub.mu.Unlock()
+		if hold && waitCancel() {
+			return
+		}
+		ans.stream, ans.cached, ans.extra = false, cached, params
+		ans.write(w, pdWords(tokens, 1), nil)
+	case e.kind == scheduler.KindVLLM && e.role == scheduler.RoleDecode && hasParams:
+		e.hub.mu.Lock()
+		issued, ok := e.hub.issued[req.id]
+		e.hub.mu.Unlock()
+		if !ok || req.field("kv_transfer_params") != issued {
+			e.hub.violate("%s: decode request %q carries kv_transfer_params %s; its prefill issued %q", e.name, req.id, req.field("kv_transfer_params"), issued)
+			http.Error(w, `{"error":{"message":"no such remote blocks"}}`, http.StatusBadRequest)
+			return
+		}
+		_, ids := e.prefix(tokens)
+		ans.cached = len(ids) * pdBlock // pulled blocks count as cached
+		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
+	case e.kind == scheduler.KindSGLang && e.role != scheduler.RoleBoth:
+		if body.BootstrapRoom == nil || body.BootstrapHost == "" || body.BootstrapPort == 0 {
+			e.hub.violate("%s: request without bootstrap fields: %s", e.name, raw)
+			http.Error(w, `{"error":{"message":"no bootstrap"}}`, http.StatusBadRequest)
+			return
+		}
+		room := e.hub.room(*body.BootstrapRoom)
+		addr := fmt.Sprintf("%s:%d", body.BootstrapHost, body.BootstrapPort)
+		// The decode engine waits for the blocks, the prefill engine for
+		// its partner before it sends them.
+		mine, theirs := room.decode, room.kv
+		e.hub.mu.Lock()
+		if e.role == scheduler.RolePrefill {
+			mine, theirs = room.prefill, room.decode
+			if want := fmt.Sprintf("127.0.0.1:%d", e.bootstrapPort); addr != want {
+				e.hub.violateLocked("%s: bootstrap address %s, want its own %s", e.name, addr, want)
+			}
+			room.prefillAddr = addr
+		} else {
+			room.decodeAddr = addr
+		}
+		select {
+		case <-mine:
+			e.hub.violateLocked("%s: room %d used twice", e.name, *body.BootstrapRoom)
+		default:
+			close(mine)
+		}
+		e.hub.mu.Unlock()
+		select {
+		case <-theirs:
+		case <-ctx.Done():
+			e.set(func(e *pdEngine) { e.canceled++ })
+			return
+		case <-time.After(20 * time.Second):
+			e.hub.violate("%s: room %d: the partner never came", e.name, *body.BootstrapRoom)
+			http.Error(w, `{"error":{"message":"bootstrap timeout"}}`, http.StatusInternalServerError)
+			return
+		}
+		if e.role == scheduler.RolePrefill {
+			if fail != 0 { // the transfer failed
+				http.Error(w, `{"error":{"message":"injected failure"}}`, fail)
+				return
+			}
+			e.hub.mu.Lock()
+			select {
+			case <-room.kv: // reported as the room's reuse
+			default:
+				close(room.kv)
+			}
+			e.hub.mu.Unlock()
+			ans.cached, _ = e.prefix(tokens)
+			ans.write(w, pdWords(tokens, 1), holdAfterFirst(hold, waitCancel))
+			return
+		}
+		e.hub.mu.Lock()
+		if room.prefillAddr != room.decodeAddr {
+			e.hub.violateLocked("%s: room %d: decode named %s, prefill serves %s", e.name, *body.BootstrapRoom, room.decodeAddr, room.prefillAddr)
+		}
+		e.hub.mu.Unlock()
+		ans.cached = len(tokens) / pdBlock * pdBlock
+		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
+	default: // colocated, or a vLLM decode engine prefilling itself
+		ans.cached, _ = e.prefix(tokens)
+		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
+	}
+}
+
+// holdAfterFirst returns what a stream does after its first token: wait
+// for the client to go away when hold, else nothing.
+func holdAfterFirst(hold bool, waitCancel func() bool) func() bool {
+	if !hold {
+		return nil
+	}
+	return waitCancel
+}
+
+// pdAnswer is a chat completion answer.
+type pdAnswer struct {
+	stream, usage  bool
+	prompt, cached int
+	extra          string // kv_transfer_params, if any
+}
+
+// write answers words, streamed or whole; afterFirst, if set, runs after
+// the first token is flushed and ends the answer if it returns true.
+func (a pdAnswer) write(w http.ResponseWriter, words []string, afterFirst func() bool) {
+	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`,
+		a.prompt, len(words), a.prompt+len(words), a.cached)
+	if !a.stream {
+		w.Header().Set("Content-Type", "application/json")
+		extra := ""
+		if a.extra != "" {
+			extra = `,"kv_transfer_params":` + a.extra
+		}
+		fmt.Fprintf(w, `{"id":"chatcmpl-pd","object":"chat.completion","created":1,"model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"length"}],"usage":%s%s}`,
+			model, strings.Join(words, ""), usage, extra)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	chunk := func(delta, finish string) {
+		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-pd\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[{\"index\":0,\"delta\":%s,\"finish_reason\":%s}]}\n\n", model, delta, finish)
+		w.(http.Flusher).Flush()
+	}
+	chunk(`{"role":"assistant","content":""}`, "null")
+	for i, word := range words {
+		b, _ := json.Marshal(word)
+		chunk(`{"content":`+string(b)+`}`, "null")
+		if i == 0 && afterFirst != nil && afterFirst() {
+			return
+		}
+	}
+	chunk(`{}`, `"length"`)
+	if a.usage {
+		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-pd\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[],\"usage\":%s}\n\n", model, usage)
+	}
+	io.WriteString(w, "data: [DONE]\n\n")
+}
