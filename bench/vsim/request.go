@@ -7,6 +7,7 @@ import (
 
 	"github.com/batonllm/baton/bench"
 	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
@@ -55,7 +56,16 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 	if s.cfg.Disaggregated() {
 		r.gen = s.decode
 	}
+	// The front end's capacity per worker; when every worker is at it the
+	// scheduler queues the request, which is not modelled: it goes to the
+	// pick without capacity, as without a queue.
+	r.rreq.MaxInFlight = frontend.DefaultMaxInFlight
 	d, err := r.gen.Pick(r.rreq, s.pool.Snapshot())
+	if errors.Is(err, routing.ErrFull) {
+		r.rreq.MaxInFlight = 0
+		d, err = r.gen.Pick(r.rreq, s.pool.Snapshot())
+	}
+	r.rreq.MaxInFlight = 0
 	if err != nil {
 		out.Err = err.Error()
 		return
