@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	"github.com/openai/openai-go/v3"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -123,9 +125,10 @@ type outcome struct {
 	err    error
 }
 
-// load sends streaming chat completions through the openai-go client
-// from n goroutines until stop is closed, then returns every outcome.
-func load(t *testing.T, addr string, n int, stop <-chan struct{}) func() []outcome {
+// load sends streaming chat completions of maxTokens through the
+// openai-go client from n goroutines until stop is closed, then returns
+// every outcome.
+func load(t *testing.T, addr string, n int, maxTokens int64, stop <-chan struct{}) func() []outcome {
 	c := oaClient(t, addr)
 	var (
 		mu  sync.Mutex
@@ -140,7 +143,10 @@ func load(t *testing.T, addr string, n int, stop <-chan struct{}) func() []outco
 					return
 				default:
 				}
-				r, err := streamChat(t, c, chatParams(text(fmt.Sprintf("load %d-%d", g, i), 600), 48))
+				r, err := streamChat(t, c, chatParams(text(fmt.Sprintf("load %d-%d", g, i), 600), maxTokens))
+				if apiErr := (*openai.Error)(nil); errors.As(err, &apiErr) {
+					err = fmt.Errorf("%w: %s", err, apiErr.RawJSON())
+				}
 				mu.Lock()
 				out = append(out, outcome{worker: r.worker, end: time.Now(), err: err})
 				mu.Unlock()
@@ -200,7 +206,9 @@ func TestDNSDiscoveryRemovesAWorkerUnderLoad(t *testing.T) {
 	before := ringOwners(s.Pool, keys)
 
 	stop := make(chan struct{})
-	results := load(t, f.Addr, 6, stop)
+	// Requests long enough that one in flight on the worker when its
+	// record goes is still running when the pool drops it.
+	results := load(t, f.Addr, 6, 160, stop)
 	gone := addr(ips[1])
 	eventually(t, 30*time.Second, func() error {
 		if w := s.Pool.Snapshot().Worker(gone); w == nil || w.InFlight() == 0 {
@@ -327,7 +335,7 @@ func TestKubernetesDiscovery(t *testing.T) {
 	poolIs(t, s.PrefillPool)
 
 	stop := make(chan struct{})
-	results := load(t, f.Addr, 4, stop)
+	results := load(t, f.Addr, 4, 48, stop)
 	ctx := context.Background()
 	esl := api.DiscoveryV1().EndpointSlices("baton")
 
@@ -363,5 +371,50 @@ func TestKubernetesDiscovery(t *testing.T) {
 	t.Logf("%d requests while the slices changed", len(out))
 	if r := chat(t, c, chatParams(text("the end", 600), 4)); r.worker != "decode-0" || r.prefill != "" {
 		t.Errorf("served by %q, prefilled on %q; want decode-0 alone", r.worker, r.prefill)
+	}
+}
+
+// TestDiscoveredWorkerWaitsUntilItAnswers: a worker found before it is up
+// is held pending, never routed to, until it describes itself; then it
+// joins the pool of its role.
+func TestDiscoveredWorkerWaitsUntilItAnswers(t *testing.T) {
+	port := loopbackPort(t)
+	addr := func(ip string) string { return net.JoinHostPort(ip, strconv.Itoa(port)) }
+	startSim(t, "up", sim.RoleBoth, addr("127.0.0.2"), fastScale)
+	records := &dnsRecords{}
+	records.set("127.0.0.2", "127.0.0.3")
+	server := startDNS(t, records)
+	f := startFleetSpec(t, simfleet.Spec{Scheduler: scheduler.Config{
+		Strategy: "round_robin", Pool: fastPool(),
+		Discovery: scheduler.DiscoveryConfig{
+			Mode: scheduler.DiscoveryDNS,
+			DNS:  discovery.DNSConfig{Name: "workers.baton.test.", Port: port, Server: server, Interval: 100 * time.Millisecond},
+		},
+	}})
+	s := f.Scheduler
+	poolIs(t, s.Pool, addr("127.0.0.2"))
+	eventually(t, 30*time.Second, func() error {
+		if got := s.Pending(); !slices.Equal(got, []string{addr("127.0.0.3")}) {
+			return fmt.Errorf("pending %v, want the worker not up", got)
+		}
+		return nil
+	})
+	c := oaClient(t, f.Addr)
+	for i := range 4 {
+		if r := chat(t, c, chatParams(text(fmt.Sprintf("before %d", i), 300), 4)); r.worker != addr("127.0.0.2") {
+			t.Errorf("served by %s while the other worker is down", r.worker)
+		}
+	}
+	startSim(t, "late", sim.RoleDecode, addr("127.0.0.3"), fastScale)
+	poolIs(t, s.Pool, addr("127.0.0.2"), addr("127.0.0.3"))
+	if got := s.Pending(); len(got) != 0 {
+		t.Errorf("pending %v once both answer", got)
+	}
+	seen := map[string]bool{}
+	for i := range 4 {
+		seen[chat(t, c, chatParams(text(fmt.Sprintf("after %d", i), 300), 4)).worker] = true
+	}
+	if !seen[addr("127.0.0.3")] {
+		t.Errorf("round_robin over 4 requests never chose the worker that joined: %v", seen)
 	}
 }
