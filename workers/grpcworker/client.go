@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -66,6 +67,13 @@ var KeepaliveEnforcement = keepalive.EnforcementPolicy{
 // 32 KiB prompts). The front end retries such calls itself.
 const maxRetryBuffer = 16 << 10
 
+// connectTimeout bounds one connection attempt to a worker, TCP and the
+// HTTP/2 handshake (and TLS's): calls made while it is under way wait for
+// it. A worker that accepts connections and never answers would otherwise
+// hold them for gRPC's default of 20 s before the front end may retry
+// elsewhere. A healthy worker handshakes in milliseconds.
+const connectTimeout = 3 * time.Second
+
 // Option configures Dial.
 type Option func(*options)
 
@@ -117,6 +125,7 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 	dialOpts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(o.creds),
 		grpc.WithKeepaliveParams(o.keepalive),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.DefaultConfig, MinConnectTimeout: connectTimeout}),
 		grpc.WithDefaultCallOptions(grpc.MaxRetryRPCBufferSize(maxRetryBuffer)),
 	}, o.extra...)
 	conn, err := grpc.NewClient(addr, dialOpts...)

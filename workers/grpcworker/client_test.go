@@ -300,6 +300,54 @@ func TestGenerateConnectionRefused(t *testing.T) {
 	}
 }
 
+// A worker that accepts connections and never answers (a hung process,
+// a black-holing proxy) fails a call once the connection attempt times
+// out, so that the front end can retry elsewhere long before the request's
+// deadline.
+func TestGenerateHungWorkerFailsAtConnectTimeout(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c) // held open, never read
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		lis.Close()
+		<-done
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+
+	c := dial(t, lis.Addr().String())
+	ctx, cancel := context.WithTimeout(context.Background(), 4*connectTimeout)
+	defer cancel()
+	start := time.Now()
+	s, err := c.Generate(ctx, &engine.Request{Model: "m", Prompt: "p"})
+	if err == nil {
+		s.Close()
+		t.Fatal("Generate succeeded against a worker that never answers")
+	}
+	if !errors.Is(err, engine.ErrUnavailable) || ctx.Err() != nil {
+		t.Errorf("Generate error = %v after %s, want ErrUnavailable before the call's deadline", err, time.Since(start))
+	}
+}
+
 func TestCancelPropagatesToWorker(t *testing.T) {
 	for _, how := range []string{"context", "close"} {
 		t.Run(how, func(t *testing.T) {
