@@ -367,3 +367,41 @@ func TestSGLangClientCancelsMidStream(t *testing.T) {
 		return nil
 	})
 }
+
+func TestSGLangDecodeFailsNewPair(t *testing.T) {
+	hub := newPDHub(t)
+	p0 := startPDEngine(t, hub, "p0", scheduler.KindSGLang, scheduler.RolePrefill)
+	d0 := startPDEngine(t, hub, "d0", scheduler.KindSGLang, scheduler.RoleDecode)
+	d1 := startPDEngine(t, hub, "d1", scheduler.KindSGLang, scheduler.RoleDecode)
+	d0.set(func(e *pdEngine) { e.fail = http.StatusServiceUnavailable })
+	addr := startPDScheduler(t, "random", []*pdEngine{p0, d0, d1}, func(c *scheduler.Config) {
+		c.Disaggregation.DecodeStrategy = "round_robin"
+	})
+	ref := colocated(t, hub, scheduler.KindSGLang)
+	for i := range 2 {
+		prompt := text(fmt.Sprintf("sglang-pair-%d", i), 2000)
+		got, want := pdChat(t, addr, prompt, i == 0), pdChat(t, ref, prompt, i == 0)
+		if got.content != want.content || got.worker != "d1" || got.prefill != "p0" {
+			t.Errorf("request %d: %q from %s after %q, want %q from d1 after p0", i, got.content, got.worker, got.prefill, want.content)
+		}
+	}
+	failed, prefills := d0.received(), p0.received()
+	if len(failed) == 0 {
+		t.Fatal("the failing decode worker was never tried")
+	}
+	// The prefill of each failed pair waited for its decode partner in
+	// vain, until the scheduler cancelled it; each pair had its own room.
+	rooms := map[string]bool{}
+	for _, p := range prefills {
+		rooms[p.field("bootstrap_room")] = true
+	}
+	if len(prefills) != len(failed)+2 || len(rooms) != len(prefills) {
+		t.Errorf("%d prefills in %d rooms for %d pairs: want one prefill and one room per pair", len(prefills), len(rooms), len(failed)+2)
+	}
+	eventually(t, 10*time.Second, func() error {
+		if n := p0.cancels(); n != len(failed) {
+			return fmt.Errorf("the prefill engine saw %d cancels, want one per failed pair (%d)", n, len(failed))
+		}
+		return nil
+	})
+}

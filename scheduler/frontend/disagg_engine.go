@@ -256,7 +256,8 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 			first = time.Since(x.start)
 			g.accept()
 		})
-		if !ok {
+		if !ok && pctx.Err() == nil {
+			// Refused on its own, not cancelled once the decode ended.
 			g.refuse()
 			dcancel(errPrefillFailed)
 		}
