@@ -259,6 +259,24 @@ func TestDNSDiscoveryRemovesAWorkerUnderLoad(t *testing.T) {
 		}
 		return fmt.Errorf("no log of %s drained", gone)
 	})
+	m := scrapeSettled(t, httpClient(t), f.Addr)
+	for _, c := range []struct {
+		name, label string
+		want        float64
+	}{
+		{"baton_discovered_workers", "", 2},
+		{"baton_discovery_changes_total", `change="added"`, 3},
+		{"baton_discovery_changes_total", `change="removed"`, 1},
+		{"baton_worker_in_flight", `worker="` + gone + `"`, 0},
+	} {
+		var labels []string
+		if c.label != "" {
+			labels = append(labels, c.label)
+		}
+		if got, _ := metric(m, c.name, labels...); got != c.want {
+			t.Errorf("%s{%s} = %v, want %v", c.name, c.label, got, c.want)
+		}
+	}
 
 	// Only the removed worker's keys moved, and about a third of all.
 	after := ringOwners(s.Pool, keys)
