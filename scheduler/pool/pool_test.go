@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -656,5 +657,49 @@ func TestSetRemovesLeftOut(t *testing.T) {
 	case <-b.Drained():
 	default:
 		t.Error("b, idle and removed, is not drained")
+	}
+}
+
+// TestRemoveRacesAcquire: calls acquired while the worker is removed either
+// are refused or hold Drained back until they end; none is acquired once
+// it is drained.
+func TestRemoveRacesAcquire(t *testing.T) {
+	for range 50 {
+		p := newPool(t, Config{})
+		w := newWorker("a")
+		if err := p.Add(w); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		var afterDrain atomic.Int64
+		for range 4 {
+			wg.Go(func() {
+				for {
+					done, err := w.Acquire()
+					if errors.Is(err, ErrRemoved) {
+						return
+					}
+					if err != nil {
+						t.Errorf("Acquire: %v", err)
+						return
+					}
+					select {
+					case <-w.Drained():
+						afterDrain.Add(1) // drained with this call in flight
+					default:
+					}
+					done(nil)
+				}
+			})
+		}
+		p.Remove("a")
+		<-w.Drained()
+		wg.Wait()
+		if n := afterDrain.Load(); n > 0 {
+			t.Fatalf("%d calls in flight after Drained closed", n)
+		}
+		if got := w.InFlight(); got != 0 {
+			t.Fatalf("InFlight() = %d after every call ended", got)
+		}
 	}
 }
