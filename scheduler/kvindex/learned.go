@@ -1,5 +1,7 @@
 package kvindex
 
+import "slices"
+
 // The learned index of workers that publish no cache events (llama.cpp's
 // server, OpenAI-compatible HTTP engines, vLLM or SGLang run without KV
 // events): what the routed requests left there, as the engine keeps it.
@@ -114,13 +116,15 @@ func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxB
 		c = l.chains[best]
 		l.setKeys(b, bit, c, keys)
 	case prompts > 0 && len(l.chains) >= prompts:
-		// The least recently used idle slot takes it.
-		i := 0
-		for j, o := range l.chains {
-			if o.busy == 0 {
-				i = j
-				break
-			}
+		// The least recently used idle slot takes it. With every slot
+		// busy the engine defers the request to the first that frees;
+		// the least recently used stands for it, and what it was
+		// serving is forgotten, so that no count of requests in flight
+		// outlives its chain.
+		i := slices.IndexFunc(l.chains, func(o *chain) bool { return o.busy == 0 })
+		if i < 0 {
+			i = 0
+			l.chains[i].busy = 0
 		}
 		c = l.chains[i]
 		l.setKeys(b, bit, c, keys)
@@ -206,9 +210,10 @@ func (l *learned) clear(b *blocks, bit uint64) {
 // alone: a sibling that arrived while they were prefilling finds less
 // than they will hold.
 func (l *learned) finish(b *blocks, bit uint64, keys []uint64, u Usage, blockTokens int) {
+	// The request's chain holds its keys, or grew from them since.
 	var own *chain
 	for _, c := range l.chains {
-		if c.busy > 0 && len(c.keys) == len(keys) && commonPrefix(c.keys, keys) == len(keys) {
+		if c.busy > 0 && len(c.keys) >= len(keys) && commonPrefix(c.keys, keys) == len(keys) {
 			own = c
 			c.busy--
 			break

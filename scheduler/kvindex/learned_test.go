@@ -207,3 +207,24 @@ func BenchmarkPredictLearned(b *testing.B) {
 		})
 	}
 }
+
+// With every slot busy a request takes the least recently used one; the
+// request that slot was serving ends without holding a slot forever.
+func TestLearnedAllSlotsBusy(t *testing.T) {
+	x := New(Config{})
+	x.Learn("w", Capacity{Prompts: 2})
+	a, b, c := question(1, 0), question(2, 0), question(3, 0)
+	x.Predict("w", a)
+	x.Predict("w", b)
+	x.Predict("w", c) // both busy: takes a's
+	for _, ks := range [][]uint64{a, b, c} {
+		x.Finished("w", ks, Usage{})
+	}
+	served(x, "w", question(4, 0)) // takes b's, the least recently used
+	served(x, "w", question(5, 0)) // takes c's: every slot is idle
+	for d, want := range map[int]int{2: 0, 3: 0, 4: docBlocks, 5: docBlocks} {
+		if got := gpuHit(x, question(d, 9), "w"); got != want {
+			t.Errorf("document %d: %d blocks found, want %d", d, got, want)
+		}
+	}
+}
