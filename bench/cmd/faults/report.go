@@ -77,8 +77,8 @@ func matrixReport(o options, wins []*window, rec *recorder, idle0, idle1 metrics
 		model, o.timeScale, maxInFlight, maxQueue)
 	fmt.Fprintf(&b, "Load: %d steady clients, one request after another, half streamed, each a 2,400-character document of 16 plus a question of its own, max_tokens 16–64, alternating between the replicas and retrying connection errors on the other; client deadline %s. Windows: %s before, %s of fault, %s after the fleet is whole again. Run took %s; %s; load average %s at the start, %s at the end.\n\n",
 		o.clients, o.deadline, o.before, o.during, o.after, took.Round(time.Second), cpus(), load0, load1)
-	b.WriteString("| fault | injection | sent | ok | cut (by the client) | 429 | 503 | error events | truncated | hangs | other | p99 s before / during / after | breaker transitions (replica 0) | Redis-tier breaker transitions (workers) | goroutines before → after | RSS MiB before → after | back whole in |\n")
-	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|\n")
+	b.WriteString("| fault | injection | sent | ok | cut (by the client) | 429 | 503 | error events | truncated | hangs | other | resent to the other replica | p99 s before / during / after | breaker transitions (replica 0) | Redis-tier breaker transitions (workers) | goroutines before → after | RSS MiB before → after | back whole in |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|\n")
 	var notes []string
 	for _, w := range wins {
 		var in []result
@@ -93,8 +93,14 @@ func matrixReport(o options, wins []*window, rec *recorder, idle0, idle1 metrics
 		if w.note != "" {
 			what += " (" + w.note + ")"
 		}
-		fmt.Fprintf(&b, "| %s | %s | %d | %d | %d | %d | %d | %d | %d | %d | %d | %s / %s / %s | %s | %s | %.0f → %.0f | %s → %s | %s |\n",
-			w.f.name, what, len(in), n[outOK], n[outCut], n[outRejected], n[outNoWorker], n[outStreamErr], n[outTruncated], n[outHang], other,
+		retried := 0
+		for _, r := range in {
+			if r.tries > 1 {
+				retried++
+			}
+		}
+		fmt.Fprintf(&b, "| %s | %s | %d | %d | %d | %d | %d | %d | %d | %d | %d | %d | %s / %s / %s | %s | %s | %.0f → %.0f | %s → %s | %s |\n",
+			w.f.name, what, len(in), n[outOK], n[outCut], n[outRejected], n[outNoWorker], n[outStreamErr], n[outTruncated], n[outHang], other, retried,
 			p99(res, w.t0, w.t1), p99(res, w.t1, w.t2), p99(res, w.t2, w.t3),
 			transitions(w.mBefore, w.mEnd), tierTransitions(w.wBefore, w.wEnd), gauge(w.mIn, "go_goroutines"), gauge(w.mEnd, "go_goroutines"),
 			mib(gauge(w.mIn, "process_resident_memory_bytes")), mib(gauge(w.mEnd, "process_resident_memory_bytes")),
