@@ -70,11 +70,7 @@ type plan struct {
 func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	s, dz := x.s, x.dz
 	m := s.metrics
-	local := func(reason string) *plan {
-		m.DisaggDecisions.WithLabelValues("local", reason).Inc()
-		x.disagg = "local(" + reason + ")"
-		return nil
-	}
+	local := x.local
 	if _, ok := dw.Client.(engine.Disaggregator); !ok {
 		return local(reasonNotDisagg)
 	}
