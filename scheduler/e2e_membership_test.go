@@ -436,3 +436,55 @@ func TestDiscoveredWorkerWaitsUntilItAnswers(t *testing.T) {
 		t.Errorf("round_robin over 4 requests never chose the worker that joined: %v", seen)
 	}
 }
+
+// engineSlice is an EndpointSlice holding one fake engine, pod name, at
+// the engine's loopback port.
+func engineSlice(t *testing.T, pod, url string) *discoveryv1.EndpointSlice {
+	t.Helper()
+	_, port, err := net.SplitHostPort(strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := strconv.Atoi(port)
+	es := endpointSlice("vllm", "both", p, podEndpoint(pod, "127.0.0.1", true))
+	es.Name = pod
+	es.Labels = map[string]string{"app": "vllm"}
+	return es
+}
+
+// TestKubernetesDiscoveredEnginesTokenize: with discovered vllm workers and
+// kv_aware, requests are keyed by the tokens of the first engine by name,
+// and by the next one's once it leaves.
+func TestKubernetesDiscoveredEnginesTokenize(t *testing.T) {
+	e0 := startFakeEngine(t, vllmMetrics(0, 0, 0, 1000))
+	e1 := startFakeEngine(t, vllmMetrics(0, 0, 0, 1000))
+	api := fake.NewClientset(engineSlice(t, "v0", e0.srv.URL), engineSlice(t, "v1", e1.srv.URL))
+	f := startFleetSpec(t, simfleet.Spec{Scheduler: scheduler.Config{
+		Strategy: "kv_aware", Pool: fastPool(),
+		Discovery: scheduler.DiscoveryConfig{
+			Mode:       scheduler.DiscoveryKubernetes,
+			Kubernetes: discovery.KubernetesConfig{Namespace: "baton", Selector: "app=vllm", Port: "grpc", Client: api},
+			Worker: scheduler.WorkerConfig{Kind: scheduler.KindVLLM, Models: []string{model},
+				EngineConfig: scheduler.EngineConfig{MetricsInterval: 50 * time.Millisecond}},
+		},
+	}})
+	s := f.Scheduler
+	poolIs(t, s.Pool, "v0", "v1")
+	c := oaClient(t, f.Addr)
+	chat(t, c, chatParams(longPrefix(100), 8))
+	if got0, got1 := e0.tokenizeCalls(), e1.tokenizeCalls(); got0 != 1 || got1 != 0 {
+		t.Errorf("tokenize calls: v0 %d, v1 %d; want 1 and 0 (v0 is first by name)", got0, got1)
+	}
+	if err := api.DiscoveryV1().EndpointSlices("baton").Delete(context.Background(), "v0", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poolIs(t, s.Pool, "v1")
+	chat(t, c, chatParams(longPrefix(101), 8))
+	if got0, got1 := e0.tokenizeCalls(), e1.tokenizeCalls(); got0 != 1 || got1 != 1 {
+		t.Errorf("tokenize calls after v0 left: v0 %d, v1 %d; want 1 and 1", got0, got1)
+	}
+	m := scrapeSettled(t, httpClient(t), f.Addr)
+	if got, _ := metric(m, "baton_tokenize_total", `outcome="miss"`); got != 2 {
+		t.Errorf(`baton_tokenize_total{outcome="miss"} = %v, want 2`, got)
+	}
+}

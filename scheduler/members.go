@@ -1,19 +1,24 @@
 package scheduler
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promauto"
 
 	"github.com/batonllm/baton/scheduler/discovery"
+	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/vllm"
 )
 
 // Membership: the workers discovery reports join the pools as static ones
@@ -175,6 +180,11 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	if err != nil {
 		s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
 	}
+	if s.engineTokens != nil && engineKind(wc.Kind) {
+		if err := s.engineTokens.add(wc); err != nil {
+			s.log.Warn("worker's tokenizer unavailable", "worker", wc.Name, "err", err)
+		}
+	}
 	if desc == nil {
 		// Not known yet: the pending pool's health checks ask again
 		// until the worker answers; it serves nothing until then.
@@ -200,6 +210,9 @@ func (s *Scheduler) removeWorker(name string) {
 	}
 	s.placeMu.Unlock()
 	s.watcher.Remove(name) // stops following it; its index entries go
+	if s.engineTokens != nil {
+		s.engineTokens.remove(name)
+	}
 	s.mu.Lock()
 	sc := s.scrapers[name]
 	delete(s.scrapers, name)
@@ -224,3 +237,100 @@ func (s *Scheduler) removeWorker(name string) {
 		s.log.Info("worker drained", "worker", name)
 	})
 }
+
+// errNoEngine fails a tokenization while no vllm or sglang worker is
+// known; the front end keys the request by its text.
+var errNoEngine = errors.New("no vllm or sglang worker discovered yet")
+
+// engineTokens tokenizes requests with the engine of a discovered vllm or
+// sglang worker: the first by name of those present, so that requests are
+// keyed by one engine's tokenizer, as they are with listed workers (a
+// fleet serves one model). Its methods are safe for concurrent use.
+type engineTokens struct {
+	mu         sync.Mutex
+	tokenizers map[string]*vllm.Tokenizer // by worker
+}
+
+func newEngineTokens() *engineTokens {
+	return &engineTokens{tokenizers: make(map[string]*vllm.Tokenizer)}
+}
+
+// add tokenizes with worker wc's engine once it is the first by name.
+func (e *engineTokens) add(wc WorkerConfig) error {
+	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath)
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if old := e.tokenizers[wc.Name]; old != nil {
+		old.Close()
+	}
+	e.tokenizers[wc.Name] = t
+	return nil
+}
+
+// remove forgets a worker's tokenizer; its calls in flight end on their
+// own.
+func (e *engineTokens) remove(name string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if t := e.tokenizers[name]; t != nil {
+		t.Close()
+		delete(e.tokenizers, name)
+	}
+}
+
+// current returns the first worker by name and its tokenizer, or "" and
+// nil.
+func (e *engineTokens) current() (string, *vllm.Tokenizer) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	first := ""
+	for name := range e.tokenizers {
+		if first == "" || name < first {
+			first = name
+		}
+	}
+	return first, e.tokenizers[first]
+}
+
+// Tokenize implements frontend.Tokenizer.
+func (e *engineTokens) Tokenize(ctx context.Context, req *engine.Request) ([]uint32, error) {
+	_, t := e.current()
+	if t == nil {
+		return nil, errNoEngine
+	}
+	return t.Tokenize(ctx, req)
+}
+
+// close closes every tokenizer.
+func (e *engineTokens) close() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for name, t := range e.tokenizers {
+		t.Close()
+		delete(e.tokenizers, name)
+	}
+}
+
+// discoveredTokenKeys keys requests by the tokens of the discovered
+// engines, of the block size and model of the one that tokenizes.
+func (s *Scheduler) discoveredTokenKeys(tmpl WorkerConfig) *frontend.TokenKeys {
+	s.log.Info("requests keyed by the tokens of a discovered engine", "kind", tmpl.Kind, "tokenize_path", tmpl.TokenizePath)
+	return &frontend.TokenKeys{
+		Tokenizer: s.engineTokens,
+		Model: func() string {
+			name, _ := s.engineTokens.current()
+			return s.modelOf(WorkerConfig{Name: name, Models: tmpl.Models})
+		},
+		BlockSize: func() int {
+			name, _ := s.engineTokens.current()
+			return s.blockTokens(name)
+		},
+		Timeout:     tmpl.TokenizeTimeout,
+		CacheTokens: tmpl.TokenizeCacheTokens,
+	}
+}
+
+var _ frontend.Tokenizer = (*engineTokens)(nil)

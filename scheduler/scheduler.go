@@ -69,7 +69,8 @@ type Scheduler struct {
 	memberMu      sync.Mutex
 	members       map[string]WorkerConfig
 	source        discovery.Source
-	watchWorkers  bool // the strategies read the KV index
+	watchWorkers  bool          // the strategies read the KV index
+	engineTokens  *engineTokens // discovered vllm and sglang workers' tokenizers, when keys are tokens
 	discovered    prometheus.Gauge
 	memberChanges *prometheus.CounterVec
 	bg            sync.WaitGroup // following the source; draining workers
@@ -168,6 +169,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			return err
 		}
 	}
+	if w := cfg.Discovery.Worker; cfg.Discovery.discovered() && engineKind(w.Kind) && w.TokenizePath != TokenizeNone && watchWorkers {
+		s.engineTokens = newEngineTokens()
+	}
 	if err := s.discover(cfg); err != nil {
 		return err
 	}
@@ -197,6 +201,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		tk, err := s.tokenKeys(cfg.Workers)
 		if err != nil {
 			return err
+		}
+		if s.engineTokens != nil {
+			tk = s.discoveredTokenKeys(cfg.Discovery.Worker)
 		}
 		if tk != nil {
 			fopts = append(fopts, frontend.WithTokenKeys(*tk))
@@ -631,6 +638,9 @@ func (s *Scheduler) Close() error {
 		s.source.Close()
 	}
 	s.bg.Wait() // no worker joins or leaves past this
+	if s.engineTokens != nil {
+		s.engineTokens.close()
+	}
 	s.mu.Lock()
 	srv, clients, scrapers, tokenize := s.srv, s.clients, s.scrapers, s.tokenize
 	s.mu.Unlock()
