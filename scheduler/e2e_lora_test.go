@@ -16,6 +16,7 @@ import (
 
 	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/sim"
@@ -53,6 +54,13 @@ func startLoRAWorkers(t *testing.T, n, slots int) ([]*sim.Worker, []scheduler.Wo
 	return f.Workers, f.Configs
 }
 
+// loraPool waits for slow answers to health checks:
+// a health check that times out on a loaded machine would make the holder
+// unavailable, and the adapter rightly loaded elsewhere.
+func loraPool() pool.Config {
+	return pool.Config{HealthInterval: 2 * time.Second, HealthTimeout: 2 * time.Second}
+}
+
 func adapterChat(adapter, prompt string) openai.ChatCompletionNewParams {
 	p := chatParams(prompt, 4)
 	p.Model = adapter
@@ -64,7 +72,7 @@ func adapterChat(adapter, prompt string) openai.ChatCompletionNewParams {
 func TestAdapterBurstLoadsOnce(t *testing.T) {
 	workers, cfgs := startLoRAWorkers(t, 4, 2)
 	_, addr := startScheduler(t, scheduler.Config{
-		Strategy: "least_outstanding", Pool: fastPool(), Workers: cfgs, Adapters: loraAdapters,
+		Strategy: "least_outstanding", Pool: loraPool(), Workers: cfgs, Adapters: loraAdapters,
 		Params: paramsThreshold(64),
 	})
 	c := oaClient(t, addr)
@@ -143,7 +151,7 @@ func paramsThreshold(n int) routing.Params { return routing.Params{ConcurrencyTh
 // used least lately.
 func TestAdapterEvictsLeastRecentlyUsed(t *testing.T) {
 	workers, cfgs := startLoRAWorkers(t, 1, 2)
-	_, addr := startScheduler(t, scheduler.Config{Pool: fastPool(), Workers: cfgs, Adapters: loraAdapters})
+	_, addr := startScheduler(t, scheduler.Config{Pool: loraPool(), Workers: cfgs, Adapters: loraAdapters})
 	c := oaClient(t, addr)
 	for i, a := range []string{"sql", "chat", "sql", "math"} {
 		chat(t, c, adapterChat(a, text(fmt.Sprint("lru", i), 200)))
@@ -170,7 +178,7 @@ func TestAdapterEvictsLeastRecentlyUsed(t *testing.T) {
 // kv_aware predicts no hit for it; the adapter's own prefix is cached.
 func TestAdapterKVIsolated(t *testing.T) {
 	_, cfgs := startLoRAWorkers(t, 1, 2)
-	_, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: cfgs, Adapters: loraAdapters})
+	_, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: loraPool(), Workers: cfgs, Adapters: loraAdapters})
 	c := oaClient(t, addr)
 	prompt := text("shared system prompt", 2000)
 	chat(t, c, chatParams(prompt, 4))
@@ -195,7 +203,7 @@ func TestAdapterKVIsolated(t *testing.T) {
 // /v1/models lists the adapters with their parent.
 func TestAdapterModelsList(t *testing.T) {
 	_, cfgs := startLoRAWorkers(t, 1, 1)
-	_, addr := startScheduler(t, scheduler.Config{Pool: fastPool(), Workers: cfgs, Adapters: loraAdapters})
+	_, addr := startScheduler(t, scheduler.Config{Pool: loraPool(), Workers: cfgs, Adapters: loraAdapters})
 	res := do(t, httpClient(t), http.MethodGet, "http://"+addr+"/v1/models", "", nil)
 	var list struct {
 		Data []struct{ ID, Parent string }
@@ -224,8 +232,9 @@ func TestAdapterModelsList(t *testing.T) {
 type loraEngine struct {
 	srv      *httptest.Server
 	failLoad bool
-	// gate, when set, holds every load until it is closed.
-	gate chan struct{}
+	// gate, when set, holds every load until it is closed; hold every
+	// completion.
+	gate, hold chan struct{}
 
 	mu      sync.Mutex
 	loaded  []string
@@ -290,6 +299,9 @@ func startLoRAEngine(t *testing.T, failLoad bool) *loraEngine {
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
 		var req struct{ Model string }
 		json.NewDecoder(r.Body).Decode(&req)
+		if e.hold != nil {
+			<-e.hold
+		}
 		e.mu.Lock()
 		ok := req.Model == model || slices.Contains(e.loaded, req.Model)
 		if ok {
@@ -323,7 +335,7 @@ func (e *loraEngine) calls() []string {
 // when every load fails the request is a 503, and never hangs.
 func TestAdapterVLLMLoadAndUnload(t *testing.T) {
 	bad, good := startLoRAEngine(t, true), startLoRAEngine(t, false)
-	_, addr := startScheduler(t, scheduler.Config{Pool: fastPool(), Adapters: loraAdapters, Workers: []scheduler.WorkerConfig{
+	_, addr := startScheduler(t, scheduler.Config{Pool: loraPool(), Adapters: loraAdapters, Workers: []scheduler.WorkerConfig{
 		{Name: "bad", Kind: scheduler.KindVLLM, Address: bad.srv.URL, MaxLoRAs: 1},
 		{Name: "good", Kind: scheduler.KindVLLM, Address: good.srv.URL, MaxLoRAs: 1},
 	}})
@@ -378,7 +390,7 @@ func TestAdapterBurstWaitsForOneLoad(t *testing.T) {
 		engines = append(engines, e)
 		cfgs = append(cfgs, scheduler.WorkerConfig{Name: fmt.Sprint("v", i), Kind: scheduler.KindVLLM, Address: e.srv.URL, MaxLoRAs: 1})
 	}
-	_, addr := startScheduler(t, scheduler.Config{Pool: fastPool(), Adapters: loraAdapters, Workers: cfgs, Params: paramsThreshold(64)})
+	_, addr := startScheduler(t, scheduler.Config{Pool: loraPool(), Adapters: loraAdapters, Workers: cfgs, Params: paramsThreshold(64)})
 	c := oaClient(t, addr)
 	hc := httpClient(t)
 
@@ -412,5 +424,64 @@ func TestAdapterBurstWaitsForOneLoad(t *testing.T) {
 	}
 	if loads != 1 || len(where) != 1 {
 		t.Errorf("%d load calls, requests served by %v; want 1 load, one worker", loads, where)
+	}
+}
+
+// When every holder of an adapter is at the concurrency threshold, the
+// adapter is loaded onto another worker, which takes the request.
+func TestAdapterLoadedPastThreshold(t *testing.T) {
+	hold := make(chan struct{})
+	v0, v1 := startLoRAEngine(t, false), startLoRAEngine(t, false)
+	v0.hold, v1.hold = hold, hold
+	_, addr := startScheduler(t, scheduler.Config{Strategy: "least_outstanding", Pool: loraPool(), Adapters: loraAdapters, Params: paramsThreshold(2),
+		Workers: []scheduler.WorkerConfig{
+			{Name: "v0", Kind: scheduler.KindVLLM, Address: v0.srv.URL, MaxLoRAs: 1},
+			{Name: "v1", Kind: scheduler.KindVLLM, Address: v1.srv.URL, MaxLoRAs: 1},
+		}})
+	c := oaClient(t, addr)
+	hc := httpClient(t)
+	type res struct{ worker, route string }
+	results := make(chan res, 3)
+	send := func(i int) {
+		go func() {
+			r := chat(t, c, adapterChat("sql", fmt.Sprint("question ", i)))
+			results <- res{r.worker, r.route}
+		}()
+	}
+	send(0)
+	send(1)
+	eventually(t, 20*time.Second, func() error {
+		m := scrape(t, hc, addr)
+		if v, _ := metric(m, "baton_worker_in_flight", `worker="v0"`); v < 2 {
+			if w, _ := metric(m, "baton_worker_in_flight", `worker="v1"`); w < 2 {
+				return fmt.Errorf("in flight: v0 %v, v1 %v; want 2 on the holder", v, w)
+			}
+		}
+		return nil
+	})
+	send(2)
+	eventually(t, 20*time.Second, func() error {
+		if n := len(v0.calls()) + len(v1.calls()); n != 2 {
+			return fmt.Errorf("%d loads, want 2", n)
+		}
+		return nil
+	})
+	close(hold)
+	got := map[string]int{}
+	for range 3 {
+		r := <-results
+		got[r.worker+" "+r.route[strings.LastIndex(r.route, ";")+2:]]++
+	}
+	if len(v0.calls()) != 1 || len(v1.calls()) != 1 {
+		t.Errorf("loads: v0 %q, v1 %q; want one each", v0.calls(), v1.calls())
+	}
+	holders := 0
+	for k, n := range got {
+		if strings.HasSuffix(k, "adapter=loaded") {
+			holders += n
+		}
+	}
+	if len(got) < 2 || holders < 2 {
+		t.Errorf("requests by worker and route %v: want both workers, each with one adapter=loaded", got)
 	}
 }
