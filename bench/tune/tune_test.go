@@ -37,7 +37,7 @@ func smallSearch() Options {
 }
 
 func TestSearch(t *testing.T) {
-	w := excerpt(t, 60)
+	w := excerpt(t, 30)
 	rep, err := Search(context.Background(), smallSearch(), w)
 	if err != nil {
 		t.Fatal(err)

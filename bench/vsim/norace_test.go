@@ -1,0 +1,5 @@
+//go:build !race
+
+package vsim
+
+const raceEnabled = false
