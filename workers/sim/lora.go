@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/batonllm/baton/workers/engine"
 )
 
@@ -274,3 +276,33 @@ func (e *Engine) loraStepSeconds() float64 {
 	e.loraSeen = seen
 	return float64(len(seen)) * e.cfg.LoRA.StepSeconds
 }
+
+var (
+	loraLoadsDesc = prometheus.NewDesc("baton_worker_adapter_loads_total",
+		"LoRA adapters loaded into a slot.", nil, nil)
+	loraEvictionsDesc = prometheus.NewDesc("baton_worker_adapter_evictions_total",
+		"LoRA adapters evicted from a slot to load another.", nil, nil)
+	loraSecondsDesc = prometheus.NewDesc("baton_worker_adapter_load_modelled_seconds_total",
+		"Modelled time of the LoRA adapter loads (their size over the host link).", nil, nil)
+	loraHeldDesc = prometheus.NewDesc("baton_worker_adapters_held",
+		"LoRA adapters loaded in a slot now.", nil, nil)
+)
+
+// loraCollector reads an engine's adapter slots at each scrape.
+type loraCollector struct{ e *Engine }
+
+func (c loraCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{loraLoadsDesc, loraEvictionsDesc, loraSecondsDesc, loraHeldDesc} {
+		ch <- d
+	}
+}
+
+func (c loraCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.e.LoRAStats()
+	ch <- prometheus.MustNewConstMetric(loraLoadsDesc, prometheus.CounterValue, float64(s.Loads))
+	ch <- prometheus.MustNewConstMetric(loraEvictionsDesc, prometheus.CounterValue, float64(s.Evictions))
+	ch <- prometheus.MustNewConstMetric(loraSecondsDesc, prometheus.CounterValue, s.LoadSeconds)
+	ch <- prometheus.MustNewConstMetric(loraHeldDesc, prometheus.GaugeValue, float64(len(c.e.Adapters())))
+}
+
+var _ prometheus.Collector = loraCollector{}

@@ -126,3 +126,37 @@ func TestLoRAConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+func TestLoRAMetrics(t *testing.T) {
+	e := newEngine(t, loraConfig(1))
+	m := NewMetrics(nil)
+	m.Engine(e)
+	for _, a := range []string{"sql", "chat"} {
+		if _, err := genModel(t, e, a, strings.Repeat("m", 70)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := map[string]float64{}
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, mm := range mf.GetMetric() {
+			if c := mm.GetCounter(); c != nil {
+				got[mf.GetName()] = c.GetValue()
+			} else if g := mm.GetGauge(); g != nil {
+				got[mf.GetName()] = g.GetValue()
+			}
+		}
+	}
+	want, _ := e.loraLoadTime(engine.Adapter{Bytes: 64 << 20})
+	for name, v := range map[string]float64{
+		"baton_worker_adapter_loads_total": 2, "baton_worker_adapter_evictions_total": 1,
+		"baton_worker_adapters_held": 1, "baton_worker_adapter_load_modelled_seconds_total": 2 * want,
+	} {
+		if got[name] != v {
+			t.Errorf("%s = %v, want %v", name, got[name], v)
+		}
+	}
+}

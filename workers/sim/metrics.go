@@ -101,7 +101,7 @@ func breakerValue(s gobreaker.State) float64 {
 }
 
 // Engine registers e's metrics, read at each scrape.
-func (m *Metrics) Engine(e *Engine) { m.Registry.MustRegister(engineCollector{e}) }
+func (m *Metrics) Engine(e *Engine) { m.Registry.MustRegister(engineCollector{e}, loraCollector{e}) }
 
 var (
 	blocksUsedDesc = prometheus.NewDesc("baton_worker_kv_blocks_used",
