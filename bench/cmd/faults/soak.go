@@ -34,6 +34,7 @@ func (o *soakOptions) register(fs *flag.FlagSet) {
 type sample struct {
 	at              float64 // seconds since the load started
 	goroutines, rss float64
+	heap            float64 // go_memstats_heap_inuse_bytes
 	clientOpen      int64
 }
 
@@ -101,9 +102,10 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 			continue
 		}
 		s := sample{at: time.Since(start).Seconds(), goroutines: gauge(m, "go_goroutines"), rss: gauge(m, "process_resident_memory_bytes"),
+			heap:       gauge(m, "go_memstats_heap_inuse_bytes"),
 			clientOpen: rec.sent.Load() - int64(len(rec.snapshot()))}
 		samples = append(samples, s)
-		log.Info("soak sample", "t", time.Duration(s.at*float64(time.Second)).Round(time.Second), "goroutines", s.goroutines, "rss_mib", mib(s.rss), "open", s.clientOpen)
+		log.Info("soak sample", "t", time.Duration(s.at*float64(time.Second)).Round(time.Second), "goroutines", s.goroutines, "rss_mib", mib(s.rss), "heap_mib", mib(s.heap), "open", s.clientOpen)
 	}
 	took := time.Since(start)
 	wg.Wait()
@@ -145,17 +147,18 @@ func soakReport(so soakOptions, rec *recorder, samples []sample, idle, end metri
 	if len(samples) > 0 {
 		mean /= float64(len(samples))
 	}
-	fmt.Fprintf(&b, "| requests | ok | errors | streams open (mean of samples) | goroutines slope /min | RSS slope MiB/min | goroutines first → last sample | RSS MiB first → last | idle before → 5s after |\n")
-	fmt.Fprintf(&b, "|---:|---:|---:|---:|---:|---:|---|---|---|\n")
+	fmt.Fprintf(&b, "| requests | ok | errors | streams open (mean of samples) | goroutines slope /min | RSS slope MiB/min | heap in use slope MiB/min | goroutines first → last sample | RSS MiB first → last | heap in use MiB first → last | idle before → 5s after |\n")
+	fmt.Fprintf(&b, "|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|\n")
 	var first, last sample
 	if len(samples) > 0 {
 		first, last = samples[len(samples)/5], samples[len(samples)-1]
 	}
-	fmt.Fprintf(&b, "| %d | %d | %d | %.0f | %+.1f | %+.2f | %.0f → %.0f | %s → %s | goroutines %.0f → %.0f, RSS %s → %s MiB |\n",
+	fmt.Fprintf(&b, "| %d | %d | %d | %.0f | %+.1f | %+.2f | %+.2f | %.0f → %.0f | %s → %s | %s → %s | goroutines %.0f → %.0f, RSS %s → %s MiB |\n",
 		len(res), n[outOK], len(res)-n[outOK], mean,
 		slope(samples, func(s sample) float64 { return s.goroutines }),
 		slope(samples, func(s sample) float64 { return s.rss / (1 << 20) }),
-		first.goroutines, last.goroutines, mib(first.rss), mib(last.rss),
+		slope(samples, func(s sample) float64 { return s.heap / (1 << 20) }),
+		first.goroutines, last.goroutines, mib(first.rss), mib(last.rss), mib(first.heap), mib(last.heap),
 		gauge(idle, "go_goroutines"), gauge(end, "go_goroutines"), mib(gauge(idle, "process_resident_memory_bytes")), mib(gauge(end, "process_resident_memory_bytes")))
 	fmt.Fprintf(&b, "\nSlopes are least-squares fits over the %d samples after the first fifth (the ramp), every %s. Sent %d, ended %d.\n", len(samples)-len(samples)/5, so.interval, rec.sent.Load(), len(res))
 	if d := details(res, 6); d != "" {
