@@ -68,6 +68,9 @@ type chunk struct {
 // send posts one streaming chat completion to base and reads the SSE
 // stream to its end, timing the first token and every chunk after it.
 func send(ctx context.Context, hc *http.Client, base, model string, req *workload.Request, res *Result) {
+	if req.Model != "" {
+		model = req.Model
+	}
 	body := chatBody{Model: model, Messages: req.Messages, MaxTokens: req.MaxTokens, Stream: true}
 	body.StreamOptions.IncludeUsage = true
 	b, err := json.Marshal(&body)

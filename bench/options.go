@@ -66,6 +66,9 @@ type Options struct {
 	// SharedTierBytes bounds the shared tier (0: kvstore's default, 1 GiB
 	// of the simulator's scaled blocks).
 	SharedTierBytes int64
+	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
+	// workloads naming adapters (lora). 0: DefaultMaxLoRAs.
+	MaxLoRAs int
 	// Progress receives a progress line per second; nil: none.
 	Progress io.Writer
 }

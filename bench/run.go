@@ -27,6 +27,7 @@ import (
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -160,7 +161,16 @@ type inProcess struct {
 	store *kvstore.Memory
 }
 
-func startFleet(o *Options, strategy string, shape Fleet) (*inProcess, error) {
+// LoRA adapters of in-process fleets.
+const (
+	// DefaultMaxLoRAs is a worker's adapter slots by default.
+	DefaultMaxLoRAs = 4
+	// AdapterBytes is each adapter's size: a rank-16 adapter of every
+	// projection of Llama-3.1-8B in 16 bits is about 80 MiB.
+	AdapterBytes = 80 << 20
+)
+
+func startFleet(o *Options, strategy string, shape Fleet, adapters []string) (*inProcess, error) {
 	f := &inProcess{}
 	if o.SharedTier {
 		f.store = kvstore.NewMemory(kvstore.MemoryConfig{Capacity: o.SharedTierBytes})
@@ -171,18 +181,30 @@ func startFleet(o *Options, strategy string, shape Fleet) (*inProcess, error) {
 	// Every fleet draws the same random choices: random's (and the
 	// tie-breaks of the others) repeat from run to run.
 	cfg.Rand = routing.SeededRand(o.Seed)
+	var lora sim.LoRA
+	if len(adapters) > 0 {
+		lora.MaxLoRAs = o.MaxLoRAs
+		if lora.MaxLoRAs == 0 {
+			lora.MaxLoRAs = DefaultMaxLoRAs
+		}
+		for _, a := range adapters {
+			cfg.Adapters = append(cfg.Adapters, scheduler.AdapterConfig{Name: a, BaseModel: o.Model, Size: AdapterBytes})
+			lora.Adapters = append(lora.Adapters, engine.Adapter{Name: a, Base: o.Model, Bytes: AdapterBytes})
+		}
+	}
 	spec := fleet.Spec{
 		Scheduler: cfg,
 		Log:       slog.New(slog.DiscardHandler),
 		Config: func(string, string) sim.Config {
 			sc := sim.Config{TimeScale: o.Speedup, Cost: cost.Config{Model: o.Model, GPU: o.GPU},
-				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}}
+				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}, LoRA: lora}
 			if f.store != nil {
 				sc.Tiers.Store = f.store
 			}
 			return sc
 		},
 	}
+	spec.MaxLoRAs = lora.MaxLoRAs
 	if shape.Disaggregated() {
 		spec.Prefill, spec.Decode = shape.Prefill, shape.Decode
 	} else {
@@ -316,7 +338,8 @@ func partQuantiles(before, after []*dto.MetricFamily) map[string][2]float64 {
 // failures, breaker trips, queue rejections, and cached tokens by tier.
 var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total", "baton_transfer_failures_total",
 	"baton_breaker_transitions_total", "baton_queue_rejections_total", "baton_retries_total", "baton_cached_tokens_by_tier_total",
-	"baton_routing_decisions_total", "baton_prefix_copies_total"}
+	"baton_routing_decisions_total", "baton_prefix_copies_total",
+	"baton_adapter_loads_total", "baton_adapter_evictions_total", "baton_adapter_requests_total"}
 
 // counters returns the explained counters of mfs by name{label=value,...}.
 func counters(mfs []*dto.MetricFamily) map[string]float64 {
@@ -414,7 +437,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	label := Column(strategy, shape)
 	if o.Target == "" {
 		var err error
-		if f, err = startFleet(o, strategy, shape); err != nil {
+		if f, err = startFleet(o, strategy, shape, w.Adapters); err != nil {
 			return nil, fmt.Errorf("%s: start fleet: %w", label, err)
 		}
 		defer f.close()

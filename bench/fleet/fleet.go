@@ -49,6 +49,10 @@ type Spec struct {
 	// workers to its Workers and serves on a free loopback port, whatever
 	// its Listen says.
 	Scheduler scheduler.Config
+	// MaxLoRAs is each worker's max_loras in the scheduler's
+	// configuration: the LoRA adapters (Scheduler.Adapters) loaded onto it
+	// at once. 0: none.
+	MaxLoRAs int
 	// Log receives the scheduler's logs; nil discards them.
 	Log *slog.Logger
 	// Registry holds the strategies by name; nil: routing's built-ins.
@@ -111,6 +115,9 @@ func (f *Fleet) start(spec Spec) error {
 		return err
 	}
 	cfg := spec.Scheduler
+	for i := range f.Configs {
+		f.Configs[i].MaxLoRAs = spec.MaxLoRAs
+	}
 	cfg.Workers = append(append([]scheduler.WorkerConfig(nil), cfg.Workers...), f.Configs...)
 	reg := spec.Registry
 	if reg == nil {

@@ -29,6 +29,9 @@ type Request struct {
 	Messages []Message
 	// MaxTokens caps the completion.
 	MaxTokens int
+	// Model is the model requested, a LoRA adapter's name (lora); empty:
+	// the run's model.
+	Model string
 }
 
 // RoutingText renders the messages exactly as baton's front end and the
@@ -54,10 +57,13 @@ type Workload struct {
 	Timed bool
 	// Describe says in one line what was generated.
 	Describe string
+	// Adapters are the LoRA adapters of the run's model its requests
+	// name, which an in-process fleet serves.
+	Adapters []string
 }
 
 // Names of the workloads.
-var Names = []string{"long-context", "sharegpt", "agentic", "mooncake", "azure"}
+var Names = []string{"long-context", "sharegpt", "agentic", "lora", "mooncake", "azure"}
 
 // CharsPerToken matches the simulated engine: one token per 4 characters.
 const CharsPerToken = 4

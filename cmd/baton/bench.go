@@ -199,6 +199,8 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 		return workload.ShareGPT(workload.ShareGPTConfig{Active: convs}, synthetic, seed)
 	case "agentic":
 		return workload.Agentic(workload.AgenticConfig{}, synthetic, seed)
+	case "lora":
+		return workload.LoRA(workload.LoRAConfig{}, synthetic, seed)
 	case "mooncake":
 		if trace == "" {
 			trace = filepath.Join(tracesDir(), "mooncake_conversation_trace.jsonl")
