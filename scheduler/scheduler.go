@@ -18,7 +18,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sony/gobreaker/v2"
-	"golang.org/x/net/netutil"
 
 	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/discovery"
@@ -532,7 +531,7 @@ func (s *Scheduler) Serve(l net.Listener) error {
 	srv := s.srv
 	s.mu.Unlock()
 	if n := s.cfg.Config.WithDefaults().MaxConnections; n > 0 {
-		l = netutil.LimitListener(l, n)
+		l = newLimitListener(l, n)
 	}
 	serve := srv.Serve
 	if s.tls.front != nil {
