@@ -137,44 +137,42 @@ func (l *loader) busy(req *routing.Request) bool {
 }
 
 // ensure returns a worker a was loaded onto for this request: by the load
-// in progress, or by a new one unless a holder has room by now.
+// in progress, or by a new one unless a holder has room by now. It waits
+// for the load until ctx ends; the load goes on without it, since others
+// may be waiting for it, bounded by LoadTimeout a worker.
 func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker) (*pool.Worker, error) {
 	l.mu.Lock()
-	if ld := l.loads[a.Name]; ld != nil {
-		l.mu.Unlock()
-		l.metrics.Waiting.Inc()
-		defer l.metrics.Waiting.Dec()
-		select {
-		case <-ld.done:
-			return ld.w, ld.err
-		case <-ctx.Done():
-			return nil, ctx.Err()
+	ld := l.loads[a.Name]
+	if ld == nil {
+		if !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
+			// A load ended between the pick and here.
+			l.mu.Unlock()
+			return nil, nil
 		}
+		ld = &adapterLoad{done: make(chan struct{})}
+		l.loads[a.Name] = ld
+		go func() {
+			ld.w, ld.err = l.load(context.WithoutCancel(ctx), a, slices.Clone(tried))
+			l.mu.Lock()
+			delete(l.loads, a.Name)
+			l.mu.Unlock()
+			close(ld.done)
+		}()
 	}
-	if !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
-		// A load ended between the pick and here.
-		l.mu.Unlock()
-		return nil, nil
-	}
-	ld := &adapterLoad{done: make(chan struct{})}
-	l.loads[a.Name] = ld
 	l.mu.Unlock()
 	l.metrics.Waiting.Inc()
-	ld.w, ld.err = l.load(ctx, a, tried)
-	l.metrics.Waiting.Dec()
-	l.mu.Lock()
-	delete(l.loads, a.Name)
-	l.mu.Unlock()
-	close(ld.done)
-	return ld.w, ld.err
+	defer l.metrics.Waiting.Dec()
+	select {
+	case <-ld.done:
+		return ld.w, ld.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
-// load loads a onto the best worker that can take it, and onto the next
-// when that fails. The load goes on if the request goes away, since
-// others may be waiting for it; LoadTimeout bounds each try.
-func (l *loader) load(ctx context.Context, a engine.Adapter, tried []*pool.Worker) (*pool.Worker, error) {
-	base := context.WithoutCancel(ctx)
-	failed := slices.Clone(tried)
+// load loads a onto the best worker that can take it and not in failed,
+// and onto the next when that fails; LoadTimeout bounds each try.
+func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Worker) (*pool.Worker, error) {
 	var lastErr error
 	for {
 		w := l.target(a, failed)
