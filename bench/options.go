@@ -67,7 +67,7 @@ type Options struct {
 	// of the simulator's scaled blocks).
 	SharedTierBytes int64
 	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
-	// workloads naming adapters (lora). 0: DefaultMaxLoRAs.
+	// workloads naming adapters (lora), 0–1,024. 0: DefaultMaxLoRAs.
 	MaxLoRAs int
 	// Progress receives a progress line per second; nil: none.
 	Progress io.Writer
@@ -86,6 +86,8 @@ func (o Options) Validate() error {
 		return fmt.Errorf("--rate: must be positive, got %v", o.Rate)
 	case o.Concurrency < 0:
 		return fmt.Errorf("--concurrency: must not be negative (0: open loop), got %d", o.Concurrency)
+	case o.MaxLoRAs < 0 || o.MaxLoRAs > 1024:
+		return fmt.Errorf("--max-loras: must be 0–1024, got %d", o.MaxLoRAs)
 	case o.KVBlocks < 0:
 		return fmt.Errorf("--kv-blocks: must be at least 1, got %d", o.KVBlocks)
 	case o.CPUBlocks < -1:

@@ -354,6 +354,9 @@ func counters(mfs []*dto.MetricFamily) map[string]float64 {
 			}
 			var ls []string
 			for _, l := range m.GetLabel() {
+				if strings.HasPrefix(mf.GetName(), "baton_adapter_") && (l.GetName() == "adapter" || l.GetName() == "worker") {
+					continue // summed over the fleet's many adapters
+				}
 				if l.GetValue() != "" {
 					ls = append(ls, l.GetName()+"="+l.GetValue())
 				}

@@ -27,6 +27,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
 	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")
 	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
+	maxLoRAs := fs.Int("max-loras", 0, "LoRA adapter slots of each simulated worker, for workloads naming adapters (default 4)")
 	speedup := fs.Float64("speedup", 1, "time compression: arrivals and the simulated engines' clock (TimeScale) run this many times faster")
 	conc := fs.Int("concurrency", 0, "cap on requests in flight (0: open loop)")
 	seed := fs.Uint64("seed", 1, "seed of the workload, the arrivals and the in-process scheduler's random choices")
@@ -90,7 +91,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
-		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes}
+		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs}
 	if err := o.Validate(); err != nil {
 		return err
 	}
