@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"container/list"
 	"fmt"
 
@@ -48,7 +49,7 @@ func (l Limits) Sentence() string {
 // alone), so that the MIN bound computed over it stays a bound for every
 // column of the run.
 func FleetBlocks(o Options, fleets []Fleet) (int64, error) {
-	cm, err := cost.NewEngine(orDefault(o.Model, "llama-3.1-8b"), orDefault(o.GPU, "h100"), 1)
+	cm, err := cost.NewEngine(cmp.Or(o.Model, "llama-3.1-8b"), cmp.Or(o.GPU, "h100"), 1)
 	if err != nil {
 		return 0, err
 	}
@@ -75,13 +76,6 @@ func FleetBlocks(o Options, fleets []Fleet) (int64, error) {
 		total += bytes / int64(kvblock.Size(cm.KVBytesPerToken(), BlockTokens, kvblock.DefaultScale))
 	}
 	return total, nil
-}
-
-func orDefault(s, d string) string {
-	if s == "" {
-		return d
-	}
-	return s
 }
 
 // cachedTokens is what the simulated engine reports as cached for a prompt

@@ -197,7 +197,7 @@ func startFleet(o *Options, strategy string, shape Fleet, adapters []string) (*i
 		Log:       slog.New(slog.DiscardHandler),
 		Config: func(string, string) sim.Config {
 			sc := sim.Config{TimeScale: o.Speedup, Cost: cost.Config{Model: o.Model, GPU: o.GPU},
-				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: cpuBlocks(o.CPUBlocks)}, LoRA: lora}
+				Tiers: sim.Tiers{GPUBlocks: o.KVBlocks, CPUBlocks: SimCPUBlocks(o.CPUBlocks)}, LoRA: lora}
 			if f.store != nil {
 				sc.Tiers.Store = f.store
 			}
@@ -621,9 +621,10 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 	return rep, nil
 }
 
-// cpuBlocks maps Options.CPUBlocks to sim.Tiers.CPUBlocks, whose zero means
-// the default tier and -1 none.
-func cpuBlocks(n int64) int64 {
+// SimCPUBlocks maps Options.CPUBlocks (--cpu-blocks: 0 none, -1 the
+// simulator's default) to sim.Tiers.CPUBlocks, whose zero means the
+// default tier and -1 none.
+func SimCPUBlocks(n int64) int64 {
 	switch {
 	case n == 0:
 		return -1

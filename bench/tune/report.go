@@ -1,6 +1,7 @@
 package tune
 
 import (
+	"cmp"
 	"encoding/csv"
 	"fmt"
 	"io"
@@ -29,7 +30,7 @@ func (r *Report) Markdown(w io.Writer) {
 	fmt.Fprintf(w, "%s; %d requests, offered %.2f req/s (modelled); %s on %s; seed %d. Targets: TTFT p90 ≤ %v, ITL p90 ≤ %v. "+
 		"Goodput is the requests per modelled second whose TTFT and whose own ITL p90 meet the targets; a configuration meets the targets when the fleet's p90s do. "+
 		"%d configurations simulated on the virtual clock (bench/vsim), %d events in %.1f s.\n\n",
-		r.Describe, r.Requests, r.OfferedRate, orDefault(o.Base.Model, "llama-3.1-8b"), orDefault(o.Base.GPU, "h100"), o.Base.Seed,
+		r.Describe, r.Requests, r.OfferedRate, cmp.Or(o.Base.Model, "llama-3.1-8b"), cmp.Or(o.Base.GPU, "h100"), o.Base.Seed,
 		o.SLOTTFT, o.SLOITL, len(r.Candidates), r.Events, r.Elapsed.Seconds())
 	b := r.Best
 	fmt.Fprintf(w, "## Best on %d GPUs\n\n%s: goodput %.2f req/s (%.1f%% of requests), TTFT p50/p90 %.0f/%.0f ms, ITL p90 %.1f ms, hit rate %.1f%%; targets %s.\n\n```yaml\n%s```\n\n",
@@ -51,13 +52,6 @@ func yesNo(b bool) string {
 		return "yes"
 	}
 	return "no"
-}
-
-func orDefault(s, d string) string {
-	if s == "" {
-		return d
-	}
-	return s
 }
 
 // CSV writes one row per candidate, best first.
@@ -92,7 +86,7 @@ func Snippet(c vsim.Config) string {
 		fmt.Fprintf(&b, "concurrency_threshold: %d\n", c.ConcurrencyThreshold)
 	}
 	if c.Disaggregated() {
-		fmt.Fprintf(&b, "disaggregation:\n  decode_strategy: %s\n  min_remote_prefill_tokens: %d\n", orDefault(c.DecodeStrategy, routing.LeastOutstanding), c.MinRemotePrefillTokens)
+		fmt.Fprintf(&b, "disaggregation:\n  decode_strategy: %s\n  min_remote_prefill_tokens: %d\n", cmp.Or(c.DecodeStrategy, routing.LeastOutstanding), c.MinRemotePrefillTokens)
 	}
 	b.WriteString("workers:\n")
 	add := func(role string, n int) {

@@ -194,7 +194,7 @@ func newSim(cfg Config) (*Sim, error) {
 	// One real engine, closed at once, gives the configuration with its
 	// defaults and the cost figures a worker reports.
 	simCfg := sim.Config{Cost: cost.Config{Model: cfg.Model, GPU: cfg.GPU},
-		Tiers: sim.Tiers{GPUBlocks: cfg.KVBlocks, CPUBlocks: cpuBlocks(cfg.CPUBlocks)}}
+		Tiers: sim.Tiers{GPUBlocks: cfg.KVBlocks, CPUBlocks: bench.SimCPUBlocks(cfg.CPUBlocks)}}
 	probe, err := sim.New(simCfg)
 	if err != nil {
 		return nil, err
@@ -252,17 +252,6 @@ func newSim(cfg Config) (*Sim, error) {
 func (s *Sim) close() {
 	s.pool.Close()
 	s.prefill.Close()
-}
-
-// cpuBlocks maps bench's --cpu-blocks to sim.Tiers.CPUBlocks.
-func cpuBlocks(n int64) int64 {
-	switch {
-	case n == 0:
-		return -1
-	case n < 0:
-		return 0
-	}
-	return n
 }
 
 // client stands in for an engine client: the pool only health-checks it.
