@@ -219,7 +219,12 @@ func newSim(cfg Config) (*Sim, error) {
 	mk := func(role string, n int) []*pool.Worker {
 		var ws []*pool.Worker
 		for i := range n {
+			// Named as baton bench's fleets name them, so that prefix_aware's
+			// ring places prefixes on the same workers.
 			name := fmt.Sprintf("%s-%d", role, i)
+			if role == sim.RoleBoth {
+				name = fmt.Sprintf("sim-%d", i)
+			}
 			pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
 			e := &engine{sim: s, name: name, cfg: full, cost: cm, pcie: s.figures.CPUCopySeconds, lastLoad: -1}
 			e.watched = s.usesKeys
