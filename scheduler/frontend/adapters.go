@@ -90,20 +90,20 @@ func (l *loader) parents() map[string]string {
 	return p
 }
 
-// route completes the pick of a request for an adapter: d and err are the
-// strategy's, among the holders. When no holder is available, or all are
+// route completes the pick of req, a request for an adapter: d and err
+// are the strategy's, among the holders req has not tried. When no holder is available, or all are
 // past the threshold, it loads the adapter onto another worker and picks
 // again. It returns how the adapter was found: "held" or "loaded".
-func (l *loader) route(ctx context.Context, x *exchange, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, error) {
-	a := l.byName[x.rreq.Adapter]
-	if err == nil && !l.busy(x.rreq) {
+func (l *loader) route(ctx context.Context, req *routing.Request, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, error) {
+	a := l.byName[req.Adapter]
+	if err == nil && !l.busy(req) {
 		d.Worker.TouchAdapter(a.Name)
 		return d, "held", nil
 	}
 	if err != nil && !errors.Is(err, routing.ErrNoWorker) && !errors.Is(err, routing.ErrFull) {
 		return d, "", err
 	}
-	w, lerr := l.ensure(ctx, a, x.tried)
+	w, lerr := l.ensure(ctx, a, req.Tried)
 	if lerr != nil {
 		if err == nil || errors.Is(err, routing.ErrFull) {
 			// Busy holders still serve, or the request queues for them.
@@ -114,7 +114,7 @@ func (l *loader) route(ctx context.Context, x *exchange, strategy routing.Strate
 		}
 		return d, "", lerr
 	}
-	d, err = strategy.Pick(x.rreq, l.pool.Snapshot())
+	d, err = strategy.Pick(req, l.pool.Snapshot())
 	if err != nil {
 		return d, "", err
 	}

@@ -262,7 +262,7 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	d, err = strategy.Pick(x.rreq, snap)
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if x.rreq.Adapter != "" && x.s.lora != nil {
-		d, x.adapter, err = x.s.lora.route(x.ctx, x, strategy, d, err)
+		d, x.adapter, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
 	}
 	return d, err
 }
