@@ -33,7 +33,9 @@ type Request struct {
 	// X-Prefix-Aware-Id), empty if none.
 	Tenant string
 	// PrefixKey is blockkey.Prefix (or PrefixBytes) of the routing text,
-	// seeded with blockkey.Seed(Model, Tenant), computed by the front end.
+	// seeded with blockkey.Seed of the model asked for (an adapter's own
+	// name, so that its keys are never its base model's) and Tenant,
+	// computed by the front end.
 	PrefixKey uint64
 	// Keys are the chained keys of the routing text's full blocks
 	// (blockkey.Append), computed by the front end only for strategies
