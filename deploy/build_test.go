@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -31,12 +33,14 @@ import (
 var expected = map[string]struct {
 	gpu            bool // requests nvidia.com/gpu
 	serviceMonitor bool // needs the Prometheus Operator's CRDs
+	keda           bool // needs KEDA's CRDs (ScaledObjects)
 	disaggregated  bool // the scheduler has prefill and decode workers
 }{
 	"base":                   {disaggregated: true},
 	"overlays/sim":           {disaggregated: true},
 	"overlays/sim-monitored": {disaggregated: true, serviceMonitor: true},
 	"overlays/vllm":          {gpu: true},
+	"overlays/vllm-disagg":   {gpu: true, serviceMonitor: true, keda: true, disaggregated: true},
 }
 
 // kustomizationFile is the part of a kustomization.yaml the tests read.
@@ -133,6 +137,50 @@ func (m *serviceMonitor) DeepCopyObject() runtime.Object {
 	return &c
 }
 
+// scaledObject is the part of KEDA's ScaledObject (keda.sh/v1alpha1) that
+// deploy/ uses; any other field is an error. A trigger's metadata is
+// free-form in KEDA's schema too: the tests check its keys per trigger
+// type.
+type scaledObject struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+	Spec              struct {
+		ScaleTargetRef struct {
+			APIVersion string `json:"apiVersion"`
+			Kind       string `json:"kind"`
+			Name       string `json:"name"`
+		} `json:"scaleTargetRef"`
+		MinReplicaCount *int32 `json:"minReplicaCount,omitempty"`
+		MaxReplicaCount *int32 `json:"maxReplicaCount,omitempty"`
+		PollingInterval *int32 `json:"pollingInterval,omitempty"`
+		CooldownPeriod  *int32 `json:"cooldownPeriod,omitempty"`
+		Advanced        *struct {
+			HorizontalPodAutoscalerConfig *struct {
+				Behavior *autoscalingv2.HorizontalPodAutoscalerBehavior `json:"behavior,omitempty"`
+			} `json:"horizontalPodAutoscalerConfig,omitempty"`
+		} `json:"advanced,omitempty"`
+		Triggers []struct {
+			Type       string            `json:"type"`
+			Name       string            `json:"name,omitempty"`
+			MetricType string            `json:"metricType,omitempty"`
+			Metadata   map[string]string `json:"metadata"`
+		} `json:"triggers"`
+	} `json:"spec"`
+}
+
+// DeepCopyObject makes scaledObject a runtime.Object.
+func (o *scaledObject) DeepCopyObject() runtime.Object {
+	b, err := json.Marshal(o)
+	if err != nil {
+		panic(err)
+	}
+	c := &scaledObject{}
+	if err := json.Unmarshal(b, c); err != nil {
+		panic(err)
+	}
+	return c
+}
+
 // decoder decodes a manifest into the Go type its apiVersion and kind name,
 // strictly: unknown, duplicate and miscased fields are errors, as they are
 // to the API server's strict field validation. Kinds the scheme lacks are
@@ -145,6 +193,7 @@ var decoder = sync.OnceValue(func() runtime.Decoder {
 		}
 	}
 	s.AddKnownTypeWithName(schema.GroupVersionKind{Group: "monitoring.coreos.com", Version: "v1", Kind: "ServiceMonitor"}, &serviceMonitor{})
+	s.AddKnownTypeWithName(schema.GroupVersionKind{Group: "keda.sh", Version: "v1alpha1", Kind: "ScaledObject"}, &scaledObject{})
 	return serializer.NewCodecFactory(s, serializer.EnableStrict).UniversalDeserializer()
 })
 
@@ -162,6 +211,7 @@ type objects struct {
 	roles           []*rbacv1.Role
 	roleBindings    []*rbacv1.RoleBinding
 	serviceMonitors []*serviceMonitor
+	scaledObjects   []*scaledObject
 }
 
 type object interface {
@@ -199,6 +249,8 @@ func decode(dir string, ms []manifest) (*objects, error) {
 			o.roleBindings = append(o.roleBindings, obj)
 		case *serviceMonitor:
 			o.serviceMonitors = append(o.serviceMonitors, obj)
+		case *scaledObject:
+			o.scaledObjects = append(o.scaledObjects, obj)
 		default:
 			errs = append(errs, fmt.Errorf("%s: a kind the tests do not check", m.id))
 			continue

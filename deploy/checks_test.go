@@ -342,6 +342,9 @@ func TestImagesAndResources(t *testing.T) {
 		if sm := len(o.serviceMonitors) > 0; sm != want.serviceMonitor {
 			t.Errorf("%s: has a ServiceMonitor: %v, want %v (it needs the Prometheus Operator)", o.dir, sm, want.serviceMonitor)
 		}
+		if so := len(o.scaledObjects) > 0; so != want.keda {
+			t.Errorf("%s: has a ScaledObject: %v, want %v (it needs KEDA)", o.dir, so, want.keda)
+		}
 	}
 }
 

@@ -1,14 +1,19 @@
 package deploy
 
 import (
+	"cmp"
+	"encoding/json"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/discovery"
@@ -16,11 +21,13 @@ import (
 
 // checkDiscovery checks a scheduler that finds its workers in
 // EndpointSlices against the output: the selector picks the headless
-// Service of every StatefulSet of baton workers and no other, by the
-// labels Kubernetes gives their slices; each Service has the port the
-// config names and the role label its pods run; the scheduler's
-// ServiceAccount has its token mounted and may get, list and watch
-// EndpointSlices, and nothing more.
+// Service of every StatefulSet of workers (pods running baton worker, or
+// labelled baton.io/role) and no other, by the labels Kubernetes gives
+// their slices; each Service has the port the config names, and the role
+// and kind its slices say (else the config's) are what its pods run and
+// are labelled; engines are started as the config expects (checkEngine);
+// the scheduler's ServiceAccount has its token mounted and may get, list
+// and watch EndpointSlices, and nothing more.
 func checkDiscovery(t *testing.T, o *objects, where string, cfg scheduler.Config, sched container) {
 	t.Helper()
 	k := cfg.Discovery.Kubernetes
@@ -42,63 +49,171 @@ func checkDiscovery(t *testing.T, o *objects, where string, cfg scheduler.Config
 		return l
 	}
 	roles := map[string]int{}
-	workerServices := map[string]bool{}
-	for _, w := range o.workloads() {
-		var workers []container
-		for i := range w.pod.Spec.Containers {
-			if c := (container{w, &w.pod.Spec.Containers[i]}); c.command() == "worker" {
-				workers = append(workers, c)
-			}
-		}
-		if len(workers) == 0 {
-			continue
-		}
-		where := fmt.Sprintf("%s: %s", where, w)
-		i := slices.IndexFunc(o.services, func(s *corev1.Service) bool { return s.Name == w.serviceName && s.Namespace == w.namespace })
-		if w.kind != "StatefulSet" || i < 0 {
-			t.Errorf("%s: baton workers outside a StatefulSet with a headless Service", where)
-			continue
-		}
-		svc := o.services[i]
-		workerServices[svc.Name] = true
-		if w.namespace != ns {
-			t.Errorf("%s: in namespace %s, the scheduler's is %s", where, w.namespace, ns)
-		}
-		if !sel.Matches(sliceLabels(svc)) {
-			t.Errorf("%s: the selector %q does not pick Service %s's EndpointSlices (labels %v)", where, k.Selector, svc.Name, sliceLabels(svc))
-		}
-		if !slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool {
-			return (k.Port == "" && len(svc.Spec.Ports) == 1) || (k.Port != "" && p.Name == k.Port)
-		}) {
-			t.Errorf("%s: Service %s has no port %q for discovery.kubernetes.port", where, svc.Name, k.Port)
-		}
-		role := svc.Labels[discovery.LabelRole]
-		if role == "" {
-			role = cfg.Discovery.Worker.Role
-		}
-		kind := svc.Labels[discovery.LabelKind]
-		if kind == "" {
-			kind = cfg.Discovery.Worker.Kind
-		}
-		if kind != "" && kind != scheduler.KindGRPC {
-			t.Errorf("%s: kind %s, but its pods run baton worker", where, kind)
-		}
-		for _, c := range workers {
-			if flag, _ := c.flag("role"); role != "" && flag != role {
-				t.Errorf("%s: Service %s says role %q, but %s runs --role=%s", where, svc.Name, role, c, flag)
-			}
-		}
-		roles[role] += int(w.replicas)
-	}
+	picked := map[string]bool{} // Services whose slices the selector picks
 	for _, svc := range o.services {
-		if svc.Namespace == ns && !workerServices[svc.Name] && sel.Matches(sliceLabels(svc)) {
-			t.Errorf("%s: the selector %q picks Service %s, whose pods are no baton workers", where, k.Selector, svc.Name)
+		if svc.Namespace != ns || !sel.Matches(sliceLabels(svc)) {
+			continue
+		}
+		picked[svc.Name] = true
+		where := fmt.Sprintf("%s: Service %s", where, svc.Name)
+		var port *corev1.ServicePort
+		for i, p := range svc.Spec.Ports {
+			if (k.Port == "" && len(svc.Spec.Ports) == 1) || (k.Port != "" && p.Name == k.Port) {
+				port = &svc.Spec.Ports[i]
+			}
+		}
+		if port == nil {
+			t.Errorf("%s: no port %q for discovery.kubernetes.port", where, k.Port)
+		}
+		// Kubernetes copies a Service's labels onto its slices, not its
+		// annotations.
+		role := cmp.Or(svc.Labels[discovery.LabelRole], cfg.Discovery.Worker.Role)
+		kind := cmp.Or(svc.Labels[discovery.LabelKind], cfg.Discovery.Worker.Kind, scheduler.KindGRPC)
+		n := 0
+		for _, w := range o.workloads() {
+			if w.kind != "StatefulSet" || w.serviceName != svc.Name || w.namespace != svc.Namespace {
+				continue
+			}
+			n++
+			where := fmt.Sprintf("%s: %s", where, w)
+			roles[role] += int(w.replicas)
+			for key, want := range map[string]string{discovery.LabelRole: role, discovery.LabelKind: kind} {
+				if v, ok := w.pod.Labels[key]; ok && v != want {
+					t.Errorf("%s: pods labelled %s=%s, but the scheduler takes them for %s", where, key, v, want)
+				}
+			}
+			var workers []container
+			for i := range w.pod.Spec.Containers {
+				if c := (container{w, &w.pod.Spec.Containers[i]}); c.command() == "worker" {
+					workers = append(workers, c)
+				}
+			}
+			if kind == scheduler.KindGRPC {
+				if len(workers) == 0 {
+					t.Errorf("%s: kind grpc, but its pods run no baton worker", where)
+				}
+				for _, c := range workers {
+					if flag, _ := c.flag("role"); role != "" && flag != role {
+						t.Errorf("%s: role %q, but %s runs --role=%s", where, role, c, flag)
+					}
+				}
+				continue
+			}
+			if len(workers) > 0 {
+				t.Errorf("%s: kind %s, but its pods run baton worker", where, kind)
+			}
+			if port != nil {
+				checkEngine(t, where, cfg.Discovery.Worker, kind, role, w, port.TargetPort)
+			}
+		}
+		if n == 0 {
+			t.Errorf("%s: picked by the selector %q, but no StatefulSet's pods are behind it", where, k.Selector)
+		}
+	}
+	for _, w := range o.workloads() {
+		_, labelled := w.pod.Labels[discovery.LabelRole]
+		runs := slices.ContainsFunc(w.pod.Spec.Containers, func(c corev1.Container) bool { return (container{w, &c}).command() == "worker" })
+		if (labelled || runs) && (w.kind != "StatefulSet" || !picked[w.serviceName]) {
+			t.Errorf("%s: %s: a worker pool outside the StatefulSets whose headless Services the selector %q picks", where, w, k.Selector)
 		}
 	}
 	if want := expected[o.dir].disaggregated; want != (roles[scheduler.RolePrefill] > 0 && roles[scheduler.RoleDecode] > 0) {
 		t.Errorf("%s: roles %v; want prefill and decode workers: %v", where, roles, want)
 	}
 	checkEndpointSliceRBAC(t, o, where, sched)
+}
+
+// checkEngine checks the engine container of w, which discovery finds as a
+// worker of kind and role on targetPort, against the scheduler's template
+// tmpl: it serves HTTP on that port; a vllm engine publishes KV events
+// where tmpl.events and events_replay subscribe, with tmpl's topic and
+// block size, reports cached tokens, and in a prefill or decode pool runs
+// the NixlConnector as kv_both, with NIXL's side channel on its pod IP.
+func checkEngine(t *testing.T, where string, tmpl scheduler.WorkerConfig, kind, role string, w workload, targetPort intstr.IntOrString) {
+	t.Helper()
+	var c container
+	for i := range w.pod.Spec.Containers {
+		cc := container{w, &w.pod.Spec.Containers[i]}
+		if hasPort(&corev1.PodSpec{Containers: []corev1.Container{*cc.Container}}, targetPort) {
+			c = cc
+		}
+	}
+	if c.Container == nil {
+		t.Errorf("%s: no container declares port %s", where, targetPort.String())
+		return
+	}
+	where = fmt.Sprintf("%s: container %s", where, c.Name)
+	declared := func(port string) bool {
+		n, err := strconv.Atoi(port)
+		return err == nil && hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, intstr.FromInt(n))
+	}
+	if kind != scheduler.KindVLLM {
+		return // sglang and plain HTTP engines: only the port above
+	}
+	http := targetPort.IntVal
+	for _, p := range c.Ports {
+		if targetPort.Type == intstr.String && p.Name == targetPort.StrVal {
+			http = p.ContainerPort
+		}
+	}
+	if v, _ := c.flag("port"); v != strconv.Itoa(int(http)) {
+		t.Errorf("%s: --port=%s, but discovery reaches it on %d", where, v, http)
+	}
+	if !slices.Contains(c.Args, "--enable-prompt-tokens-details") {
+		t.Errorf("%s: no --enable-prompt-tokens-details: the engine would not report cached tokens", where)
+	}
+	if tmpl.BlockSize != 0 {
+		if v, _ := c.flag("block-size"); v != strconv.Itoa(tmpl.BlockSize) {
+			t.Errorf("%s: --block-size=%s, but discovery.worker.block_size is %d", where, v, tmpl.BlockSize)
+		}
+	}
+	if tmpl.Events != "" {
+		var ev struct {
+			Enable   bool   `json:"enable_kv_cache_events"`
+			Pub      string `json:"publisher"`
+			Endpoint string `json:"endpoint"`
+			Replay   string `json:"replay_endpoint"`
+			Topic    string `json:"topic"`
+		}
+		v, _ := c.flag("kv-events-config")
+		if err := json.Unmarshal([]byte(v), &ev); err != nil {
+			t.Errorf("%s: --kv-events-config %q: %v", where, v, err)
+		}
+		if !ev.Enable || ev.Pub != "zmq" {
+			t.Errorf("%s: --kv-events-config publishes no ZMQ events (%+v)", where, ev)
+		}
+		for _, e := range []struct{ field, sub, pub string }{{"events", tmpl.Events, ev.Endpoint}, {"events_replay", tmpl.EventsReplay, ev.Replay}} {
+			_, sub, _ := strings.Cut(e.sub, "{host}:")
+			_, pub, _ := strings.Cut(e.pub, "*:")
+			if e.sub != "" && (sub == "" || sub != pub || !declared(pub)) {
+				t.Errorf("%s: discovery.worker.%s %s, but the engine binds %q (a port it must declare)", where, e.field, e.sub, e.pub)
+			}
+		}
+		if ev.Topic != tmpl.EventsTopic {
+			t.Errorf("%s: --kv-events-config topic %q, but discovery.worker.events_topic is %q", where, ev.Topic, tmpl.EventsTopic)
+		}
+	}
+	if role != scheduler.RolePrefill && role != scheduler.RoleDecode {
+		return
+	}
+	var kt struct {
+		Connector string `json:"kv_connector"`
+		Role      string `json:"kv_role"`
+	}
+	v, _ := c.flag("kv-transfer-config")
+	if err := json.Unmarshal([]byte(v), &kt); err != nil || kt.Connector != "NixlConnector" || kt.Role != "kv_both" {
+		t.Errorf("%s: --kv-transfer-config %q: want NixlConnector as kv_both in a %s pool (%v)", where, v, role, err)
+	}
+	env := map[string]corev1.EnvVar{}
+	for _, e := range c.Env {
+		env[e.Name] = e
+	}
+	if h := env["VLLM_NIXL_SIDE_CHANNEL_HOST"]; h.ValueFrom == nil || h.ValueFrom.FieldRef == nil || h.ValueFrom.FieldRef.FieldPath != "status.podIP" {
+		t.Errorf("%s: VLLM_NIXL_SIDE_CHANNEL_HOST must be the pod IP (fieldRef status.podIP): decode engines connect to it", where)
+	}
+	if p := env["VLLM_NIXL_SIDE_CHANNEL_PORT"].Value; !declared(p) {
+		t.Errorf("%s: VLLM_NIXL_SIDE_CHANNEL_PORT %q is not a port of the container", where, p)
+	}
 }
 
 // checkEndpointSliceRBAC checks that the scheduler's pod mounts its
