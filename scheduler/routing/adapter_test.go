@@ -56,3 +56,26 @@ func TestAdapterOnlyToHolders(t *testing.T) {
 		})
 	}
 }
+
+func TestAdapterPickDoesNotAllocate(t *testing.T) {
+	skipUnderRace(t)
+	f := newFleet(t, 16)
+	for i, w := range f.snap().Workers {
+		if i%3 == 0 {
+			w.AddAdapter("sql")
+		}
+	}
+	req := &Request{Model: "llama", Adapter: "sql", PrefixKey: 42}
+	for _, s := range builtins(t, Params{}) {
+		if s.Name() == KVAware {
+			continue // its requests carry keys: TestKVAwareDoesNotAllocate
+		}
+		snap := f.snap()
+		if _, err := s.Pick(req, snap); err != nil {
+			t.Fatal(err)
+		}
+		if n := testing.AllocsPerRun(100, func() { _, _ = s.Pick(req, snap) }); n != 0 {
+			t.Errorf("%s: Pick of an adapter request allocates %v times, want 0", s.Name(), n)
+		}
+	}
+}
