@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -278,6 +279,52 @@ func TestScaledObjects(t *testing.T) {
 						}
 					}
 				}
+			}
+		}
+	}
+}
+
+// localPort matches the engine address a preStop hook polls.
+var localPort = regexp.MustCompile(`127\.0\.0\.1:([0-9]+)`)
+
+// TestEngineDrain checks that every vLLM container waits in a preStop
+// hook for its requests in flight (vLLM cancels them on SIGTERM), polling
+// a port it declares, for a bound (the hook's last argument, in seconds)
+// that the pod's terminationGracePeriodSeconds exceeds with room for
+// vLLM's own shutdown.
+func TestEngineDrain(t *testing.T) {
+	const shutdown = 10 // seconds left to vLLM after the hook
+	for _, o := range built(t) {
+		for _, c := range o.containers() {
+			repo, _, _ := strings.Cut(path.Base(c.Image), ":")
+			if repo != "vllm-openai" {
+				continue
+			}
+			var cmd []string
+			if l := c.Lifecycle; l != nil && l.PreStop != nil && l.PreStop.Exec != nil {
+				cmd = l.PreStop.Exec.Command
+			}
+			if len(cmd) < 2 {
+				t.Errorf("%s: %s: no preStop exec hook waiting for its requests in flight", o.dir, c)
+				continue
+			}
+			bound, err := strconv.Atoi(cmd[len(cmd)-1])
+			if err != nil || bound <= 0 {
+				t.Errorf("%s: %s: preStop hook's last argument %q: want its bound in seconds", o.dir, c, cmd[len(cmd)-1])
+				continue
+			}
+			grace := int64(30)
+			if g := c.w.pod.Spec.TerminationGracePeriodSeconds; g != nil {
+				grace = *g
+			}
+			if grace < int64(bound+shutdown) {
+				t.Errorf("%s: %s: terminationGracePeriodSeconds %d must be at least the preStop bound %d + %d s of shutdown", o.dir, c, grace, bound, shutdown)
+			}
+			m := localPort.FindStringSubmatch(strings.Join(cmd, " "))
+			if m == nil {
+				t.Errorf("%s: %s: the preStop hook polls no 127.0.0.1 port", o.dir, c)
+			} else if n, _ := strconv.Atoi(m[1]); !hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, intstr.FromInt(n)) {
+				t.Errorf("%s: %s: the preStop hook polls port %d, which the container does not declare", o.dir, c, n)
 			}
 		}
 	}
