@@ -184,6 +184,36 @@ var exportedMetrics = sync.OnceValues(func() (map[string]bool, error) {
 	return out, err
 })
 
+// baseMetric returns the metric a series name belongs to: a histogram's
+// _bucket, _sum and _count series belong to the histogram.
+func baseMetric(name string, exported map[string]bool) string {
+	for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+		if b, ok := strings.CutSuffix(name, suffix); ok && exported[b] {
+			return b
+		}
+	}
+	return name
+}
+
+// TestReadmeMetrics checks that every baton_* name deploy/README.md shows
+// (autoscaling queries, adapter rules, dashboard panels) is a metric the
+// scheduler exports.
+func TestReadmeMetrics(t *testing.T) {
+	exported, err := exportedMetrics()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range regexp.MustCompile(`baton_[a-z0-9_]+`).FindAllString(string(b), -1) {
+		if !exported[baseMetric(name, exported)] {
+			t.Errorf("README.md: %s is not a metric baton exports", name)
+		}
+	}
+}
+
 // workerMatcher matches the worker="..." or worker=~"..." matchers of a
 // PromQL query.
 var workerMatcher = regexp.MustCompile(`worker\s*(=~?)\s*"([^"]*)"`)
@@ -250,13 +280,7 @@ func TestScaledObjects(t *testing.T) {
 					t.Errorf("%s: query %q reads no baton metric", where, q)
 				}
 				for _, name := range names {
-					base := name
-					for _, suffix := range []string{"_bucket", "_sum", "_count"} {
-						if b, ok := strings.CutSuffix(name, suffix); ok && exported[b] {
-							base = b
-						}
-					}
-					if !exported[base] {
+					if !exported[baseMetric(name, exported)] {
 						t.Errorf("%s: query reads %s, which baton does not export", where, name)
 					}
 				}
