@@ -73,6 +73,9 @@ type client struct {
 	deadline time.Duration // per request; past it the request is a hang
 	next     atomic.Uint64
 	rec      *recorder
+	// prompts, if positive, is how many distinct prompts the client
+	// sends (the question numbers repeat); else every one is new.
+	prompts int
 }
 
 func newClient(bases []string, model string, deadline time.Duration, conns int, rec *recorder) *client {
@@ -109,6 +112,9 @@ var reqSeq atomic.Uint64
 // body is a chat completion over one of docs with a question of its own.
 func (c *client) body(r *rand.Rand, stream bool, maxTokens int) []byte {
 	n := reqSeq.Add(1)
+	if c.prompts > 0 {
+		n %= uint64(c.prompts)
+	}
 	prompt := docs[r.IntN(len(docs))] + fmt.Sprintf("\nQuestion %d: summarize the above in a few words.", n)
 	b, _ := json.Marshal(map[string]any{
 		"model": c.model, "stream": stream, "max_tokens": maxTokens,

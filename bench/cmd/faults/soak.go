@@ -21,6 +21,8 @@ type soakOptions struct {
 	interval  time.Duration
 	timeScale float64
 	deadline  time.Duration
+	demoArgs  string
+	prompts   int
 }
 
 func (o *soakOptions) register(fs *flag.FlagSet) {
@@ -29,6 +31,8 @@ func (o *soakOptions) register(fs *flag.FlagSet) {
 	fs.DurationVar(&o.interval, "interval", 5*time.Second, "soak: between scrapes of the demo's /metrics")
 	fs.Float64Var(&o.timeScale, "soak-time-scale", 0.25, "soak: the demo workers' --time-scale (below 1 slows the tokens, so that many streams stay open on few cores)")
 	fs.DurationVar(&o.deadline, "soak-deadline", 2*time.Minute, "soak: a request's client-side deadline")
+	fs.IntVar(&o.prompts, "soak-prompts", 0, "soak: send only this many distinct prompts, so that every cache and index stops growing at once (0: each prompt new)")
+	fs.StringVar(&o.demoArgs, "demo-args", "", "soak: more `flags` for baton demo, space-separated (e.g. \"--kv-blocks 2048 --cpu-blocks 4096\": caches that fill within a minute)")
 }
 
 type sample struct {
@@ -54,8 +58,10 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 		perWorker, so.streams, 2*so.streams+100), 0o644); err != nil {
 		return "", err
 	}
-	p := newProc(dir, "demo", o.bin, "demo", "--listen", addr, "--config", cfg,
-		"--max-running", strconv.Itoa(so.streams), "--time-scale", strconv.FormatFloat(so.timeScale, 'g', -1, 64))
+	args := append([]string{"demo", "--listen", addr, "--config", cfg,
+		"--max-running", strconv.Itoa(so.streams), "--time-scale", strconv.FormatFloat(so.timeScale, 'g', -1, 64)},
+		strings.Fields(so.demoArgs)...)
+	p := newProc(dir, "demo", o.bin, args...)
 	if err := p.start(); err != nil {
 		return "", err
 	}
@@ -70,6 +76,7 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 	log.Info("soak", "streams", so.streams, "duration", so.duration, "time_scale", so.timeScale)
 	rec := &recorder{}
 	c := newClient([]string{base}, model, so.deadline, so.streams, rec)
+	c.prompts = so.prompts
 	defer c.close()
 	loadCtx, stopLoad := context.WithTimeout(ctx, so.duration)
 	defer stopLoad()
@@ -136,10 +143,10 @@ func soakReport(so soakOptions, rec *recorder, samples []sample, idle, end metri
 	res := rec.snapshot()
 	n := countOutcomes(res)
 	var b strings.Builder
-	fmt.Fprintf(&b, "Fleet: `baton demo` (one process: scheduler, 2 prefill + 2 decode of baton's simulated workers, %s preset, --time-scale %g, --max-running %d, in-process shared tier), max_in_flight %d.\n\n",
-		model, so.timeScale, so.streams, so.streams)
-	fmt.Fprintf(&b, "Load: %d clients each holding one streamed chat completion open after another (a 2,400-character document of 16 plus a question of its own, max_tokens 64–256) for %s; client deadline %s. %s; load average %s at the start, %s at the end.\n\n",
-		so.streams, took.Round(time.Second), so.deadline, cpus(), load0, load1)
+	fmt.Fprintf(&b, "Fleet: `baton demo` (one process: scheduler, 2 prefill + 2 decode of baton's simulated workers, %s preset, --time-scale %g, --max-running %d, in-process shared tier%s), max_in_flight %d.\n\n",
+		model, so.timeScale, so.streams, extra(so.demoArgs), so.streams)
+	fmt.Fprintf(&b, "Load: %d clients each holding one streamed chat completion open after another (a 2,400-character document of 16 plus a question %s, max_tokens 64–256) for %s; client deadline %s. %s; load average %s at the start, %s at the end.\n\n",
+		so.streams, questions(so.prompts), took.Round(time.Second), so.deadline, cpus(), load0, load1)
 	var mean float64
 	for _, s := range samples {
 		mean += float64(s.clientOpen)
@@ -165,4 +172,18 @@ func soakReport(so soakOptions, rec *recorder, samples []sample, idle, end metri
 		fmt.Fprintf(&b, "\nErrors: %s\n", d)
 	}
 	return b.String()
+}
+
+func extra(args string) string {
+	if args == "" {
+		return ""
+	}
+	return ", " + args
+}
+
+func questions(prompts int) string {
+	if prompts > 0 {
+		return fmt.Sprintf("of %d, so %d distinct prompts", prompts, prompts)
+	}
+	return "of its own"
 }
