@@ -8,9 +8,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/batonllm/baton/proto/workerpb"
-	"github.com/batonllm/baton/scheduler/kvindex"
 )
 
 // BenchmarkKVAwareWhileCommitting measures kv_aware's decision while
@@ -26,20 +23,9 @@ func BenchmarkKVAwareWhileCommitting(b *testing.B) {
 		}
 		b.Run(name, func(b *testing.B) {
 			const n = 8
-			f := newKVFleet(b, n)
 			rng := rand.New(rand.NewPCG(7, 8))
-			const blocks = 1 << 20
-			per := blocks / n
-			held := make([][]uint64, n)
-			for i, w := range f.snap().Workers {
-				ks := make([]uint64, per)
-				for j := range ks {
-					ks[j] = rng.Uint64()
-				}
-				held[i] = ks
-				f.info(w.Name, true, kvindex.DefaultCost.RedisBytesPerSecond)
-				f.store(w.Name, workerpb.Tier_TIER_GPU, ks)
-			}
+			f, held := newHeldFleet(b, n, 1<<20, rng)
+			per := len(held[0])
 			const prompts = 64
 			reqs := make([]*Request, prompts)
 			for p := range reqs {

@@ -559,27 +559,34 @@ func TestKVAwareDoesNotAllocate(t *testing.T) {
 // prediction) for an 8,000-token prompt (500 keys) with a million blocks
 // indexed across the workers. Each prompt's first 300 blocks are held by
 // one worker; the rest are new. It reports the heap per indexed block.
+// newHeldFleet returns a fleet of n workers whose index holds blocks
+// random keys, an equal share on each worker in its GPU tier, and those
+// keys by worker. Each worker has the default costs, a Redis tier and a
+// little load.
+func newHeldFleet(b *testing.B, n, blocks int, rng *rand.Rand) (*kvFleet, [][]uint64) {
+	f := newKVFleet(b, n)
+	held := make([][]uint64, n)
+	for i, w := range f.snap().Workers {
+		ks := make([]uint64, blocks/n)
+		for j := range ks {
+			ks[j] = rng.Uint64()
+		}
+		held[i] = ks
+		f.info(w.Name, true, kvindex.DefaultCost.RedisBytesPerSecond)
+		f.store(w.Name, workerpb.Tier_TIER_GPU, ks)
+		f.report(w.Name, &workerpb.LoadReport{Running: int32(i % 4), WaitingPrefillTokens: int64(i%3) * 1000})
+	}
+	return f, held
+}
+
 func BenchmarkKVAware(b *testing.B) {
 	for _, n := range []int{8, 64} {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
 			var before, after runtime.MemStats
 			runtime.GC()
 			runtime.ReadMemStats(&before)
-			f := newKVFleet(b, n)
-			rng := rand.New(rand.NewPCG(5, 6))
-			const blocks = 1 << 20
-			per := blocks / n
-			held := make([][]uint64, n)
-			for i, w := range f.snap().Workers {
-				ks := make([]uint64, per)
-				for j := range ks {
-					ks[j] = rng.Uint64()
-				}
-				held[i] = ks
-				f.info(w.Name, true, kvindex.DefaultCost.RedisBytesPerSecond)
-				f.store(w.Name, workerpb.Tier_TIER_GPU, ks)
-				f.report(w.Name, &workerpb.LoadReport{Running: int32(i % 4), WaitingPrefillTokens: int64(i%3) * 1000})
-			}
+			f, held := newHeldFleet(b, n, 1<<20, rand.New(rand.NewPCG(5, 6)))
+			per := len(held[0])
 			runtime.GC()
 			runtime.ReadMemStats(&after)
 			bytesPerBlock := float64(after.HeapAlloc-before.HeapAlloc) / float64(f.idx.Len())
