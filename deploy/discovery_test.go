@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -28,7 +27,7 @@ import (
 // are labelled; engines are started as the config expects (checkEngine);
 // the scheduler's ServiceAccount has its token mounted and may get, list
 // and watch EndpointSlices, and nothing more.
-func checkDiscovery(t *testing.T, o *objects, where string, cfg scheduler.Config, sched container) {
+func checkDiscovery(t reporter, o *objects, where string, cfg scheduler.Config, sched container) {
 	t.Helper()
 	k := cfg.Discovery.Kubernetes
 	sel, err := labels.Parse(k.Selector)
@@ -129,7 +128,7 @@ func checkDiscovery(t *testing.T, o *objects, where string, cfg scheduler.Config
 // where tmpl.events and events_replay subscribe, with tmpl's topic and
 // block size, reports cached tokens, and in a prefill or decode pool runs
 // the NixlConnector as kv_both, with NIXL's side channel on its pod IP.
-func checkEngine(t *testing.T, where string, tmpl scheduler.WorkerConfig, kind, role string, w workload, targetPort intstr.IntOrString) {
+func checkEngine(t reporter, where string, tmpl scheduler.WorkerConfig, kind, role string, w workload, targetPort intstr.IntOrString) {
 	t.Helper()
 	var c container
 	for i := range w.pod.Spec.Containers {
@@ -219,7 +218,7 @@ func checkEngine(t *testing.T, where string, tmpl scheduler.WorkerConfig, kind, 
 // checkEndpointSliceRBAC checks that the scheduler's pod mounts its
 // ServiceAccount's token, and that the account's Roles allow get, list and
 // watch on EndpointSlices and nothing else.
-func checkEndpointSliceRBAC(t *testing.T, o *objects, where string, sched container) {
+func checkEndpointSliceRBAC(t reporter, o *objects, where string, sched container) {
 	t.Helper()
 	spec := sched.w.pod.Spec
 	sa := spec.ServiceAccountName
