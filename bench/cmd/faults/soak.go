@@ -39,6 +39,7 @@ type sample struct {
 	at              float64 // seconds since the load started
 	goroutines, rss float64
 	heap            float64 // go_memstats_heap_inuse_bytes
+	live            float64 // heap live after the last GC: go_memstats_next_gc_bytes ÷ 2 (GOGC 100)
 	clientOpen      int64
 }
 
@@ -112,7 +113,7 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 			heap:       gauge(m, "go_memstats_heap_inuse_bytes"),
 			clientOpen: rec.sent.Load() - int64(len(rec.snapshot()))}
 		samples = append(samples, s)
-		log.Info("soak sample", "t", time.Duration(s.at*float64(time.Second)).Round(time.Second), "goroutines", s.goroutines, "rss_mib", mib(s.rss), "heap_mib", mib(s.heap), "open", s.clientOpen)
+		log.Info("soak sample", "t", time.Duration(s.at*float64(time.Second)).Round(time.Second), "goroutines", s.goroutines, "rss_mib", mib(s.rss), "heap_mib", mib(s.heap), "live_mib", mib(s.live), "open", s.clientOpen)
 	}
 	took := time.Since(start)
 	wg.Wait()
@@ -154,20 +155,22 @@ func soakReport(so soakOptions, rec *recorder, samples []sample, idle, end metri
 	if len(samples) > 0 {
 		mean /= float64(len(samples))
 	}
-	fmt.Fprintf(&b, "| requests | ok | errors | streams open (mean of samples) | goroutines slope /min | RSS slope MiB/min | heap in use slope MiB/min | goroutines first → last sample | RSS MiB first → last | heap in use MiB first → last | idle before → 5s after |\n")
-	fmt.Fprintf(&b, "|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| requests | ok | errors | streams open (mean of samples) | goroutines slope /min | RSS slope MiB/min | heap in use slope MiB/min | live heap slope MiB/min | goroutines first → last sample | RSS MiB first → last | heap in use MiB first → last | live heap MiB first → last | idle before → 5s after |\n")
+	fmt.Fprintf(&b, "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|\n")
 	var first, last sample
 	if len(samples) > 0 {
 		first, last = samples[len(samples)/5], samples[len(samples)-1]
 	}
-	fmt.Fprintf(&b, "| %d | %d | %d | %.0f | %+.1f | %+.2f | %+.2f | %.0f → %.0f | %s → %s | %s → %s | goroutines %.0f → %.0f, RSS %s → %s MiB |\n",
+	fmt.Fprintf(&b, "| %d | %d | %d | %.0f | %+.1f | %+.2f | %+.2f | %+.2f | %.0f → %.0f | %s → %s | %s → %s | %s → %s | goroutines %.0f → %.0f, RSS %s → %s MiB |\n",
 		len(res), n[outOK], len(res)-n[outOK], mean,
 		slope(samples, func(s sample) float64 { return s.goroutines }),
 		slope(samples, func(s sample) float64 { return s.rss / (1 << 20) }),
 		slope(samples, func(s sample) float64 { return s.heap / (1 << 20) }),
-		first.goroutines, last.goroutines, mib(first.rss), mib(last.rss), mib(first.heap), mib(last.heap),
+		slope(samples, func(s sample) float64 { return s.live / (1 << 20) }),
+		first.goroutines, last.goroutines, mib(first.rss), mib(last.rss), mib(first.heap), mib(last.heap), mib(first.live), mib(last.live),
 		gauge(idle, "go_goroutines"), gauge(end, "go_goroutines"), mib(gauge(idle, "process_resident_memory_bytes")), mib(gauge(end, "process_resident_memory_bytes")))
-	fmt.Fprintf(&b, "\nSlopes are least-squares fits over the %d samples after the first fifth (the ramp), every %s. Sent %d, ended %d.\n", len(samples)-len(samples)/5, so.interval, rec.sent.Load(), len(res))
+	fmt.Fprintf(&b, "\nThe live heap is half of go_memstats_next_gc_bytes (the heap goal at GOGC 100): what the last GC kept, steadier than the heap in use, which includes the garbage not yet collected.")
+	fmt.Fprintf(&b, " Slopes are least-squares fits over the %d samples after the first fifth (the ramp), every %s. Sent %d, ended %d.\n", len(samples)-len(samples)/5, so.interval, rec.sent.Load(), len(res))
 	if d := details(res, 6); d != "" {
 		fmt.Fprintf(&b, "\nErrors: %s\n", d)
 	}
