@@ -110,7 +110,7 @@ func runSoak(ctx context.Context, dir string, o options, log *slog.Logger) (stri
 			continue
 		}
 		s := sample{at: time.Since(start).Seconds(), goroutines: gauge(m, "go_goroutines"), rss: gauge(m, "process_resident_memory_bytes"),
-			heap:       gauge(m, "go_memstats_heap_inuse_bytes"),
+			heap: gauge(m, "go_memstats_heap_inuse_bytes"), live: gauge(m, "go_memstats_next_gc_bytes") / 2,
 			clientOpen: rec.sent.Load() - int64(len(rec.snapshot()))}
 		samples = append(samples, s)
 		log.Info("soak sample", "t", time.Duration(s.at*float64(time.Second)).Round(time.Second), "goroutines", s.goroutines, "rss_mib", mib(s.rss), "heap_mib", mib(s.heap), "live_mib", mib(s.live), "open", s.clientOpen)
