@@ -485,3 +485,46 @@ func TestAdapterLoadedPastThreshold(t *testing.T) {
 		t.Errorf("requests by worker and route %v: want both workers, each with one adapter=loaded", got)
 	}
 }
+
+// An adapter serving a request is never unloaded: with the only slot's
+// adapter in use, a request for another is a 503, the request in flight
+// completes, and once it has the slot is freed for the other adapter.
+func TestAdapterInUseNeverUnloaded(t *testing.T) {
+	e := startLoRAEngine(t, false)
+	e.hold = make(chan struct{})
+	s, addr := startScheduler(t, scheduler.Config{Pool: loraPool(), Adapters: loraAdapters, Workers: []scheduler.WorkerConfig{
+		{Name: "e0", Kind: scheduler.KindVLLM, Address: e.srv.URL, MaxLoRAs: 1},
+	}})
+	c := oaClient(t, addr)
+	inFlight := make(chan chatResult, 1)
+	go func() { inFlight <- chat(t, c, adapterChat("sql", "a long question")) }()
+	eventually(t, 20*time.Second, func() error {
+		if n := s.Pool.Snapshot().Worker("e0").InFlight(); n != 1 {
+			return fmt.Errorf("%d requests in flight on e0, want sql's", n)
+		}
+		return nil
+	})
+	r := do(t, httpClient(t), http.MethodPost, "http://"+addr+"/v1/chat/completions",
+		`{"model":"chat","messages":[{"role":"user","content":"hi"}]}`, map[string]string{"Content-Type": "application/json"})
+	if _, _, code, _ := decodeError(t, r.body); r.status != http.StatusServiceUnavailable || code != "no_worker_available" {
+		t.Errorf("chat while sql serves a request in the only slot: %d %s, want 503 no_worker_available", r.status, r.body)
+	}
+	close(e.hold)
+	if got := <-inFlight; got.content == "" {
+		t.Errorf("sql's request in flight: empty answer")
+	}
+	if r := chat(t, c, adapterChat("chat", "now")); !strings.HasSuffix(r.route, "adapter=loaded") {
+		t.Errorf("chat after sql's request ended: route %q, want adapter=loaded", r.route)
+	}
+	want := []string{
+		`load {"lora_name":"sql","lora_path":"/adapters/sql"}`,
+		`unload {"lora_name":"sql"}`,
+		`load {"lora_name":"chat","lora_path":"/adapters/chat"}`,
+	}
+	if got := e.calls(); !slices.Equal(got, want) {
+		t.Errorf("adapter calls:\n got %q\nwant %q", got, want)
+	}
+	if e.missing != 0 {
+		t.Errorf("%d completions reached the engine without their adapter", e.missing)
+	}
+}

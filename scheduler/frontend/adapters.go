@@ -205,7 +205,8 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 	var best *pool.Worker
 	bestFree := false
 	for _, w := range l.pool.Snapshot().Workers {
-		if w.MaxLoRAs <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) {
+		if w.MaxLoRAs <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) ||
+			!w.CanTakeAdapter(a.Name) {
 			continue
 		}
 		free := w.AdapterSlotFree()
@@ -217,20 +218,22 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 }
 
 // loadOn loads a onto w, first unloading its least recently used adapter
-// when its slots are full. Engines without a load API load on the first
-// request.
+// with no request in flight when its slots are full. Engines without a
+// load API load on the first request.
 func (l *loader) loadOn(ctx context.Context, w *pool.Worker, a engine.Adapter) error {
 	ld, api := w.Client.(engine.AdapterLoader)
 	if !w.AdapterSlotFree() {
-		if victim, ok := w.LRUAdapter(a.Name); ok {
-			if api {
-				if err := ld.UnloadAdapter(ctx, victim); err != nil {
-					return err
-				}
-			}
-			w.RemoveAdapter(victim)
-			l.metrics.Evictions.WithLabelValues(w.Name).Inc()
+		victim, ok := w.LRUAdapter(a.Name)
+		if !ok {
+			return fmt.Errorf("worker %s: every adapter slot serves requests in flight", w.Name)
 		}
+		if api {
+			if err := ld.UnloadAdapter(ctx, victim); err != nil {
+				return err
+			}
+		}
+		w.RemoveAdapter(victim)
+		l.metrics.Evictions.WithLabelValues(w.Name).Inc()
 	}
 	if !api {
 		return nil

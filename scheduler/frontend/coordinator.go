@@ -116,6 +116,12 @@ func (x *exchange) run(ctx context.Context) string {
 			acquired(err)
 			s.released()
 		}
+		if a := x.rreq.Adapter; a != "" {
+			// The adapter is in use on wk until the attempt ends: never
+			// unloaded under it.
+			end, release := wk.BeginAdapter(a), done
+			done = func(err error) { end(); release(err) }
+		}
 		x.worker = wk.Name
 		x.predicted = -1
 		routing.Commit(x.genStrategy(), x.rreq, d)

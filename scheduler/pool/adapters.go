@@ -20,6 +20,9 @@ type adapters struct {
 	held atomic.Pointer[[]string]
 	mu   sync.Mutex
 	used map[string]int64 // adapter → last use, Unix nanoseconds
+	// running counts the requests in flight on the worker by adapter:
+	// an adapter in use is never the one evicted.
+	running map[string]int
 	// loaded are the adapters the scheduler loaded, by when.
 	loaded map[string]time.Time
 }
@@ -117,16 +120,49 @@ func (a *adapters) touch(name string) {
 	a.used[name] = time.Now().UnixNano()
 }
 
+// BeginAdapter records a request for the adapter name in flight on the
+// worker until the returned function is called (once).
+func (w *Worker) BeginAdapter(name string) (end func()) {
+	a := &w.lora
+	a.mu.Lock()
+	if a.running == nil {
+		a.running = make(map[string]int)
+	}
+	a.running[name]++
+	a.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			a.mu.Lock()
+			if a.running[name]--; a.running[name] <= 0 {
+				delete(a.running, name)
+			}
+			a.mu.Unlock()
+		})
+	}
+}
+
+// CanTakeAdapter reports whether one more adapter fits on the worker: a
+// slot is free, or some adapter other than keep has no request in flight
+// and may be evicted.
+func (w *Worker) CanTakeAdapter(keep string) bool {
+	if w.AdapterSlotFree() {
+		return true
+	}
+	_, ok := w.LRUAdapter(keep)
+	return ok
+}
+
 // LRUAdapter returns the adapter the worker used least lately, other than
-// keep; an adapter never used counts as oldest. ok is false when it holds
-// none other.
+// keep and those with requests in flight (BeginAdapter); an adapter never
+// used counts as oldest. ok is false when there is none such.
 func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	var oldest int64
 	for _, n := range w.Adapters() {
-		if n == keep {
+		if n == keep || a.running[n] > 0 {
 			continue
 		}
 		if t := a.used[n]; !ok || t < oldest {
