@@ -104,7 +104,8 @@ func (s *scanner) byte(c byte) bool {
 	return false
 }
 
-// str reads a string without escapes.
+// str reads a string without escapes or control characters (which JSON
+// forbids unescaped).
 func (s *scanner) str() (string, bool) {
 	if !s.byte('"') {
 		return "", false
@@ -114,8 +115,10 @@ func (s *scanner) str() (string, bool) {
 		return "", false
 	}
 	v := s.b[s.i : s.i+end]
-	if bytes.IndexByte(v, '\\') >= 0 {
-		return "", false
+	for _, c := range v {
+		if c == '\\' || c < 0x20 {
+			return "", false
+		}
 	}
 	s.i += end + 1
 	return string(v), true

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -114,7 +115,7 @@ func Decode(payload []byte) (Batch, error) {
 	d := msgpack.GetDecoder()
 	defer msgpack.PutDecoder(d)
 	d.Reset(r)
-	dec := decoder{d: d, r: r}
+	dec := decoder{d: d, r: r, buf: payload}
 	b, err := dec.batch()
 	if err != nil {
 		return Batch{}, fmt.Errorf("%w: %v", ErrMalformed, err)
@@ -131,6 +132,7 @@ func Decode(payload []byte) (Batch, error) {
 type decoder struct {
 	d            *msgpack.Decoder
 	r            *bytes.Reader
+	buf          []byte // the payload r reads
 	unknown      int
 	firstUnknown string
 }
@@ -138,6 +140,50 @@ type decoder struct {
 var errNil = errors.New("nil where a value is required")
 
 func (dc *decoder) peek() (byte, error) { return dc.d.PeekCode() }
+
+// errTooLong is a string or byte array longer than what is left of the
+// payload: msgpack would allocate its declared length before reading it.
+var errTooLong = errors.New("string or bytes longer than the payload")
+
+// fits checks that the string or byte array at the reader's position, if
+// any, is no longer than the rest of the payload.
+func (dc *decoder) fits() error {
+	rest := dc.buf[len(dc.buf)-dc.r.Len():]
+	if len(rest) == 0 {
+		return nil
+	}
+	var n, head int
+	switch c := rest[0]; {
+	case c >= 0xa0 && c <= 0xbf: // fixstr
+		n, head = int(c&0x1f), 1
+	case (c == 0xd9 || c == 0xc4) && len(rest) >= 2: // str8, bin8
+		n, head = int(rest[1]), 2
+	case (c == 0xda || c == 0xc5) && len(rest) >= 3: // str16, bin16
+		n, head = int(binary.BigEndian.Uint16(rest[1:])), 3
+	case (c == 0xdb || c == 0xc6) && len(rest) >= 5: // str32, bin32
+		n, head = int(binary.BigEndian.Uint32(rest[1:])), 5
+	default:
+		return nil
+	}
+	if n > len(rest)-head {
+		return errTooLong
+	}
+	return nil
+}
+
+func (dc *decoder) str() (string, error) {
+	if err := dc.fits(); err != nil {
+		return "", err
+	}
+	return dc.d.DecodeString()
+}
+
+func (dc *decoder) bytes() ([]byte, error) {
+	if err := dc.fits(); err != nil {
+		return nil, err
+	}
+	return dc.d.DecodeBytes()
+}
 
 // capFor bounds a slice's preallocation by the bytes left: each element
 // takes at least one, so a forged length cannot allocate more.
@@ -347,7 +393,7 @@ func (dc *decoder) tag() (string, error) {
 		return "", err
 	}
 	if msgpcode.IsString(c) {
-		return dc.d.DecodeString()
+		return dc.str()
 	}
 	if isInt(c) {
 		v, err := dc.d.DecodeInt64()
@@ -470,7 +516,7 @@ func (dc *decoder) key() (string, error) {
 	if !msgpcode.IsString(c) {
 		return "", fmt.Errorf("map key is code %#x, not a string", c)
 	}
-	return dc.d.DecodeString()
+	return dc.str()
 }
 
 func (dc *decoder) float() (float64, error) {
@@ -518,7 +564,7 @@ func (dc *decoder) optString() (string, error) {
 	if !msgpcode.IsString(c) {
 		return "", fmt.Errorf("code %#x is not a string", c)
 	}
-	return dc.d.DecodeString()
+	return dc.str()
 }
 
 func (dc *decoder) optHash() (Hash, error) {
@@ -543,7 +589,7 @@ func (dc *decoder) hash() (Hash, error) {
 		v, err := dc.d.DecodeUint64()
 		return IntHash(v), err
 	case msgpcode.IsBin(c) || msgpcode.IsString(c):
-		b, err := dc.d.DecodeBytes()
+		b, err := dc.bytes()
 		return BytesHash(b), err
 	}
 	return Hash{}, fmt.Errorf("hash is code %#x", c)
@@ -610,7 +656,7 @@ func (dc *decoder) extraKeys() ([][]string, error) {
 				return nil, err
 			}
 			if msgpcode.IsString(c) {
-				s, err := dc.d.DecodeString()
+				s, err := dc.str()
 				if err != nil {
 					return nil, err
 				}
