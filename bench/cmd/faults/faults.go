@@ -80,6 +80,36 @@ func cutClients(n int) func(context.Context, *harness) {
 	}
 }
 
+// cutThenServe opens cut streams at once, each long (2,000 tokens asked)
+// and closed by its client after its first token, then sends after
+// ordinary requests, 32 at a time: the clients' hang-ups must leave the
+// fleet whole for those that follow.
+func cutThenServe(cut, after int) func(context.Context, *harness) {
+	return func(ctx context.Context, h *harness) {
+		c := newClient(h.f.bases, h.model, h.deadline, cut, h.rec)
+		defer c.close()
+		var wg sync.WaitGroup
+		for i := range cut {
+			wg.Go(func() {
+				r := rand.New(rand.NewPCG(uint64(i), 5))
+				c.do(context.WithoutCancel(ctx), "cut", c.body(r, true, 2000), true, true)
+			})
+		}
+		wg.Wait()
+		sem := make(chan struct{}, 32)
+		for i := range after {
+			sem <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-sem }()
+				r := rand.New(rand.NewPCG(uint64(i), 6))
+				stream := i%2 == 0
+				c.do(context.WithoutCancel(ctx), "after-cut", c.body(r, stream, 16), stream, false)
+			})
+		}
+		wg.Wait()
+	}
+}
+
 // burst runs n looping clients while the window lasts.
 func burst(n int) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
@@ -141,6 +171,8 @@ func allFaults(prefill, decode int) []fault {
 			recover: func(ctx context.Context, h *harness) error { return h.f.startScheduler(ctx, 1) }},
 		{name: "cut-500", what: "500 clients each close their stream after its first token",
 			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: cutClients(500)},
+		{name: "cut-200-then-400", what: "200 streams opened at once, each closed by its client after its first token; then 400 ordinary requests, 32 at a time",
+			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: cutThenServe(200, 400)},
 		{name: "burst-3x", what: fmt.Sprintf("%d more looping clients: 3× the decode pool's %d in-flight slots", 3*capacity, capacity),
 			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: burst(3 * capacity)},
 		{name: "combined", what: "at once: SIGKILL p0 and d0, SIGKILL redis-server, serve replica 1 down, 100 clients cutting; all restored together",
