@@ -89,7 +89,7 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 		done(nil)
 		return
 	}
-	local := func() { de.enqueue(decode, s.now) }
+	local := func() { s.send(r, de, decode) }
 
 	switch {
 	case s.cfg.Disaggregated():
@@ -145,7 +145,7 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 	}
 	if decode.prompt-lead*sim.BlockTokens < s.cfg.MinRemotePrefillTokens {
 		ended(0, true)
-		de.enqueue(decode, s.now)
+		s.send(r, de, decode)
 		return
 	}
 	pe := s.engines[pw]
@@ -154,7 +154,7 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 	if p.blocks > pe.cache.Capacity() {
 		// The prefill worker refuses it; the decode worker prefills.
 		ended(0, true)
-		de.enqueue(decode, s.now)
+		s.send(r, de, decode)
 		return
 	}
 	p.prefilled = func(p *seq, now float64) {
@@ -179,10 +179,27 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 			r.reused = min(max(p.cached, lead*sim.BlockTokens), decode.prompt)
 			decode.transferred = true
 			ended(first, false)
-			de.enqueue(decode, now)
+			s.send(r, de, decode)
 		})
 	}
-	pe.enqueue(p, s.now)
+	s.send(r, pe, p)
+}
+
+// send hands q, of request r, to e's queue once the coordinator's call
+// reaches it (Config.Dispatch), at once without a dispatch delay.
+func (s *Sim) send(r *request, e *engine, q *seq) {
+	var d float64
+	switch {
+	case s.cfg.dispatchOf != nil:
+		d = s.cfg.dispatchOf(r.out.Index).Seconds()
+	case s.dispatch != nil:
+		d = s.dispatch()
+	}
+	if d <= 0 {
+		e.enqueue(q, s.now)
+		return
+	}
+	s.at(s.now+d, func(now float64) { e.enqueue(q, now) })
 }
 
 // token records a token of r at now.

@@ -8,8 +8,9 @@
 // deterministic under its seed. baton tune searches fleet shapes with it.
 //
 // What it leaves out: failures and retries (breakers, timeouts), the
-// scheduler's queue (MaxInFlight), the shared Redis tier and warm-up, and
-// the milliseconds of network and HTTP a real run adds.
+// scheduler's queue (MaxInFlight), the shared Redis tier and warm-up, and,
+// unless Config.Dispatch models them, the milliseconds of network, HTTP
+// and gRPC between the scheduler's decision and the engine's queue.
 package vsim
 
 import (
@@ -17,6 +18,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"time"
 
 	"github.com/batonllm/baton/bench"
@@ -59,10 +62,57 @@ type Config struct {
 	// workload, or replaces a timed one's timestamps; RateScale, when
 	// positive, multiplies the arrival rate (divides a trace's offsets).
 	Rate, RateScale float64
-	// Seed seeds the arrivals and the strategies' random choices.
+	// Seed seeds the arrivals, the strategies' random choices and the
+	// dispatch delays.
 	Seed uint64
+	// Dispatch models the time from the coordinator's commit of a
+	// decision to the engine's queue (zero: none).
+	Dispatch Dispatch
 	// Registry holds the strategies; nil: routing's built-ins.
 	Registry *routing.Registry
+
+	// dispatchOf, set by tests, replaces Dispatch's draws: request i's
+	// delay.
+	dispatchOf func(i int) time.Duration
+}
+
+// Dispatch is the time each call from the coordinator to an engine
+// (colocated generate, prefill, decode) takes to reach the engine's queue:
+// HTTP, the front end's parsing and hashing, gRPC, the engine's own
+// parsing, and the scheduling of all that on the machine's CPUs. It is
+// drawn per call from a log-normal distribution of the given median and
+// 90th percentile. In real time it delays each request's start, reorders
+// simultaneous arrivals in the engines' queues, and leaves routed requests
+// out of the engines' load reports while they are on their way (see
+// kvindex.Index.Predict), which cost-aware routing feels and random
+// routing hardly does.
+type Dispatch struct {
+	Median, P90 time.Duration
+}
+
+// validate names the field at fault.
+func (d Dispatch) validate() error {
+	switch {
+	case d.Median < 0:
+		return fmt.Errorf("dispatch: median %v is negative", d.Median)
+	case d.P90 < d.Median:
+		return fmt.Errorf("dispatch: p90 %v is below the median %v", d.P90, d.Median)
+	case d.Median == 0 && d.P90 > 0:
+		return fmt.Errorf("dispatch: p90 %v without a median", d.P90)
+	}
+	return nil
+}
+
+// sampler returns a function drawing Dispatch's delays in seconds from a
+// generator seeded with seed; nil when there is no delay.
+func (d Dispatch) sampler(seed uint64) func() float64 {
+	if d.Median == 0 {
+		return nil
+	}
+	const z90 = 1.2815515655446004 // the standard normal's 90th percentile
+	mu, sigma := d.Median.Seconds(), math.Log(float64(d.P90)/float64(d.Median))/z90
+	rng := rand.New(rand.NewPCG(seed, 0xd15a7c4))
+	return func() float64 { return mu * math.Exp(sigma*rng.NormFloat64()) }
 }
 
 func (c Config) withDefaults() Config {
@@ -163,6 +213,7 @@ type Sim struct {
 	defaultMax int
 	prefixLen  int
 	seed       uint64
+	dispatch   func() float64 // nil: no dispatch delay
 }
 
 func newSim(cfg Config) (*Sim, error) {
@@ -170,12 +221,16 @@ func newSim(cfg Config) (*Sim, error) {
 	if cfg.Prefill > 0 && cfg.Decode == 0 || cfg.Prefill == 0 && cfg.Decode > 0 || cfg.Prefill > 0 && cfg.Workers > 0 {
 		return nil, fmt.Errorf("fleet: %d colocated, %d prefill, %d decode workers: either colocated workers or both prefill and decode ones", cfg.Workers, cfg.Prefill, cfg.Decode)
 	}
+	if err := cfg.Dispatch.validate(); err != nil {
+		return nil, err
+	}
 	reg := cfg.Registry
 	if reg == nil {
 		reg = &routing.Registry{}
 		routing.RegisterBuiltins(reg)
 	}
-	s := &Sim{cfg: cfg, engines: map[*pool.Worker]*engine{}, prefixLen: cfg.PrefixLength, seed: cfg.Seed}
+	s := &Sim{cfg: cfg, engines: map[*pool.Worker]*engine{}, prefixLen: cfg.PrefixLength, seed: cfg.Seed,
+		dispatch: cfg.Dispatch.sampler(cfg.Seed)}
 	s.index = kvindex.New(kvindex.Config{Now: func() time.Time {
 		return epoch.Add(time.Duration(s.now * float64(time.Second)))
 	}})

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"strings"
+	"time"
 
 	"github.com/batonllm/baton/bench"
 	"github.com/batonllm/baton/bench/vsim"
@@ -47,6 +48,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
+	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90` of the modelled time from the scheduler's decision to the engine's queue (HTTP, gRPC, parsing, and the CPU they wait for), e.g. 7ms,48ms; drawn log-normal per call (default: none)")
 	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
@@ -116,6 +118,15 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *virtual && (*target != "" || *conc != 0 || *sharedTier) {
 		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier; drop --target, --concurrency and --shared-tier")
 	}
+	var disp vsim.Dispatch
+	if *dispatch != "" {
+		if !*virtual {
+			return errors.New("--dispatch: models the real path's delays on the virtual clock; add --virtual")
+		}
+		if disp, err = parseDispatch(*dispatch); err != nil {
+			return fmt.Errorf("--dispatch: %w", err)
+		}
+	}
 	var calib string
 	if o.Rate == 0 && !w.Timed {
 		c, err := bench.Calibrate(w, *model, *gpu, *workers, *load, 0, *kvBlocks)
@@ -139,7 +150,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	var rep *bench.Report
 	if *virtual {
-		rep, err = virtualBench(ctx, o, w)
+		rep, err = virtualBench(ctx, o, w, disp)
 	} else {
 		rep, err = bench.Run(ctx, o, w)
 	}
@@ -224,14 +235,38 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 	return nil, fmt.Errorf("--workload: unknown %q (known: %s)", name, strings.Join(workload.Names, ", "))
 }
 
+// parseDispatch reads --dispatch's "median,p90".
+func parseDispatch(v string) (vsim.Dispatch, error) {
+	m, p, ok := strings.Cut(v, ",")
+	if !ok {
+		return vsim.Dispatch{}, fmt.Errorf("%q: want median,p90, e.g. 7ms,48ms", v)
+	}
+	var d vsim.Dispatch
+	var err error
+	if d.Median, err = time.ParseDuration(strings.TrimSpace(m)); err != nil {
+		return d, err
+	}
+	if d.P90, err = time.ParseDuration(strings.TrimSpace(p)); err != nil {
+		return d, err
+	}
+	if d.Median <= 0 || d.P90 < d.Median {
+		return d, fmt.Errorf("%q: want 0 < median ≤ p90", v)
+	}
+	return d, nil
+}
+
 // virtualBench is bench.Run on the virtual clock: each strategy and fleet
 // replayed by bench/vsim, summarized as the bench summarizes real runs.
-func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload) (*bench.Report, error) {
+func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, disp vsim.Dispatch) (*bench.Report, error) {
 	fleets := o.Fleets
 	if len(fleets) == 0 {
 		fleets = []bench.Fleet{{Workers: o.Workers}}
 	}
-	rep := &bench.Report{Workload: w.Name, Describe: w.Describe + " (virtual clock: bench/vsim)", Requests: len(w.Requests),
+	clock := "virtual clock: bench/vsim"
+	if disp.Median > 0 {
+		clock += fmt.Sprintf("; dispatch delays log-normal, median %v, p90 %v", disp.Median, disp.P90)
+	}
+	rep := &bench.Report{Workload: w.Name, Describe: w.Describe + " (" + clock + ")", Requests: len(w.Requests),
 		Workers: o.Workers, Speedup: 1, Rate: o.Rate, Seed: o.Seed, Model: o.Model, GPU: o.GPU}
 	for _, f := range fleets {
 		rep.Fleets = append(rep.Fleets, f.String())
@@ -243,7 +278,7 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload) (*
 		for _, f := range fleets {
 			c := vsim.Config{Model: o.Model, GPU: o.GPU, Workers: f.Workers, Prefill: f.Prefill, Decode: f.Decode,
 				Strategy: s, ConcurrencyThreshold: o.ConcurrencyThreshold, PrefixLength: o.PrefixLength,
-				KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed}
+				KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed, Dispatch: disp}
 			if f.Disaggregated() {
 				c.Workers = 0
 			}
