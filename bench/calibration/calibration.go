@@ -4,11 +4,11 @@
 // time to first token of prompts of several lengths, cold and then warm
 // (the difference is the prefill of what was not cached, whatever the
 // engine's fixed overheads); the decode step from the gaps between the
-// tokens of one stream; the HBM bandwidth from the step's growth with
-// the KV of several long streams decoding together. The model's shape
-// (layers, hidden size, KV bytes per block) comes from a preset, since the
-// API does not tell it. baton calibrate prints the result as a worker's
-// cost block.
+// tokens of one stream; the HBM bandwidth from how much longer the step
+// of several streams decoding together is with long prompts than with
+// short ones. The model's shape (layers, hidden size, KV bytes per block)
+// comes from a preset, since the API does not tell it. baton calibrate
+// prints the result as a worker's cost block.
 package calibration
 
 import (
@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"slices"
 	"strings"
@@ -41,15 +42,15 @@ type Config struct {
 	// Lengths are the prompt lengths measured, in tokens of about 4
 	// characters; default 1,024, 2,048 and 4,096.
 	Lengths []int
-	// Repeats is how many prompts of each length and decode streams are
-	// measured, the least time to first token and the median step kept;
-	// default 3.
+	// Repeats is how many prompts of each length, decode streams and
+	// batches of each kind are measured, the least time to first token
+	// and the median step kept; default 3.
 	Repeats int
 	// DecodeTokens is the tokens each decode stream generates; default 64.
 	DecodeTokens int
 	// Batch and BatchContext are the streams decoded together, and the
-	// prompt tokens of each, for the HBM bandwidth; default 8 of 2,048.
-	// Batch -1 skips it.
+	// prompt tokens of each, for the HBM bandwidth; default 8 of 4,096
+	// (4.3 GB of KV for Llama-3.1-8B). Batch -1 skips it.
 	Batch, BatchContext int
 	// MaxRequests bounds the requests sent; default 200. Timeout bounds
 	// the whole measurement; default 5 minutes.
@@ -79,7 +80,7 @@ func (c Config) withDefaults() Config {
 		c.Batch = 8
 	}
 	if c.BatchContext <= 0 {
-		c.BatchContext = 2048
+		c.BatchContext = 4096
 	}
 	if c.MaxRequests <= 0 {
 		c.MaxRequests = 200
@@ -107,11 +108,12 @@ type Result struct {
 	// HBMMeasured says HBMBytesPerSecond was fitted.
 	HBMMeasured bool
 	Prefills    []Prefill
-	// Step is the decode step at batch 1; BatchStep the step with Batch
-	// streams of BatchContext tokens, over BatchTokens of KV.
-	Step, BatchStep time.Duration
-	BatchTokens     int
-	Requests        int
+	// Step is the decode step at batch 1; BatchStep and BatchBaseStep
+	// the median steps of Batch streams of BatchContext tokens and of
+	// short ones, whose KV differs by BatchTokens tokens.
+	Step, BatchStep, BatchBaseStep time.Duration
+	BatchTokens                    int
+	Requests                       int
 }
 
 // ErrBudget: the measurement needed more requests than MaxRequests.
@@ -181,20 +183,23 @@ func Run(ctx context.Context, cfg Config) (Result, error) {
 	res.Figures.FLOPS = num / den
 
 	// Decode: the gaps between one stream's tokens.
-	var steps []time.Duration
+	var singles []sample
 	for r := range cfg.Repeats {
 		s, err := m.stream(ctx, promptText(fmt.Sprintf("d%d-%d", r, time.Now().UnixNano()), 16), cfg.DecodeTokens)
 		if err != nil {
 			return res, err
 		}
-		if s.tokens > 1 {
-			steps = append(steps, s.last.Sub(s.firstAt)/time.Duration(s.tokens-1))
-		}
+		singles = append(singles, s)
+	}
+	var steps []time.Duration
+	for _, s := range singles {
+		g, _ := inStep([]sample{s})
+		steps = append(steps, g...)
 	}
 	if len(steps) == 0 {
 		return res, errors.New("decode streams carried no tokens apart: is the engine streaming token by token?")
 	}
-	res.Step = median(steps)
+	res.Step = median(steps) / time.Duration(tokensPerChunk(singles))
 	res.Figures.DecodeStepSeconds = res.Step.Seconds()
 	m.progress("decode step at batch 1: %v", res.Step.Round(time.Microsecond))
 
@@ -207,54 +212,133 @@ func Run(ctx context.Context, cfg Config) (Result, error) {
 	return res, nil
 }
 
-// batch measures the step with cfg.Batch long streams decoding together
-// and fits the HBM bandwidth to its growth over the batch-1 step.
+// shortContext is the prompt, in tokens, of the batch the long one is
+// compared with.
+const shortContext = 16
+
+// minGrowth is the least growth of the decode step, as a fraction of the
+// short batch's, from which the HBM bandwidth is fitted: below it the
+// difference is mostly the host's jitter.
+const minGrowth = 0.05
+
+// batch measures the decode step of cfg.Batch streams decoding together,
+// with prompts of cfg.BatchContext tokens and with short ones, in turn,
+// cfg.Repeats times each, and fits the HBM bandwidth to the difference.
+// Both batches emit as many tokens a step, so what a step costs per
+// stream (the engine's bookkeeping, the host writing and reading the
+// chunks) cancels, and the difference is the reading of the long
+// prompts' KV. The long prompts are prefilled first, so that an engine
+// caching prefixes starts every round's streams in step.
 func (m *meter) batch(ctx context.Context, res *Result) error {
 	cfg := m.cfg
-	out := make([]sample, cfg.Batch)
-	errs := make([]error, cfg.Batch)
-	var wg sync.WaitGroup
 	salt := time.Now().UnixNano()
+	long, short := make([]string, cfg.Batch), make([]string, cfg.Batch)
 	for i := range cfg.Batch {
+		long[i] = promptText(fmt.Sprintf("b%d-%d", i, salt), cfg.BatchContext)
+		short[i] = promptText(fmt.Sprintf("s%d-%d", i, salt), shortContext)
+	}
+	if _, err := m.together(ctx, long, 1); err != nil {
+		return err
+	}
+	var longGaps, shortGaps []time.Duration
+	var all []sample
+	longTokens, shortTokens := 0, 0
+	for r := range cfg.Repeats {
+		// Alternate which goes first, so that a drift of the host's
+		// load weighs on both alike.
+		order := []bool{r%2 == 0, r%2 != 0}
+		for _, isLong := range order {
+			prompts := short
+			if isLong {
+				prompts = long
+			}
+			out, err := m.together(ctx, prompts, cfg.DecodeTokens)
+			if err != nil {
+				return err
+			}
+			gaps, tokens := inStep(out)
+			all = append(all, out...)
+			if isLong {
+				longGaps, longTokens = append(longGaps, gaps...), tokens
+			} else {
+				shortGaps, shortTokens = append(shortGaps, gaps...), tokens
+			}
+		}
+	}
+	if len(longGaps) == 0 || len(shortGaps) == 0 {
+		m.progress("batch of %d: the streams never decoded together; HBM bandwidth not measured", cfg.Batch)
+		return nil
+	}
+	k := time.Duration(tokensPerChunk(all))
+	res.BatchStep, res.BatchBaseStep = median(longGaps)/k, median(shortGaps)/k
+	res.BatchTokens = longTokens - shortTokens
+	m.progress("decode step of %d streams: %v over %d tokens of KV, %v over %d", cfg.Batch,
+		res.BatchStep.Round(time.Microsecond), longTokens, res.BatchBaseStep.Round(time.Microsecond), shortTokens)
+	extra := (res.BatchStep - res.BatchBaseStep).Seconds()
+	if extra < minGrowth*res.BatchBaseStep.Seconds() || res.BatchTokens <= 0 {
+		m.progress("the step grew by less than %.0f%% with the KV read; HBM bandwidth not measured (raise --batch or --batch-context)", 100*minGrowth)
+		return nil
+	}
+	perToken := float64(res.Figures.KVBytesPerBlock) / float64(cost.BlockTokens)
+	res.Figures.HBMBytesPerSecond = float64(res.BatchTokens) * perToken / extra
+	res.HBMMeasured = true
+	return nil
+}
+
+// together streams every prompt at once, for maxTokens tokens each.
+func (m *meter) together(ctx context.Context, prompts []string, maxTokens int) ([]sample, error) {
+	out := make([]sample, len(prompts))
+	errs := make([]error, len(prompts))
+	var wg sync.WaitGroup
+	for i, p := range prompts {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out[i], errs[i] = m.stream(ctx, promptText(fmt.Sprintf("b%d-%d", i, salt), cfg.BatchContext), cfg.DecodeTokens)
+			out[i], errs[i] = m.stream(ctx, p, maxTokens)
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		return err
+	return out, errors.Join(errs...)
+}
+
+// tokensPerChunk is how many tokens the engine sends a chunk: 1 unless it
+// holds them back on purpose (vLLM's --stream-interval), the odd chunk
+// carrying two (a reader late by a step) rounded away.
+func tokensPerChunk(out []sample) int {
+	tokens, chunks := 0, 0
+	for _, s := range out {
+		tokens, chunks = tokens+s.tokens-1, chunks+len(s.at)-1
 	}
-	// Steady state: from the last stream's first token to the first
-	// stream's last, every stream decodes.
+	if chunks <= 0 {
+		return 1
+	}
+	return max(1, int(math.Round(float64(tokens)/float64(chunks))))
+}
+
+// inStep returns the gaps between consecutive chunks of each stream
+// while every stream decodes (from the last stream's first token to the
+// first stream's last), and the prompt tokens of all. Steps are told by
+// their median gap: a step the host delayed, or two tokens sent as one
+// chunk, skew a mean but barely move a median.
+func inStep(out []sample) (gaps []time.Duration, tokens int) {
 	from, to := out[0].firstAt, out[0].last
-	tokens := 0
 	for _, s := range out {
 		from, to = later(from, s.firstAt), earlier(to, s.last)
 		tokens += s.prompt
 	}
-	var gaps []time.Duration
 	for _, s := range out {
-		if n := s.tokensBetween(from, to); n > 1 {
-			gaps = append(gaps, s.spanBetween(from, to)/time.Duration(n-1))
+		var prev time.Time
+		for _, t := range s.at {
+			if t.Before(from) || t.After(to) {
+				continue
+			}
+			if !prev.IsZero() {
+				gaps = append(gaps, t.Sub(prev))
+			}
+			prev = t
 		}
 	}
-	if len(gaps) == 0 {
-		m.progress("batch of %d: the streams never decoded together; HBM bandwidth not measured", cfg.Batch)
-		return nil
-	}
-	res.BatchStep, res.BatchTokens = median(gaps), tokens
-	extra := (res.BatchStep - res.Step).Seconds()
-	m.progress("decode step with %d streams over %d tokens: %v", cfg.Batch, tokens, res.BatchStep.Round(time.Microsecond))
-	if extra <= 0 {
-		m.progress("the step did not grow with the KV read; HBM bandwidth not measured")
-		return nil
-	}
-	blocks := float64(tokens) / float64(cost.BlockTokens)
-	res.Figures.HBMBytesPerSecond = blocks * float64(res.Figures.KVBytesPerBlock) / extra
-	res.HBMMeasured = true
-	return nil
+	return gaps, tokens
 }
 
 // YAML renders the fitted figures as a worker's cost block.
@@ -292,29 +376,6 @@ type sample struct {
 	at             []time.Time // of each chunk with text
 	tokens         int         // generated, as its usage says (else chunks)
 	prompt, cached int
-}
-
-func (s sample) tokensBetween(from, to time.Time) int {
-	n := 0
-	for _, t := range s.at {
-		if !t.Before(from) && !t.After(to) {
-			n++
-		}
-	}
-	return n
-}
-
-func (s sample) spanBetween(from, to time.Time) time.Duration {
-	var a, b time.Time
-	for _, t := range s.at {
-		if !t.Before(from) && !t.After(to) {
-			if a.IsZero() {
-				a = t
-			}
-			b = t
-		}
-	}
-	return b.Sub(a)
 }
 
 // chunk is what a stream's chunk tells.

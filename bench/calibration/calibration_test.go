@@ -12,10 +12,11 @@ import (
 )
 
 // Calibration against the simulated engine's OpenAI endpoint recovers the
-// cost figures it runs with: its prefill FLOP/s and decode step within
-// 15%. The engine runs four times slower than modelled, so that a loaded
-// machine's late wake-ups, which lengthen each of its steps, stay small
-// beside them.
+// cost figures it runs with: its prefill FLOP/s, decode step and HBM
+// bandwidth within 15%. The engine runs four times slower than modelled,
+// so that a loaded machine's late wake-ups, which lengthen each of its
+// steps by a millisecond or so, stay small beside them, and beside the
+// 6 ms the long batch's KV adds to a step.
 func TestRecoversSimulatedFigures(t *testing.T) {
 	if testing.Short() {
 		t.Skip("measures in real time")
@@ -32,7 +33,8 @@ func TestRecoversSimulatedFigures(t *testing.T) {
 		Lengths:      []int{1024, 4096},
 		Repeats:      2,
 		DecodeTokens: 32,
-		Batch:        -1,
+		Batch:        8,
+		BatchContext: 4096,
 		Progress:     &progress,
 	})
 	t.Log("\n" + progress.String() + res.YAML())
@@ -46,11 +48,15 @@ func TestRecoversSimulatedFigures(t *testing.T) {
 	}{
 		{"flops", res.Figures.FLOPS, want.FLOPS},
 		{"decode_step_seconds", res.Figures.DecodeStepSeconds, want.DecodeStepSeconds},
+		{"hbm_bytes_per_second", res.Figures.HBMBytesPerSecond, want.HBMBytesPerSecond},
 	} {
 		t.Logf("%s: measured %.4g, the simulated engine's %.4g", f.name, f.got, f.want)
 		if math.Abs(f.got/f.want-1) > 0.15 {
 			t.Errorf("%s = %.4g, want %.4g within 15%%", f.name, f.got, f.want)
 		}
+	}
+	if !res.HBMMeasured {
+		t.Error("HBM bandwidth not measured")
 	}
 	if res.Requests == 0 || res.Requests > 200 {
 		t.Errorf("%d requests sent, want some and at most the default budget", res.Requests)
