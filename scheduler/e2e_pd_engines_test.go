@@ -36,11 +36,16 @@ import (
 // Every engine generates the same text for the same prompt (a word per
 // token, from the prompt's tokens), so a disaggregated answer can be
 // compared with a colocated one. Its prefix cache has its own block size
-// and hash; the usage reports its hits as cached tokens (a vLLM decode
-// engine counts the blocks it pulled as cached, as vLLM does).
+// and hash; the usage reports its hits as cached tokens. A vLLM decode
+// engine counts the blocks it pulled as cached, as vLLM does. An SGLang
+// decode engine reports the prefill engine's count, which came with the
+// blocks (SGLang's transfer metadata carries it), or, with oldSGLang, as
+// SGLang did before, none; SGLang's usage has prompt_tokens_details null
+// unless some tokens were cached (--enable-cache-report).
 type pdEngine struct {
 	name, kind, role string
-	bootstrapPort    int // an SGLang prefill engine's
+	bootstrapPort    int  // an SGLang prefill engine's
+	oldSGLang        bool // an SGLang decode engine whose usage reports no cached tokens
 	hub              *pdHub
 	srv              *httptest.Server
 
@@ -87,9 +92,11 @@ type pdHub struct {
 }
 
 // pdRoom is an SGLang bootstrap room: each side closes its channel on
-// arrival, and the prefill engine kv once it sent the blocks.
+// arrival, and the prefill engine kv once it sent the blocks, with
+// prefillCached, the prompt tokens it found cached.
 type pdRoom struct {
 	prefill, decode, kv chan struct{}
+	prefillCached       int
 	prefillAddr         string // host:port of the prefill engine's bootstrap server
 	decodeAddr          string // host:port the decode request named
 }
@@ -259,7 +266,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 		n = *body.MaxTokens
 	}
 	includeUsage := strings.Contains(string(body.StreamOptions), `"include_usage":true`)
-	ans := pdAnswer{stream: body.Stream, usage: includeUsage, prompt: len(tokens)}
+	ans := pdAnswer{stream: body.Stream, usage: includeUsage, prompt: len(tokens), sglang: e.kind == scheduler.KindSGLang}
 	ctx := r.Context()
 	waitCancel := func() bool {
 		select {
@@ -348,14 +355,15 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 				http.Error(w, `{"error":{"message":"injected failure"}}`, fail)
 				return
 			}
+			ans.cached, _ = e.prefix(tokens)
 			e.hub.mu.Lock()
 			select {
 			case <-room.kv: // reported as the room's reuse
 			default:
+				room.prefillCached = ans.cached
 				close(room.kv)
 			}
 			e.hub.mu.Unlock()
-			ans.cached, _ = e.prefix(tokens)
 			ans.write(w, pdWords(tokens, 1), holdAfterFirst(hold, waitCancel))
 			return
 		}
@@ -363,8 +371,10 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 		if room.prefillAddr != room.decodeAddr {
 			e.hub.violateLocked("%s: room %d: decode named %s, prefill serves %s", e.name, *body.BootstrapRoom, room.decodeAddr, room.prefillAddr)
 		}
+		if !e.oldSGLang {
+			ans.cached = room.prefillCached
+		}
 		e.hub.mu.Unlock()
-		ans.cached = len(tokens) / pdBlock * pdBlock
 		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
 	default: // colocated, or a vLLM decode engine prefilling itself
 		ans.cached, _ = e.prefix(tokens)
@@ -384,6 +394,7 @@ func holdAfterFirst(hold bool, waitCancel func() bool) func() bool {
 // pdAnswer is a chat completion answer.
 type pdAnswer struct {
 	stream, usage  bool
+	sglang         bool // prompt_tokens_details null without cached tokens
 	prompt, cached int
 	extra          string // kv_transfer_params, if any
 }
@@ -391,8 +402,12 @@ type pdAnswer struct {
 // write answers words, streamed or whole; afterFirst, if set, runs after
 // the first token is flushed and ends the answer if it returns true.
 func (a pdAnswer) write(w http.ResponseWriter, words []string, afterFirst func() bool) {
-	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}`,
-		a.prompt, len(words), a.prompt+len(words), a.cached)
+	details := fmt.Sprintf(`{"cached_tokens":%d}`, a.cached)
+	if a.sglang && a.cached == 0 {
+		details = "null"
+	}
+	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":%s}`,
+		a.prompt, len(words), a.prompt+len(words), details)
 	if !a.stream {
 		w.Header().Set("Content-Type", "application/json")
 		extra := ""

@@ -407,3 +407,31 @@ func TestSGLangDecodeFailsNewPair(t *testing.T) {
 		return nil
 	})
 }
+
+// The usage of a disaggregated SGLang request reports the prompt tokens the
+// prefill engine found cached, as vLLM's does, whether the decode engine
+// reports them (SGLang sends the count with the blocks) or not (older
+// SGLang).
+func TestSGLangDisaggCachedTokens(t *testing.T) {
+	for _, old := range []bool{false, true} {
+		t.Run(fmt.Sprintf("oldSGLang=%v", old), func(t *testing.T) {
+			hub := newPDHub(t)
+			p0 := startPDEngine(t, hub, "p0", scheduler.KindSGLang, scheduler.RolePrefill)
+			d0 := startPDEngine(t, hub, "d0", scheduler.KindSGLang, scheduler.RoleDecode)
+			d0.set(func(e *pdEngine) { e.oldSGLang = old })
+			addr := startPDScheduler(t, "random", []*pdEngine{p0, d0}, nil)
+			prompt := text("sglang-cached", 3000)
+			for i, stream := range []bool{false, true, false} {
+				got := pdChat(t, addr, prompt, stream)
+				want := int64(0) // the prefill engine's cache is cold
+				if i > 0 {
+					want = got.prompt / pdBlock * pdBlock
+				}
+				if got.prefill != "p0" || got.prompt == 0 || got.cached != want {
+					t.Errorf("request %d (stream %v): prefill worker %q, usage %d prompt, %d cached tokens; want p0, %d cached",
+						i, stream, got.prefill, got.prompt, got.cached, want)
+				}
+			}
+		})
+	}
+}

@@ -40,10 +40,13 @@ type engineDisaggregator interface {
 	// engine cannot hand its blocks off.
 	PrefillNIXL(ctx context.Context, req *engine.Request) (*httpengine.NIXLResult, error)
 	// PrefillBootstrap sends a Bootstrap prefill, calls started once the
-	// engine accepted it, and returns when its response ends.
-	PrefillBootstrap(ctx context.Context, req *engine.Request, started func()) error
+	// engine accepted it, and returns its usage when its response ends.
+	PrefillBootstrap(ctx context.Context, req *engine.Request, started func()) (*httpengine.BootstrapResult, error)
 	// ProxyCached is Proxy, reporting cached prompt tokens in the usage.
 	ProxyCached(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error)
+	// ProxyCachedFunc is ProxyCached with the count asked for when the
+	// usage arrives; false keeps the engine's.
+	ProxyCachedFunc(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached func() (int, bool)) (engine.ProxyResult, error)
 }
 
 // protocolOf returns the disaggregation protocol of wk's engine.
@@ -232,12 +235,22 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 	return false, pool.ClientError(openai.NoWorker(msg))
 }
 
+// prefillUsageWait bounds how long the decode engine's usage waits for
+// its prefill's answer, which says how many prompt tokens the prefill
+// engine found cached. The prefill engine answers once its blocks reached
+// the decode engine, so the wait is only ever felt by answers of a token
+// or two.
+const prefillUsageWait = time.Second
+
 // pair sends req to the prefill engine pc and the decode engine dc at once
 // and relays the decode engine's response to the client once the prefill
 // engine accepted its part, or the decode engine answered. A prefill
 // refused before that cancels the decode: written is false, and perr says
 // why. prefilled is called once the prefill ended, with the time of its
-// acceptance.
+// acceptance. The usage relayed reports the prefill engine's cached
+// tokens, as for vLLM, when its answer reported them: an SGLang decode
+// engine reports what the prefill engine sent it with the blocks (newer
+// versions) or nothing (older ones).
 func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *engine.Request, firstToken func(),
 	prefilled func(time.Duration, error)) (res engine.ProxyResult, written bool, err, perr error) {
 	pctx, pcancel := context.WithCancel(ctx)
@@ -248,10 +261,11 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 	ended := make(chan struct{})
 	var first time.Duration
 	var prefillErr error
+	var prefillRes *httpengine.BootstrapResult
 	go func() {
 		defer close(ended)
 		ok := false
-		prefillErr = pc.PrefillBootstrap(pctx, req, func() {
+		prefillRes, prefillErr = pc.PrefillBootstrap(pctx, req, func() {
 			ok = true
 			first = time.Since(x.start)
 			g.accept()
@@ -262,7 +276,20 @@ func (x *exchange) pair(ctx context.Context, pc, dc engineDisaggregator, req *en
 			dcancel(errPrefillFailed)
 		}
 	}()
-	res, err = dc.Proxy(dctx, req, g, g.onFirst(firstToken))
+	cached := func() (int, bool) {
+		t := time.NewTimer(prefillUsageWait)
+		defer t.Stop()
+		select {
+		case <-ended:
+			if r := prefillRes; r != nil && r.CachedReported {
+				return r.Usage.CachedTokens, true
+			}
+		case <-t.C:
+		case <-dctx.Done():
+		}
+		return 0, false
+	}
+	res, err = dc.ProxyCachedFunc(dctx, req, g, g.onFirst(firstToken), cached)
 	if err == nil {
 		// The decode engine answered: with the blocks, or a refusal of
 		// the request itself, relayed as is.

@@ -150,29 +150,69 @@ func (c *Client) PrefillNIXL(ctx context.Context, req *engine.Request) (*NIXLRes
 	return res, nil
 }
 
+// BootstrapResult is what an SGLang prefill engine answered.
+type BootstrapResult struct {
+	// Usage is the prefill's usage, if its response had one (it has the
+	// client's stream and stream_options); CachedReported says whether
+	// it had prompt_tokens_details.cached_tokens (SGLang's
+	// --enable-cache-report, which leaves the details null while no
+	// token was cached).
+	Usage          *engine.Final
+	CachedReported bool
+}
+
 // PrefillBootstrap runs req's prefill on an SGLang engine (Bootstrap
 // protocol): it posts req.Body, which must already carry the bootstrap
 // fields (BootstrapBody), to req.Path. It calls started once the engine
-// answered with a 2xx status, then reads the response to its end. Its
-// errors are Generate's; it returns ctx's error when ctx ends first.
-func (c *Client) PrefillBootstrap(ctx context.Context, req *engine.Request, started func()) error {
+// answered with a 2xx status, then reads the response to its end, for its
+// usage. Its errors are Generate's; it returns ctx's error when ctx ends
+// first.
+func (c *Client) PrefillBootstrap(ctx context.Context, req *engine.Request, started func()) (*BootstrapResult, error) {
 	if req == nil {
-		return fmt.Errorf("prefill: %w: nil request", ErrInvalid)
+		return nil, fmt.Errorf("prefill: %w: nil request", ErrInvalid)
 	}
 	resp, err := c.post(ctx, req, req.Body)
 	if err != nil {
-		return fmt.Errorf("prefill: %w", err)
+		return nil, fmt.Errorf("prefill: %w", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-		return fmt.Errorf("prefill: %w", &StatusError{Status: resp.StatusCode, Message: strings.TrimSpace(string(msg))})
+		return nil, fmt.Errorf("prefill: %w", &StatusError{Status: resp.StatusCode, Message: strings.TrimSpace(string(msg))})
 	}
 	started()
-	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
-		return fmt.Errorf("prefill: reading response: %w", transportError(ctx, err))
+	var usage usageTracker
+	if isEventStream(resp.Header.Get("Content-Type")) {
+		lr := pooledLineReader(resp.Body)
+		defer lr.release()
+		for {
+			line, rerr := lr.next()
+			if data, ok := dataPayload(line); ok && !bytes.Equal(data, doneMarker) {
+				usage.observe(data)
+			}
+			if rerr == io.EOF {
+				break
+			}
+			if rerr != nil {
+				return nil, fmt.Errorf("prefill: reading response: %w", transportError(ctx, rerr))
+			}
+		}
+	} else {
+		b, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillBody))
+		if err == nil {
+			_, err = io.Copy(io.Discard, resp.Body)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("prefill: reading response: %w", transportError(ctx, err))
+		}
+		var c chunkJSON
+		if json.Unmarshal(b, &c) == nil {
+			usage.take(&c)
+		}
 	}
-	return nil
+	res := &BootstrapResult{Usage: usage.final()}
+	res.CachedReported = usage.usage != nil && usage.usage.PromptTokensDetails != nil
+	return res, nil
 }
 
 // nixlPrefillParams asks a vLLM engine to prefill for a remote decode.

@@ -222,18 +222,79 @@ func TestPrefillBootstrap(t *testing.T) {
 	f := &fakeEngine{contentType: "text/event-stream", events: vllmCompletionEvents}
 	c := startEngine(t, f)
 	started := 0
-	err := c.PrefillBootstrap(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{"bootstrap_room":1}`)}, func() { started++ })
+	res, err := c.PrefillBootstrap(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{"bootstrap_room":1}`)}, func() { started++ })
 	if err != nil || started != 1 {
 		t.Errorf("PrefillBootstrap = %v, started %d times; want nil, once", err, started)
 	}
 	if got := string(*f.gotBody.Load()); got != `{"bootstrap_room":1}` {
 		t.Errorf("sent %s, want the body as given", got)
 	}
+	// The stream's usage has no prompt_tokens_details: nothing reported.
+	if res == nil || res.Usage == nil || res.Usage.PromptTokens != 5 || res.CachedReported {
+		t.Errorf("result %+v, want the stream's usage (5 prompt tokens), no cached tokens reported", res)
+	}
 	c = startEngine(t, &fakeEngine{status: http.StatusInternalServerError, events: []string{"boom"}})
 	started = 0
-	err = c.PrefillBootstrap(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, func() { started++ })
+	_, err = c.PrefillBootstrap(testContext(t), &engine.Request{Path: "/v1/completions", Body: []byte(`{}`)}, func() { started++ })
 	var se *StatusError
 	if !errors.As(err, &se) || se.Status != 500 || started != 0 {
 		t.Errorf("PrefillBootstrap = %v, started %d times; want a 500, never started", err, started)
+	}
+}
+
+// SGLang's usage: prompt_tokens_details is null unless --enable-cache-report
+// is on and some prompt tokens were cached.
+func TestPrefillBootstrapCachedTokens(t *testing.T) {
+	for _, tc := range []struct {
+		name, contentType string
+		events            []string
+		cached            int
+		reported          bool
+	}{
+		{"whole response", "application/json", []string{vllmChatJSON}, 16, true},
+		{"stream", "text/event-stream", []string{
+			`data: {"id":"1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"length"}]}` + "\n\n",
+			`data: {"id":"1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41,"prompt_tokens_details":{"cached_tokens":32}}}` + "\n\n",
+			"data: [DONE]\n\n"}, 32, true},
+		{"details null", "application/json", []string{
+			`{"id":"1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41,"prompt_tokens_details":null}}`}, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startEngine(t, &fakeEngine{contentType: tc.contentType, events: tc.events})
+			res, err := c.PrefillBootstrap(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}, func() {})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Usage == nil || res.Usage.PromptTokens != 40 || res.Usage.CachedTokens != tc.cached || res.CachedReported != tc.reported {
+				t.Errorf("result %+v (usage %+v), want 40 prompt tokens, %d cached, reported %v", res, res.Usage, tc.cached, tc.reported)
+			}
+		})
+	}
+}
+
+func TestProxyCachedFunc(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		cached func() (int, bool)
+		want   int
+	}{
+		{"the prefill's count", func() (int, bool) { return 5, true }, 5},
+		{"none: the engine's own", func() (int, bool) { return 0, false }, 16},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startEngine(t, &fakeEngine{contentType: "application/json", events: []string{vllmChatJSON}})
+			rec := newRecorder()
+			res, err := c.ProxyCachedFunc(testContext(t), &engine.Request{Path: "/v1/chat/completions", Body: []byte(`{}`)}, rec, nil, tc.cached)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got struct{ Usage usageJSON }
+			if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil {
+				t.Fatalf("relayed body %q: %v", rec.Body, err)
+			}
+			if res.Usage == nil || res.Usage.CachedTokens != tc.want || got.Usage.PromptTokensDetails == nil || got.Usage.PromptTokensDetails.CachedTokens != tc.want {
+				t.Errorf("usage %+v, relayed %s; want %d cached tokens", res.Usage, rec.Body, tc.want)
+			}
+		})
 	}
 }

@@ -32,7 +32,7 @@ const maxUsageBody = 8 << 20
 //
 // Cancelling ctx (the client went away) cancels the engine's request.
 func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
-	return c.proxy(ctx, req, w, onFirstToken, -1)
+	return c.proxy(ctx, req, w, onFirstToken, nil)
 }
 
 // ProxyCached is Proxy for a decode engine after a remote prefill: the
@@ -41,12 +41,21 @@ func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.Response
 // count, which takes the blocks it received for cached. A non-streamed
 // response larger than 8 MiB is relayed with its own usage.
 func (c *Client) ProxyCached(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error) {
-	return c.proxy(ctx, req, w, onFirstToken, max(cached, 0))
+	n := max(cached, 0)
+	return c.proxy(ctx, req, w, onFirstToken, func() (int, bool) { return n, true })
 }
 
-// proxy is Proxy, rewriting the usage's cached tokens to cached unless it
-// is negative.
-func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached int) (engine.ProxyResult, error) {
+// ProxyCachedFunc is ProxyCached for a prefill whose count is known late
+// (SGLang's prefill answers beside the decode): cached is called, from
+// the relay's goroutine, when the decode engine's usage arrives, and may
+// block a little; false keeps the decode engine's count.
+func (c *Client) ProxyCachedFunc(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached func() (int, bool)) (engine.ProxyResult, error) {
+	return c.proxy(ctx, req, w, onFirstToken, cached)
+}
+
+// proxy is Proxy, rewriting the usage's cached tokens to what cached
+// returns, unless cached is nil or returns false.
+func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached func() (int, bool)) (engine.ProxyResult, error) {
 	var res engine.ProxyResult
 	if req == nil {
 		return res, fmt.Errorf("proxy: %w: nil request", ErrInvalid)
@@ -73,7 +82,9 @@ func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.Response
 		onFirstToken = nil
 	}
 	rw := &relayWriter{w: w, rc: http.NewResponseController(w), onFirst: onFirstToken}
-	rw.rewriteCached, rw.cached = ok && cached >= 0, cached
+	if ok {
+		rw.cached = cached
+	}
 	var usage usageTracker
 	if isEventStream(ct) {
 		err = rw.relayEvents(resp.Body, &usage, ok)
@@ -82,7 +93,7 @@ func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.Response
 	}
 	res.Usage = usage.final()
 	if res.Usage != nil && rw.rewrote {
-		res.Usage.CachedTokens = cached
+		res.Usage.CachedTokens = rw.rewroteTo
 	}
 	if err != nil {
 		if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
@@ -103,21 +114,28 @@ type relayWriter struct {
 	w       http.ResponseWriter
 	rc      *http.ResponseController
 	onFirst func()
-	// With rewriteCached, cached replaces the usage's cached tokens;
-	// rewrote says whether a usage was rewritten.
-	rewriteCached bool
-	cached        int
-	rewrote       bool
+	// cached, if set, gives what replaces the usage's cached tokens
+	// (false: nothing); rewrote says whether a usage was rewritten, to
+	// rewroteTo.
+	cached    func() (int, bool)
+	rewrote   bool
+	rewroteTo int
 }
 
 // rewrite returns the data of a chunk or response with its usage's cached
 // tokens replaced, when the relay does that.
 func (rw *relayWriter) rewrite(data []byte) ([]byte, bool) {
-	if !rw.rewriteCached || valueStart(data, `"usage"`) != '{' {
+	if rw.cached == nil || valueStart(data, `"usage"`) != '{' {
 		return data, false
 	}
-	out, ok := withCachedTokens(data, rw.cached)
-	rw.rewrote = rw.rewrote || ok
+	n, ok := rw.cached()
+	if !ok {
+		return data, false
+	}
+	out, ok := withCachedTokens(data, n)
+	if ok {
+		rw.rewrote, rw.rewroteTo = true, n
+	}
 	return out, ok
 }
 
@@ -213,7 +231,7 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 // relayBody copies a whole (non-streamed) response as it comes, keeping up
 // to maxUsageBody of a 2xx body to read its usage at the end.
 func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bool) error {
-	if inspect && rw.rewriteCached {
+	if inspect && rw.cached != nil {
 		// The usage comes last: keep the response (sent whole once
 		// generated anyway) to rewrite it.
 		b, err := io.ReadAll(io.LimitReader(body, maxUsageBody+1))
