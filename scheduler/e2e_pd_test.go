@@ -435,3 +435,56 @@ func TestSGLangDisaggCachedTokens(t *testing.T) {
 		})
 	}
 }
+
+// min_remote_prefill_tokens with SGLang: a short prompt goes to a worker
+// that serves it alone (a unified SGLang engine), with no bootstrap fields
+// and no prefill, never to a decode engine, which cannot prefill; a long
+// one pairs. Without a worker that serves alone, a short prompt pairs.
+func TestSGLangMinRemotePrefillTokens(t *testing.T) {
+	hub := newPDHub(t)
+	p0 := startPDEngine(t, hub, "p0", scheduler.KindSGLang, scheduler.RolePrefill)
+	d0 := startPDEngine(t, hub, "d0", scheduler.KindSGLang, scheduler.RoleDecode)
+	c0 := startPDEngine(t, hub, "c0", scheduler.KindSGLang, scheduler.RoleBoth)
+	threshold := func(c *scheduler.Config) {
+		c.Disaggregation.MinRemotePrefillTokens = 500 // about 2,000 characters
+		c.Disaggregation.DecodeStrategy = "round_robin"
+	}
+	addr := startPDScheduler(t, "random", []*pdEngine{p0, d0, c0}, threshold)
+	for i := range 4 {
+		got := pdChat(t, addr, text(fmt.Sprintf("short-%d", i), 400), i%2 == 1)
+		if got.worker != "c0" || got.prefill != "" || got.content == "" {
+			t.Errorf("short prompt %d: %q from %s after %q, want an answer from c0 alone", i, got.content, got.worker, got.prefill)
+		}
+	}
+	if n := len(p0.received()) + len(d0.received()); n != 0 {
+		t.Errorf("short prompts sent %d requests to the prefill and decode engines, want none", n)
+	}
+	for _, r := range c0.received() {
+		if r.field("bootstrap_room") != "" || r.field("bootstrap_host") != "" {
+			t.Errorf("c0 got bootstrap fields: %s", r.raw)
+		}
+	}
+	// Long prompts pair whenever they land on the decode engine, which
+	// round_robin makes them do.
+	paired := 0
+	for i := range 4 {
+		got := pdChat(t, addr, text(fmt.Sprintf("long-%d", i), 4000), false)
+		switch {
+		case got.worker == "d0" && got.prefill == "p0":
+			paired++
+		case got.worker == "c0" && got.prefill == "":
+		default:
+			t.Errorf("long prompt %d: served by %s after %q, want d0 after p0, or c0 alone", i, got.worker, got.prefill)
+		}
+	}
+	if paired == 0 || len(p0.received()) != paired {
+		t.Errorf("%d long prompts paired, %d prefills; want some, one each", paired, len(p0.received()))
+	}
+
+	p1 := startPDEngine(t, hub, "p1", scheduler.KindSGLang, scheduler.RolePrefill)
+	d1 := startPDEngine(t, hub, "d1", scheduler.KindSGLang, scheduler.RoleDecode)
+	addr = startPDScheduler(t, "random", []*pdEngine{p1, d1}, threshold)
+	if got := pdChat(t, addr, text("short-alone", 400), false); got.worker != "d1" || got.prefill != "p1" || got.content == "" {
+		t.Errorf("short prompt without a unified engine: %q from %s after %q, want an answer from d1 after p1", got.content, got.worker, got.prefill)
+	}
+}

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/httpengine"
 	"github.com/batonllm/baton/workers/openai"
@@ -265,12 +267,41 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	t0 := time.Now()
 	var d routing.Decision
 	var err error
-	d, err = strategy.Pick(x.rreq, snap)
+	if avoid := x.pairOnly(snap); len(avoid) > 0 {
+		// A short prompt goes to a worker that serves it alone, while
+		// one is there to take it; else it pairs.
+		x.rreq.Tried = append(slices.Clip(x.tried), avoid...)
+		d, err = strategy.Pick(x.rreq, snap)
+		x.rreq.Tried = x.tried
+		if err != nil {
+			d, err = strategy.Pick(x.rreq, snap)
+		}
+	} else {
+		d, err = strategy.Pick(x.rreq, snap)
+	}
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if x.rreq.Adapter != "" && x.s.lora != nil {
 		d, x.adapter, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
 	}
 	return d, err
+}
+
+// pairOnly returns, for a disaggregated request whose prompt is shorter
+// than MinRemoteTokens, the workers of snap that cannot serve it alone:
+// SGLang decode engines (--disaggregation-mode decode), which only ever
+// decode what a paired prefill engine sends them. vLLM decode engines and
+// baton workers prefill short prompts themselves.
+func (x *exchange) pairOnly(snap *pool.Snapshot) []*pool.Worker {
+	if x.dz == nil || blockkey.Tokens(blockkey.Chars(x.req.Prompt)) >= x.dz.MinRemoteTokens {
+		return nil
+	}
+	var out []*pool.Worker
+	for _, w := range snap.Workers {
+		if protocolOf(w) == httpengine.Bootstrap {
+			out = append(out, w)
+		}
+	}
+	return out
 }
 
 // done reports the outcome of the committed decision to the strategy that
