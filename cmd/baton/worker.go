@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/batonllm/baton/transfer"
@@ -203,6 +206,10 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	fs.StringVar(&tlsCfg.KeyFile, "tls-key-file", "", "PEM private key `file` of --tls-cert-file")
 	fs.StringVar(&tlsCfg.CAFile, "tls-ca-file", "", "PEM CA certificate `file`: only clients (schedulers, workers pushing KV blocks) with a certificate it signed are served, and the workers KV blocks are pushed to must have one")
 	fs.StringVar(&tlsCfg.ServerName, "tls-server-name", "", "`name` the certificates of the workers KV blocks are pushed to must hold (default: the host of their address)")
+	var httpTLS tlsconf.Config
+	fs.StringVar(&httpTLS.CertFile, "http-tls-cert-file", "", "serve --http-listen over HTTPS with this PEM certificate `file` (chain), re-read when it changes or on SIGHUP")
+	fs.StringVar(&httpTLS.KeyFile, "http-tls-key-file", "", "PEM private key `file` of --http-tls-cert-file")
+	fs.StringVar(&httpTLS.CAFile, "http-tls-ca-file", "", "PEM CA certificate `file`: --http-listen serves only clients with a certificate it signed")
 	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "on SIGTERM or SIGINT, how long running sequences may finish (NOT_SERVING, new ones refused) before the worker writes its hottest blocks to the shared tier and exits")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
@@ -211,7 +218,13 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return err
 	}
 	if err := tlsCfg.Validate("tls", true); err != nil {
-		return tlsFlagError(err)
+		return tlsFlagError("tls", err)
+	}
+	if err := httpTLS.Validate("http_tls", true); err != nil {
+		return tlsFlagError("http-tls", err)
+	}
+	if httpTLS.Enabled() && *httpListen == "" {
+		return errors.New("--http-tls-cert-file: set without --http-listen")
 	}
 	if *drainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout: must be positive, got %s", *drainTimeout)
@@ -238,16 +251,29 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		defer f.store.Close()
 	}
 	var startOpts []sim.StartOption
+	var certs []*tlsconf.Certificate // what SIGHUP reloads
 	if tlsCfg.Enabled() {
-		server, _, err := tlsconf.Server(tlsCfg, log)
+		server, cert, err := tlsconf.Server(tlsCfg, log)
 		if err != nil {
-			return tlsFlagError(err)
+			return tlsFlagError("tls", err)
 		}
-		client, _, err := tlsconf.Client(tlsCfg, log)
+		client, ccert, err := tlsconf.Client(tlsCfg, log)
 		if err != nil {
-			return tlsFlagError(err)
+			return tlsFlagError("tls", err)
 		}
 		startOpts = append(startOpts, sim.WithTLS(server, client))
+		certs = append(certs, cert)
+		if ccert != nil {
+			certs = append(certs, ccert)
+		}
+	}
+	if httpTLS.Enabled() {
+		server, cert, err := tlsconf.Server(httpTLS, log)
+		if err != nil {
+			return tlsFlagError("http-tls", err)
+		}
+		startOpts = append(startOpts, sim.WithHTTPTLS(server))
+		certs = append(certs, cert)
 	}
 	w, err := sim.Start(f.config(*name), *listen, *httpListen, log, startOpts...)
 	if err != nil {
@@ -255,6 +281,7 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	defer w.Close()
 	metrics.Engine(w.Engine)
+	defer reloadCertsOnHangup(certs, log)()
 	var metricsSrv, pprofSrv *debugServer
 	if *metricsListen != "" {
 		if metricsSrv, err = serveDebug("metrics-listen", *metricsListen, metricsHandler(metrics), log); err != nil {
@@ -268,7 +295,7 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		}
 		defer pprofSrv.Close()
 	}
-	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "tls", tlsCfg.Enabled(), "mutual_tls", tlsCfg.CAFile != "", "http", w.HTTPAddr, "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil,
+	log.Info("worker listening", "name", *name, "grpc", w.GRPCAddr, "tls", tlsCfg.Enabled(), "mutual_tls", tlsCfg.CAFile != "", "http", w.HTTPAddr, "http_tls", httpTLS.Enabled(), "model", f.model, "gpu", f.gpu, "time_scale", f.timeScale, "redis_tier", f.store != nil,
 		"metrics", debugAddr(metricsSrv), "pprof", debugAddr(pprofSrv))
 	go logWarmup(ctx, w.Engine, log)
 	<-ctx.Done()
@@ -285,11 +312,52 @@ func worker(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 }
 
 // tlsFlagError names worker's TLS flag in a tlsconf error that names its
-// field (tls.cert_file or cert_file: --tls-cert-file).
-func tlsFlagError(err error) error {
+// field (tls.cert_file, http_tls.cert_file or cert_file: --prefix-cert-file).
+func tlsFlagError(prefix string, err error) error {
 	return renameField(err, func(field string) string {
-		return "--tls-" + strings.ReplaceAll(strings.TrimPrefix(field, "tls."), "_", "-")
+		if i := strings.LastIndexByte(field, '.'); i >= 0 {
+			field = field[i+1:]
+		}
+		return "--" + prefix + "-" + strings.ReplaceAll(field, "_", "-")
 	})
+}
+
+// reloadCertsOnHangup reads certs again on each SIGHUP, as baton serve
+// does, until the returned stop is called. Without certs SIGHUP keeps its
+// default action.
+func reloadCertsOnHangup(certs []*tlsconf.Certificate, log *slog.Logger) (stop func()) {
+	if len(certs) == 0 {
+		return func() {}
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		for {
+			select {
+			case <-hup:
+				var failed bool
+				for _, c := range certs {
+					if err := c.Reload(); err != nil {
+						failed = true
+						log.Error("tls certificate not reloaded; the previous one stays", "err", err)
+					}
+				}
+				if !failed {
+					log.Info("TLS certificates reloaded on SIGHUP")
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(hup)
+		close(done)
+		<-exited
+	}
 }
 
 // debugAddr returns s's bound address, or "" without s.

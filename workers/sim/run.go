@@ -48,6 +48,7 @@ type startOptions struct {
 	maxRequestBytes int
 	serverTLS       *tls.Config
 	clientTLS       *tls.Config
+	httpTLS         *tls.Config
 }
 
 // DefaultMaxRequestBytes bounds one gRPC request a worker accepts (a
@@ -69,6 +70,14 @@ func WithMaxRequestBytes(n int) StartOption {
 // verified, the worker's own presented).
 func WithTLS(server, client *tls.Config) StartOption {
 	return func(o *startOptions) { o.serverTLS, o.clientTLS = server, client }
+}
+
+// WithHTTPTLS serves the worker's OpenAI-compatible HTTP endpoint over
+// HTTPS with cfg (tlsconf.Server; a ClientCAs there makes it accept only
+// clients with a certificate the CA signed). A plain-HTTP request to it is
+// answered 400.
+func WithHTTPTLS(cfg *tls.Config) StartOption {
+	return func(o *startOptions) { o.httpTLS = cfg }
 }
 
 // WithTransport makes the worker push KV blocks (Prefill) over tr instead
@@ -136,7 +145,7 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...
 	if hl != nil {
 		w.HTTPAddr = hl.Addr().String()
 		api := openai.NewServer(e.Config().Models, e.Generate, 0, log)
-		w.http = &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
+		w.http = &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second, TLSConfig: o.httpTLS}
 	}
 	w.wg.Add(1)
 	go func() {
@@ -149,7 +158,11 @@ func Start(cfg Config, grpcListen, httpListen string, log *slog.Logger, opts ...
 		w.wg.Add(1)
 		go func() {
 			defer w.wg.Done()
-			if err := w.http.Serve(hl); !errors.Is(err, http.ErrServerClosed) {
+			serve := w.http.Serve
+			if o.httpTLS != nil {
+				serve = func(l net.Listener) error { return w.http.ServeTLS(l, "", "") }
+			}
+			if err := serve(hl); !errors.Is(err, http.ErrServerClosed) {
 				log.Error("http serve", "err", err)
 			}
 		}()
