@@ -83,6 +83,10 @@ type WorkerConfig struct {
 	MaxLoRAs int `yaml:"max_loras"`
 
 	EngineConfig `yaml:",inline"`
+
+	// dpRank is the rank this worker routes to of an engine with
+	// DataParallelSize > 1 (ranks).
+	dpRank int
 }
 
 // EngineConfig holds the fields of vllm and sglang workers: where the
@@ -138,6 +142,13 @@ type EngineConfig struct {
 	// of its address, port 8998.
 	BootstrapHost string `yaml:"bootstrap_host"`
 	BootstrapPort int    `yaml:"bootstrap_port"`
+	// DataParallelSize is a vllm engine's --data-parallel-size: its ranks
+	// keep KV caches of their own, and baton routes to each as a worker
+	// named <name>/dp<rank>, by the X-data-parallel-rank header, with the
+	// events of the rank (published on the events and events_replay ports
+	// plus the rank) and the load of its engine="<rank>" metrics. Static
+	// workers only. Default 1.
+	DataParallelSize int `yaml:"data_parallel_size"`
 }
 
 // CostConfig is an engine's cost figures (see workers/engine/cost.Figures);
@@ -481,6 +492,9 @@ func (c Config) Validate(strategies *routing.Registry) error {
 			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only; vllm and sglang ones also prefill or decode, got %q", field, w.Kind, w.Role)
 		case w.Kind != KindSGLang && (w.BootstrapHost != "" || w.BootstrapPort != 0):
 			return fmt.Errorf("%s.bootstrap_port: only sglang workers have a bootstrap server (kind is %s)", field, w.Kind)
+		}
+		if err := validateRanks(w, field, c.Discovery.discovered()); err != nil {
+			return err
 		}
 		switch {
 		case w.CachePrompts < 0:

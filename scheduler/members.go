@@ -40,11 +40,13 @@ func (s *Scheduler) discover(cfg Config) error {
 	default:
 		s.memberMu.Lock()
 		defer s.memberMu.Unlock()
-		for _, wc := range cfg.Workers {
-			if err := s.addWorker(wc); err != nil {
-				return err
+		for _, w := range cfg.Workers {
+			for _, wc := range w.ranks() {
+				if err := s.addWorker(wc); err != nil {
+					return err
+				}
+				s.members[wc.Name] = wc
 			}
-			s.members[wc.Name] = wc
 		}
 		return nil
 	}

@@ -267,7 +267,7 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models, MaxLoRAs: wc.MaxLoRAs}
 	switch wc.Kind {
 	case KindHTTP, KindVLLM, KindSGLang:
-		c, err := httpengine.New(wc.Address, disaggProtocol(wc))
+		c, err := httpengine.New(wc.Address, append(wc.rankOptions(), disaggProtocol(wc))...)
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
@@ -370,6 +370,10 @@ func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
 	case KindSGLang:
 		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang)
 	default:
+		if wc.DataParallelSize > 1 {
+			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank)
+			break
+		}
 		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM)
 	}
 	if err != nil {

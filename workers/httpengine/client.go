@@ -107,6 +107,8 @@ type Client struct {
 	protocol      Protocol
 	bootstrapHost string
 	bootstrapPort int
+	// dpRank is the HeaderDPRank of every request, "" for none.
+	dpRank string
 }
 
 // New returns a client of the engine at baseURL (for instance
@@ -246,6 +248,9 @@ func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*htt
 	req.Header.Set("Content-Type", "application/json")
 	if r.ID != "" {
 		req.Header.Set("X-Request-Id", r.ID)
+	}
+	if c.dpRank != "" {
+		req.Header.Set(HeaderDPRank, c.dpRank)
 	}
 	c.setAuth(req)
 	resp, err := c.hc.Do(req)

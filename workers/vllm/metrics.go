@@ -120,8 +120,20 @@ var engineNames = map[Engine]names{
 // ErrGarbage and names every problem, the Metrics hold what could be read:
 // the families before a syntax error, the metrics that held sane values.
 func Parse(r io.Reader, e Engine) (Metrics, error) {
+	return ParseEngine(r, e, "")
+}
+
+// ParseEngine is Parse of the series of one data-parallel engine: those
+// labelled engine="engine" (vLLM labels each rank's by its index), and
+// those of families that label none. "" reads every series.
+func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	fams, perr := p.TextToMetricFamilies(r)
+	if engine != "" {
+		for _, f := range fams {
+			f.Metric = engineSeries(f.Metric, engine)
+		}
+	}
 	var problems []string
 	if perr != nil {
 		problems = append(problems, perr.Error())
@@ -154,6 +166,28 @@ func Parse(r io.Reader, e Engine) (Metrics, error) {
 		return m, fmt.Errorf("%w: %s", ErrGarbage, strings.Join(problems, "; "))
 	}
 	return m, nil
+}
+
+// engineSeries returns the samples of ms labelled engine, or ms when none
+// has an engine label.
+func engineSeries(ms []*dto.Metric, engine string) []*dto.Metric {
+	var out []*dto.Metric
+	labelled := false
+	for _, m := range ms {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "engine" {
+				labelled = true
+				if l.GetValue() == engine {
+					out = append(out, m)
+				}
+				break
+			}
+		}
+	}
+	if !labelled {
+		return ms
+	}
+	return out
 }
 
 // value returns a sample's value, whatever the family's type says.

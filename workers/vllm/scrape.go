@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -23,6 +24,7 @@ const maxMetricsBytes = 8 << 20
 type Scraper struct {
 	url    string
 	engine Engine
+	rank   string // the data-parallel engine read, "" all
 	hc     *http.Client
 	tr     *http.Transport
 }
@@ -48,6 +50,17 @@ func NewScraper(baseURL, path string, e Engine) (*Scraper, error) {
 	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: tr}, tr: tr}, nil
 }
 
+// NewRankScraper is NewScraper of one data-parallel rank of a vLLM engine
+// (--data-parallel-size): it reads only that rank's series (ParseEngine).
+func NewRankScraper(baseURL, path string, e Engine, rank int) (*Scraper, error) {
+	s, err := NewScraper(baseURL, path, e)
+	if err != nil {
+		return nil, err
+	}
+	s.rank = strconv.Itoa(rank)
+	return s, nil
+}
+
 // URL returns the address scraped.
 func (s *Scraper) URL() string { return s.url }
 
@@ -71,7 +84,7 @@ func (s *Scraper) Scrape(ctx context.Context) (Metrics, error) {
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
 		return Metrics{}, fmt.Errorf("GET %s: status %d", s.url, resp.StatusCode)
 	}
-	return Parse(io.LimitReader(resp.Body, maxMetricsBytes), s.engine)
+	return ParseEngine(io.LimitReader(resp.Body, maxMetricsBytes), s.engine, s.rank)
 }
 
 // Close releases the scraper's idle connection.

@@ -75,6 +75,9 @@ type Config struct {
 	// NoCachedTokens leaves prompt_tokens_details out of usage, as vLLM
 	// without --enable-prompt-tokens-details does.
 	NoCachedTokens bool
+	// DPRank is the data-parallel rank the server is of a DP engine
+	// (NewDP): its batches carry it, as vLLM's publishers stamp theirs.
+	DPRank int
 }
 
 func (c Config) withDefaults() Config {
@@ -317,7 +320,7 @@ func (s *Server) publish(evs ...kvevents.Event) error {
 		return nil
 	}
 	s.ts++
-	_, err := s.pub.Publish(kvevents.Batch{TS: s.ts, Events: evs})
+	_, err := s.pub.Publish(kvevents.Batch{TS: s.ts, Events: evs, DPRank: int64(s.cfg.DPRank), HasDPRank: s.cfg.DPRank > 0})
 	return err
 }
 

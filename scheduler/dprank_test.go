@@ -1,0 +1,66 @@
+package scheduler
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestDataParallelSizeValidate(t *testing.T) {
+	valid := func() Config {
+		return Config{Workers: []WorkerConfig{{Name: "e", Address: "http://127.0.0.1:8001", Kind: KindVLLM,
+			EngineConfig: EngineConfig{Events: "tcp://127.0.0.1:5557", EventsReplay: "tcp://127.0.0.1:5600", DataParallelSize: 4}}}}
+	}
+	if err := valid().Validate(registry()); err != nil {
+		t.Fatalf("valid config: %v", err)
+	}
+	for _, c := range []struct {
+		name  string
+		edit  func(*Config)
+		field string
+	}{
+		{"negative", func(c *Config) { c.Workers[0].DataParallelSize = -1 }, "workers[0].data_parallel_size:"},
+		{"too large", func(c *Config) { c.Workers[0].DataParallelSize = 1000 }, "workers[0].data_parallel_size:"},
+		{"sglang", func(c *Config) { c.Workers[0].Kind = KindSGLang }, "workers[0].data_parallel_size:"},
+		{"http", func(c *Config) {
+			c.Workers[0].Kind = KindHTTP
+			c.Workers[0].EngineConfig = EngineConfig{DataParallelSize: 2}
+		}, "workers[0].data_parallel_size:"},
+		{"ipc events", func(c *Config) { c.Workers[0].Events = "ipc:///tmp/kv" }, "workers[0].events:"},
+		{"replay port past 65535", func(c *Config) { c.Workers[0].EventsReplay = "tcp://h:65534" }, "workers[0].events_replay:"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := valid()
+			c.edit(&cfg)
+			err := cfg.Validate(registry())
+			if err == nil || !strings.HasPrefix(err.Error(), c.field) {
+				t.Errorf("error %v, want one naming %s", err, c.field)
+			}
+		})
+	}
+}
+
+func TestRanks(t *testing.T) {
+	wc := WorkerConfig{Name: "v", Kind: KindVLLM, Address: "http://h:8000",
+		EngineConfig: EngineConfig{Events: "tcp://h:5557", EventsReplay: "tcp://h:6000", DataParallelSize: 3}}
+	var got []string
+	for _, r := range wc.ranks() {
+		got = append(got, r.Name+" "+r.Events+" "+r.EventsReplay+" "+r.Address)
+		if len(r.rankOptions()) != 1 {
+			t.Errorf("%s: no rank header option", r.Name)
+		}
+	}
+	want := []string{
+		"v/dp0 tcp://h:5557 tcp://h:6000 http://h:8000",
+		"v/dp1 tcp://h:5558 tcp://h:6001 http://h:8000",
+		"v/dp2 tcp://h:5559 tcp://h:6002 http://h:8000",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("ranks (-want +got):\n%s", diff)
+	}
+	wc.DataParallelSize = 0
+	if r := wc.ranks(); len(r) != 1 || r[0].Name != "v" || r[0].rankOptions() != nil {
+		t.Errorf("without data parallelism: %+v, want the worker itself", r)
+	}
+}

@@ -1,0 +1,129 @@
+package scheduler_test
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
+	"github.com/batonllm/baton/workers/vllm/vllmtest"
+)
+
+// startFakeDP starts a fake vLLM with two data-parallel ranks and a
+// scheduler routing to it with kv_aware, as the worker v0 with
+// data_parallel_size 2, once subscribed to both ranks' events.
+func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
+	t.Helper()
+	d, err := vllmtest.NewDP(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Close)
+	r0 := d.Rank(0)
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: []scheduler.WorkerConfig{{
+		Name: "v0", Kind: scheduler.KindVLLM, Address: d.URL,
+		EngineConfig: scheduler.EngineConfig{
+			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(),
+			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2,
+		},
+	}}})
+	for r := range 2 {
+		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	return s, addr, d
+}
+
+// TestDataParallelPredictedHit: kv_aware over a vLLM engine with two
+// data-parallel ranks routes to each rank as to a worker of its own: a
+// document's questions go to the rank that holds it (the request carries
+// its X-data-parallel-rank), and the hit predicted from that rank's events
+// is the hit it achieves.
+func TestDataParallelPredictedHit(t *testing.T) {
+	s, addr, d := startFakeDP(t)
+	c := oaClient(t, addr)
+	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	rng := rand.New(rand.NewPCG(3, 4))
+	holder := map[int]string{}
+	served := map[string]int{}
+	var predicted, achieved float64
+	for q := range 16 {
+		doc := rng.IntN(4)
+		r, err := streamChat(t, c, chatParams(fakeVLLMPrompt(doc, q), 4))
+		if err != nil {
+			t.Fatal(err)
+		}
+		served[r.worker]++
+		hit := predictedHit(t, r.route)
+		got := float64(r.cached) / float64(r.prompt)
+		if math.Abs(hit-got) > 0.05 {
+			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f", q, doc, hit, r.worker, got)
+		}
+		if h, ok := holder[doc]; ok && r.worker != h {
+			t.Errorf("question %d on document %d went to %s, the document is on %s", q, doc, r.worker, h)
+		} else if !ok {
+			holder[doc] = r.worker
+		}
+		predicted += hit * float64(r.prompt)
+		achieved += float64(r.cached)
+		keys := kvevents.AppendKeys(nil, seed, engineTokens(fakeVLLMPrompt(doc, q)), 16)
+		eventually(t, 20*time.Second, func() error {
+			if m := lookup(s, r.worker, keys); m.GPU != len(keys) {
+				return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, r.worker)
+			}
+			return nil
+		})
+	}
+	if achieved < 0.5*predicted || achieved == 0 {
+		t.Errorf("achieved %v cached tokens, predicted %v: the run reused too little to test", achieved, predicted)
+	}
+	// Each rank served exactly what was routed to it.
+	for r := range 2 {
+		name := fmt.Sprintf("v0/dp%d", r)
+		if got := len(d.Rank(r).Requests()); got != served[name] || got == 0 {
+			t.Errorf("rank %d served %d requests, %d were routed to %s; want the same, some", r, got, served[name], name)
+		}
+	}
+}
+
+// TestDataParallelAllBlocksCleared: a rank's AllBlocksCleared empties that
+// rank's entries in the index, and only its own.
+func TestDataParallelAllBlocksCleared(t *testing.T) {
+	s, addr, d := startFakeDP(t)
+	c := oaClient(t, addr)
+	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	prompts := map[string][]uint64{}
+	for doc := range 2 {
+		p := fakeVLLMPrompt(doc, 0)
+		r := chat(t, c, chatParams(p, 4))
+		prompts[r.worker] = kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+	}
+	if len(prompts) != 2 || prompts["v0/dp0"] == nil || prompts["v0/dp1"] == nil {
+		t.Fatalf("two documents went to %d ranks, want one on each", len(prompts))
+	}
+	for w, keys := range prompts {
+		eventually(t, 10*time.Second, func() error {
+			if m := lookup(s, w, keys); m.GPU != len(keys) {
+				return fmt.Errorf("index has %d of %s's %d blocks", m.GPU, w, len(keys))
+			}
+			return nil
+		})
+	}
+	if err := d.Rank(1).ResetPrefixCache(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, func() error {
+		if m := lookup(s, "v0/dp1", prompts["v0/dp1"]); m.GPU != 0 {
+			return fmt.Errorf("after rank 1's AllBlocksCleared the index has %d of its blocks", m.GPU)
+		}
+		return nil
+	})
+	if m := lookup(s, "v0/dp0", prompts["v0/dp0"]); m.GPU != len(prompts["v0/dp0"]) {
+		t.Errorf("rank 1's clear left %d of rank 0's %d blocks in the index", m.GPU, len(prompts["v0/dp0"]))
+	}
+}
