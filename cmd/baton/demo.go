@@ -16,6 +16,7 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var f schedulerFlags
 	// The demo shows what baton is for: prefix-aware routing.
 	f.register(fs, "127.0.0.1:8080", routing.PrefixAware)
+	f.registerTLS(fs) // off by default: the demo is for loopback
 	var sf simFlags
 	sf.register(fs)
 	colocated := fs.Int("workers", 0, "run this many colocated (role both) workers instead of a prefill/decode fleet, 0–64")
@@ -67,15 +68,19 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		shape = fmt.Sprintf("%d simulated workers", spec.Workers)
 	}
 	model := sf.config("").WithDefaults().Models[0]
+	scheme, curlTLS := "http", ""
+	if cfg.TLS.CertFile != "" {
+		scheme, curlTLS = "https", "\n  (HTTPS: give curl --cacert with the CA that signed the certificate.)\n"
+	}
 	return runScheduler(ctx, cfg, stdout, stderr, func(addr string) {
-		fmt.Fprintf(stdout, `baton demo: scheduler at http://%[1]s (strategy %[2]s, %[3]s serving %[4]s)
-
-  curl -sN http://%[1]s/v1/chat/completions -H 'Content-Type: application/json' \
+		fmt.Fprintf(stdout, `baton demo: scheduler at %[5]s://%[1]s (strategy %[2]s, %[3]s serving %[4]s)
+%[6]s
+  curl -sN %[5]s://%[1]s/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model":"%[4]s","stream":true,"messages":[{"role":"user","content":"Hello, baton!"}]}'
 
-  OpenAI clients: base URL http://%[1]s/v1 (any API key).  Metrics: http://%[1]s/metrics
+  OpenAI clients: base URL %[5]s://%[1]s/v1 (any API key).  Metrics: %[5]s://%[1]s/metrics
   Ctrl-C stops.
-`, addr, cfg.WithDefaults().Strategy, shape, model)
+`, addr, cfg.WithDefaults().Strategy, shape, model, scheme, curlTLS)
 	})
 }
 

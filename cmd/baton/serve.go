@@ -30,8 +30,8 @@ type schedulerFlags struct {
 	logLevel  string
 	drain     time.Duration
 	workers   workerList // serve's --worker flags
-	tlsCert   string     // serve's --tls-cert-file
-	tlsKey    string     // serve's --tls-key-file
+	tlsCert   string     // --tls-cert-file (serve, demo)
+	tlsKey    string     // --tls-key-file (serve, demo)
 }
 
 // tlsFlags maps serve's TLS flags to their config fields.
@@ -46,6 +46,12 @@ func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrate
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "characters (bytes on /invocations) of routing text prefix_aware hashes, 1024–65536 (default 4096)")
 	fs.StringVar(&f.logLevel, "log-level", "", "log level: debug, info, warn, error (default info)")
 	fs.DurationVar(&f.drain, "drain-timeout", 0, "on SIGTERM or SIGINT, how long requests in flight may finish before they are interrupted (default 30s)")
+}
+
+// registerTLS defines the front end's TLS flags on fs.
+func (f *schedulerFlags) registerTLS(fs *flag.FlagSet) {
+	fs.StringVar(&f.tlsCert, "tls-cert-file", "", "serve HTTPS with this PEM certificate `file` (chain), re-read when it changes or on SIGHUP (config tls.cert_file)")
+	fs.StringVar(&f.tlsKey, "tls-key-file", "", "PEM private key `file` of --tls-cert-file (config tls.key_file)")
 }
 
 // load reads the config file, if any, and applies the flags set on fs,
@@ -190,8 +196,7 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	var f schedulerFlags
 	f.register(fs, scheduler.DefaultListen, scheduler.DefaultStrategy)
 	fs.Var(&f.workers, "worker", "a worker, `[name=]host:port` (baton gRPC) or [name=]http://host:port (OpenAI-compatible engine); repeatable, added to the config's workers")
-	fs.StringVar(&f.tlsCert, "tls-cert-file", "", "serve HTTPS with this PEM certificate `file` (chain), re-read when it changes or on SIGHUP (config tls.cert_file)")
-	fs.StringVar(&f.tlsKey, "tls-key-file", "", "PEM private key `file` of --tls-cert-file (config tls.key_file)")
+	f.registerTLS(fs)
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
