@@ -83,10 +83,6 @@ type WorkerConfig struct {
 	MaxLoRAs int `yaml:"max_loras"`
 
 	EngineConfig `yaml:",inline"`
-
-	// dpRank is the rank this worker routes to of an engine with
-	// DataParallelSize > 1 (ranks).
-	dpRank int
 }
 
 // EngineConfig holds the fields of vllm and sglang workers: where the

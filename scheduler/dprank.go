@@ -31,8 +31,7 @@ func (wc WorkerConfig) ranks() []WorkerConfig {
 	out := make([]WorkerConfig, wc.DataParallelSize)
 	for r := range out {
 		rc := wc
-		rc.Name = wc.Name + "/dp" + strconv.Itoa(r)
-		rc.dpRank = r
+		rc.Name = wc.Name + rankSuffix + strconv.Itoa(r)
 		rc.Events, _ = offsetPort(wc.Events, r)
 		rc.EventsReplay, _ = offsetPort(wc.EventsReplay, r)
 		out[r] = rc
@@ -40,12 +39,23 @@ func (wc WorkerConfig) ranks() []WorkerConfig {
 	return out
 }
 
+// rankSuffix precedes the rank in a rank's worker name.
+const rankSuffix = "/dp"
+
+// dpRank returns the rank a worker of ranks routes to, which its name
+// ends with.
+func (wc WorkerConfig) dpRank() int {
+	i := strings.LastIndex(wc.Name, rankSuffix)
+	r, _ := strconv.Atoi(wc.Name[i+len(rankSuffix):])
+	return r
+}
+
 // rankOptions are the engine client's options of a rank's worker.
 func (wc WorkerConfig) rankOptions() []httpengine.Option {
 	if wc.DataParallelSize <= 1 {
 		return nil
 	}
-	return []httpengine.Option{httpengine.WithDataParallelRank(wc.dpRank)}
+	return []httpengine.Option{httpengine.WithDataParallelRank(wc.dpRank())}
 }
 
 // offsetPort returns a tcp:// endpoint with its port plus r, as vLLM's

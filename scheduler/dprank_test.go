@@ -45,10 +45,10 @@ func TestRanks(t *testing.T) {
 	wc := WorkerConfig{Name: "v", Kind: KindVLLM, Address: "http://h:8000",
 		EngineConfig: EngineConfig{Events: "tcp://h:5557", EventsReplay: "tcp://h:6000", DataParallelSize: 3}}
 	var got []string
-	for _, r := range wc.ranks() {
+	for i, r := range wc.ranks() {
 		got = append(got, r.Name+" "+r.Events+" "+r.EventsReplay+" "+r.Address)
-		if len(r.rankOptions()) != 1 {
-			t.Errorf("%s: no rank header option", r.Name)
+		if len(r.rankOptions()) != 1 || r.dpRank() != i {
+			t.Errorf("%s: rank %d, %d options; want rank %d, its header", r.Name, r.dpRank(), len(r.rankOptions()), i)
 		}
 	}
 	want := []string{

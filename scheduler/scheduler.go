@@ -371,7 +371,7 @@ func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
 		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang)
 	default:
 		if wc.DataParallelSize > 1 {
-			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank)
+			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank())
 			break
 		}
 		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM)
