@@ -31,8 +31,11 @@ type Result struct {
 	CachedTokens     int       `json:"cached_tokens"`
 	CompletionTokens int       `json:"completion_tokens"`
 	Worker           string    `json:"worker"`
-	Spill            bool      `json:"spill"`
-	Err              string    `json:"error,omitempty"`
+	// Route is the scheduler's X-Baton-Route: the strategy and its reason
+	// (kv_aware's predicted hit, a spill, the prefill worker).
+	Route string `json:"route,omitempty"`
+	Spill bool   `json:"spill"`
+	Err   string `json:"error,omitempty"`
 	// Done is the wall offset, from the run's start, at which it ended.
 	Done float64 `json:"done"`
 }
@@ -92,7 +95,8 @@ func send(ctx context.Context, hc *http.Client, base, model string, req *workloa
 	}
 	defer resp.Body.Close()
 	res.Worker = resp.Header.Get("X-Baton-Worker")
-	res.Spill = strings.Contains(resp.Header.Get("X-Baton-Route"), "spill=true")
+	res.Route = resp.Header.Get("X-Baton-Route")
+	res.Spill = strings.Contains(res.Route, "spill=true")
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		res.Err = fmt.Sprintf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(msg))

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"math"
 	"os"
 	"path/filepath"
@@ -80,12 +81,36 @@ func TestBenchEndToEnd(t *testing.T) {
 		t.Errorf("prefix_aware spilled %d times at this load (stretch %.2f)", prefix.Spills, prefix.CPUStretch)
 	}
 	dir := t.TempDir()
+	rep.PerRequest = true
 	files, err := rep.WriteFiles(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(files) != 6 {
+	if len(files) != 7 {
 		t.Errorf("wrote %v", files)
+	}
+	// requests.jsonl: every request of each column, with its worker and
+	// the route the scheduler gave.
+	b, err := os.ReadFile(filepath.Join(dir, "requests.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) != 40 {
+		t.Fatalf("requests.jsonl: %d lines, want 40", len(lines))
+	}
+	for i, l := range lines {
+		var r struct {
+			Column string `json:"column"`
+			Result
+		}
+		if err := json.Unmarshal([]byte(l), &r); err != nil {
+			t.Fatalf("line %d: %v", i+1, err)
+		}
+		col := o.Strategies[i/20]
+		if r.Column != col || r.Index != i%20 || r.Worker == "" || !strings.HasPrefix(r.Route, col) || r.TTFT <= 0 {
+			t.Errorf("line %d: %s; want column %s, request %d, a worker, a route and a TTFT", i+1, l, col, i%20)
+		}
 	}
 	md, _ := os.ReadFile(filepath.Join(dir, "report.md"))
 	for _, want := range []string{"| TTFT p50 (ms) |", "vs random", "KV hit rate", "infinite cache"} {

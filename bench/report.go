@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"bufio"
 	"encoding/csv"
 	"encoding/json"
 	"fmt"
@@ -95,6 +96,8 @@ type StrategyReport struct {
 
 	// TTFTs are every successful request's TTFT, for the CDF plot.
 	TTFTs []float64 `json:"-"`
+	// Results are the requests' outcomes, for Report.PerRequest.
+	Results []Result `json:"-"`
 }
 
 // Report is a whole bench run.
@@ -118,6 +121,8 @@ type Report struct {
 	Calibration string           `json:"calibration,omitempty"`
 	Limits      *Limits          `json:"limits,omitempty"`
 	Strategies  []StrategyReport `json:"strategies"`
+	// PerRequest makes WriteFiles write requests.jsonl as well.
+	PerRequest bool `json:"-"`
 }
 
 // ShortPrompt is the prompt length, in tokens, up to which the report
@@ -129,7 +134,7 @@ const ShortPrompt = 1024
 // workers is the fleet's count of token-streaming workers.
 func summarize(strategy string, rs []Result, o *Options, workers int, wall float64) *StrategyReport {
 	sc := o.Speedup
-	r := &StrategyReport{Strategy: strategy, Requests: len(rs), Shares: map[string]float64{}}
+	r := &StrategyReport{Strategy: strategy, Requests: len(rs), Shares: map[string]float64{}, Results: rs}
 	var ttft, itl, e2e, lags []float64
 	var outTok, shortPrompt, shortCached int64
 	first, last := math.Inf(1), 0.0
@@ -391,8 +396,9 @@ func (rep *Report) Markdown(w io.Writer) {
 	}
 }
 
-// WriteFiles writes report.md, report.json, summary.csv, requests are not
-// kept) and the plots into dir.
+// WriteFiles writes report.md, report.json, summary.csv, with PerRequest
+// requests.jsonl (one line per request of each column: its Result and the
+// column), and the plots into dir.
 func (rep *Report) WriteFiles(dir string) ([]string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
@@ -445,6 +451,14 @@ func (rep *Report) WriteFiles(dir string) ([]string, error) {
 	}
 	files = append(files, p)
 
+	if rep.PerRequest {
+		p = filepath.Join(dir, "requests.jsonl")
+		if err := rep.writeRequests(p); err != nil {
+			return files, err
+		}
+		files = append(files, p)
+	}
+
 	pl, err := rep.Plots(dir)
 	if err != nil {
 		return files, err
@@ -458,4 +472,32 @@ func (rep *Report) WriteFiles(dir string) ([]string, error) {
 func Summarize(strategy string, rs []Result, workers int) *StrategyReport {
 	o := Options{Speedup: 1, Workers: workers}
 	return summarize(strategy, rs, &o, workers, 0)
+}
+
+// writeRequests writes every column's requests to path as JSON lines.
+func (rep *Report) writeRequests(path string) error {
+	fh, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriter(fh)
+	enc := json.NewEncoder(bw)
+	for i := range rep.Strategies {
+		s := &rep.Strategies[i]
+		for _, r := range s.Results {
+			line := struct {
+				Column string `json:"column"`
+				Result
+			}{s.Strategy, r}
+			if err := enc.Encode(&line); err != nil {
+				fh.Close()
+				return err
+			}
+		}
+	}
+	if err := bw.Flush(); err != nil {
+		fh.Close()
+		return err
+	}
+	return fh.Close()
 }

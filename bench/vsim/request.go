@@ -79,6 +79,7 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 	r.release, r.d = done, d
 	routing.Commit(r.gen, r.rreq, d)
 	out.Worker, out.Spill = wk.Name, d.Spill
+	out.Route = d.RouteHit(r.gen.Name(), r.rreq.Tokens)
 	de := s.engines[wk]
 	decode := &seq{req: r, keys: keys, prompt: prompt, gen: gen,
 		blocks: int64((prompt + gen + sim.BlockTokens - 1) / sim.BlockTokens)}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -184,4 +185,23 @@ func TestAgainstRealTime(t *testing.T) {
 		}
 	}
 	t.Errorf("TTFT p50: virtual %+.0f%% from the real run's at the modelled pace", d*100)
+}
+
+// Each request carries the route the scheduler would have sent in
+// X-Baton-Route, so that bench --per-request lines up real and virtual
+// runs: kv_aware's predicted hit among them.
+func TestRoute(t *testing.T) {
+	res := run(t, Config{Workers: 2, Strategy: "kv_aware"}, excerpt(t, 12))
+	hit := 0
+	for i, r := range res.Requests {
+		if !strings.HasPrefix(r.Route, "kv_aware; predicted_hit=") {
+			t.Fatalf("request %d: route %q", i, r.Route)
+		}
+		if !strings.HasPrefix(r.Route, "kv_aware; predicted_hit=0.00") {
+			hit++
+		}
+	}
+	if hit == 0 {
+		t.Error("no request predicted a hit; the excerpt's requests share a system prompt")
+	}
 }

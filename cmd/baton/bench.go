@@ -49,6 +49,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
 	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90` of the modelled time from the scheduler's decision to the engine's queue (HTTP, gRPC, parsing, and the CPU they wait for), e.g. 7ms,48ms; drawn log-normal per call (default: none)")
+	perRequest := fs.Bool("per-request", false, "also write requests.jsonl to --out: each request's column, worker, X-Baton-Route (kv_aware's predicted hit), prompt and cached tokens, TTFT, end-to-end time and error, in modelled seconds for --virtual and wall seconds otherwise")
 	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
@@ -160,6 +161,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	rep.Command = "baton bench " + strings.Join(args, " ")
 	rep.Calibration = calib
 	rep.Limits = &limits
+	rep.PerRequest = *perRequest
 	rep.Markdown(stdout)
 	files, err := rep.WriteFiles(*out)
 	if err != nil {
