@@ -117,31 +117,165 @@ func (t *Tokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32
 }
 
 // tokenizeBody builds the /tokenize request for req; nil if there is none.
+// The values it takes from the client's body (which the front end parsed)
+// are read in one pass (rawFields) and go out as they came: decoding and
+// marshalling them with encoding/json scanned a long prompt's messages
+// four times, most of what a routing decision spent on a prompt not yet
+// tokenized.
 func tokenizeBody(req *engine.Request) ([]byte, error) {
 	var in struct {
 		Messages json.RawMessage `json:"messages"`
 		Tools    json.RawMessage `json:"tools"`
 		Prompt   json.RawMessage `json:"prompt"`
 	}
-	if err := json.Unmarshal(req.Body, &in); err != nil {
-		return nil, fmt.Errorf("reading the request: %w", err)
-	}
-	tr := tokenizeRequest{Model: req.Model}
-	if req.Path == chatPath {
-		yes := true
-		tr.Messages, tr.Tools, tr.AddGenerationPrompt = in.Messages, in.Tools, &yes
-		if isNull(tr.Tools) {
-			tr.Tools = nil
+	var ok bool
+	if in.Messages, in.Tools, in.Prompt, ok = rawFields(req.Body); !ok {
+		if err := json.Unmarshal(req.Body, &in); err != nil {
+			return nil, fmt.Errorf("reading the request: %w", err)
 		}
-	} else {
+	}
+	chat := req.Path == chatPath
+	if !chat && (len(in.Prompt) == 0 || in.Prompt[0] != '"') {
 		// vLLM tokenizes one string; a list of prompts is a batch of
 		// requests, each cached on its own.
-		if len(in.Prompt) == 0 || in.Prompt[0] != '"' {
-			return nil, nil
-		}
-		tr.Prompt = in.Prompt
+		return nil, nil
 	}
-	return json.Marshal(tr)
+	model, err := json.Marshal(req.Model)
+	if err != nil {
+		return nil, err
+	}
+	b := make([]byte, 0, len(model)+len(in.Messages)+len(in.Tools)+len(in.Prompt)+64)
+	b = append(append(b, `{"model":`...), model...)
+	if !chat {
+		b = append(append(b, `,"prompt":`...), in.Prompt...)
+		return append(b, '}'), nil
+	}
+	if !isNull(in.Messages) {
+		b = append(append(b, `,"messages":`...), in.Messages...)
+	}
+	if !isNull(in.Tools) {
+		b = append(append(b, `,"tools":`...), in.Tools...)
+	}
+	return append(b, `,"add_generation_prompt":true}`...), nil
+}
+
+// rawFields returns the values of the keys messages, tools and prompt of
+// body, a JSON object the front end already parsed, as json.RawMessage
+// fields would hold them, in one pass; false when it cannot read body so
+// (the caller decodes it with encoding/json), as for keys with escapes or
+// in another case, which encoding/json matches too.
+func rawFields(body []byte) (messages, tools, prompt []byte, ok bool) {
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' {
+		return nil, nil, nil, false
+	}
+	i = skipSpace(body, i+1)
+	if i < len(body) && body[i] == '}' {
+		return nil, nil, nil, true
+	}
+	for {
+		end, escaped := stringEnd(body, i)
+		if end < 0 || escaped {
+			return nil, nil, nil, false
+		}
+		key := body[i+1 : end-1]
+		i = skipSpace(body, end)
+		if i >= len(body) || body[i] != ':' {
+			return nil, nil, nil, false
+		}
+		i = skipSpace(body, i+1)
+		end = valueEnd(body, i)
+		if end < 0 {
+			return nil, nil, nil, false
+		}
+		v := body[i:end:end]
+		switch {
+		case string(key) == "messages":
+			messages = v
+		case string(key) == "tools":
+			tools = v
+		case string(key) == "prompt":
+			prompt = v
+		case bytes.EqualFold(key, []byte("messages")), bytes.EqualFold(key, []byte("tools")), bytes.EqualFold(key, []byte("prompt")):
+			return nil, nil, nil, false
+		}
+		i = skipSpace(body, end)
+		switch {
+		case i >= len(body):
+			return nil, nil, nil, false
+		case body[i] == '}':
+			return messages, tools, prompt, skipSpace(body, i+1) == len(body)
+		case body[i] != ',':
+			return nil, nil, nil, false
+		}
+		i = skipSpace(body, i+1)
+	}
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// stringEnd returns the index past the string starting at b[i], and
+// whether it has escapes; -1 if there is none.
+func stringEnd(b []byte, i int) (int, bool) {
+	if i >= len(b) || b[i] != '"' {
+		return -1, false
+	}
+	escaped := false
+	for j := i + 1; j < len(b); j++ {
+		switch b[j] {
+		case '\\':
+			escaped = true
+			j++
+		case '"':
+			return j + 1, escaped
+		}
+	}
+	return -1, false
+}
+
+// valueEnd returns the index past the value starting at b[i]; -1 if it
+// does not end.
+func valueEnd(b []byte, i int) int {
+	if i >= len(b) {
+		return -1
+	}
+	switch b[i] {
+	case '"':
+		end, _ := stringEnd(b, i)
+		return end
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				end, _ := stringEnd(b, j)
+				if end < 0 {
+					return -1
+				}
+				j = end - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return -1
+	}
+	j := i
+	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
+		j++
+	}
+	if j == i {
+		return -1
+	}
+	return j
 }
 
 func isNull(raw json.RawMessage) bool {
