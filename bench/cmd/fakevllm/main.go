@@ -45,6 +45,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("fakevllm", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	n := fs.Int("n", 4, "fake vLLM engines to start")
+	dp := fs.Int("dp", 1, "data-parallel ranks of each engine (vLLM's --data-parallel-size), each with its own KV cache; above 1, ports are free ones")
 	host := fs.String("host", "127.0.0.1", "host the engines listen on")
 	port := fs.Int("port", 0, "first port: engine i listens on port+3i (HTTP), port+3i+1 (KV events) and port+3i+2 (replay); 0 picks free ports")
 	served := fs.String("served-model-name", "", "model name served (default: the preset's name)")
@@ -64,14 +65,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *n < 1 {
 		return fmt.Errorf("-n: must be at least 1, got %d", *n)
 	}
+	if *dp < 1 {
+		return fmt.Errorf("-dp: must be at least 1, got %d", *dp)
+	}
 	enc, err := parseEncoding(*encoding)
 	if err != nil {
 		return err
 	}
-	var engines []*vllmtest.Server
+	var engines []engine
 	defer func() {
 		for _, e := range engines {
-			e.Close()
+			e.close()
 		}
 	}()
 	for i := range *n {
@@ -84,11 +88,23 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return net.JoinHostPort(*host, strconv.Itoa(*port+3*i+k))
 		}
 		cfg.HTTPAddr, cfg.EventsAddr, cfg.ReplayAddr = addr(0), addr(1), addr(2)
+		if *dp > 1 {
+			d, err := vllmtest.NewDP(cfg, *dp)
+			if err != nil {
+				return fmt.Errorf("engine %d: %w", i, err)
+			}
+			e := engine{url: d.URL, close: d.Close}
+			for r := range d.Size() {
+				e.ranks = append(e.ranks, d.Rank(r))
+			}
+			engines = append(engines, e)
+			continue
+		}
 		e, err := vllmtest.New(cfg)
 		if err != nil {
 			return fmt.Errorf("engine %d: %w", i, err)
 		}
-		engines = append(engines, e)
+		engines = append(engines, engine{url: e.URL, ranks: []*vllmtest.Server{e}, close: e.Close})
 	}
 	var b strings.Builder
 	writeConfig(&b, engines, *listen, *strategy, *preset, *gpu, *scale)
@@ -101,25 +117,43 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stderr, "fakevllm: %d fake vLLM engines serving; interrupt to stop\n", len(engines))
 	<-ctx.Done()
 	for i, e := range engines {
-		st := e.Stats()
-		hit := 0.0
-		if st.PromptTokens > 0 {
-			hit = float64(st.CachedTokens) / float64(st.PromptTokens)
+		for r, rk := range e.ranks {
+			st := rk.Stats()
+			hit := 0.0
+			if st.PromptTokens > 0 {
+				hit = float64(st.CachedTokens) / float64(st.PromptTokens)
+			}
+			name := fmt.Sprintf("fake-vllm-%d", i)
+			if len(e.ranks) > 1 {
+				name += "/dp" + strconv.Itoa(r)
+			}
+			fmt.Fprintf(stderr, "%s: %d requests, %d prompt tokens, %d cached (%.3f), %d tokenize calls, %d blocks stored, %d removed\n",
+				name, st.Requests, st.PromptTokens, st.CachedTokens, hit, st.Tokenizes, st.BlocksStored, st.BlocksRemoved)
 		}
-		fmt.Fprintf(stderr, "fake-vllm-%d: %d requests, %d prompt tokens, %d cached (%.3f), %d tokenize calls, %d blocks stored, %d removed\n",
-			i, st.Requests, st.PromptTokens, st.CachedTokens, hit, st.Tokenizes, st.BlocksStored, st.BlocksRemoved)
 	}
 	return nil
 }
 
+// engine is one fake vLLM: its front URL and its data-parallel ranks (one
+// without data parallelism).
+type engine struct {
+	url   string
+	ranks []*vllmtest.Server
+	close func()
+}
+
 // writeConfig writes baton serve's configuration of the engines.
-func writeConfig(w io.Writer, engines []*vllmtest.Server, listen, strategy, preset, gpu string, scale float64) {
+func writeConfig(w io.Writer, engines []engine, listen, strategy, preset, gpu string, scale float64) {
 	fmt.Fprintf(w, "# %d fake vLLM engines (bench/cmd/fakevllm), not vLLM: %s on %s modelled by\n", len(engines), preset, gpu)
 	fmt.Fprintf(w, "# workers/engine/cost at time scale %g; cost figures are in real seconds.\n", scale)
 	fmt.Fprintf(w, "listen: %s\nstrategy: %s\nworkers:\n", listen, strategy)
-	for i, e := range engines {
+	for i, en := range engines {
+		e := en.ranks[0]
 		f := e.Figures()
-		fmt.Fprintf(w, "  - name: fake-vllm-%d\n    kind: vllm\n    address: %s\n    models: [%s]\n", i, e.URL, e.Model())
+		fmt.Fprintf(w, "  - name: fake-vllm-%d\n    kind: vllm\n    address: %s\n    models: [%s]\n", i, en.url, e.Model())
+		if len(en.ranks) > 1 {
+			fmt.Fprintf(w, "    data_parallel_size: %d\n", len(en.ranks))
+		}
 		fmt.Fprintf(w, "    events: %s\n    events_replay: %s\n    events_topic: %s\n", e.EventsEndpoint(), e.ReplayEndpoint(), e.Topic())
 		fmt.Fprintf(w, "    metrics_path: /metrics\n    metrics_interval: 250ms\n    block_size: %d\n", e.BlockSize())
 		fmt.Fprintf(w, "    cost:\n      flops: %.4g\n      decode_step_seconds: %.4g\n      hbm_bytes_per_second: %.4g\n      layers: %d\n      hidden: %d\n      kv_bytes_per_block: %d\n",

@@ -59,3 +59,41 @@ func TestConfigLoads(t *testing.T) {
 		t.Errorf("stderr %q, want each engine's counters", stderr.String())
 	}
 }
+
+// TestConfigLoadsDataParallel: with -dp, each engine is a vllm worker with
+// data_parallel_size, whose ranks publish on its events ports plus their
+// rank.
+func TestConfigLoadsDataParallel(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "fleet.yaml")
+	ctx, cancel := context.WithCancel(context.Background())
+	var stdout, stderr bytes.Buffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"-n", "1", "-dp", "2", "-time-scale", "100", "-config", path}, &stdout, &stderr)
+	}()
+	var cfg scheduler.Config
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if cfg, err = scheduler.LoadConfig(path); err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("loading the configuration: %v\n%s", err, stderr.String())
+	}
+	reg := &routing.Registry{}
+	routing.RegisterBuiltins(reg)
+	if err := cfg.Validate(reg); err != nil {
+		t.Fatalf("the configuration does not validate: %v", err)
+	}
+	if len(cfg.Workers) != 1 || cfg.Workers[0].DataParallelSize != 2 || cfg.Workers[0].Events == "" {
+		t.Fatalf("workers %+v, want one vllm worker with data_parallel_size 2 and events", cfg.Workers)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(stderr.String(), "fake-vllm-0/dp1: 0 requests") {
+		t.Errorf("stderr %q, want each rank's counters", stderr.String())
+	}
+}
