@@ -81,6 +81,14 @@ type WorkerConfig struct {
 	// vLLM's --max-loras, or a baton worker's lora.max_loras. Default 0:
 	// it loads none there (the worker serves those it holds).
 	MaxLoRAs int `yaml:"max_loras"`
+	// TLS is how an http, vllm, sglang or llamacpp worker's https address
+	// is reached: ca_file verifies the engine's certificate (a private
+	// CA; default: the system roots), which must name server_name or
+	// else the host of the address; cert_file and key_file are the
+	// scheduler's client certificate, for an engine that requires one.
+	// Every HTTP call to the engine uses it; its ZeroMQ KV events are
+	// not encrypted. grpc workers use worker_tls.
+	TLS tlsconf.Config `yaml:"tls"`
 
 	EngineConfig `yaml:",inline"`
 }
@@ -523,6 +531,17 @@ func (c Config) Validate(strategies *routing.Registry) error {
 			}
 		} else if !strings.HasPrefix(w.Address, "http://") && !strings.HasPrefix(w.Address, "https://") {
 			return fmt.Errorf("%s.address: the address of %s engines is a URL such as http://host:8000, got %q", field, w.Kind, w.Address)
+		}
+		if w.TLS != (tlsconf.Config{}) {
+			switch {
+			case w.Kind == KindGRPC:
+				return fmt.Errorf("%s.tls: grpc workers are reached with worker_tls", field)
+			case !strings.HasPrefix(w.Address, "https://"):
+				return fmt.Errorf("%s.tls: set, but the address %q is not https://", field, w.Address)
+			}
+			if err := w.TLS.Validate(field+".tls", false); err != nil {
+				return err
+			}
 		}
 	}
 	if err := c.validateAdapters(); err != nil {

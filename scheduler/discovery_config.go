@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/batonllm/baton/scheduler/discovery"
+	"github.com/batonllm/baton/transfer/tlsconf"
 )
 
 // Discovery modes.
@@ -55,7 +56,7 @@ func (c DiscoveryConfig) workersToValidate(workers []WorkerConfig) ([]WorkerConf
 		if c.DNS != (discovery.DNSConfig{}) || c.Kubernetes != (discovery.KubernetesConfig{}) {
 			return nil, nil, errors.New("discovery.mode: dns or kubernetes settings are given, but mode is static")
 		}
-		if len(c.Worker.Models) > 0 || c.Worker.Kind != "" || c.Worker.Role != "" || c.Worker.Name != "" || c.Worker.Address != "" {
+		if len(c.Worker.Models) > 0 || c.Worker.Kind != "" || c.Worker.Role != "" || c.Worker.Name != "" || c.Worker.Address != "" || c.Worker.TLS != (tlsconf.Config{}) {
 			return nil, nil, errors.New("discovery.worker: only dns and kubernetes discovery have it; list static workers in workers")
 		}
 		if len(workers) == 0 {
@@ -103,6 +104,9 @@ func (c DiscoveryConfig) workersToValidate(workers []WorkerConfig) ([]WorkerConf
 	w.Name, w.Address = "discovered", "127.0.0.1:1"
 	if httpKind(w.Kind) {
 		w.Address = "http://127.0.0.1:1"
+		if w.TLS != (tlsconf.Config{}) {
+			w.Address = "https://127.0.0.1:1" // as members gives it
+		}
 	}
 	return []WorkerConfig{w}, func(int) string { return "discovery.worker" }, nil
 }

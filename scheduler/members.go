@@ -17,6 +17,7 @@ import (
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/transfer/tlsconf"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/vllm"
 )
@@ -150,6 +151,9 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	}
 	if httpKind(wc.Kind) {
 		wc.Address = "http://" + m.Address
+		if wc.TLS != (tlsconf.Config{}) {
+			wc.Address = "https://" + m.Address
+		}
 	}
 	wc.Events = strings.ReplaceAll(wc.Events, "{host}", host)
 	wc.EventsReplay = strings.ReplaceAll(wc.EventsReplay, "{host}", host)
@@ -183,7 +187,11 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 		s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
 	}
 	if s.engineTokens != nil && engineKind(wc.Kind) {
-		if err := s.engineTokens.add(wc); err != nil {
+		tc, err := s.engineTLS(wc)
+		if err == nil {
+			err = s.engineTokens.add(wc, vllm.WithTLS(tc))
+		}
+		if err != nil {
 			s.log.Warn("worker's tokenizer unavailable", "worker", wc.Name, "err", err)
 		}
 	}
@@ -258,8 +266,8 @@ func newEngineTokens() *engineTokens {
 }
 
 // add tokenizes with worker wc's engine once it is the first by name.
-func (e *engineTokens) add(wc WorkerConfig) error {
-	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath)
+func (e *engineTokens) add(wc WorkerConfig, opts ...vllm.HTTPOption) error {
+	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath, opts...)
 	if err != nil {
 		return err
 	}

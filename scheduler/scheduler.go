@@ -224,7 +224,11 @@ func (s *Scheduler) tokenKeys(workers []WorkerConfig) (*frontend.TokenKeys, erro
 		return nil, nil
 	}
 	wc := workers[i]
-	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath)
+	tc, err := s.engineTLS(wc)
+	if err != nil {
+		return nil, err
+	}
+	t, err := vllm.NewTokenizer(wc.Address, wc.TokenizePath, vllm.WithTLS(tc))
 	if err != nil {
 		return nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 	}
@@ -265,16 +269,20 @@ func (s *Scheduler) snapshot(p **pool.Pool) func() *pool.Snapshot {
 // description means the engine did not answer (yet).
 func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description, error) {
 	w := &pool.Worker{Name: wc.Name, Addr: wc.Address, Models: wc.Models, MaxLoRAs: wc.MaxLoRAs}
+	tc, err := s.engineTLS(wc)
+	if err != nil {
+		return nil, nil, err
+	}
 	switch wc.Kind {
 	case KindHTTP, KindVLLM, KindSGLang:
-		c, err := httpengine.New(wc.Address, append(wc.rankOptions(), disaggProtocol(wc))...)
+		c, err := httpengine.New(wc.Address, append(wc.rankOptions(), disaggProtocol(wc), httpengine.WithTLS(tc))...)
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
 		w.Client = c
 		w.Discover = len(wc.Models) == 0
 	case KindLlamaCPP:
-		c, err := llamacpp.New(wc.Address)
+		c, err := llamacpp.New(wc.Address, httpengine.WithTLS(tc))
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
@@ -297,6 +305,9 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		d, err := w.Client.(engine.Describer).Describe(ctx)
 		cancel()
 		if err != nil {
+			// Its health checks describe it once it answers; an engine
+			// whose certificate is not trusted never will: say why.
+			s.log.Warn("worker did not describe itself", "worker", wc.Name, "err", err)
 			return w, nil, nil
 		}
 		desc = &d
@@ -363,18 +374,21 @@ func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
 		watch.MetricsSource
 		io.Closer
 	}
-	var err error
+	tc, err := s.engineTLS(wc)
+	if err != nil {
+		return nil, err
+	}
 	switch wc.Kind {
 	case KindLlamaCPP:
-		sc, err = llamacpp.NewScraper(wc.Address, wc.MetricsPath)
+		sc, err = llamacpp.NewScraper(wc.Address, wc.MetricsPath, vllm.WithTLS(tc))
 	case KindSGLang:
-		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang)
+		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang, vllm.WithTLS(tc))
 	default:
 		if wc.DataParallelSize > 1 {
-			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank())
+			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank(), vllm.WithTLS(tc))
 			break
 		}
-		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM)
+		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM, vllm.WithTLS(tc))
 	}
 	if err != nil {
 		return nil, err

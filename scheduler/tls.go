@@ -46,6 +46,22 @@ func (s *Scheduler) setupTLS(cfg Config) error {
 	return nil
 }
 
+// engineTLS returns the tls.Config an http, vllm, sglang or llamacpp
+// worker's https engine is reached with, from its tls (a private CA, a
+// client certificate): for its requests, health checks, model list, LoRA
+// loads, metrics and tokenizer alike. Nil without tls: an https engine is
+// then verified against the system roots.
+func (s *Scheduler) engineTLS(wc WorkerConfig) (*tls.Config, error) {
+	if wc.TLS == (tlsconf.Config{}) || wc.Kind == KindGRPC {
+		return nil, nil
+	}
+	cfg, _, err := tlsconf.Client(wc.TLS, s.log)
+	if err != nil {
+		return nil, fmt.Errorf("worker %s: tls.%w", wc.Name, err)
+	}
+	return cfg, nil
+}
+
 // certExpiry exports when cert, the one link uses, expires, so that an
 // alert can fire before a rotation that never happened matters.
 func (s *Scheduler) certExpiry(link string, cert *tlsconf.Certificate) {

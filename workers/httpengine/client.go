@@ -16,6 +16,7 @@ package httpengine
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -81,6 +82,15 @@ func WithHTTPClient(hc *http.Client) Option {
 	return func(c *Client) { c.hc = hc }
 }
 
+// WithTLS reaches an https engine with cfg (tlsconf.Client): its
+// certificate verified against cfg's roots (a private CA) and, for an
+// engine that requires one, cfg's client certificate presented. Without
+// it the system roots verify. It applies to every call: requests, health
+// checks, the model list, LoRA loads.
+func WithTLS(cfg *tls.Config) Option {
+	return func(c *Client) { c.tls = cfg }
+}
+
 // WithResponseHeaderTimeout bounds the wait for the engine's response
 // headers on the default transport. The default, 0, waits as long as the
 // request's context allows: a non-streamed completion sends its headers
@@ -101,6 +111,7 @@ type Client struct {
 	base          string // scheme://host[/prefix], no trailing slash
 	hc            *http.Client
 	headerTimeout time.Duration
+	tls           *tls.Config
 	apiKey        string
 	// protocol is the engine's disaggregation protocol; bootstrapHost and
 	// bootstrapPort its bootstrap server's address (Bootstrap).
@@ -134,7 +145,9 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	}
 	c.setBootstrapDefaults(u)
 	if c.hc == nil {
-		c.hc = &http.Client{Transport: newTransport(c.headerTimeout)}
+		tr := newTransport(c.headerTimeout)
+		tr.TLSClientConfig = c.tls
+		c.hc = &http.Client{Transport: tr}
 	}
 	return c, nil
 }
@@ -225,6 +238,15 @@ func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 
 // maxModelList bounds the /v1/models answer read.
 const maxModelList = 4 << 20
+
+// Transport returns the round tripper the client's calls go over, for
+// routes of an engine this package does not know.
+func (c *Client) Transport() http.RoundTripper {
+	if c.hc.Transport == nil {
+		return http.DefaultTransport
+	}
+	return c.hc.Transport
+}
 
 // Close releases idle connections. It is idempotent; calls in flight go on.
 func (c *Client) Close() error {

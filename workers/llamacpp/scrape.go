@@ -55,8 +55,9 @@ type props struct {
 
 // NewScraper returns a Scraper of the server at baseURL (as
 // http://10.0.0.7:8080), whose metrics are at metricsPath
-// (DefaultMetricsPath when empty). Close it.
-func NewScraper(baseURL, metricsPath string) (*Scraper, error) {
+// (DefaultMetricsPath when empty); opts configure its transport
+// (vllm.WithTLS). Close it.
+func NewScraper(baseURL, metricsPath string, opts ...vllm.HTTPOption) (*Scraper, error) {
 	if metricsPath == "" {
 		metricsPath = DefaultMetricsPath
 	}
@@ -68,6 +69,9 @@ func NewScraper(baseURL, metricsPath string) (*Scraper, error) {
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
 		MaxIdleConnsPerHost: 1,
 		IdleConnTimeout:     time.Minute,
+	}
+	for _, opt := range opts {
+		opt(tr)
 	}
 	return &Scraper{base: u.String(), metrics: u.String() + metricsPath, hc: &http.Client{Transport: tr}, tr: tr}, nil
 }

@@ -2,6 +2,7 @@ package vllm
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -29,10 +30,21 @@ type Scraper struct {
 	tr     *http.Transport
 }
 
+// HTTPOption configures the HTTP transport of a Scraper or a Tokenizer.
+type HTTPOption func(*http.Transport)
+
+// WithTLS reaches an https engine with cfg (tlsconf.Client): its
+// certificate verified against cfg's roots, cfg's client certificate
+// presented to an engine that requires one. Without it the system roots
+// verify.
+func WithTLS(cfg *tls.Config) HTTPOption {
+	return func(tr *http.Transport) { tr.TLSClientConfig = cfg }
+}
+
 // NewScraper returns a Scraper of the engine at baseURL (as
 // http://10.0.0.7:8000), whose metrics are at path (DefaultMetricsPath
 // when empty). Close it.
-func NewScraper(baseURL, path string, e Engine) (*Scraper, error) {
+func NewScraper(baseURL, path string, e Engine, opts ...HTTPOption) (*Scraper, error) {
 	if path == "" {
 		path = DefaultMetricsPath
 	}
@@ -47,13 +59,16 @@ func NewScraper(baseURL, path string, e Engine) (*Scraper, error) {
 		MaxIdleConnsPerHost: 1,
 		IdleConnTimeout:     time.Minute,
 	}
+	for _, opt := range opts {
+		opt(tr)
+	}
 	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: tr}, tr: tr}, nil
 }
 
 // NewRankScraper is NewScraper of one data-parallel rank of a vLLM engine
 // (--data-parallel-size): it reads only that rank's series (ParseEngine).
-func NewRankScraper(baseURL, path string, e Engine, rank int) (*Scraper, error) {
-	s, err := NewScraper(baseURL, path, e)
+func NewRankScraper(baseURL, path string, e Engine, rank int, opts ...HTTPOption) (*Scraper, error) {
+	s, err := NewScraper(baseURL, path, e, opts...)
 	if err != nil {
 		return nil, err
 	}

@@ -40,7 +40,7 @@ type Tokenizer struct {
 // NewTokenizer returns a Tokenizer of the engine at baseURL (as
 // http://10.0.0.7:8000), tokenizing at path (DefaultTokenizePath when
 // empty). Close it.
-func NewTokenizer(baseURL, path string) (*Tokenizer, error) {
+func NewTokenizer(baseURL, path string, opts ...HTTPOption) (*Tokenizer, error) {
 	if path == "" {
 		path = DefaultTokenizePath
 	}
@@ -53,6 +53,9 @@ func NewTokenizer(baseURL, path string) (*Tokenizer, error) {
 		DialContext:         (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     time.Minute,
+	}
+	for _, opt := range opts {
+		opt(tr)
 	}
 	return &Tokenizer{url: u.String(), hc: &http.Client{Transport: tr}, tr: tr}, nil
 }
