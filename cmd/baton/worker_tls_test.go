@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -146,4 +147,38 @@ func TestWorkerHTTPSFlagErrors(t *testing.T) {
 			t.Errorf("%v: got %v, want an error starting %q", c.args, err, c.want)
 		}
 	}
+}
+
+// TestWorkerReloadsCertificatesOnSIGHUP: SIGHUP has a worker read its
+// certificates again, as baton serve does, rather than end it.
+func TestWorkerReloadsCertificatesOnSIGHUP(t *testing.T) {
+	ca := tlstest.NewCA(t, "engines")
+	srv := ca.Issue("127.0.0.1")
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"worker", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+			"--http-tls-cert-file", srv.CertFile, "--http-tls-key-file", srv.KeyFile}, io.Discard, &logs)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("worker ended with %v", err)
+		}
+	}()
+	waitLog := func(what string) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !strings.Contains(logs.String(), what); {
+			if time.Now().After(deadline) {
+				t.Fatalf("no %q in the worker's logs:\n%s", what, logs.String())
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	waitLog("worker listening") // its SIGHUP handler is in place
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitLog("TLS certificates reloaded on SIGHUP")
 }
