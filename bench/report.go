@@ -319,8 +319,12 @@ func (rep *Report) Markdown(w io.Writer) {
 	if rep.Target != "" {
 		fleet = "target " + rep.Target
 	}
-	fmt.Fprintf(w, "%s; %d requests: %s; offered %.2f req/s (modelled); speedup %g; seed %d.",
-		fleet, rep.Requests, rep.Describe, rep.OfferedRate, rep.Speedup, rep.Seed)
+	offered := fmt.Sprintf("offered %.2f req/s (modelled)", rep.OfferedRate)
+	if rep.OfferedRate == 0 {
+		offered = "all offered at once" // every arrival at 0: no rate
+	}
+	fmt.Fprintf(w, "%s; %d requests: %s; %s; speedup %g; seed %d.",
+		fleet, rep.Requests, rep.Describe, offered, rep.Speedup, rep.Seed)
 	if rep.Concurrency > 0 {
 		fmt.Fprintf(w, " Concurrency cap %d.", rep.Concurrency)
 	}

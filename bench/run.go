@@ -606,7 +606,7 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 	for _, f := range o.Fleets {
 		rep.Fleets = append(rep.Fleets, f.String())
 	}
-	if len(arrivals) > 1 {
+	if len(arrivals) > 1 && arrivals[len(arrivals)-1] > 0 {
 		rep.OfferedRate = float64(len(arrivals)-1) / arrivals[len(arrivals)-1]
 	}
 	for _, s := range o.Strategies {

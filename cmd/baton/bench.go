@@ -273,7 +273,7 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, di
 	for _, f := range fleets {
 		rep.Fleets = append(rep.Fleets, f.String())
 	}
-	if arr, err := bench.Arrivals(w, o.Rate, o.Seed); err == nil && len(arr) > 1 {
+	if arr, err := bench.Arrivals(w, o.Rate, o.Seed); err == nil && len(arr) > 1 && arr[len(arr)-1] > 0 {
 		rep.OfferedRate = float64(len(arr)-1) / arr[len(arr)-1]
 	}
 	for _, s := range o.Strategies {

@@ -39,6 +39,7 @@ func tuneCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	docs := fs.Int("docs", 200, "long-context: shared documents")
 	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
 	convs := fs.Int("conversations", 32, "sharegpt: conversations open at once")
+	dispatch := fs.String("dispatch", "", "`median,p90` of the modelled time from the scheduler's decision to the engine's queue, e.g. 7ms,48ms, as baton bench --virtual --dispatch (default: none)")
 	parallel := fs.Int("parallel", 0, "simulations run at once (default: GOMAXPROCS)")
 	out := fs.String("out", "bench/tune-out", "`directory` for report.md, candidates.csv, best.yaml and goodput.png")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
@@ -69,6 +70,11 @@ func tuneCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		Base: vsim.Config{Model: *model, GPU: *gpu, KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks,
 			Rate: *rate, RateScale: *rateScale, Seed: *seed}}
 	var err error
+	if *dispatch != "" {
+		if o.Base.Dispatch, err = parseDispatch(*dispatch); err != nil {
+			return fmt.Errorf("--dispatch: %w", err)
+		}
+	}
 	if o.GPUCounts, err = intList("--gpu-counts", *gpuCounts); err != nil {
 		return err
 	}

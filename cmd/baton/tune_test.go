@@ -46,3 +46,41 @@ func TestTuneAndVirtualBench(t *testing.T) {
 		}
 	}
 }
+
+// --dispatch delays every request on the virtual clock, for bench and
+// tune alike, and names itself when it is malformed or has no virtual
+// clock to apply to.
+func TestDispatchFlag(t *testing.T) {
+	trace := filepath.Join("..", "..", "bench", "workload", "testdata", "mooncake_conversation_head.jsonl")
+	p50 := func(extra ...string) string {
+		t.Helper()
+		var stdout, stderr bytes.Buffer
+		args := append([]string{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--requests", "10",
+			"--workers", "2", "--strategies", "kv_aware", "--quiet", "--out", t.TempDir()}, extra...)
+		if err := run(context.Background(), args, &stdout, &stderr); err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range strings.Split(stdout.String(), "\n") {
+			if strings.HasPrefix(l, "| TTFT p50 (ms) |") {
+				return l
+			}
+		}
+		t.Fatalf("no TTFT p50 in %q", stdout.String())
+		return ""
+	}
+	if a, b := p50(), p50("--dispatch", "1s,1s"); a == b {
+		t.Errorf("a 1 s dispatch delay left the report's %q", a)
+	}
+	for _, args := range [][]string{
+		{"bench", "--workload", "mooncake", "--trace", trace, "--dispatch", "7ms,48ms"},
+		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "7ms"},
+		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "48ms,7ms"},
+		{"tune", "--trace", trace, "--dispatch", "0s,7ms"},
+	} {
+		var stdout, stderr bytes.Buffer
+		err := run(context.Background(), append(args, "--out", t.TempDir()), &stdout, &stderr)
+		if err == nil || !strings.Contains(err.Error(), "--dispatch") {
+			t.Errorf("%v: error %v, want one naming --dispatch", args, err)
+		}
+	}
+}
