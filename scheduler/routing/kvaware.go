@@ -32,7 +32,13 @@ const routedTie = 0.5
 // requests at least, so that a handful of requests is not called a
 // pattern. A worker that has served nothing lately while another takes
 // twice its share stays idle only because the prefixes it does not hold
-// keep going elsewhere.
+// keep going elsewhere. When another candidate holds as much of the
+// prompt as the chosen one (a prefix several workers hold, such as a chat
+// product's short system prompt), routed above the mean is hot enough:
+// such a prefix binds the request to no worker, and once every worker but
+// one holds it they share its traffic evenly, none twice the mean, while
+// each estimates a new prompt the prefix's recomputation faster than the
+// one that lacks it, which would never serve again.
 //
 // The replication must also pay for itself: the request's estimated time
 // to first token on the idle worker may exceed the holder's by at most
@@ -95,7 +101,8 @@ const (
 //
 // Before the threshold, a hot prefix is replicated onto an idle worker
 // (ReasonReplicate): when the best worker holds part of the prompt and was
-// routed at least twice the candidates' mean of recent requests (and 8 at
+// routed at least twice the candidates' mean of recent requests (or more
+// than the mean, if another worker holds as much of the prompt; and 8 at
 // least) while another worker has nothing in flight, queued or pending
 // and was routed at most a quarter of that mean, the idle worker takes
 // the request and recomputes the prefix. Estimates alone never do this: the holder's
@@ -201,7 +208,8 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		ms    [kvindex.MaxWorkers]kvindex.Match
 	)
 	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
-	var routed float64 // sum over the candidates
+	var routed float64  // sum over the candidates
+	var top, second int // the most cached tokens of one candidate, of another
 	first := int(c.Rand(uint64(len(cands))))
 	for k := 0; k < len(cands); {
 		n := 0
@@ -225,6 +233,11 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 				best = e
 			}
 			routed += e.routed
+			if e.cached > top {
+				top, second = e.cached, top
+			} else if e.cached > second {
+				second = e.cached
+			}
 			if m := &ms[j]; e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0 &&
 				(idle.i < 0 || e.routed < idle.routed) {
 				idle = e
@@ -235,8 +248,12 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	if best.i < 0 {
 		best = bestAny
 	}
-	if mean := routed / float64(len(cands)); idle.i >= 0 && best.cached > idle.cached && best.load < s.threshold &&
-		best.routed >= max(hotRouted*mean, hotMinRouted) && idle.routed <= idleRouted*mean &&
+	// A prefix another candidate holds as well (second ≥ best.cached)
+	// binds no request to one worker: above the mean is hot enough.
+	mean := routed / float64(len(cands))
+	hot := best.routed >= max(hotRouted*mean, hotMinRouted) ||
+		second >= best.cached && best.routed > mean && best.routed >= hotMinRouted
+	if idle.i >= 0 && best.cached > idle.cached && best.load < s.threshold && hot && idle.routed <= idleRouted*mean &&
 		idle.seconds-best.seconds <= replicateHorizon*best.seconds*(best.routed/mean-1) {
 		best = idle
 		c.Replicate = true

@@ -522,6 +522,129 @@ func TestKVAwareTiesGoToLeastRouted(t *testing.T) {
 	}
 }
 
+// newLearnedFleet returns a fleet of n workers that publish no cache
+// events, as llama-servers of the given slots: the index learns what they
+// hold from kv_aware's commits and the cached tokens they report.
+func newLearnedFleet(t testing.TB, n, slots int) *kvFleet {
+	t.Helper()
+	f := &kvFleet{fleet: newFleet(t, n), idx: kvindex.New(kvindex.Config{}), seq: map[string]uint64{}}
+	for _, w := range f.snap().Workers {
+		if err := f.idx.Learn(w.Name, kvindex.Capacity{Prompts: slots}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+// serve picks a worker for req and plays the request's life there as the
+// front end would, each request ending before the next: commit, first
+// token as estimated, usage reporting the cached tokens predicted. With
+// events, the worker reports the prompt's blocks stored.
+func (f *kvFleet) serve(s Strategy, req *Request, events bool) Decision {
+	f.t.Helper()
+	d, err := s.Pick(req, f.snap())
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	Commit(s, req, d)
+	Done(s, req, d, DoneInfo{FirstToken: d.Estimate})
+	if events {
+		f.store(d.Worker.Name, workerpb.Tier_TIER_GPU, req.Keys)
+	}
+	Finish(s, req, d, FinishInfo{Usage: true, PromptTokens: req.Tokens, CachedTokens: d.PredictedCached})
+	return d
+}
+
+// chat returns the keys of a conversation's prompt: the shared system
+// prompt, then the conversation's own blocks.
+func chat(system []uint64, own ...[]uint64) []uint64 {
+	ks := append([]uint64(nil), system...)
+	for _, o := range own {
+		ks = append(ks, o...)
+	}
+	return ks
+}
+
+// New conversations sharing a short system prompt (112 tokens), over four
+// idle workers, one at a time: every worker serves some. Each worker that
+// holds the system prompt estimates a new conversation its recomputation
+// faster than one that does not, with nothing else to tell them apart,
+// and once three hold it they share the traffic evenly, none twice the
+// mean: the fourth must still be given the prompt.
+func TestKVAwareSharedPrefixStarvesNoWorker(t *testing.T) {
+	system := prompt(20)[:7]
+	for _, events := range []bool{false, true} {
+		for seed := uint64(1); seed <= 6; seed++ {
+			t.Run(fmt.Sprintf("events=%t/seed=%d", events, seed), func(t *testing.T) {
+				f := newLearnedFleet(t, 4, 4)
+				if events {
+					f = newKVFleet(t, 4)
+				}
+				s := f.strategy(Params{Rand: SeededRand(seed)})
+				served := map[string]int{}
+				for i := range uint64(60) {
+					d := f.serve(s, kvRequest(chat(system, prompt(300 + i)[:4])), events)
+					served[d.Worker.Name]++
+				}
+				for _, w := range f.snap().Workers {
+					if served[w.Name] == 0 {
+						t.Errorf("%s served none of 60 new conversations (%v)", w.Name, served)
+					}
+				}
+			})
+		}
+	}
+}
+
+// Sending a shared system prompt to a starved worker moves no request
+// away from the one worker holding its own history: a conversation's
+// later turn, a question on a long document.
+func TestKVAwareKeepsAffinityBesideStarvedWorker(t *testing.T) {
+	system := prompt(20)[:7]
+	history := chat(system, prompt(40)[:4], prompt(41)[:14]) // turn 1: 60 tokens asked, 220 answered
+	doc := prompt(42)                                        // 8,000 tokens
+	tests := []struct {
+		name string
+		keys []uint64
+		want string
+	}{
+		{"later turn", chat(history, prompt(43)[:4]), "w01"},
+		{"long document", chat(doc, prompt(44)[:4]), "w02"},
+		{"new conversation", chat(system, prompt(45)[:4]), "w03"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newLearnedFleet(t, 4, 4)
+			// w00–w02 each served 12 new conversations, w03 nothing;
+			// then w01 served a conversation's first turn and w02 a
+			// question on the document.
+			s := f.strategy(Params{})
+			served := func(worker string, keys []uint64) {
+				req := kvRequest(keys)
+				d := Decision{Worker: f.worker(worker), Reason: ReasonKVAware, Estimate: time.Millisecond}
+				Commit(s, req, d)
+				Done(s, req, d, DoneInfo{FirstToken: d.Estimate})
+				Finish(s, req, d, FinishInfo{Usage: true, PromptTokens: req.Tokens, CachedTokens: 112})
+			}
+			for i := range uint64(36) {
+				served(fmt.Sprintf("w%02d", i%3), chat(system, prompt(500 + i)[:4]))
+			}
+			served("w01", history)
+			served("w02", chat(doc, prompt(46)[:4]))
+			for seed := uint64(1); seed <= 6; seed++ {
+				s := f.strategy(Params{Rand: SeededRand(seed)})
+				d, err := s.Pick(kvRequest(tt.keys), f.snap())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if d.Worker.Name != tt.want {
+					t.Errorf("seed %d: Pick = %s (cached %d, %v), want %s", seed, d.Worker.Name, d.PredictedCached, d.Reason, tt.want)
+				}
+			}
+		})
+	}
+}
+
 func TestRouteHit(t *testing.T) {
 	tests := []struct {
 		d        Decision
