@@ -134,7 +134,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	s.watcher = watch.New(s.Index, watch.Config{OnResync: func(worker string, err error) {
 		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
 		s.log.Info("kv index resync", "worker", worker, "err", err)
-	}})
+	}, OnAdapters: s.workerAdapters})
 	s.Metrics.CollectEngines(s.engineCounts)
 	d := cfg.Disaggregation.WithDefaults()
 	// Watching every worker costs the scheduler CPU on each of their cache
@@ -312,6 +312,10 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		}
 		desc = &d
 	}
+	// With adapters configured, the health checks also follow the
+	// adapters the engine holds, whatever the configuration says of its
+	// models and role.
+	w.Discover = w.Discover || len(s.cfg.Adapters) > 0
 	return w, desc, nil
 }
 
@@ -491,11 +495,37 @@ func (s *Scheduler) apply(w *pool.Worker, d engine.Description) {
 		w.SetModels(d.Models)
 	}
 	w.SetAdapters(s.heldAdapters(d))
+	if d.MaxLoRAs > 0 {
+		w.SetAdapterSlots(d.MaxLoRAs) // else vLLM's metrics may tell
+	}
 	target := s.Pool
 	if s.roleOf(w.Name, d) == RolePrefill {
 		target = s.PrefillPool
 	}
 	s.place(w, target)
+}
+
+// workerAdapters hears the LoRA adapters a baton worker reports holding,
+// and its adapter slots when it tells them, from the watcher's goroutine
+// of that worker.
+func (s *Scheduler) workerAdapters(name string, held []string, slots int) {
+	if w := s.placed(name); w != nil {
+		w.SetAdapters(held)
+		if slots > 0 {
+			w.SetAdapterSlots(slots)
+		}
+	}
+}
+
+// placed returns the worker named name in the pool it is in, nil if none.
+func (s *Scheduler) placed(name string) *pool.Worker {
+	s.placeMu.Lock()
+	p := s.where[name]
+	s.placeMu.Unlock()
+	if p == nil {
+		return nil
+	}
+	return p.Snapshot().Worker(name)
 }
 
 // place moves the worker named w.Name into target. A worker belongs to

@@ -199,13 +199,13 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 }
 
 // target is the worker to load a onto: available, serving a's base, not
-// holding it, not in skip, allowed adapters (MaxLoRAs); one with a free
+// holding it, not in skip, allowed adapters (AdapterSlots); one with a free
 // slot first, then the one with fewest requests in flight.
 func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 	var best *pool.Worker
 	bestFree := false
 	for _, w := range l.pool.Snapshot().Workers {
-		if w.MaxLoRAs <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) ||
+		if w.AdapterSlots() <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) ||
 			!w.CanTakeAdapter(a.Name) {
 			continue
 		}

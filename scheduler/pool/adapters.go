@@ -25,6 +25,8 @@ type adapters struct {
 	running map[string]int
 	// loaded are the adapters the scheduler loaded, by when.
 	loaded map[string]time.Time
+	// slots is the adapter slots the engine reports (SetAdapterSlots).
+	slots atomic.Int32
 }
 
 // HoldsAdapter reports whether the worker holds the LoRA adapter name. It
@@ -46,9 +48,25 @@ func (w *Worker) Adapters() []string {
 }
 
 // AdapterSlotFree reports whether the scheduler may load one more adapter
-// onto the worker without evicting one: it holds fewer than MaxLoRAs.
+// onto the worker without evicting one: it holds fewer than AdapterSlots.
 func (w *Worker) AdapterSlotFree() bool {
-	return len(w.Adapters()) < w.MaxLoRAs
+	return len(w.Adapters()) < w.AdapterSlots()
+}
+
+// AdapterSlots returns how many adapters the scheduler may have the
+// worker hold: MaxLoRAs when configured, else the slots its engine
+// reports (SetAdapterSlots); 0: the scheduler loads none onto it.
+func (w *Worker) AdapterSlots() int {
+	if w.MaxLoRAs > 0 {
+		return w.MaxLoRAs
+	}
+	return int(w.lora.slots.Load())
+}
+
+// SetAdapterSlots records the adapter slots the worker's engine reports
+// (a baton worker's Info, vLLM's max_lora); 0: it does not say.
+func (w *Worker) SetAdapterSlots(n int) {
+	w.lora.slots.Store(int32(min(max(n, 0), 1<<20)))
 }
 
 // AddAdapter records that the worker holds name, loaded now.
@@ -171,3 +189,4 @@ func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
 	}
 	return name, ok
 }
+

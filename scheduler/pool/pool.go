@@ -315,7 +315,8 @@ func (p *Pool) describe(ctx context.Context, w *Worker) {
 	cctx, cancel := context.WithTimeout(ctx, p.cfg.HealthTimeout)
 	d, err := dc.Describe(cctx)
 	cancel()
-	if err != nil || (w.described != nil && w.described.Role == d.Role && slices.Equal(w.described.Models, d.Models)) {
+	if err != nil || (w.described != nil && w.described.Role == d.Role && slices.Equal(w.described.Models, d.Models) &&
+		slices.Equal(w.described.Adapters, d.Adapters) && w.described.MaxLoRAs == d.MaxLoRAs) {
 		return
 	}
 	w.described = &d

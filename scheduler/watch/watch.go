@@ -55,6 +55,13 @@ type Config struct {
 	// the reason (a stream error, or an error wrapping kvindex.ErrGap).
 	// It must not block. Use it for logs and metrics.
 	OnResync func(worker string, err error)
+	// OnAdapters, if set, is called from the worker's goroutine with the
+	// LoRA adapters the worker holds, each time its Info or a load report
+	// tells them (workers that serve no adapter do not), so that loads and
+	// evictions the worker did itself, or its restart, reach the routing;
+	// with its adapter slots from Info (0 from load reports). It must not
+	// block.
+	OnAdapters func(worker string, held []string, slots int)
 }
 
 func (c Config) withDefaults() Config {
@@ -187,6 +194,7 @@ func (w *Watcher) session(ctx context.Context, name string, src Source) (synced 
 	if err := w.idx.SetInfo(name, InfoFromProto(info)); err != nil {
 		return false, err
 	}
+	w.adapters(name, info.GetAdapters(), int(info.GetMaxLoras()))
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	st, err := src.Watch(sctx)
@@ -205,5 +213,17 @@ func (w *Watcher) session(ctx context.Context, name string, src Source) (synced 
 			return synced, err
 		}
 		synced = true
+		if l := ev.GetLoad(); l != nil {
+			w.adapters(name, l.GetAdapters(), 0)
+		} else if s := ev.GetSnapshot(); s != nil {
+			w.adapters(name, s.GetLoad().GetAdapters(), 0)
+		}
+	}
+}
+
+// adapters tells OnAdapters what a worker holds, when a says.
+func (w *Watcher) adapters(name string, a *workerpb.Adapters, slots int) {
+	if a != nil && w.cfg.OnAdapters != nil {
+		w.cfg.OnAdapters(name, a.GetNames(), slots)
 	}
 }

@@ -86,6 +86,9 @@ type Description struct {
 	// Adapters are the LoRA adapters the engine holds now, when it tells
 	// them from its base models (vLLM's /v1/models entries with a parent).
 	Adapters []string
+	// MaxLoRAs is how many adapters the engine holds at once, when it
+	// says (a baton worker's Info, vLLM's max_lora); 0 when it does not.
+	MaxLoRAs int
 	// Role is "both", "prefill" or "decode"; engines without
 	// disaggregation are "both".
 	Role string

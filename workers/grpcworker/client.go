@@ -279,7 +279,8 @@ func (c *Client) Info(ctx context.Context) (*workerpb.InfoResponse, error) {
 	return resp, nil
 }
 
-// Describe returns the models the worker serves and its role, from Info.
+// Describe returns the models the worker serves, its role and the LoRA
+// adapters it holds, from Info.
 func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 	info, err := c.Info(ctx)
 	if err != nil {
@@ -292,7 +293,11 @@ func (c *Client) Describe(ctx context.Context) (engine.Description, error) {
 	case workerpb.Role_ROLE_DECODE:
 		role = "decode"
 	}
-	return engine.Description{Models: info.GetModels(), Role: role}, nil
+	d := engine.Description{Models: info.GetModels(), Role: role, MaxLoRAs: int(info.GetMaxLoras())}
+	if a := info.GetAdapters(); a != nil {
+		d.Adapters = append([]string{}, a.GetNames()...)
+	}
+	return d, nil
 }
 
 // Watch subscribes to the worker's load reports and cache events. The

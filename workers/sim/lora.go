@@ -228,6 +228,19 @@ func (ls *loraSlots) held() []string {
 // Adapters returns the LoRA adapters the engine holds in its slots now.
 func (e *Engine) Adapters() []string { return e.lora.held() }
 
+// reportedAdapters returns the adapters the engine holds, as its Info and
+// load reports tell them: nil when it serves no adapter, so that "holds
+// none" differs from "does not say".
+func (e *Engine) reportedAdapters() []string {
+	if len(e.cfg.LoRA.Adapters) == 0 {
+		return nil
+	}
+	if h := e.lora.held(); h != nil {
+		return h
+	}
+	return []string{}
+}
+
 // LoRAStats returns the engine's adapter load counters.
 func (e *Engine) LoRAStats() LoRAStats {
 	e.lora.mu.Lock()

@@ -5,7 +5,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/workers/engine"
 )
 
@@ -158,5 +160,70 @@ func TestLoRAMetrics(t *testing.T) {
 		if got[name] != v {
 			t.Errorf("%s = %v, want %v", name, got[name], v)
 		}
+	}
+}
+
+// The worker tells the adapters it holds, and its slots, in Info and in
+// its load reports: a load and an eviction it did itself show in the next
+// report; a worker that serves no adapter says nothing of them.
+func TestLoRAReportedOverGRPC(t *testing.T) {
+	cfg := loraConfig(1)
+	cfg.LoadInterval = time.Millisecond
+	e := newEngine(t, cfg)
+	c := workerpb.NewWorkerClient(serve(t, e))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	info, err := c.Info(ctx, &workerpb.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.GetAdapters() == nil || len(info.GetAdapters().GetNames()) != 0 || info.GetMaxLoras() != 1 {
+		t.Errorf("Info adapters %v, max_loras %d; want an empty set and 1", info.GetAdapters(), info.GetMaxLoras())
+	}
+	w, err := c.Watch(ctx, &workerpb.WatchRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := w.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := first.GetSnapshot().GetLoad().GetAdapters(); a == nil || len(a.GetNames()) != 0 {
+		t.Errorf("snapshot adapters %v, want an empty set", a)
+	}
+	// held waits for a load report naming exactly want.
+	held := func(want string) {
+		t.Helper()
+		for {
+			ev, err := w.Recv()
+			if err != nil {
+				t.Fatalf("watch: %v (waiting for adapters %s)", err, want)
+			}
+			if l := ev.GetLoad(); l != nil && strings.Join(l.GetAdapters().GetNames(), ",") == want {
+				return
+			}
+		}
+	}
+	for _, a := range []string{"sql", "chat"} {
+		if _, err := genModel(t, e, a, strings.Repeat("r", 200)); err != nil {
+			t.Fatal(err)
+		}
+		held(a) // one slot: chat evicted sql
+	}
+	info, err = c.Info(ctx, &workerpb.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(info.GetAdapters().GetNames(), ","); got != "chat" {
+		t.Errorf("Info adapters %q, want chat", got)
+	}
+
+	plain := workerpb.NewWorkerClient(serve(t, newEngine(t, Config{Models: []string{testModel}})))
+	info, err = plain.Info(ctx, &workerpb.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.GetAdapters() != nil || info.GetMaxLoras() != 0 {
+		t.Errorf("a worker without adapters reports %v, max_loras %d", info.GetAdapters(), info.GetMaxLoras())
 	}
 }

@@ -93,7 +93,27 @@ func (s *Server) Info(context.Context, *workerpb.InfoRequest) (*workerpb.InfoRes
 		CpuBlocks:  s.e.Cache().CPUCapacity(),
 		Cost:       s.e.CostParams(),
 		RedisTier:  cfg.Tiers.Store != nil,
+		Adapters:   adapterSet(s.e.reportedAdapters()),
+		MaxLoras:   maxLoRAs(cfg.LoRA),
 	}, nil
+}
+
+// maxLoRAs is the adapter slots an engine reports: none when it serves no
+// adapter.
+func maxLoRAs(l LoRA) int32 {
+	if len(l.Adapters) == 0 {
+		return 0
+	}
+	return int32(l.MaxLoRAs)
+}
+
+// adapterSet is the wire form of the adapters an engine holds: nil when it
+// serves none.
+func adapterSet(names []string) *workerpb.Adapters {
+	if names == nil {
+		return nil
+	}
+	return &workerpb.Adapters{Names: names}
 }
 
 // Generate runs one sequence and streams its tokens, then its final usage.
@@ -228,6 +248,7 @@ func watchEvent(ev WatchEvent) *workerpb.WatchEvent {
 	case ev.Snapshot != nil:
 		// One stored event per tier holding blocks.
 		snap := &workerpb.Snapshot{Load: loadReport(ev.Snapshot.Load)}
+		snap.Load.Adapters = adapterSet(ev.Snapshot.Adapters)
 		for _, t := range []struct {
 			tier workerpb.Tier
 			keys []uint64
@@ -240,7 +261,9 @@ func watchEvent(ev WatchEvent) *workerpb.WatchEvent {
 		}
 		msg.Event = &workerpb.WatchEvent_Snapshot{Snapshot: snap}
 	case ev.Load != nil:
-		msg.Event = &workerpb.WatchEvent_Load{Load: loadReport(*ev.Load)}
+		l := loadReport(*ev.Load)
+		l.Adapters = adapterSet(ev.Adapters)
+		msg.Event = &workerpb.WatchEvent_Load{Load: l}
 	case ev.Cache != nil:
 		msg.Event = &workerpb.WatchEvent_Cache{Cache: cacheEvent(ev.Cache)}
 	}

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"errors"
+	"slices"
 	"sync"
 	"time"
 )
@@ -12,12 +13,14 @@ var ErrSlowSubscriber = errors.New("watch subscriber too slow")
 
 // WatchEvent is one event of a Subscription: exactly one of Snapshot,
 // Load and Cache is set. Seq is 1 for the snapshot and increases by one
-// per event of the subscription.
+// per event of the subscription. Adapters, with Load, are the LoRA
+// adapters the engine holds then (nil when it serves none).
 type WatchEvent struct {
 	Seq      uint64
 	Snapshot *Snapshot
 	Load     *Load
 	Cache    *CacheEvent
+	Adapters []string
 }
 
 // Snapshot is the state a subscription starts from: the load and every
@@ -29,6 +32,9 @@ type Snapshot struct {
 	Load    Load
 	Keys    []uint64
 	CPUKeys []uint64
+	// Adapters are the LoRA adapters the engine holds (nil when it serves
+	// none).
+	Adapters []string
 }
 
 // Subscription streams an engine's load reports and cache events. C is
@@ -75,8 +81,9 @@ func (e *Engine) Subscribe() (*Subscription, error) {
 				CPUBlocksTotal:       e.cache.CPUCapacity(),
 				WaitingPrefillTokens: e.waitingPrefill.Load(),
 			},
-			Keys:    append([]uint64(nil), keys...),
-			CPUKeys: append([]uint64(nil), cpu...),
+			Keys:     append([]uint64(nil), keys...),
+			CPUKeys:  append([]uint64(nil), cpu...),
+			Adapters: e.reportedAdapters(),
 		}
 		sub, err = e.hub.add(snap)
 	})
@@ -114,8 +121,8 @@ func (h *hub) publishCache(ev CacheEvent) {
 	h.publish(WatchEvent{Cache: &ev})
 }
 
-func (h *hub) publishLoad(l Load) {
-	h.publish(WatchEvent{Load: &l})
+func (h *hub) publishLoad(l Load, adapters []string) {
+	h.publish(WatchEvent{Load: &l, Adapters: adapters})
 }
 
 func (h *hub) publish(ev WatchEvent) {
@@ -157,19 +164,23 @@ func (h *hub) close(err error) {
 	}
 }
 
-// reportLoad publishes the load every LoadInterval of real time when it
-// changed, until Close.
+// reportLoad publishes the load every LoadInterval of real time when it,
+// or the adapters the engine holds, changed, until Close.
 func (e *Engine) reportLoad() {
 	defer e.wg.Done()
 	t := time.NewTicker(e.cfg.LoadInterval)
 	defer t.Stop()
-	var last Load
+	var (
+		last      Load
+		lastLoRAs []string
+	)
 	for {
 		select {
 		case <-t.C:
-			if l := e.Load(); l != last {
-				last = l
-				e.hub.publishLoad(l)
+			l, a := e.Load(), e.reportedAdapters()
+			if l != last || !slices.Equal(a, lastLoRAs) {
+				last, lastLoRAs = l, a
+				e.hub.publishLoad(l, a)
 			}
 		case <-e.quit:
 			return
