@@ -352,6 +352,9 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 		Model:          func() string { return s.modelOf(wc) },
 		Logger:         s.log,
 	}
+	if wc.Kind == KindVLLM {
+		cfg.OnAdapters = func(held []string, slots int) { s.engineAdapters(wc.Name, held, slots) }
+	}
 	switch {
 	case wc.Events != "" && withEvents:
 		mode := kvevents.Connect
@@ -514,6 +517,16 @@ func (s *Scheduler) workerAdapters(name string, held []string, slots int) {
 		if slots > 0 {
 			w.SetAdapterSlots(slots)
 		}
+	}
+}
+
+// engineAdapters hears, from a vLLM engine's metrics, the adapters its
+// requests use and its adapter slots: they are held, beside the idle ones
+// its /v1/models lists.
+func (s *Scheduler) engineAdapters(name string, held []string, slots int) {
+	if w := s.placed(name); w != nil {
+		w.NoteAdapters(held)
+		w.SetAdapterSlots(slots)
 	}
 }
 

@@ -123,6 +123,26 @@ func (w *Worker) SetAdapters(names []string) {
 	a.held.Store(&held)
 }
 
+// NoteAdapters records that the worker holds names too, as an engine
+// tells of the adapters its requests use (vLLM's lora_requests_info),
+// without dropping the others it holds.
+func (w *Worker) NoteAdapters(names []string) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var held []string
+	for _, n := range names {
+		if !w.HoldsAdapter(n) && !slices.Contains(held, n) {
+			held = append(held, n)
+		}
+	}
+	if len(held) > 0 {
+		held = append(held, w.Adapters()...)
+		slices.Sort(held)
+		a.held.Store(&held)
+	}
+}
+
 // TouchAdapter records a use of name on the worker, for LRUAdapter.
 func (w *Worker) TouchAdapter(name string) {
 	w.lora.mu.Lock()
@@ -189,4 +209,3 @@ func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
 	}
 	return name, ok
 }
-

@@ -63,6 +63,11 @@ type EngineConfig struct {
 	// Logger receives scrape problems (once per change) and index errors.
 	// Nil discards.
 	Logger *slog.Logger
+	// OnAdapters, if set, is called from the engine's goroutine after each
+	// scrape that read the engine's LoRA state (vllm.Metrics.HasLoRA):
+	// the adapters with requests on it and its adapter slots. It must not
+	// block.
+	OnAdapters func(held []string, slots int)
 }
 
 func (c EngineConfig) withDefaults() EngineConfig {
@@ -263,8 +268,11 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 	}
 }
 
-// scraped applies a scrape's block size and load.
+// scraped applies a scrape's block size, load and LoRA adapters.
 func (e *engine) scraped(m vllm.Metrics) {
+	if m.HasLoRA && e.cfg.OnAdapters != nil {
+		e.cfg.OnAdapters(m.Adapters, m.MaxLoRAs)
+	}
 	if m.BlockSize > 0 && m.BlockSize != e.metricsBS {
 		e.metricsBS = m.BlockSize
 		e.setInfo()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -68,6 +69,15 @@ type Metrics struct {
 	// one per slot (llama-server's total_slots), 0 otherwise. Parse does
 	// not set it: workers/llamacpp reads it from the engine's /props.
 	Slots int
+	// Adapters are the LoRA adapters with requests running or waiting on
+	// the engine, sorted, and MaxLoRAs its adapter slots: vLLM's
+	// lora_requests_info labels running_lora_adapters,
+	// waiting_lora_adapters and max_lora, of the series set last (its
+	// value is the time it was set). HasLoRA says the gauge was read: an
+	// engine without --enable-lora has none.
+	Adapters []string
+	MaxLoRAs int
+	HasLoRA  bool
 }
 
 // Blocks returns the GPU KV blocks in use and in all, in blocks of
@@ -92,6 +102,7 @@ type names struct {
 	running, waiting string
 	usage            []string // the first present is read
 	cacheInfo        string   // vLLM's info gauge, labels block_size and num_gpu_blocks
+	loraInfo         string   // vLLM's LoRA gauge (Metrics.Adapters)
 	kvTokens         string
 }
 
@@ -101,6 +112,7 @@ var engineNames = map[Engine]names{
 		waiting:   "vllm:num_requests_waiting",
 		usage:     []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
 		cacheInfo: "vllm:cache_config_info",
+		loraInfo:  "vllm:lora_requests_info",
 	},
 	SGLang: {
 		running:  "sglang:num_running_reqs",
@@ -156,6 +168,9 @@ func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	}
 	if n.cacheInfo != "" {
 		m.BlockSize, m.GPUBlocks = cacheInfo(fams, n.cacheInfo, &problems)
+	}
+	if n.loraInfo != "" && fams[n.loraInfo] != nil {
+		m.Adapters, m.MaxLoRAs, m.HasLoRA = loraInfo(fams[n.loraInfo], &problems)
 	}
 	if n.kvTokens != "" && fams[n.kvTokens] != nil {
 		if v, ok := sum(fams, n.kvTokens, &problems); ok {
@@ -289,4 +304,48 @@ func cacheInfo(fams map[string]*dto.MetricFamily, name string, problems *[]strin
 		}
 	}
 	return blockSize, gpuBlocks
+}
+
+// loraInfo reads vLLM's lora_requests_info: of each engine's series (one
+// engine, or one per engine label), the one set last, whose value is the
+// time it was set; the adapters its running_lora_adapters and
+// waiting_lora_adapters name, and its max_lora (summed over engines).
+func loraInfo(f *dto.MetricFamily, problems *[]string) (adapters []string, maxLoRAs int, ok bool) {
+	name := f.GetName()
+	latest := map[string]*dto.Metric{} // engine → its latest series
+	for _, s := range f.GetMetric() {
+		engine := ""
+		for _, l := range s.GetLabel() {
+			if l.GetName() == "engine" {
+				engine = l.GetValue()
+			}
+		}
+		if v := value(s); math.IsNaN(v) {
+			*problems = append(*problems, fmt.Sprintf("%s: %v is not a time", name, v))
+			return nil, 0, false
+		} else if cur := latest[engine]; cur == nil || v > value(cur) {
+			latest[engine] = s
+		}
+	}
+	for _, s := range latest {
+		for _, l := range s.GetLabel() {
+			switch l.GetName() {
+			case "max_lora":
+				v, err := strconv.Atoi(l.GetValue())
+				if err != nil || v < 0 || v > 1<<20 {
+					*problems = append(*problems, fmt.Sprintf("%s: max_lora %q is not a count", name, l.GetValue()))
+					return nil, 0, false
+				}
+				maxLoRAs += v
+			case "running_lora_adapters", "waiting_lora_adapters":
+				for _, a := range strings.Split(l.GetValue(), ",") {
+					if a = strings.TrimSpace(a); a != "" && !slices.Contains(adapters, a) {
+						adapters = append(adapters, a)
+					}
+				}
+			}
+		}
+	}
+	slices.Sort(adapters)
+	return adapters, maxLoRAs, len(latest) > 0
 }

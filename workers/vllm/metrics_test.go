@@ -110,6 +110,22 @@ vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="100"} 1
 			text:    "vllm:num_requests_running 1\nvllm:num_requests_waiting 2\nvllm:cache_config_info{block_size=\"x\",num_gpu_blocks=\"9\"} 1\n",
 			want:    vllm.Metrics{Running: 1, Waiting: 2, HasLoad: true},
 			garbage: `block_size "x" is not a block size`},
+		// vLLM sets the series of the current labels to the time: the
+		// latest names the adapters with requests now.
+		{name: "vllm lora", engine: vllm.VLLM, text: `vllm:num_requests_running 1
+vllm:num_requests_waiting 2
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters=""} 1.7000000e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7000009e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7000005e+09
+`, want: vllm.Metrics{Running: 1, Waiting: 2, HasLoad: true, Adapters: []string{"chat", "math", "sql"}, MaxLoRAs: 4, HasLoRA: true}},
+		{name: "vllm lora idle", engine: vllm.VLLM, text: "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n" +
+			`vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e+09` + "\n",
+			want: vllm.Metrics{HasLoad: true, MaxLoRAs: 2, HasLoRA: true}},
+		{name: "bad max_lora", engine: vllm.VLLM, text: "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n" +
+			`vllm:lora_requests_info{max_lora="many",running_lora_adapters="sql",waiting_lora_adapters=""} 1` + "\n",
+			want: vllm.Metrics{HasLoad: true}, garbage: `max_lora "many" is not a count`},
 		{name: "blocks not profiled yet", engine: vllm.VLLM,
 			text: "vllm:num_requests_running 1\nvllm:num_requests_waiting 2\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n",
 			want: vllm.Metrics{Running: 1, Waiting: 2, HasLoad: true, BlockSize: 16}},

@@ -28,6 +28,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -78,6 +79,16 @@ type Config struct {
 	// DPRank is the data-parallel rank the server is of a DP engine
 	// (NewDP): its batches carry it, as vLLM's publishers stamp theirs.
 	DPRank int
+	// LoRAModules are the LoRA adapters served from the start, name →
+	// path (vLLM's --lora-modules); MaxLoRAs is --max-loras. Either
+	// enables LoRA (--enable-lora): /v1/models lists the adapters with
+	// their parent, requests may name one, whose blocks its name salts,
+	// and /metrics has vllm:lora_requests_info. RuntimeLoRA serves
+	// /v1/load_lora_adapter and /v1/unload_lora_adapter, as
+	// VLLM_ALLOW_RUNTIME_LORA_UPDATING=True does.
+	LoRAModules map[string]string
+	MaxLoRAs    int
+	RuntimeLoRA bool
 }
 
 func (c Config) withDefaults() Config {
@@ -99,6 +110,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Topic == "" {
 		c.Topic = "kv-events"
+	}
+	if c.MaxLoRAs == 0 && (len(c.LoRAModules) > 0 || c.RuntimeLoRA) {
+		c.MaxLoRAs = 1 // vLLM's default
 	}
 	return c
 }
@@ -147,6 +161,10 @@ type Server struct {
 	ts       float64
 	stats    Stats
 	requests []Request
+	// loras are the adapters served, name → path; loraRunning and
+	// loraWaiting count their requests running and waiting.
+	loras                    map[string]string
+	loraRunning, loraWaiting map[string]int
 }
 
 // New starts a server. Close it.
@@ -174,7 +192,11 @@ func New(cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, eng: eng, quit: make(chan struct{}),
 		slots: make(chan struct{}, cfg.MaxRunning), gpu: make(chan struct{}, 1),
-		cache: newCache(cfg.BlockSize, cfg.GPUBlocks)}
+		cache: newCache(cfg.BlockSize, cfg.GPUBlocks),
+		loras: make(map[string]string), loraRunning: make(map[string]int), loraWaiting: make(map[string]int)}
+	for n, p := range cfg.LoRAModules {
+		s.loras[n] = p
+	}
 	if !cfg.NoEvents {
 		pc := kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: cfg.Topic,
 			Encoding: cfg.Encoding, Replay: !cfg.NoReplay,
@@ -208,6 +230,10 @@ func New(cfg Config) (*Server, error) {
 	mux.HandleFunc("POST /tokenize", s.tokenize)
 	mux.HandleFunc("POST /v1/chat/completions", s.complete)
 	mux.HandleFunc("POST /v1/completions", s.complete)
+	if cfg.RuntimeLoRA {
+		mux.HandleFunc("POST /v1/load_lora_adapter", s.loadLoRA)
+		mux.HandleFunc("POST /v1/unload_lora_adapter", s.unloadLoRA)
+	}
 	s.hs = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go s.hs.Serve(s.ln)
 	return s, nil
@@ -355,9 +381,89 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{
+	data := []map[string]any{{
 		"id": s.cfg.Model, "object": "model", "created": 1, "owned_by": "vllm", "root": s.cfg.Model,
-		"parent": nil, "max_model_len": s.cfg.MaxModelLen}}})
+		"parent": nil, "max_model_len": s.cfg.MaxModelLen}}
+	for _, n := range s.Adapters() {
+		s.mu.Lock()
+		path := s.loras[n]
+		s.mu.Unlock()
+		data = append(data, map[string]any{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": path,
+			"parent": s.cfg.Model, "max_model_len": nil})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// Adapters returns the LoRA adapters the server serves, sorted.
+func (s *Server) Adapters() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	names := make([]string, 0, len(s.loras))
+	for n := range s.loras {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// loadLoRA answers vLLM's /v1/load_lora_adapter: {"lora_name",
+// "lora_path"}; 400 when the name is served already.
+func (s *Server) loadLoRA(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Name string `json:"lora_name"`
+		Path string `json:"lora_path"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil || req.Name == "" || req.Path == "" {
+		writeError(w, http.StatusBadRequest, "BadRequestError", "Both 'lora_name' and 'lora_path' must be provided.")
+		return
+	}
+	s.mu.Lock()
+	_, dup := s.loras[req.Name]
+	if !dup {
+		s.loras[req.Name] = req.Path
+	}
+	s.mu.Unlock()
+	if dup {
+		writeError(w, http.StatusBadRequest, "InvalidUserInput", fmt.Sprintf("The lora adapter '%s' has already been loaded.", req.Name))
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' added successfully.", req.Name)
+}
+
+// unloadLoRA answers vLLM's /v1/unload_lora_adapter: {"lora_name"}; 404
+// when no such adapter is served.
+func (s *Server) unloadLoRA(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Name string `json:"lora_name"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil || req.Name == "" {
+		writeError(w, http.StatusBadRequest, "BadRequestError", "'lora_name' must be provided.")
+		return
+	}
+	s.mu.Lock()
+	_, ok := s.loras[req.Name]
+	delete(s.loras, req.Name)
+	s.mu.Unlock()
+	if !ok {
+		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The lora adapter '%s' cannot be found.", req.Name))
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
+}
+
+// loraNames returns the adapters of counts with a count above 0, sorted
+// and comma-separated, as vLLM's lora_requests_info labels. s.mu is held.
+func loraNames(counts map[string]int) string {
+	var names []string
+	for n, c := range counts {
+		if c > 0 {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	return strings.Join(names, ",")
 }
 
 func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
@@ -365,6 +471,7 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 	running, waiting := s.running, s.waiting
 	usage := float64(s.cache.held) / float64(s.cfg.GPUBlocks)
 	st := s.stats
+	loraRunning, loraWaiting := loraNames(s.loraRunning), loraNames(s.loraWaiting)
 	s.mu.Unlock()
 	l := fmt.Sprintf(`engine="0",model_name=%q`, s.cfg.Model)
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
@@ -384,6 +491,12 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 	fmt.Fprintf(w, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
 		`vllm:cache_config_info{block_size="%d",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="%d",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0`+"\n",
 		s.cfg.BlockSize, s.cfg.GPUBlocks)
+	if s.cfg.MaxLoRAs > 0 {
+		// vLLM sets the series of the current labels to the time.
+		fmt.Fprintf(w, "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"+
+			"vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=%q,waiting_lora_adapters=%q} %v\n",
+			s.cfg.MaxLoRAs, loraRunning, loraWaiting, float64(time.Now().UnixNano())/1e9)
+	}
 }
 
 // request is what the server reads of a completion or tokenize request.
@@ -440,7 +553,10 @@ func (s *Server) read(w http.ResponseWriter, r *http.Request, req *request) bool
 		writeError(w, http.StatusBadRequest, "BadRequestError", "invalid JSON: "+err.Error())
 		return false
 	}
-	if req.Model != "" && req.Model != s.cfg.Model {
+	s.mu.Lock()
+	_, lora := s.loras[req.Model]
+	s.mu.Unlock()
+	if req.Model != "" && req.Model != s.cfg.Model && !lora {
 		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", req.Model))
 		return false
 	}
@@ -470,13 +586,15 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 // admit waits for a running slot and the compute, then allocates the
 // prompt's blocks and publishes what changed. It returns the allocation
 // (release it), or false if ctx ended or the server closed while waiting.
-func (s *Server) admit(ctx context.Context, prompt []uint32, salt string) (alloc, bool) {
+func (s *Server) admit(ctx context.Context, prompt []uint32, salt, lora string) (alloc, bool) {
 	s.mu.Lock()
 	s.waiting++
+	s.loraWaiting[lora]++
 	s.mu.Unlock()
 	unwait := func() {
 		s.mu.Lock()
 		s.waiting--
+		s.loraWaiting[lora]--
 		s.mu.Unlock()
 	}
 	select {
@@ -503,8 +621,12 @@ func (s *Server) admit(ctx context.Context, prompt []uint32, salt string) (alloc
 	defer s.mu.Unlock()
 	s.waiting--
 	s.running++
+	s.loraWaiting[lora]--
+	s.loraRunning[lora]++
 	s.context += len(prompt)
-	hashes := s.cache.hashes(prompt, salt)
+	// vLLM's block hashes take the LoRA name, then the cache salt, as
+	// extra keys: an adapter's blocks are never its base model's.
+	hashes := s.cache.hashes(prompt, loraSalt(lora, salt))
 	// At least one token is computed, for its logits: a prompt cached to
 	// its last block recomputes that block.
 	a := s.cache.allocate(hashes, (len(prompt)-1)/s.cfg.BlockSize)
@@ -527,7 +649,17 @@ func (s *Server) admit(ctx context.Context, prompt []uint32, salt string) (alloc
 		if first > 0 {
 			st.Parent = kvevents.IntHash(hashes[first-1])
 		}
-		if salt != "" {
+		if lora != "" {
+			// Every block's extra keys start with the LoRA name.
+			st.LoRAName = lora
+			st.ExtraKeys = make([][]string, len(st.BlockHashes))
+			for i := range st.ExtraKeys {
+				st.ExtraKeys[i] = []string{lora}
+			}
+			if first == 0 && salt != "" {
+				st.ExtraKeys[0] = append(st.ExtraKeys[0], salt)
+			}
+		} else if salt != "" {
 			// vLLM's extra keys: the cache salt among the first block's.
 			st.ExtraKeys = make([][]string, len(st.BlockHashes))
 			if first == 0 {
@@ -541,11 +673,21 @@ func (s *Server) admit(ctx context.Context, prompt []uint32, salt string) (alloc
 	return a, true
 }
 
+// loraSalt is what seeds the block hashes of a request for the adapter
+// lora ("" for the base model) with the cache salt salt.
+func loraSalt(lora, salt string) string {
+	if lora == "" {
+		return salt
+	}
+	return lora + "\x00" + salt
+}
+
 // finish releases a request's slot and blocks.
-func (s *Server) finish(a alloc, contextTokens int) {
+func (s *Server) finish(a alloc, contextTokens int, lora string) {
 	s.mu.Lock()
 	s.cache.release(a.held)
 	s.running--
+	s.loraRunning[lora]--
 	s.context -= contextTokens
 	s.mu.Unlock()
 	<-s.slots
@@ -580,7 +722,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ctx := r.Context()
-	a, ok := s.admit(ctx, prompt, req.CacheSalt)
+	lora := ""
+	if req.Model != "" && req.Model != s.cfg.Model {
+		lora = req.Model
+	}
+	a, ok := s.admit(ctx, prompt, req.CacheSalt, lora)
 	if !ok {
 		return
 	}
@@ -593,7 +739,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		CachedTokens: cached, CompletionTokens: n, Stream: req.Stream})
 	s.mu.Unlock()
 	generated := 0
-	defer func() { s.finish(a, len(prompt)+generated) }()
+	defer func() { s.finish(a, len(prompt)+generated, lora) }()
 	// The prefill step yields the first token.
 	ok = s.sleep(ctx, s.eng.PrefillSeconds(len(prompt)-cached, cached))
 	<-s.gpu
