@@ -488,3 +488,51 @@ func TestSGLangMinRemotePrefillTokens(t *testing.T) {
 		t.Errorf("short prompt without a unified engine: %q from %s after %q, want an answer from d1 after p1", got.content, got.worker, got.prefill)
 	}
 }
+
+// A prefill worker's failure is counted as SGLang's as it is as vLLM's: a
+// prefill the engine refused as invalid is the request's fault, not a
+// transfer failure, and a request no prefill worker was available for
+// falls back for that reason alone, not also as one whose prefills
+// failed.
+func TestSGLangPrefillFailureCounts(t *testing.T) {
+	t.Run("request refused", func(t *testing.T) {
+		hub := newPDHub(t)
+		p0 := startPDEngine(t, hub, "p0", scheduler.KindSGLang, scheduler.RolePrefill)
+		d0 := startPDEngine(t, hub, "d0", scheduler.KindSGLang, scheduler.RoleDecode)
+		p0.set(func(e *pdEngine) { e.fail = http.StatusBadRequest })
+		addr := startPDScheduler(t, "random", []*pdEngine{p0, d0}, nil)
+		hc := httpClient(t)
+		body := `{"model":"` + model + `","messages":[{"role":"user","content":"` + text("refused", 500) + `"}]}`
+		if r := do(t, hc, http.MethodPost, "http://"+addr+"/v1/chat/completions", body, nil); r.status != http.StatusBadRequest {
+			t.Errorf("prefill refused as invalid: status %d, want 400", r.status)
+		}
+		m := scrapeSettled(t, hc, addr)
+		if v, _ := metric(m, "baton_transfer_failures_total"); v != 0 {
+			t.Errorf("transfer failures = %v, want 0: the request was at fault", v)
+		}
+	})
+	t.Run("no prefill worker", func(t *testing.T) {
+		hub := newPDHub(t)
+		p0 := startPDEngine(t, hub, "p0", scheduler.KindSGLang, scheduler.RolePrefill)
+		d0 := startPDEngine(t, hub, "d0", scheduler.KindSGLang, scheduler.RoleDecode)
+		p0.set(func(e *pdEngine) { e.fail = http.StatusInternalServerError })
+		addr := startPDScheduler(t, "random", []*pdEngine{p0, d0}, func(c *scheduler.Config) {
+			c.Pool.BreakerOpenTimeout = time.Minute // open for the test's length
+		})
+		hc := httpClient(t)
+		body := `{"model":"` + model + `","messages":[{"role":"user","content":"` + text("none", 500) + `"}]}`
+		// Two failed prefills open p0's breaker (fastPool: 2 failures);
+		// the third request finds no prefill worker.
+		for i := range 3 {
+			if r := do(t, hc, http.MethodPost, "http://"+addr+"/v1/chat/completions", body, nil); r.status != http.StatusServiceUnavailable {
+				t.Fatalf("request %d: status %d, want 503", i, r.status)
+			}
+		}
+		m := scrapeSettled(t, hc, addr)
+		failed, _ := metric(m, "baton_fallbacks_total", `reason="prefill_failed"`)
+		none, _ := metric(m, "baton_fallbacks_total", `reason="no_prefill_worker"`)
+		if failed != 2 || none != 1 {
+			t.Errorf("fallbacks: %v prefill_failed, %v no_prefill_worker; want 2 and 1", failed, none)
+		}
+	})
+}

@@ -164,12 +164,13 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 	dc := dw.Client.(engineDisaggregator)
 	var tried []*pool.Worker
 	var lastErr error
+	failed := true // prefill workers failed, rather than none was available
 	for i := 0; i <= dz.Retries; i++ {
 		pd, err := x.pickPrefill(tried)
 		if err != nil {
 			if i == 0 {
 				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
-				lastErr = err
+				lastErr, failed = err, false
 			}
 			break
 		}
@@ -214,18 +215,21 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 			return written, err
 		}
 		// The prefill failed and nothing reached the client.
-		lastErr = perr
-		m.TransferFailures.WithLabelValues(failureReason(perr)).Inc()
-		s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", perr)
 		if !pool.IsWorkerFault(perr) {
+			// The request's own fault, not a failed transfer.
 			h.Del(HeaderPrefillWorker)
 			return false, pool.ClientError(perr)
 		}
+		lastErr = perr
+		m.TransferFailures.WithLabelValues(failureReason(perr)).Inc()
+		s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", perr)
 		if i < dz.Retries {
 			m.Fallbacks.WithLabelValues("prefill_retry").Inc()
 		}
 	}
-	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
+	if failed {
+		m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
+	}
 	x.w.Header().Del(HeaderPrefillWorker)
 	msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
 	if lastErr != nil {
