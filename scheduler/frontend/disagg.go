@@ -64,33 +64,58 @@ type plan struct {
 	cached   int
 }
 
-// prefill runs the prefill phase of a request bound for decode worker dw.
-// It never fails the request: when no remote prefill happens it returns nil
-// and the decode worker prefills locally.
-func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
+// A pairing is one protocol's part in a remote prefill (prefillLoop): which
+// prefill workers speak it, and one attempt on one of them. Its functions
+// are called from the request's goroutine.
+type pairing struct {
+	// speaks reports whether the prefill worker pw's engine speaks the
+	// protocol; the loop passes over those that do not.
+	speaks func(pw *pool.Worker) bool
+	// try runs attempt i (0 first) on pw, acquired and its decision
+	// committed. It returns the outcome the decision reports (routing.Done,
+	// and pw's breaker through classify) and the prefill's failure the
+	// loop acts on: nil when the request is done with prefill workers.
+	try func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error)
+	// unhanded records a prefill whose blocks cannot reach the decode
+	// worker (engine.ErrTransfer).
+	unhanded func(pw *pool.Worker, err error)
+}
+
+// prefillEnd is how prefillLoop ended.
+type prefillEnd struct {
+	// worker is the prefill worker whose attempt succeeded, else nil.
+	worker *pool.Worker
+	// reason says why none did (a local prefill's reason); empty when
+	// one did, or when the client went away.
+	reason string
+	// err is the last prefill's failure, or the pick's when no prefill
+	// worker was available.
+	err error
+}
+
+// prefillLoop picks prefill workers by the prefill strategy for a request
+// bound for decode worker dw and tries p on each: a worker's fault moves
+// to another, up to dz.Retries of them; the request's own fault, or
+// blocks that cannot reach dw, end the loop, since no prefill worker
+// would do better. Every protocol's commits, outcomes, breaker reports and
+// fallback counts are kept here.
+func (x *exchange) prefillLoop(ctx context.Context, dw *pool.Worker, p pairing) prefillEnd {
 	s, dz := x.s, x.dz
 	m := s.metrics
-	local := x.local
-	if _, ok := dw.Client.(engine.Disaggregator); !ok {
-		return local(reasonNotDisagg)
-	}
-	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < dz.MinRemoteTokens {
-		return local(reasonShort)
-	}
 	var tried []*pool.Worker
-	for attempt := 0; attempt <= dz.Retries; attempt++ {
+	var lastErr error
+	for i := 0; i <= dz.Retries; i++ {
 		pd, err := x.pickPrefill(tried)
 		if err != nil {
-			if attempt == 0 {
+			if i == 0 {
 				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
-				return local(reasonNoPrefillWorker)
+				return prefillEnd{reason: reasonNoPrefillWorker, err: err}
 			}
 			break
 		}
 		pw := pd.Worker
 		tried = append(tried, pw)
-		pz, ok := pw.Client.(engine.Disaggregator)
-		if !ok {
+		if !p.speaks(pw) {
 			continue
 		}
 		done, err := pw.Acquire()
@@ -99,51 +124,97 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 		}
 		routing.Commit(s.strategy, x.rreq, pd)
 		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
-		id := x.req.ID + "-" + strconv.Itoa(attempt)
-		called := time.Now()
-		res, err := pz.Prefill(ctx, &engine.PrefillRequest{
-			Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
-			MinRemoteTokens: dz.MinRemoteTokens, TransferTimeout: dz.TransferTimeout,
-		})
-		routing.Done(s.strategy, x.rreq, pd, prefillDone(x.start, called, res, err))
-		done(classify(err))
-		if ctx.Err() != nil {
-			return nil // the client is gone; serving fails with ctx
-		}
-		if errors.Is(err, engine.ErrTransfer) {
-			// The blocks did not reach the decode worker: another prefill
-			// worker would push to it too. It prefills locally.
-			m.TransferFailures.WithLabelValues("transfer").Inc()
-			s.log.Info("kv transfer failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
-			return local(reasonTransferFailed)
-		}
-		if err != nil && !pool.IsWorkerFault(err) {
-			// The request's own fault: no prefill worker will do better,
-			// and the decode worker answers it to the client.
-			return local(reasonRequest)
-		}
-		if err != nil {
+		info, err := p.try(ctx, pw, i)
+		routing.Done(s.strategy, x.rreq, pd, info)
+		done(classify(info.Err))
+		switch {
+		case ctx.Err() != nil:
+			return prefillEnd{err: ctx.Err()}
+		case errors.Is(err, engine.ErrTransfer):
+			p.unhanded(pw, err)
+			return prefillEnd{reason: reasonTransferFailed, err: err}
+		case err != nil && !pool.IsWorkerFault(err):
+			return prefillEnd{reason: reasonRequest, err: err}
+		case err != nil:
+			lastErr = err
 			m.TransferFailures.WithLabelValues(failureReason(err)).Inc()
 			s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
-			if attempt < dz.Retries {
+			if i < dz.Retries {
 				m.Fallbacks.WithLabelValues("prefill_retry").Inc()
 			}
 			continue
 		}
-		if res.Skipped {
-			return local(reasonSkipped)
-		}
-		m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
-		x.pushed(res)
-		m.TTFTPhase.WithLabelValues("queue").Observe(res.Queue.Seconds())
-		m.TTFTPhase.WithLabelValues("prefill").Observe(res.Prefill.Seconds())
-		m.TTFTPhase.WithLabelValues("transfer").Observe(res.Transfer.Seconds())
-		x.w.Header().Set(HeaderPrefillWorker, pw.Name)
-		x.disagg = "remote"
-		return &plan{transferID: id, result: res, worker: pw.Name}
+		return prefillEnd{worker: pw}
 	}
 	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
-	return local(reasonPrefillFailed)
+	return prefillEnd{reason: reasonPrefillFailed, err: lastErr}
+}
+
+// local records that the decode worker prefills the request itself.
+func (x *exchange) local(reason string) *plan {
+	x.s.metrics.DisaggDecisions.WithLabelValues("local", reason).Inc()
+	x.disagg = "local(" + reason + ")"
+	return nil
+}
+
+// fallback is the plan when no prefill worker succeeded: the decode
+// worker prefills, or nothing when the client went away.
+func (x *exchange) fallback(e prefillEnd) *plan {
+	if e.reason == "" {
+		return nil // the client is gone; serving fails with ctx
+	}
+	return x.local(e.reason)
+}
+
+// prefill runs the prefill phase of a request bound for decode worker dw.
+// It never fails the request: when no remote prefill happens it returns nil
+// and the decode worker prefills locally.
+func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
+	s, dz := x.s, x.dz
+	m := s.metrics
+	if _, ok := dw.Client.(engine.Disaggregator); !ok {
+		return x.local(reasonNotDisagg)
+	}
+	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < dz.MinRemoteTokens {
+		return x.local(reasonShort)
+	}
+	var id string
+	var res *engine.PrefillResult
+	e := x.prefillLoop(ctx, dw, pairing{
+		speaks: func(pw *pool.Worker) bool {
+			_, ok := pw.Client.(engine.Disaggregator)
+			return ok
+		},
+		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
+			id = x.req.ID + "-" + strconv.Itoa(i)
+			called := time.Now()
+			var err error
+			res, err = pw.Client.(engine.Disaggregator).Prefill(ctx, &engine.PrefillRequest{
+				Request: &x.req.Request, TransferID: id, DecodeAddr: dw.Addr,
+				MinRemoteTokens: dz.MinRemoteTokens, TransferTimeout: dz.TransferTimeout,
+			})
+			return prefillDone(x.start, called, res, err), err
+		},
+		unhanded: func(pw *pool.Worker, err error) {
+			// Another prefill worker would push to dw too.
+			m.TransferFailures.WithLabelValues("transfer").Inc()
+			s.log.Info("kv transfer failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
+		},
+	})
+	if e.worker == nil {
+		return x.fallback(e)
+	}
+	if res.Skipped {
+		return x.local(reasonSkipped)
+	}
+	m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+	x.pushed(res)
+	m.TTFTPhase.WithLabelValues("queue").Observe(res.Queue.Seconds())
+	m.TTFTPhase.WithLabelValues("prefill").Observe(res.Prefill.Seconds())
+	m.TTFTPhase.WithLabelValues("transfer").Observe(res.Transfer.Seconds())
+	x.w.Header().Set(HeaderPrefillWorker, e.worker.Name)
+	x.disagg = "remote"
+	return &plan{transferID: id, result: res, worker: e.worker.Name}
 }
 
 // prefillDone is the outcome of a remote prefill called at called for a

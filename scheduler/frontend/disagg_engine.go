@@ -60,13 +60,6 @@ func protocolOf(wk *pool.Worker) httpengine.Protocol {
 // newRoom returns a bootstrap room: SGLang's are random 63-bit integers.
 var newRoom = func() uint64 { return uint64(rand.Int64()) }
 
-// local records that the decode worker prefills the request itself.
-func (x *exchange) local(reason string) *plan {
-	x.s.metrics.DisaggDecisions.WithLabelValues("local", reason).Inc()
-	x.disagg = "local(" + reason + ")"
-	return nil
-}
-
 // prefillNIXL runs the prefill of a request bound for dw, a vLLM decode
 // engine, on a vLLM prefill engine, and returns the decode request that
 // pulls its blocks. Each attempt of the request makes a new pair (the
@@ -74,78 +67,51 @@ func (x *exchange) local(reason string) *plan {
 // only); a failed prefill moves to another prefill worker, up to the
 // retries, and then, returning nil, to a local prefill on dw.
 func (x *exchange) prefillNIXL(ctx context.Context, dw *pool.Worker, attempt int) *plan {
-	s, dz := x.s, x.dz
+	s := x.s
 	m := s.metrics
-	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < dz.MinRemoteTokens {
+	if blockkey.Tokens(blockkey.Chars(x.req.Prompt)) < x.dz.MinRemoteTokens {
 		return x.local(reasonShort)
 	}
-	var tried []*pool.Worker
-	for i := 0; i <= dz.Retries; i++ {
-		pd, err := x.pickPrefill(tried)
-		if err != nil {
-			if i == 0 {
-				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
-				return x.local(reasonNoPrefillWorker)
+	var req engine.Request
+	var res *httpengine.NIXLResult
+	var called time.Time
+	e := x.prefillLoop(ctx, dw, pairing{
+		speaks: func(pw *pool.Worker) bool { return protocolOf(pw) == httpengine.NIXL },
+		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
+			// Both requests of a pair carry its id (X-Request-Id): vLLM
+			// keys the blocks it holds for the decode engine by it.
+			req = x.req.Request
+			req.ID = x.req.ID + "-" + strconv.Itoa(attempt) + "-" + strconv.Itoa(i)
+			called = time.Now()
+			var err error
+			res, err = pw.Client.(engineDisaggregator).PrefillNIXL(ctx, &req)
+			info := routing.DoneInfo{Err: err}
+			if err == nil {
+				info.FirstToken = time.Since(x.start)
 			}
-			break
-		}
-		pw := pd.Worker
-		tried = append(tried, pw)
-		pc, ok := pw.Client.(engineDisaggregator)
-		if !ok || pc.Protocol() != httpengine.NIXL {
-			continue
-		}
-		done, err := pw.Acquire()
-		if err != nil {
-			continue
-		}
-		routing.Commit(s.strategy, x.rreq, pd)
-		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
-		// Both requests of a pair carry its id (X-Request-Id): vLLM keys
-		// the blocks it holds for the decode engine by it.
-		req := x.req.Request
-		req.ID = x.req.ID + "-" + strconv.Itoa(attempt) + "-" + strconv.Itoa(i)
-		called := time.Now()
-		res, err := pc.PrefillNIXL(ctx, &req)
-		info := routing.DoneInfo{Err: err}
-		if err == nil {
-			info.FirstToken = time.Since(x.start)
-		}
-		routing.Done(s.strategy, x.rreq, pd, info)
-		done(classify(err))
-		if ctx.Err() != nil {
-			return nil // the client is gone; serving fails with ctx
-		}
-		switch {
-		case errors.Is(err, engine.ErrTransfer):
+			return info, err
+		},
+		unhanded: func(pw *pool.Worker, err error) {
 			m.TransferFailures.WithLabelValues("no_kv_transfer_params").Inc()
 			s.log.Warn("prefill engine cannot hand off its KV cache", "id", x.req.ID, "prefill_worker", pw.Name, "err", err)
-			return x.local(reasonTransferFailed)
-		case err != nil && !pool.IsWorkerFault(err):
-			return x.local(reasonRequest)
-		case err != nil:
-			m.TransferFailures.WithLabelValues(failureReason(err)).Inc()
-			s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", err)
-			if i < dz.Retries {
-				m.Fallbacks.WithLabelValues("prefill_retry").Inc()
-			}
-			continue
-		}
-		if req.Body, err = httpengine.NIXLDecodeBody(x.req.Body, res.Params); err != nil {
-			return x.local(reasonRequest)
-		}
-		cached := -1 // without the prefill's count, the decode engine's
-		if res.Usage != nil && res.CachedReported {
-			cached = res.Usage.CachedTokens
-		}
-		m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
-		m.TTFTPhase.WithLabelValues("prefill").Observe(time.Since(called).Seconds())
-		x.w.Header().Set(HeaderPrefillWorker, pw.Name)
-		x.disagg = "remote"
-		return &plan{worker: pw.Name, protocol: httpengine.NIXL, decode: &req, cached: cached}
+		},
+	})
+	if e.worker == nil {
+		return x.fallback(e)
 	}
-	m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
-	return x.local(reasonPrefillFailed)
+	var err error
+	if req.Body, err = httpengine.NIXLDecodeBody(x.req.Body, res.Params); err != nil {
+		return x.local(reasonRequest)
+	}
+	cached := -1 // without the prefill's count, the decode engine's
+	if res.Usage != nil && res.CachedReported {
+		cached = res.Usage.CachedTokens
+	}
+	m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+	m.TTFTPhase.WithLabelValues("prefill").Observe(time.Since(called).Seconds())
+	x.w.Header().Set(HeaderPrefillWorker, e.worker.Name)
+	x.disagg = "remote"
+	return &plan{worker: e.worker.Name, protocol: httpengine.NIXL, decode: &req, cached: cached}
 }
 
 // errPrefillFailed cancels a Bootstrap decode whose prefill failed.
@@ -159,84 +125,62 @@ var errPrefillFailed = errors.New("the paired prefill failed")
 // the retries; a decode engine cannot prefill alone, so when they are
 // spent the request fails (with no fault of dw's).
 func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstToken func()) (bool, error) {
-	s, dz := x.s, x.dz
-	m := s.metrics
+	m := x.s.metrics
 	dc := dw.Client.(engineDisaggregator)
-	var tried []*pool.Worker
-	var lastErr error
-	failed := true // prefill workers failed, rather than none was available
-	for i := 0; i <= dz.Retries; i++ {
-		pd, err := x.pickPrefill(tried)
-		if err != nil {
-			if i == 0 {
-				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
-				lastErr, failed = err, false
+	h := x.w.Header()
+	// The last pair's outcome: whether its decode reached the client, and
+	// how it ended.
+	var written bool
+	var err error
+	e := x.prefillLoop(ctx, dw, pairing{
+		speaks: func(pw *pool.Worker) bool { return protocolOf(pw) == httpengine.Bootstrap },
+		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
+			pc := pw.Client.(engineDisaggregator)
+			host, port := pc.Bootstrap()
+			req := x.req.Request
+			req.ID = x.req.ID + "-" + strconv.Itoa(i)
+			if req.Body, err = httpengine.BootstrapBody(x.req.Body, host, port, newRoom()); err != nil {
+				written = false
+				return routing.DoneInfo{Err: err}, err
 			}
-			break
-		}
-		pw := pd.Worker
-		tried = append(tried, pw)
-		pc, ok := pw.Client.(engineDisaggregator)
-		if !ok || pc.Protocol() != httpengine.Bootstrap {
-			continue
-		}
-		pdone, err := pw.Acquire()
-		if err != nil {
-			continue
-		}
-		routing.Commit(s.strategy, x.rreq, pd)
-		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
-		host, port := pc.Bootstrap()
-		req := x.req.Request
-		req.ID = x.req.ID + "-" + strconv.Itoa(i)
-		if req.Body, err = httpengine.BootstrapBody(x.req.Body, host, port, newRoom()); err != nil {
-			routing.Done(s.strategy, x.rreq, pd, routing.DoneInfo{Err: err})
-			pdone(nil)
-			return false, err
-		}
-		h := x.w.Header()
-		h.Set(HeaderPrefillWorker, pw.Name)
-		h.Set(HeaderRoute, x.route+"; prefill=remote")
-		x.disagg = "remote"
-		res, written, err, perr := x.pair(ctx, pc, dc, &req, firstToken, func(first time.Duration, err error) {
-			routing.Done(s.strategy, x.rreq, pd, routing.DoneInfo{FirstToken: first, Err: err})
-			pdone(classify(err))
-		})
-		if written {
-			m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
-			if res.Usage != nil {
-				x.usage(dw, res.Usage)
+			h.Set(HeaderPrefillWorker, pw.Name)
+			h.Set(HeaderRoute, x.route+"; prefill=remote")
+			x.disagg = "remote"
+			var info routing.DoneInfo
+			var res engine.ProxyResult
+			var perr error
+			res, written, err, perr = x.pair(ctx, pc, dc, &req, firstToken, func(first time.Duration, err error) {
+				info = routing.DoneInfo{FirstToken: first, Err: err}
+			})
+			if written {
+				m.DisaggDecisions.WithLabelValues("remote", reasonRemote).Inc()
+				if res.Usage != nil {
+					x.usage(dw, res.Usage)
+				}
+				if err == nil && res.Status >= 400 {
+					err = pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
+				}
+				perr = nil
 			}
-			if err == nil && res.Status >= 400 {
-				err = pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
-			}
+			// perr: the prefill failed and nothing reached the client.
+			return info, perr
+		},
+		unhanded: func(*pool.Worker, error) {}, // SGLang's prefill has no hand-off of its own to fail
+	})
+	switch {
+	case e.worker != nil || e.reason == "":
+		return written, err
+	case e.reason == reasonNoPrefillWorker || e.reason == reasonPrefillFailed:
+		h.Del(HeaderPrefillWorker)
+		msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
+		if e.err != nil {
+			msg += ": " + e.err.Error()
 		}
-		if written || ctx.Err() != nil || perr == nil {
-			return written, err
-		}
-		// The prefill failed and nothing reached the client.
-		if !pool.IsWorkerFault(perr) {
-			// The request's own fault, not a failed transfer.
-			h.Del(HeaderPrefillWorker)
-			return false, pool.ClientError(perr)
-		}
-		lastErr = perr
-		m.TransferFailures.WithLabelValues(failureReason(perr)).Inc()
-		s.log.Info("prefill failed", "id", x.req.ID, "prefill_worker", pw.Name, "decode_worker", dw.Name, "err", perr)
-		if i < dz.Retries {
-			m.Fallbacks.WithLabelValues("prefill_retry").Inc()
-		}
+		// Not the decode worker's fault, nor worth another one.
+		return false, pool.ClientError(openai.NoWorker(msg))
 	}
-	if failed {
-		m.Fallbacks.WithLabelValues(reasonPrefillFailed).Inc()
-	}
-	x.w.Header().Del(HeaderPrefillWorker)
-	msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
-	if lastErr != nil {
-		msg += ": " + lastErr.Error()
-	}
-	// Not the decode worker's fault, nor worth another one.
-	return false, pool.ClientError(openai.NoWorker(msg))
+	h.Del(HeaderPrefillWorker)
+	return false, pool.ClientError(e.err)
 }
 
 // prefillUsageWait bounds how long the decode engine's usage waits for
