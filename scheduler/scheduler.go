@@ -286,6 +286,7 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 		if err != nil {
 			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 		}
+		c.ServeAdapters(s.cfg.adapters())
 		w.Client = c
 		w.Discover = len(wc.Models) == 0
 	default:

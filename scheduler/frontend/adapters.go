@@ -103,6 +103,11 @@ func (l *loader) route(ctx context.Context, req *routing.Request, strategy routi
 	if err != nil && !errors.Is(err, routing.ErrNoWorker) && !errors.Is(err, routing.ErrFull) {
 		return d, "", err
 	}
+	if err != nil && !l.servable(a) {
+		// No worker holds it nor could load it (llama-server has no
+		// load API): the model does not exist, as an engine would say.
+		return d, "", fmt.Errorf("adapter %s: no worker holds it or loads adapters: %w", a.Name, engine.ErrUnknownModel)
+	}
 	w, lerr := l.ensure(ctx, a, req.Tried)
 	if lerr != nil {
 		if err == nil || errors.Is(err, routing.ErrFull) {
@@ -123,6 +128,17 @@ func (l *loader) route(ctx context.Context, req *routing.Request, strategy routi
 		return d, "loaded", nil
 	}
 	return d, "held", nil
+}
+
+// servable reports whether some worker, available or not, holds a or
+// could load it.
+func (l *loader) servable(a engine.Adapter) bool {
+	for _, w := range l.pool.Snapshot().Workers {
+		if w.HoldsAdapter(a.Name) || w.AdapterSlots() > 0 && w.Serves(a.Base) {
+			return true
+		}
+	}
+	return false
 }
 
 // busy reports whether every available holder of the request's adapter

@@ -15,6 +15,8 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strings"
+	"time"
 
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/httpengine"
@@ -25,6 +27,9 @@ import (
 // prompt (cache_prompt), which servers before late 2024 do not by default.
 type Client struct {
 	*httpengine.Client
+	base string       // for the routes httpengine does not know
+	hc   *http.Client // for them
+	lora loraState    // lora.go
 }
 
 // New returns a client of the llama-server at baseURL (as
@@ -34,15 +39,27 @@ func New(baseURL string, opts ...httpengine.Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{c}, nil
+	return &Client{Client: c, base: strings.TrimRight(baseURL, "/"), hc: &http.Client{Timeout: 30 * time.Second}}, nil
+}
+
+// Close releases the client's connections. It is idempotent.
+func (c *Client) Close() error {
+	c.hc.CloseIdleConnections()
+	return c.Client.Close()
 }
 
 // Proxy relays req as httpengine.Client.Proxy does, with cache_prompt
-// set to true unless the client set it.
+// set to true unless the client set it, and the LoRA adapter it names
+// applied (lora.go). A request for an adapter the server does not hold
+// is refused (engine.ErrUnknownModel) before anything is written.
 func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
 	if req != nil {
 		r := *req
-		r.Body = WithCachePrompt(req.Body)
+		body, ok := c.withLoRA(req.Body, req.Model)
+		if !ok {
+			return engine.ProxyResult{}, fmt.Errorf("llama-server does not hold the adapter %q: %w", req.Model, engine.ErrUnknownModel)
+		}
+		r.Body = WithCachePrompt(body)
 		req = &r
 	}
 	return c.Client.Proxy(ctx, req, w, onFirstToken)

@@ -45,6 +45,10 @@ type Config struct {
 	// PrefillPerToken is the time each prompt token not reused takes to
 	// compute, and TokenTime each generated token: 0 answers at once.
 	PrefillPerToken, TokenTime time.Duration
+	// LoRA are the paths of the LoRA adapters loaded at start (--lora),
+	// whose ids are their positions: GET /lora-adapters lists them, at
+	// scale 1, and a request's lora field ([{id, scale}]) applies them.
+	LoRA []string
 }
 
 // Request is what the server did with one completion request.
@@ -53,6 +57,15 @@ type Request struct {
 	PromptTokens int
 	CachedTokens int
 	CachePrompt  bool // the request asked to reuse the slot's cache
+	// LoRA is the request's lora field, nil without one (the server's
+	// own scales apply).
+	LoRA []LoRA
+}
+
+// LoRA is an adapter's scale in a request's lora field.
+type LoRA struct {
+	ID    int     `json:"id"`
+	Scale float64 `json:"scale"`
 }
 
 // Server is a running fake llama-server.
@@ -96,6 +109,7 @@ func (h *Hold) Release() { close(h.release) }
 
 type slot struct {
 	tokens []string
+	lora   string // the adapters its tokens were computed with
 	busy   bool
 	used   int64 // tick of its last request
 }
@@ -129,6 +143,7 @@ func New(cfg Config) *Server {
 	mux.HandleFunc("GET /slots", s.slotsJSON)
 	mux.HandleFunc("GET /metrics", s.metrics)
 	mux.HandleFunc("GET /v1/models", s.models)
+	mux.HandleFunc("GET /lora-adapters", s.loraAdapters)
 	mux.HandleFunc("POST /v1/chat/completions", s.complete)
 	mux.HandleFunc("POST /v1/completions", s.complete)
 	s.hs = httptest.NewServer(mux)
@@ -226,6 +241,15 @@ func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{"id": s.cfg.Model, "object": "model", "owned_by": "llamacpp"}}})
 }
 
+// loraAdapters answers GET /lora-adapters: the adapters loaded at start.
+func (s *Server) loraAdapters(w http.ResponseWriter, _ *http.Request) {
+	out := make([]map[string]any, len(s.cfg.LoRA))
+	for i, p := range s.cfg.LoRA {
+		out[i] = map[string]any{"id": i, "path": p, "scale": 1.0}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
 // completion is what the server reads of a request.
 type completion struct {
 	Messages []struct {
@@ -238,7 +262,8 @@ type completion struct {
 	StreamOptions struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
-	CachePrompt *bool `json:"cache_prompt"`
+	CachePrompt *bool  `json:"cache_prompt"`
+	LoRA        []LoRA `json:"lora"`
 }
 
 // promptText renders the request's prompt as the server's chat template
@@ -292,7 +317,8 @@ func commonPrefix(a, b []string) int {
 
 // acquire takes the slot for prompt as llama-server picks it, waiting
 // while every slot is busy, and returns it with the tokens it reuses.
-func (s *Server) acquire(prompt []string, cachePrompt bool) (int, int) {
+func (s *Server) acquire(prompt []string, cachePrompt bool, lora []LoRA) (int, int) {
+	key := loraKey(lora, len(s.cfg.LoRA))
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	waited := false
@@ -302,7 +328,8 @@ func (s *Server) acquire(prompt []string, cachePrompt bool) (int, int) {
 			if sl.busy {
 				continue
 			}
-			if sim := float64(commonPrefix(sl.tokens, prompt)) / float64(max(len(prompt), 1)); len(sl.tokens) > 0 && sim > s.cfg.Similarity && sim > bestSim {
+			if sim := float64(commonPrefix(sl.tokens, prompt)) / float64(max(len(prompt), 1)); len(sl.tokens) > 0 && sl.lora == key &&
+				sim > s.cfg.Similarity && sim > bestSim {
 				best, bestSim = i, sim
 			}
 			if lru < 0 || sl.used < s.slots[lru].used {
@@ -318,13 +345,14 @@ func (s *Server) acquire(prompt []string, cachePrompt bool) (int, int) {
 			}
 			sl := &s.slots[best]
 			cached := 0
-			if cachePrompt {
-				// At least one token is evaluated, for its logits.
+			if cachePrompt && sl.lora == key {
+				// At least one token is evaluated, for its logits; a
+				// prompt computed with other adapters is recomputed.
 				cached = min(commonPrefix(sl.tokens, prompt), len(prompt)-1)
 			}
 			s.tick++
-			sl.busy, sl.used, sl.tokens = true, s.tick, append([]string(nil), prompt...)
-			s.requests = append(s.requests, Request{Slot: best, PromptTokens: len(prompt), CachedTokens: cached, CachePrompt: cachePrompt})
+			sl.busy, sl.used, sl.tokens, sl.lora = true, s.tick, append([]string(nil), prompt...), key
+			s.requests = append(s.requests, Request{Slot: best, PromptTokens: len(prompt), CachedTokens: cached, CachePrompt: cachePrompt, LoRA: lora})
 			return best, cached
 		}
 		if !waited {
@@ -333,6 +361,21 @@ func (s *Server) acquire(prompt []string, cachePrompt bool) (int, int) {
 		}
 		s.freed.Wait()
 	}
+}
+
+// loraKey names the adapters a request applies, of n loaded: those its
+// lora field scales above 0, or, without one, all of them (scale 1).
+func loraKey(lora []LoRA, n int) string {
+	if lora == nil {
+		return fmt.Sprint("all", n)
+	}
+	var b strings.Builder
+	for _, l := range lora {
+		if l.Scale != 0 {
+			fmt.Fprintf(&b, "%d:%g,", l.ID, l.Scale)
+		}
+	}
+	return b.String()
 }
 
 func (s *Server) release(i int) {
@@ -362,7 +405,14 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 	if c.CachePrompt != nil {
 		cachePrompt = *c.CachePrompt
 	}
-	i, cached := s.acquire(prompt, cachePrompt)
+	for _, l := range c.LoRA {
+		if l.ID < 0 || l.ID >= len(s.cfg.LoRA) {
+			writeJSON(w, http.StatusBadRequest, map[string]any{"error": map[string]any{"code": 400,
+				"message": fmt.Sprintf("invalid adapter id %d", l.ID), "type": "invalid_request_error"}})
+			return
+		}
+	}
+	i, cached := s.acquire(prompt, cachePrompt, c.LoRA)
 	defer s.release(i)
 	s.mu.Lock()
 	h := s.hold
