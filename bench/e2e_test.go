@@ -67,16 +67,21 @@ func TestBenchEndToEnd(t *testing.T) {
 		}
 	}
 	random, prefix := rep.Strategies[0], rep.Strategies[1]
-	if prefix.HitRate < random.HitRate {
-		t.Errorf("prefix_aware hit rate %v below random's %v", prefix.HitRate, random.HitRate)
-	}
 	// At this load no worker nears the threshold, unless the machine could
 	// not keep the simulated engines' pace: then requests pile up in wall
-	// time, and a spill says nothing of the router.
+	// time, and a spill says nothing of the router. Without a spill every
+	// request of a document goes where it is cached, so prefix_aware's
+	// hit rate is at least random's; a spill sends a document to the
+	// worker without it, and with three documents on two workers random's
+	// luck may then beat it by a request.
 	switch {
 	case prefix.Spills == 0:
+		if prefix.HitRate < random.HitRate {
+			t.Errorf("prefix_aware hit rate %v below random's %v", prefix.HitRate, random.HitRate)
+		}
 	case prefix.CPUStretch > 1.15:
-		t.Logf("prefix_aware spilled %d times, the engines CPU-bound (stretch %.2f)", prefix.Spills, prefix.CPUStretch)
+		t.Logf("prefix_aware spilled %d times, the engines CPU-bound (stretch %.2f); hit rate %v, random's %v",
+			prefix.Spills, prefix.CPUStretch, prefix.HitRate, random.HitRate)
 	default:
 		t.Errorf("prefix_aware spilled %d times at this load (stretch %.2f)", prefix.Spills, prefix.CPUStretch)
 	}
