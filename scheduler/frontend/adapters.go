@@ -91,12 +91,19 @@ func (l *loader) parents() map[string]string {
 }
 
 // route completes the pick of req, a request for an adapter: d and err
-// are the strategy's, among the holders req has not tried. When no holder is available, or all are
-// past the threshold, it loads the adapter onto another worker and picks
-// again. It returns how the adapter was found: "held" or "loaded".
+// are the strategy's, among the holders req has not tried (and, for
+// profiles that count loads, the workers it could load onto). When the
+// strategy chose a worker without the adapter, no holder is available, or
+// all are past the threshold, it loads the adapter (onto the chosen
+// worker, else another) and picks again among the holders. It returns how
+// the adapter was found: "held" or "loaded".
 func (l *loader) route(ctx context.Context, req *routing.Request, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, error) {
 	a := l.byName[req.Adapter]
-	if err == nil && !l.busy(req) {
+	var prefer *pool.Worker
+	switch {
+	case err == nil && !d.Worker.HoldsAdapter(a.Name):
+		prefer = d.Worker // kv_aware found the load worth its time
+	case err == nil && !l.busy(req):
 		d.Worker.TouchAdapter(a.Name)
 		return d, "held", nil
 	}
@@ -108,7 +115,18 @@ func (l *loader) route(ctx context.Context, req *routing.Request, strategy routi
 		// load API): the model does not exist, as an engine would say.
 		return d, "", fmt.Errorf("adapter %s: no worker holds it or loads adapters: %w", a.Name, engine.ErrUnknownModel)
 	}
-	w, lerr := l.ensure(ctx, a, req.Tried)
+	// The picks that follow a load choose among the holders only.
+	defer func(load bool) { req.LoadAdapter = load }(req.LoadAdapter)
+	req.LoadAdapter = false
+	w, lerr := l.ensure(ctx, a, req.Tried, prefer)
+	if lerr != nil && prefer != nil {
+		// The chosen worker failed to load it; holders may serve still.
+		if d, err = strategy.Pick(req, l.pool.Snapshot()); err == nil {
+			d.Worker.TouchAdapter(a.Name)
+			return d, "held", nil
+		}
+		return d, "", lerr
+	}
 	if lerr != nil {
 		if err == nil || errors.Is(err, routing.ErrFull) {
 			// Busy holders still serve, or the request queues for them.
@@ -153,14 +171,15 @@ func (l *loader) busy(req *routing.Request) bool {
 }
 
 // ensure returns a worker a was loaded onto for this request: by the load
-// in progress, or by a new one unless a holder has room by now. It waits
+// in progress, or by a new one (onto prefer if it can take a) unless,
+// with no prefer, a holder has room by now. It waits
 // for the load until ctx ends; the load goes on without it, since others
 // may be waiting for it, bounded by LoadTimeout a worker.
-func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker) (*pool.Worker, error) {
+func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker, prefer *pool.Worker) (*pool.Worker, error) {
 	l.mu.Lock()
 	ld := l.loads[a.Name]
 	if ld == nil {
-		if !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
+		if prefer == nil && !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
 			// A load ended between the pick and here.
 			l.mu.Unlock()
 			return nil, nil
@@ -168,7 +187,7 @@ func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Wor
 		ld = &adapterLoad{done: make(chan struct{})}
 		l.loads[a.Name] = ld
 		go func() {
-			ld.w, ld.err = l.load(context.WithoutCancel(ctx), a, slices.Clone(tried))
+			ld.w, ld.err = l.load(context.WithoutCancel(ctx), a, slices.Clone(tried), prefer)
 			l.mu.Lock()
 			delete(l.loads, a.Name)
 			l.mu.Unlock()
@@ -186,12 +205,16 @@ func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Wor
 	}
 }
 
-// load loads a onto the best worker that can take it and not in failed,
-// and onto the next when that fails; LoadTimeout bounds each try.
-func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Worker) (*pool.Worker, error) {
+// load loads a onto prefer, if it can take it, else the best worker that
+// can and is not in failed, and onto the next when that fails;
+// LoadTimeout bounds each try.
+func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Worker, prefer *pool.Worker) (*pool.Worker, error) {
 	var lastErr error
 	for {
 		w := l.target(a, failed)
+		if prefer != nil && l.canLoad(prefer, a, failed) {
+			w = prefer
+		}
 		if w == nil {
 			if lastErr != nil {
 				return nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
@@ -202,7 +225,11 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 		t0 := time.Now()
 		err := l.loadOn(lctx, w, a)
 		cancel()
-		l.metrics.LoadSeconds.Observe(time.Since(t0).Seconds())
+		took := time.Since(t0)
+		l.metrics.LoadSeconds.Observe(took.Seconds())
+		if _, api := w.Client.(engine.AdapterLoader); api && err == nil {
+			w.ObserveAdapterLoad(took) // for kv_aware's estimates
+		}
 		if err == nil {
 			l.metrics.Loads.WithLabelValues(w.Name, a.Name, "ok").Inc()
 			w.AddAdapter(a.Name)
@@ -221,8 +248,7 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 	var best *pool.Worker
 	bestFree := false
 	for _, w := range l.pool.Snapshot().Workers {
-		if w.AdapterSlots() <= 0 || !w.Available() || !w.Serves(a.Base) || w.HoldsAdapter(a.Name) || slices.Contains(skip, w) ||
-			!w.CanTakeAdapter(a.Name) {
+		if !l.canLoad(w, a, skip) {
 			continue
 		}
 		free := w.AdapterSlotFree()
@@ -231,6 +257,14 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 		}
 	}
 	return best
+}
+
+// canLoad reports whether a may be loaded onto w: it has adapter slots,
+// is available, serves a's base, does not hold a, is not in skip, and has
+// a free slot or an idle adapter to evict.
+func (l *loader) canLoad(w *pool.Worker, a engine.Adapter, skip []*pool.Worker) bool {
+	return w.AdapterSlots() > 0 && w.Available() && w.Serves(a.Base) && !w.HoldsAdapter(a.Name) && !slices.Contains(skip, w) &&
+		w.CanTakeAdapter(a.Name)
 }
 
 // loadOn loads a onto w, first unloading its least recently used adapter

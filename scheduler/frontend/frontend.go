@@ -365,6 +365,7 @@ func (s *Server) parse(w http.ResponseWriter, r *http.Request, rt route) (*opena
 	rreq := &routing.Request{Model: req.Model, Tenant: req.Tenant}
 	if a, ok := s.adapter(req.Model); ok {
 		rreq.Model, rreq.Adapter = a.Base, a.Name
+		rreq.LoadAdapter, rreq.AdapterBytes = true, a.Bytes
 	}
 	if s.usesKeys && (s.tok == nil || !s.tok.keys(r.Context(), &req.Request, rreq)) {
 		rreq.Keys = blockkey.Append(make([]uint64, 0, len(req.Prompt)/blockkey.DefaultBlockChars), seed, req.Prompt, blockkey.DefaultBlockChars)

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -27,6 +28,9 @@ type adapters struct {
 	loaded map[string]time.Time
 	// slots is the adapter slots the engine reports (SetAdapterSlots).
 	slots atomic.Int32
+	// loadSeconds is the measured load time (ObserveAdapterLoad), as
+	// float64 bits; 0: none measured.
+	loadSeconds atomic.Uint64
 }
 
 // HoldsAdapter reports whether the worker holds the LoRA adapter name. It
@@ -208,4 +212,27 @@ func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
 		}
 	}
 	return name, ok
+}
+
+// ObserveAdapterLoad records that an adapter load onto the worker took d:
+// AdapterLoadSeconds is a moving average that halves the weight of the
+// earlier loads at each.
+func (w *Worker) ObserveAdapterLoad(d time.Duration) {
+	s := d.Seconds()
+	for {
+		old := w.lora.loadSeconds.Load()
+		v := s
+		if prev := math.Float64frombits(old); prev > 0 {
+			v = (prev + s) / 2
+		}
+		if w.lora.loadSeconds.CompareAndSwap(old, math.Float64bits(v)) {
+			return
+		}
+	}
+}
+
+// AdapterLoadSeconds returns the worker's measured adapter load time
+// (ObserveAdapterLoad), 0 when none was measured.
+func (w *Worker) AdapterLoadSeconds() float64 {
+	return math.Float64frombits(w.lora.loadSeconds.Load())
 }

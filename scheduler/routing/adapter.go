@@ -4,15 +4,17 @@ import "github.com/batonllm/baton/scheduler/pool"
 
 // adapterFilter keeps, for a request naming a LoRA adapter
 // (Request.Adapter), the workers that hold it; every worker for other
-// requests. Loading the adapter where none holds it, or where its holders
-// are busy, is the front end's part: the filter only reads what the
-// workers hold.
-type adapterFilter struct{}
+// requests. With load set (kv_aware, which counts the load in its
+// estimate) and Request.LoadAdapter, it also keeps the workers the
+// adapter could be loaded onto. Loading it is the front end's part: the
+// filter only reads what the workers hold.
+type adapterFilter struct{ load bool }
 
 func (adapterFilter) Name() string { return "adapter" }
 
-func (adapterFilter) Keep(req *Request, w *pool.Worker) bool {
-	return req.Adapter == "" || w.HoldsAdapter(req.Adapter)
+func (f adapterFilter) Keep(req *Request, w *pool.Worker) bool {
+	return req.Adapter == "" || w.HoldsAdapter(req.Adapter) ||
+		f.load && req.LoadAdapter && w.AdapterSlots() > 0 && w.CanTakeAdapter(req.Adapter)
 }
 
 var _ Filter = adapterFilter{}

@@ -2,10 +2,16 @@ package routing
 
 import (
 	"errors"
+	"math"
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/batonllm/baton/proto/workerpb"
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 )
 
 // Every strategy, built-in or custom, sends a request for an adapter only
@@ -77,5 +83,64 @@ func TestAdapterPickDoesNotAllocate(t *testing.T) {
 		if n := testing.AllocsPerRun(100, func() { _, _ = s.Pick(req, snap) }); n != 0 {
 			t.Errorf("%s: Pick of an adapter request allocates %v times, want 0", s.Name(), n)
 		}
+	}
+}
+
+// kv_aware counts the load of an adapter onto a worker that lacks it: a
+// holder whose queue costs less than the load beats a cold worker, one
+// whose queue costs more does not; the load is the adapter's size over the
+// worker's host link, or the load time measured there. Without
+// Request.LoadAdapter only holders are candidates.
+func TestKVAwareCountsAdapterLoad(t *testing.T) {
+	f := newKVFleet(t, 2)
+	holder, cold := f.worker("w00"), f.worker("w01")
+	for _, w := range []string{"w00", "w01"} {
+		f.info(w, false, 0)
+		f.worker(w).SetAdapterSlots(2)
+	}
+	holder.AddAdapter("sql")
+	f.report("w00", &workerpb.LoadReport{WaitingPrefillTokens: 4096})
+	s := f.strategy(Params{})
+	req := func(load bool, bytes int64) *Request {
+		r := kvRequest(prompt(7)[:16])
+		r.Adapter, r.LoadAdapter, r.AdapterBytes = "sql", load, bytes
+		return r
+	}
+	// With a free load the cold worker wins by the holder's queue.
+	free := pick(t, s, req(true, 0), f.snap())
+	held := pick(t, s, req(false, 0), f.snap())
+	if free.Worker != cold || held.Worker != holder {
+		t.Fatalf("free load picks %s, holders only %s; want w01, w00", free.Worker.Name, held.Worker.Name)
+	}
+	gap := (held.Estimate - free.Estimate).Seconds()
+	if gap <= 0.1*held.Estimate.Seconds() {
+		t.Fatalf("the holder's queue adds %vs to %v: too little to test", gap, held.Estimate)
+	}
+	pcie := kvindex.DefaultCost.PCIeBytesPerSecond
+	for _, tc := range []struct {
+		name     string
+		bytes    int64
+		measured time.Duration
+		want     *pool.Worker
+	}{
+		{"load shorter than the queue", int64(gap / 2 * pcie), 0, cold},
+		{"load longer than the queue", int64(2 * gap * pcie), 0, holder},
+		{"measured load longer than the queue", 0, time.Duration(2 * gap * float64(time.Second)), holder},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.measured > 0 {
+				cold.ObserveAdapterLoad(tc.measured)
+			}
+			d := pick(t, s, req(true, tc.bytes), f.snap())
+			if d.Worker != tc.want {
+				t.Errorf("picked %s (estimate %v), want %s", d.Worker.Name, d.Estimate, tc.want.Name)
+			}
+			if d.Worker == cold {
+				load := float64(tc.bytes) / pcie
+				if got, want := d.Estimate.Seconds(), free.Estimate.Seconds()+load; math.Abs(got-want) > 1e-6+1e-3*want {
+					t.Errorf("cold worker's estimate %vs, want %vs plus the load %vs", got, free.Estimate.Seconds(), load)
+				}
+			}
+		})
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"strconv"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 )
 
 // KVAware is the name of the kv_aware strategy.
@@ -133,7 +134,7 @@ func NewKVAware(p Params) (Strategy, error) {
 	}
 	return (&Profile{
 		name:      KVAware,
-		filters:   defaultFilters,
+		filters:   kvAwareFilters,
 		scorers:   []weighted{{kv, 1}},
 		picker:    maxPicker{},
 		rand:      p.Rand,
@@ -146,6 +147,11 @@ func NewKVAware(p Params) (Strategy, error) {
 		finisher:  []Finisher{kv},
 	}).timed(p.PartTimer), nil
 }
+
+// kvAwareFilters are kv_aware's: a worker that would load the request's
+// adapter first stays a candidate (Request.LoadAdapter), since its
+// estimate counts the load.
+var kvAwareFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{load: true}}
 
 // kvScorer is kv_aware's scorer (see NewKVAware). Its choice scores 1;
 // every other candidate its score relative to the choice's (lower
@@ -223,7 +229,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		}
 		s.idx.Lookup(req.Keys, names[:n], ms[:n])
 		for j, i := range idx[:n] {
-			e := estimate(&ms[j], req, cands[i].InFlight())
+			e := estimate(&ms[j], req, cands[i].InFlight(), adapterLoadSeconds(cands[i], req, &ms[j].Cost))
 			e.i = i
 			cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
 			if e.better(bestAny) {
@@ -302,9 +308,27 @@ func (s *kvScorer) Finish(req *Request, d Decision, info FinishInfo) {
 	})
 }
 
+// adapterLoadSeconds is the time w would take to load req's adapter
+// before it prefills: none when it holds it (or req names none); else the
+// load time the front end measured on w, or the adapter's size over w's
+// host link (the PCIe bandwidth of its cost figures).
+func adapterLoadSeconds(w *pool.Worker, req *Request, c *kvindex.Cost) float64 {
+	if req.Adapter == "" || w.HoldsAdapter(req.Adapter) {
+		return 0
+	}
+	if s := w.AdapterLoadSeconds(); s > 0 {
+		return s
+	}
+	if req.AdapterBytes > 0 && c.PCIeBytesPerSecond > 0 {
+		return float64(req.AdapterBytes) / c.PCIeBytesPerSecond
+	}
+	return 0
+}
+
 // estimate returns the estimated TTFT of req on the worker m describes,
-// with load requests in flight.
-func estimate(m *kvindex.Match, req *Request, load int) candidate {
+// with load requests in flight, after loadAdapter seconds of loading the
+// request's LoRA adapter.
+func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) candidate {
 	c := &m.Cost
 	bt := m.BlockTokens
 	tokens := req.Tokens
@@ -335,7 +359,8 @@ func estimate(m *kvindex.Match, req *Request, load int) candidate {
 		}
 	}
 	corr := deadBand(m.Correction)
-	ttft := (queue + copyCPU + cost) * corr
+	// The front end loads an adapter before it sends the request there.
+	ttft := (queue+copyCPU+cost)*corr + loadAdapter
 	// The score adds the compute the request costs the fleet, so that a
 	// worker recomputes a prefix another holds only when that saves more
 	// time to first token than the recomputation burns; for prompts no

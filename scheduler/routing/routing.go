@@ -29,6 +29,13 @@ type Request struct {
 	// Adapter is the LoRA adapter the client asked for, empty for a base
 	// model: only workers that hold it are eligible.
 	Adapter string
+	// LoadAdapter lets profiles that count adapter loads (kv_aware) also
+	// pick a worker that would have to load Adapter first (it has slots,
+	// a free one or an idle adapter to evict), with the load in its
+	// estimate; the front end then loads it there. AdapterBytes is the
+	// adapter's size, 0 when unknown.
+	LoadAdapter  bool
+	AdapterBytes int64
 	// Tenant is the request's tenant id (prompt_cache_key or
 	// X-Prefix-Aware-Id), empty if none.
 	Tenant string
