@@ -132,8 +132,9 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 // the front end.
 func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	s.watcher = watch.New(s.Index, watch.Config{OnResync: func(worker string, err error) {
-		s.Metrics.IndexResyncs.WithLabelValues(worker).Inc()
-		s.log.Info("kv index resync", "worker", worker, "err", err)
+		reason := watch.ResyncReason(err)
+		s.Metrics.IndexResyncs.WithLabelValues(worker, reason).Inc()
+		s.log.Info("kv index resync", "worker", worker, "reason", reason, "err", err)
 	}, OnAdapters: s.workerAdapters})
 	s.Metrics.CollectEngines(s.engineCounts)
 	d := cfg.Disaggregation.WithDefaults()

@@ -70,7 +70,7 @@ type Metrics struct {
 	PredictedCached *prometheus.CounterVec // strategy
 	AchievedCached  *prometheus.CounterVec // strategy
 	TierHits        *prometheus.CounterVec // tier (gpu, cpu, redis)
-	IndexResyncs    *prometheus.CounterVec // worker
+	IndexResyncs    *prometheus.CounterVec // worker, reason
 	// Tokenize counts the tokenizations of requests keyed by an engine's
 	// tokens, by outcome: hit (cached), miss (asked), failed and
 	// unsupported (both keyed by text); TokenizeDuration times them.
@@ -177,8 +177,8 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 			Name: "baton_cached_tokens_by_tier_total", Help: "Cached prompt tokens by the tier the worker found them in (gpu, cpu, redis).",
 		}, []string{"tier"}),
 		IndexResyncs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "baton_kv_index_resyncs_total", Help: "Times the KV index resubscribed to a worker's cache events (a sequence gap or a broken stream), by worker.",
-		}, []string{"worker"}),
+			Name: "baton_kv_index_resyncs_total", Help: "Times the KV index resubscribed to a worker's cache events, by worker and reason: gap (a sequence number skipped: events were lost), stream (the stream broke or ended) or unreachable (a subscription attempt failed).",
+		}, []string{"worker", "reason"}),
 		Tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_tokenize_total", Help: "Tokenizations of requests keyed by an engine's tokens, by outcome (hit: cached; miss: asked; failed and unsupported: keyed by text).",
 		}, []string{"outcome"}),

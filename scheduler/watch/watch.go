@@ -21,6 +21,40 @@ var ErrClosed = errors.New("watcher closed")
 // errNoSnapshot ends a stream whose first event is not a snapshot.
 var errNoSnapshot = errors.New("watch stream did not start with a snapshot")
 
+// Reasons of a resubscription, by ResyncReason.
+const (
+	// ResyncGap: an event's sequence number skipped ahead, so events were
+	// lost; the index must not trust what it holds of the worker.
+	ResyncGap = "gap"
+	// ResyncStream: the stream broke or ended (the worker restarted or
+	// dropped a slow subscriber, the connection broke), or did not start
+	// with a snapshot.
+	ResyncStream = "stream"
+	// ResyncUnreachable: Info or Watch failed, so no stream began (each
+	// attempt while the worker is down counts).
+	ResyncUnreachable = "unreachable"
+)
+
+// ResyncReason classifies an error OnResync receives: ResyncGap,
+// ResyncStream or ResyncUnreachable.
+func ResyncReason(err error) string {
+	var se subscribeError
+	switch {
+	case errors.Is(err, kvindex.ErrGap):
+		return ResyncGap
+	case errors.As(err, &se):
+		return ResyncUnreachable
+	}
+	return ResyncStream
+}
+
+// subscribeError marks a failure before the stream began; its message is
+// its cause's.
+type subscribeError struct{ err error }
+
+func (e subscribeError) Error() string { return e.err.Error() }
+func (e subscribeError) Unwrap() error { return e.err }
+
 // Source is a worker the Watcher subscribes to; grpcworker.Client
 // implements it. The Watcher calls Info, then Watch, from the worker's
 // goroutine on every (re)subscription; both may block until ctx ends.
@@ -52,8 +86,9 @@ type Config struct {
 	InfoTimeout time.Duration
 	// OnResync, if set, is called from the worker's goroutine each time
 	// its subscription ends and the Watcher is about to resubscribe, with
-	// the reason (a stream error, or an error wrapping kvindex.ErrGap).
-	// It must not block. Use it for logs and metrics.
+	// the reason: an error wrapping kvindex.ErrGap (events were lost),
+	// a stream error, or a failure to subscribe (ResyncReason classifies
+	// it). It must not block. Use it for logs and metrics.
 	OnResync func(worker string, err error)
 	// OnAdapters, if set, is called from the worker's goroutine with the
 	// LoRA adapters the worker holds, each time its Info or a load report
@@ -189,17 +224,17 @@ func (w *Watcher) session(ctx context.Context, name string, src Source) (synced 
 	info, err := src.Info(ictx)
 	cancel()
 	if err != nil {
-		return false, fmt.Errorf("worker %s: %w", name, err)
+		return false, subscribeError{fmt.Errorf("worker %s: %w", name, err)}
 	}
 	if err := w.idx.SetInfo(name, InfoFromProto(info)); err != nil {
-		return false, err
+		return false, subscribeError{err}
 	}
 	w.adapters(name, info.GetAdapters(), int(info.GetMaxLoras()))
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	st, err := src.Watch(sctx)
 	if err != nil {
-		return false, fmt.Errorf("worker %s: %w", name, err)
+		return false, subscribeError{fmt.Errorf("worker %s: %w", name, err)}
 	}
 	for {
 		ev, err := st.Recv()

@@ -230,14 +230,18 @@ func TestWatchGapResyncs(t *testing.T) {
 	waitSubscribed(t, f)
 	f.store(3)
 	eventually(t, idx, "a", f)
-	// An event is lost: the next one reveals the gap, and the watcher
-	// resubscribes for a snapshot holding both.
+	// An event is lost (the worker dropped block 1): the next one
+	// reveals the gap, and the watcher resubscribes for a snapshot that
+	// replaces what the index held, block 1 included.
 	f.change(workerpb.CacheEvent_KIND_REMOVED, true, 1)
 	f.store(10, 11)
 	waitSubscribed(t, f)
 	eventually(t, idx, "a", f)
-	if errs := r.get(); len(errs) != 1 || !errors.Is(errs[0], kvindex.ErrGap) {
-		t.Errorf("resyncs %v, want one ErrGap", errs)
+	if got := indexed(idx, "a"); slices.Contains(got, 1) || !slices.Contains(got, 10) {
+		t.Errorf("index holds %v after the resync: want block 1 gone and 10 there", got)
+	}
+	if errs := r.get(); len(errs) != 1 || !errors.Is(errs[0], kvindex.ErrGap) || ResyncReason(errs[0]) != ResyncGap {
+		t.Errorf("resyncs %v, want one ErrGap (reason %q)", errs, ResyncGap)
 	}
 	// Events on the new stream apply.
 	f.store(20)
@@ -265,8 +269,8 @@ func TestWatchStreamErrorResubscribes(t *testing.T) {
 	if out[0].Cost.Layers != 80 {
 		t.Errorf("cost after resubscribing: layers %d, want 80 (Info again)", out[0].Cost.Layers)
 	}
-	if errs := r.get(); len(errs) != 1 || !errors.Is(errs[0], io.ErrUnexpectedEOF) {
-		t.Errorf("resyncs %v, want one io.ErrUnexpectedEOF", errs)
+	if errs := r.get(); len(errs) != 1 || !errors.Is(errs[0], io.ErrUnexpectedEOF) || ResyncReason(errs[0]) != ResyncStream {
+		t.Errorf("resyncs %v, want one io.ErrUnexpectedEOF (reason %q)", errs, ResyncStream)
 	}
 }
 
@@ -291,6 +295,11 @@ func TestWatchInfoFailureBacksOff(t *testing.T) {
 	f.mu.Unlock()
 	if watches != 0 {
 		t.Errorf("Watch called %d times while Info failed", watches)
+	}
+	for _, err := range r.get() {
+		if got := ResyncReason(err); got != ResyncUnreachable {
+			t.Errorf("ResyncReason(%v) = %q, want %q", err, got, ResyncUnreachable)
+		}
 	}
 	eventually(t, idx, "a", f)
 }

@@ -9,13 +9,16 @@ import (
 )
 
 // fault is one injection: inject starts it, recover ends it, and side,
-// if not nil, adds load of its own while it lasts.
+// if not nil, adds load of its own while it lasts. check, if not nil,
+// runs after the window and says what the fault's own counters show (for
+// the table), with an error if they show it was not exercised.
 type fault struct {
 	name    string
 	what    string // how it is injected, for the table
 	inject  func(ctx context.Context, h *harness) (note string, err error)
 	recover func(ctx context.Context, h *harness) error
 	side    func(ctx context.Context, h *harness)
+	check   func(ctx context.Context, h *harness, w *window) (note string, err error)
 }
 
 // waitInFlight waits (up to 3s) until worker has sequences running or
@@ -110,6 +113,17 @@ func cutThenServe(cut, after int) func(context.Context, *harness) {
 	}
 }
 
+// together runs sides at once.
+func together(sides ...func(context.Context, *harness)) func(context.Context, *harness) {
+	return func(ctx context.Context, h *harness) {
+		var wg sync.WaitGroup
+		for _, side := range sides {
+			wg.Go(func() { side(ctx, h) })
+		}
+		wg.Wait()
+	}
+}
+
 // burst runs n looping clients while the window lasts.
 func burst(n int) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
@@ -128,9 +142,9 @@ func allFaults(prefill, decode int) []fault {
 	capacity := decode * maxInFlight
 	return []fault{
 		{name: "prefill-kill", what: "SIGKILL prefill worker p0 with calls in flight; restarted at the window's end",
-			inject: killWorker("p0"), recover: restartWorker("p0")},
+			inject: killWorker("p0"), recover: restartWorker("p0"), check: reopened("p0")},
 		{name: "decode-kill", what: "SIGKILL decode worker d0 with streams in flight; restarted at the window's end",
-			inject: killWorker("d0"), recover: restartWorker("d0")},
+			inject: killWorker("d0"), recover: restartWorker("d0"), check: reopened("d0")},
 		{name: "slow-worker", what: "decode worker d1 restarted (SIGTERM, drained) at --time-scale ÷10; back to normal after",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.workers["d1"].stop(10 * time.Second)
@@ -150,7 +164,8 @@ func allFaults(prefill, decode int) []fault {
 			recover: func(_ context.Context, h *harness) error {
 				h.hole.close()
 				return h.f.restartWorker("d1", h.f.timeScale)
-			}},
+			},
+			check: reopened("d1")},
 		{name: "redis-down", what: "SIGKILL redis-server; restarted empty on the same port",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.redis.kill()
@@ -163,6 +178,8 @@ func allFaults(prefill, decode int) []fault {
 				return "", nil
 			},
 			recover: func(_ context.Context, h *harness) error { h.f.redisPx.setDelay(0); return nil }},
+		corruptTransfer(4),
+		watchGap(2 * time.Second),
 		{name: "scheduler-restart", what: "serve replica 1 SIGTERMed (drain), down for the window, then restarted; clients retry connection errors on the other replica",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.scheds[1].stop(15 * time.Second)
@@ -175,14 +192,22 @@ func allFaults(prefill, decode int) []fault {
 			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: cutThenServe(200, 400)},
 		{name: "burst-3x", what: fmt.Sprintf("%d more looping clients: 3× the decode pool's %d in-flight slots", 3*capacity, capacity),
 			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: burst(3 * capacity)},
-		{name: "combined", what: "at once: SIGKILL p0 and d0, SIGKILL redis-server, serve replica 1 down, 100 clients cutting; all restored together",
+		{name: "combined", what: "at once: SIGKILL p0 and d0, SIGKILL redis-server, serve replica 1 down, 100 clients cutting, corrupt-transfer's links and fresh clients, watch-gap's drops; all restored together",
 			inject: func(ctx context.Context, h *harness) (string, error) {
+				h.setMark(ctx)
 				note := h.kill(ctx, "p0") + "; " + h.kill(ctx, "d0")
 				h.f.redis.kill()
 				h.f.scheds[1].stop(15 * time.Second)
+				h.corrupt(2)
+				for _, l := range h.f.links {
+					l.dropWatch()
+				}
 				return note, nil
 			},
 			recover: func(ctx context.Context, h *harness) error {
+				h.corrupt(0)
+				h.stopDrops()
+				defer h.replayFresh(ctx)
 				for _, step := range []func() error{
 					h.f.startRedis,
 					func() error { return h.f.restartWorker("p0", h.f.timeScale) },
@@ -195,6 +220,12 @@ func allFaults(prefill, decode int) []fault {
 				}
 				return nil
 			},
-			side: cutClients(100)},
+			side: together(cutClients(100), freshClients(4), dropWatchEvery(2*time.Second)),
+			check: func(ctx context.Context, h *harness, w *window) (string, error) {
+				corrupt, _, _ := h.corruptNote(ctx, w)
+				watch, _, _ := h.watchNote(ctx)
+				again, _ := reopened("p0", "d0")(ctx, h, w)
+				return corrupt + "; " + watch + "; " + again, nil
+			}},
 	}
 }

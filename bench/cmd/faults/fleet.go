@@ -12,7 +12,9 @@ import (
 
 // fleet is the disaggregated fleet under test: a redis-server behind a
 // delaying proxy, prefill and decode baton workers using it as their
-// shared tier, and baton serve replicas in front.
+// shared tier, each behind a link proxy that every connection to it
+// passes through (the schedulers' calls, and the KV blocks prefill
+// workers push to decode workers), and baton serve replicas in front.
 type fleet struct {
 	dir, bin  string
 	timeScale float64
@@ -21,10 +23,12 @@ type fleet struct {
 	redisAddr string      // the server's own address
 	redisPx   *delayProxy // what workers dial
 
-	workers map[string]*proc // by name: p0, p1, d0, d1
-	addrs   map[string]string
-	metrics map[string]string // each worker's /metrics base URL
+	workers map[string]*proc      // by name: p0, p1, d0, d1
+	addrs   map[string]string     // where each worker listens
+	links   map[string]*linkProxy // in front of each worker: its address in the configuration
+	metrics map[string]string     // each worker's /metrics base URL
 	names   []string
+	started map[string]time.Time // when each worker last started listening
 
 	scheds []*proc
 	bases  []string // http://host:port of each replica
@@ -39,7 +43,8 @@ const (
 )
 
 func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas int, timeScale float64) (*fleet, error) {
-	f := &fleet{dir: dir, bin: bin, timeScale: timeScale, workers: map[string]*proc{}, addrs: map[string]string{}, metrics: map[string]string{}}
+	f := &fleet{dir: dir, bin: bin, timeScale: timeScale, workers: map[string]*proc{}, addrs: map[string]string{},
+		links: map[string]*linkProxy{}, metrics: map[string]string{}, started: map[string]time.Time{}}
 	rbin, err := redisServer()
 	if err != nil {
 		return nil, err
@@ -63,7 +68,7 @@ func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas 
 		return nil, err
 	}
 	var yaml strings.Builder
-	fmt.Fprintf(&yaml, `strategy: prefix_aware
+	fmt.Fprintf(&yaml, `strategy: kv_aware
 log_level: warn
 drain_timeout: 5s
 request_timeout: 30s
@@ -89,6 +94,10 @@ workers:
 			return nil, err
 		}
 		f.addrs[name] = loopback(port)
+		if f.links[name], err = newLinkProxy(f.addrs[name]); err != nil {
+			f.close()
+			return nil, err
+		}
 		mport, err := freePort()
 		if err != nil {
 			f.close()
@@ -96,7 +105,7 @@ workers:
 		}
 		f.metrics[name] = "http://" + loopback(mport)
 		f.names = append(f.names, name)
-		fmt.Fprintf(&yaml, "  - {name: %s, address: %q, role: %s}\n", name, f.addrs[name], role)
+		fmt.Fprintf(&yaml, "  - {name: %s, address: %q, role: %s}\n", name, f.links[name].addr(), role)
 		f.workers[name] = f.workerProc(name, role, timeScale)
 		if err := f.startWorker(name); err != nil {
 			f.close()
@@ -145,7 +154,9 @@ func (f *fleet) startWorker(name string) error {
 	if err := p.start(); err != nil {
 		return err
 	}
-	return waitTCP(p, f.addrs[name], 20*time.Second)
+	err := waitTCP(p, f.addrs[name], 20*time.Second)
+	f.started[name] = time.Now()
+	return err
 }
 
 // restartWorker replaces a stopped worker with one at timeScale.
@@ -193,6 +204,9 @@ func (f *fleet) close() {
 	}
 	for _, p := range f.workers {
 		p.stop(10 * time.Second)
+	}
+	for _, l := range f.links {
+		l.close()
 	}
 	if f.redisPx != nil {
 		f.redisPx.close()

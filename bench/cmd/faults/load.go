@@ -29,6 +29,7 @@ const (
 	outConn      = "conn_error"  // no response: connection errors on every replica
 	outHang      = "hang"        // the client's deadline passed
 	outBad       = "bad_body"    // a 200 whose body does not parse
+	outWrong     = "wrong_text"  // a completion whose text is not the one the same request gets without the fault
 )
 
 // result is one request's end.
@@ -39,6 +40,7 @@ type result struct {
 	outcome    string
 	detail     string // error message or code, for the notes
 	tries      int    // connection attempts (replicas tried)
+	text       string // the completion's text, if the client keeps it
 }
 
 func (r *result) latency() time.Duration { return r.end.Sub(r.start) }
@@ -76,6 +78,8 @@ type client struct {
 	// prompts, if positive, is how many distinct prompts the client
 	// sends (the question numbers repeat); else every one is new.
 	prompts int
+	// keepText keeps each completion's text in its result.
+	keepText bool
 }
 
 func newClient(bases []string, model string, deadline time.Duration, conns int, rec *recorder) *client {
@@ -123,23 +127,59 @@ func (c *client) body(r *rand.Rand, stream bool, maxTokens int) []byte {
 	return b
 }
 
+// freshBody is a chat completion over a document nobody sent before, of
+// 2,400 characters (600 tokens, over min_remote_prefill_tokens): no
+// worker holds any of it, so its prefill runs on a prefill worker and all
+// its blocks are pushed to the decode worker.
+func (c *client) freshBody(r *rand.Rand, stream bool, maxTokens int) []byte {
+	words := strings.Fields("blocks move from the prefill worker to the decode worker over the link and each one carries a checksum of its own")
+	var b strings.Builder
+	fmt.Fprintf(&b, "Fresh document %d. ", reqSeq.Add(1))
+	for b.Len() < 2400 {
+		b.WriteString(words[r.IntN(len(words))])
+		b.WriteByte(' ')
+	}
+	b.WriteString("\nQuestion: what moves?")
+	out, _ := json.Marshal(map[string]any{
+		"model": c.model, "stream": stream, "max_tokens": maxTokens,
+		"messages": []map[string]string{{"role": "user", "content": b.String()}},
+	})
+	return out
+}
+
 // do sends body and reads the answer to its end (cut: to the first
 // token), recording the result.
 func (c *client) do(ctx context.Context, kind string, body []byte, stream, cut bool) result {
+	return c.doCheck(ctx, kind, body, stream, cut, nil)
+}
+
+// doCheck is do for a request whose completion must be *want, if want is
+// not nil: another text is a wrong outcome (outWrong).
+func (c *client) doCheck(ctx context.Context, kind string, body []byte, stream, cut bool, want *string) result {
 	c.rec.sent.Add(1)
 	res := result{start: time.Now(), stream: stream, kind: kind}
 	ctx, cancel := context.WithTimeout(ctx, c.deadline)
 	defer cancel()
-	c.send(ctx, body, stream, cut, &res)
+	c.send(ctx, body, stream, cut, c.keepText || want != nil, &res)
 	res.end = time.Now()
 	if res.outcome != outOK && res.outcome != outCut && ctx.Err() == context.DeadlineExceeded {
 		res.outcome, res.detail = outHang, "no end within "+c.deadline.String()+" ("+res.detail+")"
+	}
+	if want != nil && res.outcome == outOK && res.text != *want {
+		res.outcome, res.detail = outWrong, fmt.Sprintf("%q, where the same request gave %q", clip(res.text, 40), clip(*want, 40))
 	}
 	c.rec.add(res)
 	return res
 }
 
-func (c *client) send(ctx context.Context, body []byte, stream, cut bool, res *result) {
+func clip(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "…"
+	}
+	return s
+}
+
+func (c *client) send(ctx context.Context, body []byte, stream, cut, keep bool, res *result) {
 	var resp *http.Response
 	first := c.next.Add(1)
 	for try := range 2 * len(c.bases) {
@@ -194,9 +234,13 @@ func (c *client) send(ctx context.Context, body []byte, stream, cut bool, res *r
 			res.outcome, res.detail = outBad, "no content"
 			return
 		}
+		if keep {
+			res.text = v.Choices[0].Message.Content
+		}
 		res.outcome = outOK
 		return
 	}
+	var text strings.Builder
 	br := bufio.NewReader(resp.Body)
 	tokens := 0
 	for {
@@ -214,6 +258,9 @@ func (c *client) send(ctx context.Context, body []byte, stream, cut bool, res *r
 			if tokens == 0 {
 				res.outcome, res.detail = outBad, "[DONE] without content"
 				return
+			}
+			if keep {
+				res.text = text.String()
 			}
 			res.outcome = outOK
 			return
@@ -237,6 +284,9 @@ func (c *client) send(ctx context.Context, body []byte, stream, cut bool, res *r
 		}
 		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" {
 			tokens++
+			if keep {
+				text.WriteString(ev.Choices[0].Delta.Content)
+			}
 			if cut {
 				res.outcome = outCut
 				return // the deferred Close cuts the stream

@@ -123,6 +123,9 @@ type harness struct {
 	deadline time.Duration
 	during   time.Duration
 	hole     *blackHole
+	mark     mark     // counters at the fault's start, for its check
+	fresh    freshLog // corrupt-transfer's requests, to replay
+	replayed struct{ compared, differed int }
 }
 
 // window is one fault's run: its times and the first replica's metrics.
@@ -211,6 +214,11 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 		w.t3 = time.Now()
 		w.mEnd, _ = scrape(ctx, f.bases[0])
 		w.wEnd = f.scrapeWorkers(ctx)
+		if flt.check != nil && w.err == nil {
+			var note string
+			note, w.err = flt.check(ctx, h, w)
+			w.note = strings.Trim(w.note+"; "+note, "; ")
+		}
 		if w.err != nil {
 			log.Error("fault", "name", flt.name, "err", w.err)
 			runErr = fmt.Errorf("%s: %w", flt.name, w.err)

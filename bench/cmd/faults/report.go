@@ -73,7 +73,7 @@ func gauge(m metrics, name string) float64 {
 func matrixReport(o options, wins []*window, rec *recorder, idle0, idle1 metrics, tier map[string]metrics, load0, load1 string, took time.Duration) string {
 	res := rec.snapshot()
 	var b strings.Builder
-	fmt.Fprintf(&b, "Fleet: baton's simulated workers (`baton worker`, %s preset, H100, --time-scale %g), 2 prefill (p0, p1) + 2 decode (d0, d1), shared KV tier on a throwaway redis-server behind a delaying proxy; two `baton serve` replicas (prefix_aware, max_in_flight %d, max_queue %d, queue_timeout 2s); loopback.\n\n",
+	fmt.Fprintf(&b, "Fleet: baton's simulated workers (`baton worker`, %s preset, H100, --time-scale %g), 2 prefill (p0, p1) + 2 decode (d0, d1), each behind a link proxy that every connection to it passes through (the replicas' calls and Watch streams, the KV blocks pushed to it), forwarding HTTP/2 frames unchanged unless a fault says; shared KV tier on a throwaway redis-server behind a delaying proxy; two `baton serve` replicas (kv_aware, so each follows every worker's Watch stream; max_in_flight %d, max_queue %d, queue_timeout 2s); loopback.\n\n",
 		model, o.timeScale, maxInFlight, maxQueue)
 	fmt.Fprintf(&b, "Load: %d steady clients, one request after another, half streamed, each a 2,400-character document of 16 plus a question of its own, max_tokens 16–64, alternating between the replicas and retrying connection errors on the other; client deadline %s. Windows: %s before, %s of fault, %s after the fleet is whole again. Run took %s; %s; load average %s at the start, %s at the end.\n\n",
 		o.clients, o.deadline, o.before, o.during, o.after, took.Round(time.Second), cpus(), load0, load1)

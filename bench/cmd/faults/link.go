@@ -1,0 +1,534 @@
+package main
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/batonllm/baton/proto/workerpb"
+)
+
+// The gRPC methods a link tells apart (the :path of their HTTP/2 streams).
+const (
+	pathPush  = "/baton.worker.v1.KVTransfer/Push"
+	pathWatch = "/baton.worker.v1.Worker/Watch"
+)
+
+// linkProxy stands between a baton worker and everything that dials it:
+// the fleet's configuration gives its address as the worker's, so the
+// schedulers' calls and the KV blocks prefill workers push to a decode
+// worker (to the address the scheduler gives them, the configured one)
+// all pass through it. It forwards HTTP/2 (plaintext gRPC) frame by frame
+// and reads the request headers, so it knows which stream is which call,
+// and, when told, damages what passes without breaking the connection:
+//
+//   - corrupt: it flips one byte in the middle of the payload of every
+//     nth KV block pushed (KVTransfer.Push messages of 4 KiB or more; a
+//     block travels as one message below 1 MiB), after the sender
+//     computed its checksum, as a faulty link or NIC would;
+//   - dropWatch: each Watch stream then open loses its next cache event,
+//     whose sequence number the subscriber never sees (the stream's flow
+//     control window is given back to the worker for the dropped bytes,
+//     so the stream goes on).
+//
+// Everything else passes unchanged.
+type linkProxy struct {
+	l      net.Listener
+	target string
+
+	corruptEvery atomic.Int64 // 0: off
+	dropGen      atomic.Int64 // incremented by dropWatch
+	dropArmed    atomic.Bool  // set by dropWatch, cleared by stopDrops
+
+	// Counters since start.
+	pushed, flipped  atomic.Int64 // blocks seen in pushes while corrupting, and corrupted
+	watches, dropped atomic.Int64 // Watch streams opened, events dropped
+	lastErr          atomic.Value // string: the last error that broke a connection (not EOF)
+
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	opened []time.Time // when each Watch stream was opened
+	wg     sync.WaitGroup
+}
+
+func newLinkProxy(target string) (*linkProxy, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &linkProxy{l: l, target: target, conns: map[net.Conn]struct{}{}}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+func (p *linkProxy) addr() string { return p.l.Addr().String() }
+
+// corrupt flips a byte in every nth block pushed through the link from
+// now on; 0 stops.
+func (p *linkProxy) corrupt(n int) { p.corruptEvery.Store(int64(n)) }
+
+// dropWatch makes every Watch stream open now drop its next cache event
+// (unless stopDrops comes first).
+func (p *linkProxy) dropWatch() {
+	p.dropGen.Add(1)
+	p.dropArmed.Store(true)
+}
+
+// stopDrops cancels the drops dropWatch asked for and not yet done.
+func (p *linkProxy) stopDrops() { p.dropArmed.Store(false) }
+
+// watchesSince returns, for each Watch stream opened since t, how long
+// after t it was.
+func (p *linkProxy) watchesSince(t time.Time) []time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []time.Duration
+	for _, o := range p.opened {
+		if o.After(t) {
+			out = append(out, o.Sub(t))
+		}
+	}
+	return out
+}
+
+func (p *linkProxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.l.Accept()
+		if err != nil {
+			return
+		}
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			p.serve(c)
+		}()
+	}
+}
+
+func (p *linkProxy) track(c net.Conn, add bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if add {
+		p.conns[c] = struct{}{}
+	} else {
+		delete(p.conns, c)
+	}
+}
+
+// close stops accepting and closes every connection.
+func (p *linkProxy) close() {
+	p.l.Close()
+	p.mu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+func (p *linkProxy) serve(c net.Conn) {
+	defer c.Close()
+	u, err := net.DialTimeout("tcp", p.target, time.Second)
+	if err != nil {
+		return // the dialer sees its connection closed: the worker is down
+	}
+	defer u.Close()
+	p.track(c, true)
+	p.track(u, true)
+	defer p.track(c, false)
+	defer p.track(u, false)
+	lc := &linkConn{p: p, up: bufio.NewWriterSize(u, 64<<10), streams: map[uint32]*h2stream{}}
+	done := make(chan struct{}, 2)
+	go func() { lc.note(lc.upstream(bufio.NewReaderSize(c, 64<<10))); done <- struct{}{} }()
+	go func() { lc.note(lc.downstream(bufio.NewReaderSize(u, 64<<10), c)); done <- struct{}{} }()
+	<-done
+	c.Close()
+	u.Close()
+	<-done
+}
+
+// HTTP/2 frame types and flags the link reads (RFC 9113, section 6).
+const (
+	frameData         = 0x0
+	frameHeaders      = 0x1
+	frameRSTStream    = 0x3
+	frameWindowUpdate = 0x8
+	frameContinuation = 0x9
+
+	flagEndStream  = 0x1
+	flagEndHeaders = 0x4
+	flagPadded     = 0x8
+	flagPriority   = 0x20
+
+	maxFrameBytes = 16384 // SETTINGS_MAX_FRAME_SIZE's initial value
+)
+
+const clientPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+// corruptMin is the smallest Push message taken for a block: the other
+// messages of a push are none, and a block of the fleet's workers is
+// 32 KiB.
+const corruptMin = 4 << 10
+
+// linkConn is one proxied connection.
+type linkConn struct {
+	p *linkProxy
+
+	upMu sync.Mutex // guards up: frames from the client and window updates
+	up   *bufio.Writer
+
+	mu      sync.Mutex // guards streams
+	streams map[uint32]*h2stream
+
+	// The client's header blocks, decoded in order (HPACK's dynamic table
+	// is per connection); used by upstream only.
+	dec       *hpack.Decoder
+	hdrStream uint32
+	hdrBlock  []byte
+}
+
+// h2stream is what the link knows of one HTTP/2 stream.
+type h2stream struct {
+	path string
+	// Push: the client's gRPC message framing, and blocks seen.
+	up grpcFraming
+	// Watch: the worker's bytes not yet forwarded (an incomplete
+	// message), messages forwarded, and the drop generation served.
+	pending []byte
+	msgs    int
+	gen     int64
+}
+
+func (lc *linkConn) note(err error) {
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.ErrUnexpectedEOF) {
+		lc.p.lastErr.Store(err.Error())
+	}
+}
+
+func (lc *linkConn) stream(id uint32) *h2stream {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	return lc.streams[id]
+}
+
+func (lc *linkConn) forget(id uint32) {
+	lc.mu.Lock()
+	delete(lc.streams, id)
+	lc.mu.Unlock()
+}
+
+type frameHeader struct {
+	length uint32
+	typ    byte
+	flags  byte
+	stream uint32
+}
+
+func readFrame(r *bufio.Reader, buf []byte) (frameHeader, []byte, error) {
+	var h [9]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return frameHeader{}, nil, err
+	}
+	fh := frameHeader{
+		length: uint32(h[0])<<16 | uint32(h[1])<<8 | uint32(h[2]),
+		typ:    h[3], flags: h[4],
+		stream: binary.BigEndian.Uint32(h[5:]) & 0x7fffffff,
+	}
+	if cap(buf) < int(fh.length) {
+		buf = make([]byte, fh.length)
+	}
+	buf = buf[:fh.length]
+	if _, err := io.ReadFull(r, buf); err != nil {
+		return fh, nil, err
+	}
+	return fh, buf, nil
+}
+
+func writeFrame(w *bufio.Writer, fh frameHeader, payload []byte) error {
+	h := [9]byte{byte(len(payload) >> 16), byte(len(payload) >> 8), byte(len(payload)), fh.typ, fh.flags}
+	binary.BigEndian.PutUint32(h[5:], fh.stream)
+	if _, err := w.Write(h[:]); err != nil {
+		return err
+	}
+	_, err := w.Write(payload)
+	return err
+}
+
+// dataOf returns a DATA or HEADERS frame's content without its padding
+// (and, for HEADERS, its priority fields).
+func dataOf(fh frameHeader, payload []byte) ([]byte, error) {
+	if fh.flags&flagPadded != 0 {
+		if len(payload) < 1 || int(payload[0]) > len(payload)-1 {
+			return nil, fmt.Errorf("bad padding in frame type %d", fh.typ)
+		}
+		payload = payload[1 : len(payload)-int(payload[0])]
+	}
+	if fh.typ == frameHeaders && fh.flags&flagPriority != 0 {
+		if len(payload) < 5 {
+			return nil, errors.New("short HEADERS priority")
+		}
+		payload = payload[5:]
+	}
+	return payload, nil
+}
+
+// upstream forwards the client's frames to the worker, learning each
+// stream's call from its headers and corrupting pushed blocks when told.
+func (lc *linkConn) upstream(r *bufio.Reader) error {
+	pre := make([]byte, len(clientPreface))
+	if _, err := io.ReadFull(r, pre); err != nil {
+		return err
+	}
+	if string(pre) != clientPreface {
+		return errors.New("not an HTTP/2 client preface (a TLS link cannot be inspected)")
+	}
+	lc.dec = hpack.NewDecoder(4096, nil)
+	lc.upMu.Lock()
+	_, err := lc.up.Write(pre)
+	lc.upMu.Unlock()
+	if err != nil {
+		return err
+	}
+	var buf []byte
+	for {
+		fh, payload, err := readFrame(r, buf)
+		if err != nil {
+			return err
+		}
+		buf = payload
+		switch fh.typ {
+		case frameHeaders, frameContinuation:
+			if err := lc.headers(fh, payload); err != nil {
+				return err
+			}
+		case frameData:
+			if every := lc.p.corruptEvery.Load(); every > 0 {
+				if s := lc.stream(fh.stream); s != nil && s.path == pathPush {
+					data, err := dataOf(fh, payload)
+					if err != nil {
+						return err
+					}
+					lc.corrupt(s, data, every)
+				}
+			}
+		case frameRSTStream:
+			lc.forget(fh.stream)
+		}
+		lc.upMu.Lock()
+		err = writeFrame(lc.up, fh, payload)
+		if err == nil && r.Buffered() == 0 {
+			err = lc.up.Flush()
+		}
+		lc.upMu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// headers collects a header block and, once whole, decodes it for the
+// stream's :path.
+func (lc *linkConn) headers(fh frameHeader, payload []byte) error {
+	if fh.typ == frameHeaders {
+		frag, err := dataOf(fh, payload)
+		if err != nil {
+			return err
+		}
+		lc.hdrStream, lc.hdrBlock = fh.stream, append(lc.hdrBlock[:0], frag...)
+	} else {
+		if fh.stream != lc.hdrStream {
+			return errors.New("CONTINUATION of another stream")
+		}
+		lc.hdrBlock = append(lc.hdrBlock, payload...)
+	}
+	if fh.flags&flagEndHeaders == 0 {
+		return nil
+	}
+	fields, err := lc.dec.DecodeFull(lc.hdrBlock)
+	if err != nil {
+		return fmt.Errorf("hpack: %w", err)
+	}
+	var path string
+	for _, f := range fields {
+		if f.Name == ":path" {
+			path = f.Value
+		}
+	}
+	if path == "" {
+		return nil // trailers
+	}
+	s := &h2stream{path: path}
+	if path == pathWatch {
+		s.gen = lc.p.dropGen.Load()
+		lc.p.watches.Add(1)
+		lc.p.mu.Lock()
+		lc.p.opened = append(lc.p.opened, time.Now())
+		lc.p.mu.Unlock()
+	}
+	if path == pathPush || path == pathWatch {
+		lc.mu.Lock()
+		lc.streams[fh.stream] = s
+		lc.mu.Unlock()
+	}
+	return nil
+}
+
+// grpcFraming follows the length-prefixed messages of one direction of a
+// gRPC stream across DATA frames.
+type grpcFraming struct {
+	hdr   [5]byte
+	hn    int    // bytes of hdr read
+	size  uint32 // the current message's length
+	off   uint32 // bytes of it read
+	index int64  // messages begun of corruptMin bytes or more
+}
+
+// corrupt walks the gRPC messages in data (a push's bytes, in order) and
+// flips the middle byte of every nth large one.
+func (lc *linkConn) corrupt(s *h2stream, data []byte, every int64) {
+	f := &s.up
+	for len(data) > 0 {
+		if f.hn < 5 {
+			n := copy(f.hdr[f.hn:], data)
+			f.hn += n
+			data = data[n:]
+			if f.hn == 5 {
+				f.size, f.off = binary.BigEndian.Uint32(f.hdr[1:]), 0
+				if f.size >= corruptMin {
+					f.index++
+					lc.p.pushed.Add(1)
+				}
+				if f.size == 0 {
+					f.hn = 0
+				}
+			}
+			continue
+		}
+		n := min(uint32(len(data)), f.size-f.off)
+		if target := f.size / 2; f.size >= corruptMin && f.index%every == 0 && target >= f.off && target < f.off+n {
+			data[target-f.off] ^= 0x55
+			lc.p.flipped.Add(1)
+		}
+		f.off += n
+		data = data[n:]
+		if f.off == f.size {
+			f.hn = 0
+		}
+	}
+}
+
+// downstream forwards the worker's frames to the client, dropping Watch
+// events when told.
+func (lc *linkConn) downstream(r *bufio.Reader, c net.Conn) error {
+	w := bufio.NewWriterSize(c, 64<<10)
+	var buf []byte
+	for {
+		fh, payload, err := readFrame(r, buf)
+		if err != nil {
+			return err
+		}
+		buf = payload
+		s := (*h2stream)(nil)
+		if fh.typ == frameData || fh.typ == frameHeaders || fh.typ == frameRSTStream {
+			s = lc.stream(fh.stream)
+		}
+		if fh.typ == frameData && s != nil && s.path == pathWatch {
+			if err := lc.watchData(w, s, fh, payload); err != nil {
+				return err
+			}
+		} else if err := writeFrame(w, fh, payload); err != nil {
+			return err
+		}
+		if s != nil && (fh.typ == frameRSTStream || fh.flags&flagEndStream != 0 && fh.typ != frameData) {
+			lc.forget(fh.stream) // trailers or reset: the stream is over
+		}
+		if r.Buffered() == 0 {
+			if err := w.Flush(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// watchData forwards the whole messages of a Watch stream's DATA frame,
+// but the cache event a dropWatch asked to lose, and gives the worker back
+// the flow control window of the bytes the client will never see.
+func (lc *linkConn) watchData(w *bufio.Writer, s *h2stream, fh frameHeader, payload []byte) error {
+	data, err := dataOf(fh, payload)
+	if err != nil {
+		return err
+	}
+	lost := len(payload) - len(data) // padding is not forwarded
+	s.pending = append(s.pending, data...)
+	var out []byte
+	for len(s.pending) >= 5 {
+		n := 5 + int(binary.BigEndian.Uint32(s.pending[1:5]))
+		if len(s.pending) < n {
+			break
+		}
+		msg := s.pending[:n]
+		if gen := lc.p.dropGen.Load(); s.msgs > 0 && s.gen < gen && lc.p.dropArmed.Load() && msg[0] == 0 {
+			var ev workerpb.WatchEvent
+			if proto.Unmarshal(msg[5:], &ev) == nil && ev.GetCache() != nil {
+				s.gen = gen
+				lost += n
+				lc.p.dropped.Add(1)
+				s.pending = s.pending[n:]
+				s.msgs++
+				continue
+			}
+		}
+		out = append(out, msg...)
+		s.pending = s.pending[n:]
+		s.msgs++
+	}
+	if len(s.pending) == 0 {
+		s.pending = nil // do not keep a large snapshot's buffer
+	} else {
+		s.pending = append([]byte(nil), s.pending...)
+	}
+	for first := true; first || len(out) > 0; first = false {
+		n := min(len(out), maxFrameBytes)
+		f := frameHeader{typ: frameData, stream: fh.stream}
+		if n == len(out) {
+			f.flags = fh.flags & flagEndStream
+			if n == 0 && f.flags == 0 {
+				break // nothing to forward yet
+			}
+		}
+		if err := writeFrame(w, f, out[:n]); err != nil {
+			return err
+		}
+		out = out[n:]
+	}
+	if lost > 0 {
+		return lc.windowUpdate(fh.stream, uint32(lost))
+	}
+	return nil
+}
+
+// windowUpdate gives the worker back n bytes of the stream's and the
+// connection's flow control windows.
+func (lc *linkConn) windowUpdate(stream, n uint32) error {
+	lc.upMu.Lock()
+	defer lc.upMu.Unlock()
+	var inc [4]byte
+	binary.BigEndian.PutUint32(inc[:], n)
+	for _, id := range []uint32{0, stream} {
+		if err := writeFrame(lc.up, frameHeader{typ: frameWindowUpdate, stream: id}, inc[:]); err != nil {
+			return err
+		}
+	}
+	return lc.up.Flush()
+}
