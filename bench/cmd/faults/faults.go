@@ -179,7 +179,7 @@ func allFaults(prefill, decode int) []fault {
 			},
 			recover: func(_ context.Context, h *harness) error { h.f.redisPx.setDelay(0); return nil }},
 		corruptTransfer(4),
-		watchGap(2 * time.Second),
+		watchGap(2*time.Second, 2),
 		{name: "scheduler-restart", what: "serve replica 1 SIGTERMed (drain), down for the window, then restarted; clients retry connection errors on the other replica",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.scheds[1].stop(15 * time.Second)
@@ -220,7 +220,7 @@ func allFaults(prefill, decode int) []fault {
 				}
 				return nil
 			},
-			side: together(cutClients(100), freshClients(4), dropWatchEvery(2*time.Second)),
+			side: together(cutClients(100), freshClients(4, true), dropWatchEvery(2*time.Second)),
 			check: func(ctx context.Context, h *harness, w *window) (string, error) {
 				corrupt, _, _ := h.corruptNote(ctx, w)
 				watch, _, _ := h.watchNote(ctx)

@@ -112,9 +112,9 @@ type freshLog struct {
 }
 
 // freshClients runs n looping clients, each sending requests over new
-// documents, one after another, while the window lasts; it keeps those
-// that succeeded, with their text.
-func freshClients(n int) func(context.Context, *harness) {
+// documents, one after another, while the window lasts; if keep, it keeps
+// those that succeeded, with their text, for replayFresh.
+func freshClients(n int, keep bool) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
 		c := newClient(h.f.bases, h.model, h.deadline, n, h.rec)
 		c.keepText = true
@@ -127,7 +127,7 @@ func freshClients(n int) func(context.Context, *harness) {
 					stream := r.IntN(2) == 0
 					body := c.freshBody(r, stream, 16+r.IntN(49))
 					res := c.do(context.WithoutCancel(ctx), "fresh", body, stream, false)
-					if res.outcome == outOK {
+					if keep && res.outcome == outOK {
 						h.fresh.mu.Lock()
 						h.fresh.reqs = append(h.fresh.reqs, freshReq{body: body, stream: stream, text: res.text})
 						h.fresh.mu.Unlock()
@@ -188,7 +188,7 @@ func corruptTransfer(fresh int) fault {
 			h.corrupt(2)
 			return "", nil
 		},
-		side: freshClients(fresh),
+		side: freshClients(fresh, true),
 		recover: func(ctx context.Context, h *harness) error {
 			h.corrupt(0)
 			h.replayFresh(ctx)
@@ -233,11 +233,14 @@ func (h *harness) corruptNote(ctx context.Context, w *window) (note string, flip
 }
 
 // watchGap: every link drops one cache event from each Watch stream
-// through it, every 2 s: each replica, for each worker, sees a sequence
-// number skipped, and must resubscribe for a fresh snapshot.
-func watchGap(every time.Duration) fault {
+// through it, every period: each replica, for each worker, sees a
+// sequence number skipped, and must resubscribe for a fresh snapshot.
+// The steady clients' prompts skip the prefill workers once the decode
+// workers hold their documents, so fresh clients keep the prefill
+// workers' caches, and their events, moving.
+func watchGap(every time.Duration, fresh int) fault {
 	return fault{name: "watch-gap",
-		what: fmt.Sprintf("the links drop one cache event from each Watch stream through them (each replica's, on every worker) every %s: the subscriber sees a sequence number skipped", every),
+		what: fmt.Sprintf("the links drop one cache event from each Watch stream through them (each replica's, on every worker) every %s: the subscriber sees a sequence number skipped; %d more clients send prompts over new documents, so that every worker's cache changes", every, fresh),
 		inject: func(ctx context.Context, h *harness) (string, error) {
 			h.setMark(ctx)
 			for _, l := range h.f.links {
@@ -245,7 +248,7 @@ func watchGap(every time.Duration) fault {
 			}
 			return "", nil
 		},
-		side: dropWatchEvery(every),
+		side: together(dropWatchEvery(every), freshClients(fresh, false)),
 		recover: func(_ context.Context, h *harness) error {
 			h.stopDrops()
 			return nil
@@ -280,7 +283,11 @@ func (h *harness) watchNote(ctx context.Context) (note string, dropped int64, ga
 	for _, reason := range []string{"gap", "stream", "unreachable"} {
 		reasons[reason] = h.replicaDelta(now, "baton_kv_index_resyncs_total", map[string]string{"reason": reason})
 	}
-	note = fmt.Sprintf("links: %d events dropped, %d Watch streams opened; replicas: resyncs %s", dropped, opened, resyncs(reasons))
+	var per []string
+	for _, n := range h.f.names {
+		per = append(per, fmt.Sprintf("%s %d", n, h.f.links[n].dropped.Load()))
+	}
+	note = fmt.Sprintf("links: %d events dropped (%s), %d Watch streams opened; replicas: resyncs %s", dropped, strings.Join(per, ", "), opened, resyncs(reasons))
 	return note, dropped, reasons["gap"]
 }
 
