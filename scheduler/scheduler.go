@@ -152,6 +152,10 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}),
 		pool.OnHealthChange(func(worker string, healthy bool) {
 			if healthy {
+				// A worker back from a restart is routed to again: its
+				// Watch stream must not wait out the watcher's backoff
+				// while the index holds what the old process held.
+				s.watcher.Retry(worker)
 				s.log.Info("worker health changed", "worker", worker, "healthy", healthy)
 			} else {
 				s.log.Warn("worker health changed", "worker", worker, "healthy", healthy)

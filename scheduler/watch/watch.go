@@ -121,6 +121,9 @@ type Watcher struct {
 	mu      sync.Mutex // serializes Add, Remove and Close; goroutines never take it
 	workers map[string]*watched
 	closed  bool
+
+	wakeMu sync.Mutex               // guards wakes; never held while blocking
+	wakes  map[string]chan struct{} // by worker: Retry's signal to its goroutine (cap 1)
 }
 
 type watched struct {
@@ -131,7 +134,7 @@ type watched struct {
 
 // New returns a Watcher feeding idx, watching no worker yet.
 func New(idx *kvindex.Index, cfg Config) *Watcher {
-	return &Watcher{idx: idx, cfg: cfg.withDefaults(), workers: make(map[string]*watched)}
+	return &Watcher{idx: idx, cfg: cfg.withDefaults(), workers: make(map[string]*watched), wakes: make(map[string]chan struct{})}
 }
 
 // Add starts watching src as the worker name, replacing (and stopping
@@ -149,7 +152,11 @@ func (w *Watcher) Add(name string, src Source) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	wd := &watched{cancel: cancel, done: make(chan struct{})}
 	w.workers[name] = wd
-	go w.run(ctx, wd.done, name, src)
+	wake := make(chan struct{}, 1)
+	w.wakeMu.Lock()
+	w.wakes[name] = wake
+	w.wakeMu.Unlock()
+	go w.run(ctx, wd.done, name, src, wake)
 	return nil
 }
 
@@ -163,6 +170,9 @@ func (w *Watcher) Remove(name string) {
 		wd.stop()
 		delete(w.workers, name)
 	}
+	w.wakeMu.Lock()
+	delete(w.wakes, name)
+	w.wakeMu.Unlock()
 	w.idx.RemoveWorker(name)
 }
 
@@ -185,13 +195,31 @@ func (w *Watcher) Close() error {
 	return nil
 }
 
+// Retry has the goroutine of the worker name, if it is waiting to
+// resubscribe, try again now rather than at the end of its backoff (up to
+// MaxBackoff). Call it when the worker is known to be back, its health
+// checks passing again: a restarted worker is then routed to again, and
+// until its snapshot arrives the index holds what the old process held.
+// It does not block; a worker not watched is ignored. A Retry while the
+// worker's stream is up cuts the next wait short instead.
+func (w *Watcher) Retry(name string) {
+	w.wakeMu.Lock()
+	ch := w.wakes[name]
+	w.wakeMu.Unlock()
+	select {
+	case ch <- struct{}{}: // a nil ch (not watched) is never ready
+	default:
+	}
+}
+
 func (wd *watched) stop() {
 	wd.cancel()
 	<-wd.done
 }
 
-// run subscribes to src until ctx ends, backing off between attempts.
-func (w *Watcher) run(ctx context.Context, done chan<- struct{}, name string, src Source) {
+// run subscribes to src until ctx ends, backing off between attempts; a
+// signal on wake (Retry) ends a wait early.
+func (w *Watcher) run(ctx context.Context, done chan<- struct{}, name string, src Source, wake <-chan struct{}) {
 	defer close(done)
 	backoff := w.cfg.MinBackoff
 	for {
@@ -211,6 +239,8 @@ func (w *Watcher) run(ctx context.Context, done chan<- struct{}, name string, sr
 			t.Stop()
 			return
 		case <-t.C:
+		case <-wake:
+			t.Stop()
 		}
 		backoff = min(2*backoff, w.cfg.MaxBackoff)
 	}

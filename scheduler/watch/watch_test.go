@@ -355,3 +355,43 @@ func TestWatchClose(t *testing.T) {
 
 // The baton gRPC worker client is a Source.
 var _ Source = (*grpcworker.Client)(nil)
+
+// TestWatchRetryCutsBackoffShort: a worker down long enough that the
+// watcher waits seconds between attempts comes back; Retry (the
+// scheduler calls it when the worker's health checks pass again) has the
+// watcher resubscribe at once, so the index does not route on what the
+// old process held for the rest of the backoff.
+func TestWatchRetryCutsBackoffShort(t *testing.T) {
+	var r resyncs
+	idx := kvindex.New(kvindex.Config{})
+	w := New(idx, Config{MinBackoff: 50 * time.Millisecond, MaxBackoff: 10 * time.Second, OnResync: r.record})
+	t.Cleanup(func() { w.Close() })
+	f := newFakeWorker(1)
+	f.infoErr = errors.New("unavailable")
+	if err := w.Add("a", f); err != nil {
+		t.Fatal(err)
+	}
+	// Six failures: 50+100+200+400+800 ms waited, the next wait 1.6 s.
+	deadline := time.Now().Add(10 * time.Second)
+	for len(r.get()) < 6 {
+		if time.Now().After(deadline) {
+			t.Fatal("no retries")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	f.mu.Lock()
+	f.infoErr = nil
+	f.mu.Unlock()
+	start := time.Now()
+	w.Retry("a")
+	w.Retry("nobody") // not watched: nothing happens
+	select {
+	case <-f.subbed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no subscription")
+	}
+	if d := time.Since(start); d > 500*time.Millisecond {
+		t.Errorf("resubscribed %v after Retry, want at once", d)
+	}
+	eventually(t, idx, "a", f)
+}

@@ -148,13 +148,18 @@ func (p *linkProxy) serve(c net.Conn) {
 	p.track(u, true)
 	defer p.track(c, false)
 	defer p.track(u, false)
-	lc := &linkConn{p: p, up: bufio.NewWriterSize(u, 64<<10), streams: map[uint32]*h2stream{}}
-	done := make(chan struct{}, 2)
+	lc := &linkConn{p: p, up: bufio.NewWriterSize(u, 64<<10), streams: map[uint32]*h2stream{},
+		credits: map[uint32]uint32{}, creditSig: make(chan struct{}, 1)}
+	done := make(chan struct{}, 3)
+	quit := make(chan struct{})
 	go func() { lc.note(lc.upstream(bufio.NewReaderSize(c, 64<<10))); done <- struct{}{} }()
 	go func() { lc.note(lc.downstream(bufio.NewReaderSize(u, 64<<10), c)); done <- struct{}{} }()
+	go func() { lc.note(lc.giveBack(quit)); done <- struct{}{} }()
 	<-done
 	c.Close()
 	u.Close()
+	close(quit)
+	<-done
 	<-done
 }
 
@@ -187,6 +192,15 @@ type linkConn struct {
 
 	upMu sync.Mutex // guards up: frames from the client and window updates
 	up   *bufio.Writer
+
+	// Flow control window to give back to the worker, by stream (0: the
+	// connection), for giveBack to send: downstream never waits for up,
+	// which waits for the worker to read, which may wait for downstream to
+	// take what it writes (a gRPC server stops reading while its replies
+	// to the peer's resets and pings are queued).
+	creditMu  sync.Mutex
+	credits   map[uint32]uint32
+	creditSig chan struct{} // cap 1
 
 	mu      sync.Mutex // guards streams
 	streams map[uint32]*h2stream
@@ -327,7 +341,7 @@ func (lc *linkConn) upstream(r *bufio.Reader) error {
 		}
 		lc.upMu.Lock()
 		err = writeFrame(lc.up, fh, payload)
-		if err == nil && r.Buffered() == 0 {
+		if err == nil && !frameBuffered(r) {
 			err = lc.up.Flush()
 		}
 		lc.upMu.Unlock()
@@ -453,7 +467,7 @@ func (lc *linkConn) downstream(r *bufio.Reader, c net.Conn) error {
 		if s != nil && (fh.typ == frameRSTStream || fh.flags&flagEndStream != 0 && fh.typ != frameData) {
 			lc.forget(fh.stream) // trailers or reset: the stream is over
 		}
-		if r.Buffered() == 0 {
+		if !frameBuffered(r) {
 			if err := w.Flush(); err != nil {
 				return err
 			}
@@ -513,22 +527,62 @@ func (lc *linkConn) watchData(w *bufio.Writer, s *h2stream, fh frameHeader, payl
 		out = out[n:]
 	}
 	if lost > 0 {
-		return lc.windowUpdate(fh.stream, uint32(lost))
+		lc.credit(fh.stream, uint32(lost))
 	}
 	return nil
 }
 
-// windowUpdate gives the worker back n bytes of the stream's and the
-// connection's flow control windows.
-func (lc *linkConn) windowUpdate(stream, n uint32) error {
-	lc.upMu.Lock()
-	defer lc.upMu.Unlock()
-	var inc [4]byte
-	binary.BigEndian.PutUint32(inc[:], n)
-	for _, id := range []uint32{0, stream} {
-		if err := writeFrame(lc.up, frameHeader{typ: frameWindowUpdate, stream: id}, inc[:]); err != nil {
+// credit has giveBack return n bytes of the stream's and the connection's
+// flow control windows to the worker.
+func (lc *linkConn) credit(stream, n uint32) {
+	lc.creditMu.Lock()
+	lc.credits[0] += n
+	lc.credits[stream] += n
+	lc.creditMu.Unlock()
+	select {
+	case lc.creditSig <- struct{}{}:
+	default:
+	}
+}
+
+// giveBack sends the worker the window updates credit asked for, until
+// quit.
+func (lc *linkConn) giveBack(quit <-chan struct{}) error {
+	for {
+		select {
+		case <-quit:
+			return nil
+		case <-lc.creditSig:
+		}
+		lc.creditMu.Lock()
+		credits := lc.credits
+		lc.credits = map[uint32]uint32{}
+		lc.creditMu.Unlock()
+		lc.upMu.Lock()
+		var err error
+		for id, n := range credits {
+			var inc [4]byte
+			binary.BigEndian.PutUint32(inc[:], n)
+			if err = writeFrame(lc.up, frameHeader{typ: frameWindowUpdate, stream: id}, inc[:]); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			err = lc.up.Flush()
+		}
+		lc.upMu.Unlock()
+		if err != nil {
 			return err
 		}
 	}
-	return lc.up.Flush()
+}
+
+// frameBuffered reports whether r holds a whole frame: reading it will
+// not wait, so what was written before may wait to be flushed with it.
+func frameBuffered(r *bufio.Reader) bool {
+	if r.Buffered() < 9 {
+		return false
+	}
+	h, _ := r.Peek(9)
+	return r.Buffered() >= 9+(int(h[0])<<16|int(h[1])<<8|int(h[2]))
 }
