@@ -12,9 +12,7 @@ import (
 	"time"
 
 	"golang.org/x/net/http2/hpack"
-	"google.golang.org/protobuf/proto"
-
-	"github.com/batonllm/baton/proto/workerpb"
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 // The gRPC methods a link tells apart (the :path of their HTTP/2 streams).
@@ -217,12 +215,31 @@ type h2stream struct {
 	path string
 	// Push: the client's gRPC message framing, and blocks seen.
 	up grpcFraming
-	// Watch: the worker's bytes not yet forwarded (an incomplete
-	// message), messages forwarded, and the drop generation served.
-	pending []byte
-	msgs    int
-	gen     int64
+	// Watch: the worker's messages, told apart as they pass (down), how
+	// many began, and the drop generation served.
+	down watchFraming
+	msgs int
+	gen  int64
 }
+
+// watchFraming follows a Watch stream's messages from the worker. It
+// holds back the first bytes of each (its 5-byte prefix and the start of
+// its body, at most watchHead bytes) until it can tell what event the
+// message carries, then forwards or drops the whole message as it
+// passes: it never holds a message whole, which would stall one larger
+// than the stream's flow control window (a snapshot), the subscriber
+// never seeing the bytes it must acknowledge.
+type watchFraming struct {
+	head []byte // held: the prefix and the body's first bytes
+	size int    // the body's length, once the prefix is read
+	off  int    // body bytes read
+	drop bool   // the message in progress is dropped
+	told bool   // whether it is was decided
+}
+
+// watchHead bounds the bytes held of a message: the prefix, the seq
+// field (tag and varint) and the event's tag.
+const watchHead = 5 + 1 + 10 + 1
 
 func (lc *linkConn) note(err error) {
 	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.ErrUnexpectedEOF) {
@@ -475,42 +492,56 @@ func (lc *linkConn) downstream(r *bufio.Reader, c net.Conn) error {
 	}
 }
 
-// watchData forwards the whole messages of a Watch stream's DATA frame,
-// but the cache event a dropWatch asked to lose, and gives the worker back
-// the flow control window of the bytes the client will never see.
+// watchData forwards a Watch stream's DATA frame, but the cache event a
+// dropWatch asked to lose, and gives the worker back the flow control
+// window of the bytes the client will never see.
 func (lc *linkConn) watchData(w *bufio.Writer, s *h2stream, fh frameHeader, payload []byte) error {
 	data, err := dataOf(fh, payload)
 	if err != nil {
 		return err
 	}
 	lost := len(payload) - len(data) // padding is not forwarded
-	s.pending = append(s.pending, data...)
+	f := &s.down
 	var out []byte
-	for len(s.pending) >= 5 {
-		n := 5 + int(binary.BigEndian.Uint32(s.pending[1:5]))
-		if len(s.pending) < n {
-			break
-		}
-		msg := s.pending[:n]
-		if gen := lc.p.dropGen.Load(); s.msgs > 0 && s.gen < gen && lc.p.dropArmed.Load() && msg[0] == 0 {
-			var ev workerpb.WatchEvent
-			if proto.Unmarshal(msg[5:], &ev) == nil && ev.GetCache() != nil {
-				s.gen = gen
-				lost += n
-				lc.p.dropped.Add(1)
-				s.pending = s.pending[n:]
+	for len(data) > 0 {
+		if len(f.head) < 5 { // the prefix
+			n := min(5-len(f.head), len(data))
+			f.head, data = append(f.head, data[:n]...), data[n:]
+			if len(f.head) == 5 {
+				f.size, f.off, f.told, f.drop = int(binary.BigEndian.Uint32(f.head[1:5])), 0, false, false
 				s.msgs++
-				continue
 			}
 		}
-		out = append(out, msg...)
-		s.pending = s.pending[n:]
-		s.msgs++
-	}
-	if len(s.pending) == 0 {
-		s.pending = nil // do not keep a large snapshot's buffer
-	} else {
-		s.pending = append([]byte(nil), s.pending...)
+		if len(f.head) < 5 {
+			break
+		}
+		if !f.told { // the body's first bytes, until the event is known
+			n := min(watchHead-len(f.head), f.size-f.off, len(data))
+			f.head, data = append(f.head, data[:n]...), data[n:]
+			f.off += n
+			kind, known := watchEventKind(f.head[5:])
+			if !known && f.off < f.size && len(f.head) < watchHead {
+				break // more to come
+			}
+			f.told = true
+			if gen := lc.p.dropGen.Load(); s.msgs > 1 && s.gen < gen && lc.p.dropArmed.Load() && f.head[0] == 0 && kind == watchCache {
+				s.gen, f.drop = gen, true
+				lc.p.dropped.Add(1)
+				lost += len(f.head)
+			} else {
+				out = append(out, f.head...)
+			}
+		}
+		n := min(f.size-f.off, len(data))
+		if f.drop {
+			lost += n
+		} else {
+			out = append(out, data[:n]...)
+		}
+		data, f.off = data[n:], f.off+n
+		if f.told && f.off == f.size {
+			f.head = f.head[:0] // the next message
+		}
 	}
 	for first := true; first || len(out) > 0; first = false {
 		n := min(len(out), maxFrameBytes)
@@ -530,6 +561,34 @@ func (lc *linkConn) watchData(w *bufio.Writer, s *h2stream, fh frameHeader, payl
 		lc.credit(fh.stream, uint32(lost))
 	}
 	return nil
+}
+
+// The events a Watch message may carry (WatchEvent's oneof field
+// numbers).
+const (
+	watchSnapshot = 2
+	watchLoad     = 3
+	watchCache    = 4
+)
+
+// watchEventKind reads, from the first bytes of a WatchEvent message, the
+// field number of its event, if they hold it: the seq field (1, a varint)
+// comes first, as every encoder writes fields in order.
+func watchEventKind(b []byte) (kind int, known bool) {
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 {
+		return 0, false
+	}
+	if num == 1 && typ == protowire.VarintType {
+		_, m := protowire.ConsumeVarint(b[n:])
+		if m < 0 {
+			return 0, false
+		}
+		if num, _, n = protowire.ConsumeTag(b[n+m:]); n < 0 {
+			return 0, false
+		}
+	}
+	return int(num), true
 }
 
 // credit has giveBack return n bytes of the stream's and the connection's

@@ -198,3 +198,38 @@ func TestLinkDropsWatchEvents(t *testing.T) {
 		t.Errorf("link error: %v", e)
 	}
 }
+
+// TestLinkPassesLargeSnapshots: a Watch stream's snapshot larger than the
+// stream's flow control window (64 KiB at first) crosses the link; a link
+// that held a message until it was whole would stall it, the subscriber
+// never seeing the bytes it must acknowledge.
+func TestLinkPassesLargeSnapshots(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := startSim(t, sim.RoleBoth)
+	direct := dial(t, w.GRPCAddr)
+	for i := range 16 {
+		long := strings.Repeat(prompt(fmt.Sprintf("big %d", i)), 16) // 600 blocks
+		collect(t)(direct.Generate(ctx, &engine.Request{Model: model, Prompt: long, MaxTokens: 1}))
+	}
+	link := startLink(t, w.GRPCAddr)
+	link.dropWatch() // armed: the snapshot must pass all the same
+	c := dial(t, link.addr())
+	wctx, stop := context.WithTimeout(ctx, 10*time.Second)
+	defer stop()
+	st, err := c.Watch(wctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := st.Recv()
+	if err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	n := 0
+	for _, b := range ev.GetSnapshot().GetBlocks() {
+		n += len(b.GetKeys())
+	}
+	if n < 9000 {
+		t.Fatalf("snapshot of %d blocks, want the ~9,600 the worker holds", n)
+	}
+}

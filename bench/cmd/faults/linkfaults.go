@@ -37,11 +37,15 @@ func (f *fleet) linkCounts(names ...string) linkCounts {
 // every replica's metrics when the fault began.
 type mark struct {
 	links    linkCounts
+	dropped  map[string]int64 // Watch events dropped, by worker
 	replicas []metrics
 }
 
 func (h *harness) setMark(ctx context.Context) {
-	h.mark = mark{links: h.f.linkCounts(), replicas: h.scrapeReplicas(ctx)}
+	h.mark = mark{links: h.f.linkCounts(), dropped: map[string]int64{}, replicas: h.scrapeReplicas(ctx)}
+	for _, n := range h.f.names {
+		h.mark.dropped[n] = h.f.links[n].dropped.Load()
+	}
 }
 
 // scrapeReplicas scrapes every serve replica (nil for one that does not
@@ -285,7 +289,7 @@ func (h *harness) watchNote(ctx context.Context) (note string, dropped int64, ga
 	}
 	var per []string
 	for _, n := range h.f.names {
-		per = append(per, fmt.Sprintf("%s %d", n, h.f.links[n].dropped.Load()))
+		per = append(per, fmt.Sprintf("%s %d", n, h.f.links[n].dropped.Load()-h.mark.dropped[n]))
 	}
 	note = fmt.Sprintf("links: %d events dropped (%s), %d Watch streams opened; replicas: resyncs %s", dropped, strings.Join(per, ", "), opened, resyncs(reasons))
 	return note, dropped, reasons["gap"]
