@@ -247,6 +247,22 @@ func runScheduler(ctx context.Context, cfg scheduler.Config, stdout, stderr io.W
 // reloadOnHangup reloads s's API keys and TLS certificates on each SIGHUP
 // until the returned stop is called.
 func reloadOnHangup(s *scheduler.Scheduler, log *slog.Logger) (stop func()) {
+	return onHangup(func() {
+		if s.ReloadCertificates() == nil && s.TLS() {
+			log.Info("TLS certificates reloaded on SIGHUP")
+		} // a failed reload logs its own error
+		switch {
+		case s.Auth == nil:
+			log.Info("SIGHUP ignored: no API keys configured")
+		case s.ReloadKeys() == nil:
+			log.Info("API keys reloaded on SIGHUP")
+		} // a failed reload logs its own error
+	})
+}
+
+// onHangup calls reload on each SIGHUP, one call at a time, until the
+// returned stop is called; stop returns once no call runs.
+func onHangup(reload func()) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	done := make(chan struct{})
@@ -256,15 +272,7 @@ func reloadOnHangup(s *scheduler.Scheduler, log *slog.Logger) (stop func()) {
 		for {
 			select {
 			case <-hup:
-				if s.ReloadCertificates() == nil && s.TLS() {
-					log.Info("TLS certificates reloaded on SIGHUP")
-				} // a failed reload logs its own error
-				switch {
-				case s.Auth == nil:
-					log.Info("SIGHUP ignored: no API keys configured")
-				case s.ReloadKeys() == nil:
-					log.Info("API keys reloaded on SIGHUP")
-				} // a failed reload logs its own error
+				reload()
 			case <-done:
 				return
 			}

@@ -7,11 +7,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
-	"os/signal"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/batonllm/baton/transfer"
@@ -329,35 +326,18 @@ func reloadCertsOnHangup(certs []*tlsconf.Certificate, log *slog.Logger) (stop f
 	if len(certs) == 0 {
 		return func() {}
 	}
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	done := make(chan struct{})
-	exited := make(chan struct{})
-	go func() {
-		defer close(exited)
-		for {
-			select {
-			case <-hup:
-				var failed bool
-				for _, c := range certs {
-					if err := c.Reload(); err != nil {
-						failed = true
-						log.Error("tls certificate not reloaded; the previous one stays", "err", err)
-					}
-				}
-				if !failed {
-					log.Info("TLS certificates reloaded on SIGHUP")
-				}
-			case <-done:
-				return
+	return onHangup(func() {
+		var failed bool
+		for _, c := range certs {
+			if err := c.Reload(); err != nil {
+				failed = true
+				log.Error("tls certificate not reloaded; the previous one stays", "err", err)
 			}
 		}
-	}()
-	return func() {
-		signal.Stop(hup)
-		close(done)
-		<-exited
-	}
+		if !failed {
+			log.Info("TLS certificates reloaded on SIGHUP")
+		}
+	})
 }
 
 // debugAddr returns s's bound address, or "" without s.
