@@ -8,8 +8,10 @@ import (
 	"iter"
 	"slices"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -37,6 +39,15 @@ func NewGRPC(opts ...Option) *GRPCTransport {
 	return &GRPCTransport{o: buildOptions(opts), conns: make(map[string]*grpc.ClientConn)}
 }
 
+// reconnectBackoff paces the attempts to reconnect to a receiver whose
+// connection failed; until one succeeds, every call to it fails at once.
+// With gRPC's default (1 s, growing by 1.6 to 2 min) a decode worker back
+// from a restart was refused pushes for seconds, minutes after a long
+// absence, while the scheduler, seeing it healthy, sent it requests whose
+// blocks then never came. A receiver that stays away costs a dial a
+// second. MinConnectTimeout is gRPC's default.
+var reconnectBackoff = backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}
+
 func (t *GRPCTransport) client(addr string) (workerpb.KVTransferClient, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -49,6 +60,7 @@ func (t *GRPCTransport) client(addr string) (workerpb.KVTransferClient, error) {
 	dialOpts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(t.o.creds),
 		grpc.WithKeepaliveParams(t.o.keepalive),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: reconnectBackoff, MinConnectTimeout: 20 * time.Second}),
 	}, t.o.extra...)
 	cc, err := grpc.NewClient(addr, dialOpts...)
 	if err != nil {
