@@ -3,7 +3,11 @@ package main
 import (
 	"context"
 	"io"
+	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -47,5 +51,85 @@ func TestServeDrainsOnSignal(t *testing.T) {
 		if !strings.Contains(logs.String(), m) {
 			t.Errorf("log lacks %q:\n%s", m, logs.String())
 		}
+	}
+}
+
+// TestServeReloadsKeysOnSIGHUP: a key added to the keys file is refused
+// until SIGHUP, and served after it.
+func TestServeReloadsKeysOnSIGHUP(t *testing.T) {
+	w, err := sim.Start(sim.Config{TimeScale: 500}, "127.0.0.1:0", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	dir := t.TempDir()
+	keys := filepath.Join(dir, "keys")
+	const oldKey, newKey = "old-key-0123456789abcdef", "new-key-0123456789abcdef"
+	if err := os.WriteFile(keys, []byte(oldKey+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	config := filepath.Join(dir, "baton.yaml")
+	if err := os.WriteFile(config, []byte("auth:\n  keys_file: "+keys+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"serve", "--config", config, "--listen", "127.0.0.1:0", "--worker", w.GRPCAddr}, io.Discard, &logs)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve ended with %v", err)
+		}
+	}()
+	waitLog := func(what string) string {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			for _, line := range strings.Split(logs.String(), "\n") {
+				if strings.Contains(line, what) {
+					return line
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no %q in serve's logs:\n%s", what, logs.String())
+			}
+		}
+	}
+	_, addr, _ := strings.Cut(waitLog("scheduler listening"), "addr=")
+	addr, _, _ = strings.Cut(addr, " ")
+	status := func(key string) int {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/models", nil)
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if got := status(oldKey); got != http.StatusOK {
+		t.Fatalf("the configured key: HTTP %d, want 200", got)
+	}
+	if got := status(newKey); got != http.StatusUnauthorized {
+		t.Fatalf("a key not yet in the file: HTTP %d, want 401", got)
+	}
+	if err := os.WriteFile(keys, []byte(newKey+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got := status(newKey); got != http.StatusUnauthorized {
+		t.Fatalf("a key written to the file before SIGHUP: HTTP %d, want 401", got)
+	}
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitLog("API keys reloaded on SIGHUP")
+	if got := status(newKey); got != http.StatusOK {
+		t.Errorf("the new key after SIGHUP: HTTP %d, want 200", got)
+	}
+	if got := status(oldKey); got != http.StatusUnauthorized {
+		t.Errorf("the removed key after SIGHUP: HTTP %d, want 401", got)
 	}
 }
