@@ -145,6 +145,7 @@ func allFaults(prefill, decode int) []fault {
 			inject: killWorker("p0"), recover: restartWorker("p0"), check: reopened("p0")},
 		{name: "decode-kill", what: "SIGKILL decode worker d0 with streams in flight; restarted at the window's end",
 			inject: killWorker("d0"), recover: restartWorker("d0"), check: reopened("d0")},
+		decodeKillTransfer(4, 500*time.Millisecond),
 		{name: "slow-worker", what: "decode worker d1 restarted (SIGTERM, drained) at --time-scale ÷10; back to normal after",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.workers["d1"].stop(10 * time.Second)

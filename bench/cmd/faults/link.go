@@ -36,16 +36,20 @@ const (
 //   - dropWatch: each Watch stream then open loses its next cache event,
 //     whose sequence number the subscriber never sees (the stream's flow
 //     control window is given back to the worker for the dropped bytes,
-//     so the stream goes on).
+//     so the stream goes on);
+//   - holdPush: one push's frame (and its connection's behind it) waits
+//     on the link a moment once some of its blocks have passed, so that
+//     a decode worker killed then dies with the push in flight.
 //
 // Everything else passes unchanged.
 type linkProxy struct {
 	l      net.Listener
 	target string
 
-	corruptEvery atomic.Int64 // 0: off
-	dropGen      atomic.Int64 // incremented by dropWatch
-	dropArmed    atomic.Bool  // set by dropWatch, cleared by stopDrops
+	corruptEvery atomic.Int64             // 0: off
+	hold         atomic.Pointer[pushHold] // armed by holdPush, taken by the push it holds
+	dropGen      atomic.Int64             // incremented by dropWatch
+	dropArmed    atomic.Bool              // set by dropWatch, cleared by stopDrops
 
 	// Counters since start.
 	pushed, flipped  atomic.Int64 // blocks seen in pushes while corrupting, and corrupted
@@ -74,6 +78,45 @@ func (p *linkProxy) addr() string { return p.l.Addr().String() }
 // corrupt flips a byte in every nth block pushed through the link from
 // now on; 0 stops.
 func (p *linkProxy) corrupt(n int) { p.corruptEvery.Store(int64(n)) }
+
+// pushHold is one push's frame held by the link: held is closed once a
+// push's frame is held (its earlier frames forwarded), and the frame goes
+// on when release is called or after the hold's bound, whichever comes
+// first.
+type pushHold struct {
+	after   int64 // bytes of the push to let pass first
+	bound   time.Duration
+	held    chan struct{}
+	release func()
+	gone    chan struct{} // closed by release
+	// Set before held is closed: the push's bytes the link had forwarded
+	// before the held frame, and the Push streams open on the held
+	// frame's connection (the held one included).
+	before  int64
+	pending int
+	at      time.Time // when the frame was held
+}
+
+// holdPush arms the link: the first DATA frame of at least corruptMin
+// bytes (a block's) of a KVTransfer.Push through it that comes after at
+// least after bytes of the push have passed is held, with every frame
+// behind it on its connection, until the hold is released or bound has
+// passed. A kill while it is held lands with the push in flight, the
+// decode worker having had some of its blocks.
+func (p *linkProxy) holdPush(after int64, bound time.Duration) *pushHold {
+	gone := make(chan struct{})
+	h := &pushHold{after: after, bound: bound, held: make(chan struct{}), gone: gone}
+	var once sync.Once
+	h.release = func() { once.Do(func() { close(gone) }) }
+	p.hold.Store(h)
+	return h
+}
+
+// disarm cancels a hold not yet taken, and releases one taken.
+func (p *linkProxy) disarm(h *pushHold) {
+	p.hold.CompareAndSwap(h, nil)
+	h.release()
+}
 
 // dropWatch makes every Watch stream open now drop its next cache event
 // (unless stopDrops comes first).
@@ -215,6 +258,8 @@ type h2stream struct {
 	path string
 	// Push: the client's gRPC message framing, and blocks seen.
 	up grpcFraming
+	// Push: DATA bytes forwarded to the worker.
+	sent int64
 	// Watch: the worker's messages, told apart as they pass (down), how
 	// many began, and the drop generation served.
 	down watchFraming
@@ -344,14 +389,20 @@ func (lc *linkConn) upstream(r *bufio.Reader) error {
 				return err
 			}
 		case frameData:
-			if every := lc.p.corruptEvery.Load(); every > 0 {
-				if s := lc.stream(fh.stream); s != nil && s.path == pathPush {
-					data, err := dataOf(fh, payload)
-					if err != nil {
-						return err
-					}
+			if s := lc.stream(fh.stream); s != nil && s.path == pathPush {
+				data, err := dataOf(fh, payload)
+				if err != nil {
+					return err
+				}
+				if every := lc.p.corruptEvery.Load(); every > 0 {
 					lc.corrupt(s, data, every)
 				}
+				if h := lc.p.hold.Load(); h != nil && len(data) >= corruptMin && s.sent >= h.after && lc.p.hold.CompareAndSwap(h, nil) {
+					if err := lc.holdFrame(h, s); err != nil {
+						return err
+					}
+				}
+				s.sent += int64(len(data))
 			}
 		case frameRSTStream:
 			lc.forget(fh.stream)
@@ -366,6 +417,34 @@ func (lc *linkConn) upstream(r *bufio.Reader) error {
 			return err
 		}
 	}
+}
+
+// holdFrame forwards what the worker has not yet been sent, says that s
+// is held, and waits for the hold to end.
+func (lc *linkConn) holdFrame(h *pushHold, s *h2stream) error {
+	lc.upMu.Lock()
+	err := lc.up.Flush()
+	lc.upMu.Unlock()
+	if err != nil {
+		return err
+	}
+	h.before = s.sent
+	lc.mu.Lock()
+	for _, o := range lc.streams {
+		if o.path == pathPush {
+			h.pending++
+		}
+	}
+	lc.mu.Unlock()
+	h.at = time.Now()
+	close(h.held)
+	t := time.NewTimer(h.bound)
+	defer t.Stop()
+	select {
+	case <-h.gone:
+	case <-t.C:
+	}
+	return nil
 }
 
 // headers collects a header block and, once whole, decodes it for the

@@ -2,12 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/sim"
@@ -232,4 +234,90 @@ func TestLinkPassesLargeSnapshots(t *testing.T) {
 	if n < 9000 {
 		t.Fatalf("snapshot of %d blocks, want the ~9,600 the worker holds", n)
 	}
+}
+
+// TestLinkHoldsAPushForAKill: holdPush holds a push once some of its
+// blocks have passed, so that a decode worker killed then dies with the push in
+// flight: the prefill worker's Prefill, still waiting, then fails as a
+// failed transfer (engine.ErrTransfer), which no breaker counts against
+// the prefill worker, as soon as the decode worker is gone, not at the
+// transfer deadline. A hold nobody releases ends at its bound, and the
+// push goes through whole.
+func TestLinkHoldsAPushForAKill(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p := startSim(t, sim.RolePrefill)
+	pc := dial(t, p.GRPCAddr)
+	const deadline = 10 * time.Second // the transfer's
+	prefill := func(id string, link *linkProxy) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			req := &engine.Request{Model: model, Prompt: prompt(id), MaxTokens: 8}
+			res, err := pc.Prefill(ctx, &engine.PrefillRequest{Request: req, TransferID: id, DecodeAddr: link.addr(), TransferTimeout: deadline})
+			if err == nil && (res.Skipped || res.BlocksSent < 10) {
+				err = fmt.Errorf("prefill %+v: want a push of the whole prompt", res)
+			}
+			done <- err
+		}()
+		return done
+	}
+
+	t.Run("killed while held", func(t *testing.T) {
+		d := startSim(t, sim.RoleDecode)
+		link := startLink(t, d.GRPCAddr)
+		hold := link.holdPush(64<<10, time.Minute)
+		done := prefill("held", link)
+		select {
+		case <-hold.held:
+		case err := <-done:
+			t.Fatalf("Prefill ended (%v) with no push held", err)
+		case <-ctx.Done():
+			t.Fatal("no push held")
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("Prefill ended (%v) while its push was held", err)
+		default:
+		}
+		if hold.pending != 1 || hold.before < 64<<10 {
+			t.Errorf("%d pushes open at the hold, %d bytes passed: want 1, and at least 64 KiB", hold.pending, hold.before)
+		}
+		if st, ok := d.Engine.Transfer("held"); ok && (st.Finished || st.Accepted+st.Rejected >= 10) {
+			t.Errorf("decode worker's transfer at the hold: %+v: want it unfinished", st)
+		}
+		d.Close() // in-flight streams fail, as when a worker dies
+		killed := time.Now()
+		hold.release()
+		err := <-done
+		if !errors.Is(err, engine.ErrTransfer) || pool.IsWorkerFault(err) {
+			t.Errorf("Prefill: %v (worker fault %v): want a failed transfer, not the prefill worker's fault", err, pool.IsWorkerFault(err))
+		}
+		if waited := time.Since(killed); waited >= deadline {
+			t.Errorf("Prefill failed %s after the kill: at the transfer deadline, not when the decode worker died", waited)
+		}
+	})
+
+	t.Run("released at its bound", func(t *testing.T) {
+		d := startSim(t, sim.RoleDecode)
+		link := startLink(t, d.GRPCAddr)
+		const bound = 200 * time.Millisecond
+		hold := link.holdPush(0, bound)
+		if err := <-prefill("bound", link); err != nil {
+			t.Fatalf("Prefill: %v", err)
+		}
+		select {
+		case <-hold.held:
+		default:
+			t.Fatal("no push held")
+		}
+		if waited := time.Since(hold.at); waited < bound {
+			t.Errorf("Prefill returned %s after its push was held, before the hold's bound, %s", waited, bound)
+		}
+		if st, ok := d.Engine.Transfer("bound"); !ok || st.Err != nil || st.Rejected != 0 || st.Accepted < 10 {
+			t.Errorf("decode worker's transfer: %+v (known %v): want every block accepted", st, ok)
+		}
+		if link.hold.Load() != nil {
+			t.Error("the hold is still armed after it held a push")
+		}
+	})
 }

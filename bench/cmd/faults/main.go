@@ -117,15 +117,17 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 
 // harness is a running matrix: the fleet, the load and the fault in hand.
 type harness struct {
-	f        *fleet
-	rec      *recorder
-	model    string
-	deadline time.Duration
-	during   time.Duration
-	hole     *blackHole
-	mark     mark     // counters at the fault's start, for its check
-	fresh    freshLog // corrupt-transfer's requests, to replay
-	replayed struct{ compared, differed int }
+	f         *fleet
+	rec       *recorder
+	model     string
+	deadline  time.Duration
+	during    time.Duration
+	hole      *blackHole
+	mark      mark     // counters at the fault's start, for its check
+	fresh     freshLog // corrupt-transfer's requests, to replay
+	replayed  struct{ compared, differed int }
+	stopBg    func()    // stops the load a fault started in the background
+	restarted []metrics // the replicas' metrics when a fault's worker was restarted
 }
 
 // window is one fault's run: its times and the first replica's metrics.
