@@ -39,7 +39,10 @@ func New(baseURL string, opts ...httpengine.Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{Client: c, base: strings.TrimRight(baseURL, "/"), hc: &http.Client{Timeout: 30 * time.Second}}, nil
+	// The same transport, so an https server is verified as httpengine's
+	// calls verify it (httpengine.WithTLS).
+	hc := &http.Client{Transport: c.Transport(), Timeout: 30 * time.Second}
+	return &Client{Client: c, base: strings.TrimRight(baseURL, "/"), hc: hc}, nil
 }
 
 // Close releases the client's connections. It is idempotent.
