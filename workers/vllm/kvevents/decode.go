@@ -112,10 +112,9 @@ var (
 // unknown tag: then the batch holds the other events, in order.
 func Decode(payload []byte) (Batch, error) {
 	r := bytes.NewReader(payload)
-	d := msgpack.GetDecoder()
-	defer msgpack.PutDecoder(d)
-	d.Reset(r)
-	dec := decoder{d: d, r: r, buf: payload}
+	// A decoder of its own, not msgpack's pool: a pooled decoder keeps
+	// the read buffer its last user grew, for whoever gets it next.
+	dec := decoder{d: msgpack.NewDecoder(r), r: r, buf: payload}
 	b, err := dec.batch()
 	if err != nil {
 		return Batch{}, fmt.Errorf("%w: %v", ErrMalformed, err)
@@ -141,12 +140,13 @@ var errNil = errors.New("nil where a value is required")
 
 func (dc *decoder) peek() (byte, error) { return dc.d.PeekCode() }
 
-// errTooLong is a string or byte array longer than what is left of the
-// payload: msgpack would allocate its declared length before reading it.
-var errTooLong = errors.New("string or bytes longer than the payload")
+// errTooLong is a string, byte array or extension longer than what is
+// left of the payload: msgpack would allocate its declared length, a
+// megabyte at a time, before reading it.
+var errTooLong = errors.New("string, bytes or extension longer than the payload")
 
-// fits checks that the string or byte array at the reader's position, if
-// any, is no longer than the rest of the payload.
+// fits checks that the string, byte array or extension at the reader's
+// position, if any, is no longer than the rest of the payload.
 func (dc *decoder) fits() error {
 	rest := dc.buf[len(dc.buf)-dc.r.Len():]
 	if len(rest) == 0 {
@@ -162,6 +162,12 @@ func (dc *decoder) fits() error {
 		n, head = int(binary.BigEndian.Uint16(rest[1:])), 3
 	case (c == 0xdb || c == 0xc6) && len(rest) >= 5: // str32, bin32
 		n, head = int(binary.BigEndian.Uint32(rest[1:])), 5
+	case c == 0xc7 && len(rest) >= 2: // ext8: length, then the type byte
+		n, head = int(rest[1]), 3
+	case c == 0xc8 && len(rest) >= 3: // ext16
+		n, head = int(binary.BigEndian.Uint16(rest[1:])), 4
+	case c == 0xc9 && len(rest) >= 5: // ext32
+		n, head = int(binary.BigEndian.Uint32(rest[1:])), 6
 	default:
 		return nil
 	}
@@ -703,6 +709,9 @@ func (dc *decoder) skip() error {
 			}
 			pending += 2 * uint64(max(n, 0))
 		default:
+			if err := dc.fits(); err != nil {
+				return err
+			}
 			if err := dc.d.Skip(); err != nil {
 				return err
 			}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math"
+	"runtime"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -211,6 +212,8 @@ func TestDecodeMalformed(t *testing.T) {
 		{"trailing bytes", append(bytes.Clone(valid), 0xc0)},
 		{"forged array length", []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff}},
 		{"forged string length", []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x91, 0xdb, 0xff, 0xff, 0xff, 0xff}},
+		{"forged bytes length in a skipped field", []byte{0x93, 0x01, 0x90, 0xc6, 0xff, 0xff, 0xff, 0xff}},
+		{"forged extension length in a skipped field", []byte{0x93, 0x01, 0x90, 0xc9, 0xff, 0xff, 0xff, 0xff, 0x01}},
 		{"nesting bomb in a skipped field", append([]byte{0x93, 0x01, 0x90}, nested...)},
 		{"unclosed nesting", bytes.Repeat([]byte{0x91}, 100_000)},
 	}
@@ -228,6 +231,34 @@ func TestDecodeMalformed(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestDecodeForgedLengthsAllocateNothing decodes, again and again, a
+// payload whose skipped field declares 3 GB of bytes it does not hold:
+// Decode must not allocate by the declared length, nor keep a buffer grown
+// by one call for the next.
+func TestDecodeForgedLengthsAllocateNothing(t *testing.T) {
+	payloads := map[string][]byte{
+		"bytes in a skipped batch field": []byte("\x83\xa90000\x00\x00\x00\x80\xc6\xc6\xc6\xc6\xc6\xc6\xc6\xc6000\xc0"),
+		"extension in a skipped event field": mustMarshal(t, []any{1.0, []any{
+			[]any{"BlockRemoved", []any{1}, nil, nil, msgpack.RawMessage{0xc9, 0xc6, 0xc6, 0xc6, 0xc6, 0x01}}}}),
+	}
+	for name, payload := range payloads {
+		t.Run(name, func(t *testing.T) {
+			const calls = 8
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			for range calls {
+				if _, err := kvevents.Decode(payload); !errors.Is(err, kvevents.ErrMalformed) {
+					t.Fatalf("err = %v, want ErrMalformed", err)
+				}
+			}
+			runtime.ReadMemStats(&after)
+			if got, limit := after.TotalAlloc-before.TotalAlloc, uint64(64<<10); got > limit {
+				t.Errorf("%d calls allocated %d bytes, want at most %d", calls, got, limit)
+			}
+		})
+	}
 }
 
 func TestHash(t *testing.T) {
