@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -81,33 +82,50 @@ func TestLoRAEvictsLeastRecentlyUsed(t *testing.T) {
 	}
 }
 
-// A step whose batch mixes adapters costs more than one of the base model.
+// A step pays for each distinct adapter its batch runs: a batch mixing
+// two adapters with the base model costs two adapters' time, one whose
+// sequences share an adapter costs one, and a sequence neither
+// prefilling nor decoding this step costs nothing.
 func TestLoRAMixedBatchCostsMore(t *testing.T) {
+	// An engine value with a started engine's configuration but no step
+	// loop: its run is this test's to set.
+	e := &Engine{cfg: newEngine(t, loraConfig(3)).cfg}
+	step := e.cfg.LoRA.StepSeconds
+	if step <= 0 {
+		t.Fatalf("LoRA.StepSeconds = %v, want the default", step)
+	}
+	for _, tc := range []struct {
+		name string
+		run  []*seq
+		want float64
+	}{
+		{"base only", []*seq{{decode: true}, {decode: true}, {chunk: 64}}, 0},
+		{"one adapter", []*seq{{adapter: "sql", decode: true}, {adapter: "sql", chunk: 64}, {decode: true}}, step},
+		{"mixed", []*seq{{decode: true}, {adapter: "sql", decode: true}, {adapter: "chat", chunk: 64}}, 2 * step},
+		{"idle adapter", []*seq{{adapter: "sql", decode: true}, {adapter: "chat"}}, step},
+	} {
+		e.run = tc.run
+		if got := e.loraStepSeconds(); math.Abs(got-tc.want) > 1e-12 {
+			t.Errorf("%s: loraStepSeconds() = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	// End to end, one request at a time so that batching cannot vary
+	// with the machine's timing: the same prompts through two adapters
+	// take longer than through the base model.
 	run := func(models ...string) float64 {
 		e := newEngine(t, loraConfig(3))
-		for _, m := range models[1:] {
-			if _, err := genModel(t, e, m, "warm"+strings.Repeat("w", 70)); err != nil {
+		before := e.Stats().ModelledSeconds
+		for i, m := range models {
+			if _, err := genModel(t, e, m, strings.Repeat(string(rune('a'+i)), 64)); err != nil {
 				t.Fatal(err)
 			}
 		}
-		before := e.Stats().ModelledSeconds
-		var wg sync.WaitGroup
-		for i, m := range models {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if _, err := genModel(t, e, m, strings.Repeat(string(rune('a'+i)), 64)); err != nil {
-					t.Error(err)
-				}
-			}()
-		}
-		wg.Wait()
 		return e.Stats().ModelledSeconds - before
 	}
 	base := run(testModel, testModel, testModel)
 	mixed := run(testModel, "sql", "chat")
 	if !(mixed > base) {
-		t.Errorf("modelled seconds: mixed batch %v, base-only batch %v; want mixed > base", mixed, base)
+		t.Errorf("modelled seconds: through adapters %v, base only %v; want more through adapters", mixed, base)
 	}
 }
 
