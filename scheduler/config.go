@@ -150,8 +150,10 @@ type EngineConfig struct {
 	// keep KV caches of their own, and baton routes to each as a worker
 	// named <name>/dp<rank>, by the X-data-parallel-rank header, with the
 	// events of the rank (published on the events and events_replay ports
-	// plus the rank) and the load of its engine="<rank>" metrics. Static
-	// workers only. Default 1.
+	// plus the rank) and the load of its engine="<rank>" metrics. In
+	// discovery.worker, every endpoint found is such an engine, its ranks
+	// named <endpoint's name>/dp<rank>, joining and leaving together.
+	// Default 1.
 	DataParallelSize int `yaml:"data_parallel_size"`
 }
 
@@ -497,7 +499,7 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		case w.Kind != KindSGLang && (w.BootstrapHost != "" || w.BootstrapPort != 0):
 			return fmt.Errorf("%s.bootstrap_port: only sglang workers have a bootstrap server (kind is %s)", field, w.Kind)
 		}
-		if err := validateRanks(w, field, c.Discovery.discovered()); err != nil {
+		if err := validateRanks(w, field); err != nil {
 			return err
 		}
 		switch {

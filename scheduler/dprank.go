@@ -76,8 +76,9 @@ func offsetPort(endpoint string, r int) (string, error) {
 }
 
 // validateRanks reports what is wrong with w's data_parallel_size,
-// prefixed with field; discovered says w is discovery's template.
-func validateRanks(w WorkerConfig, field string, discovered bool) error {
+// prefixed with field. w may be discovery's template: each endpoint
+// discovered is then an engine of that many ranks.
+func validateRanks(w WorkerConfig, field string) error {
 	n := w.DataParallelSize
 	switch {
 	case n == 0 || n == 1:
@@ -86,8 +87,6 @@ func validateRanks(w WorkerConfig, field string, discovered bool) error {
 		return fmt.Errorf("%s.data_parallel_size: must be 1–%d, got %d", field, maxDataParallelSize, n)
 	case w.Kind != KindVLLM:
 		return fmt.Errorf("%s.data_parallel_size: only vllm workers have it (kind is %s)", field, w.Kind)
-	case discovered:
-		return fmt.Errorf("%s.data_parallel_size: only static workers have it; list data-parallel engines in workers", field)
 	}
 	for _, e := range []struct{ name, endpoint string }{{"events", w.Events}, {"events_replay", w.EventsReplay}} {
 		if _, err := offsetPort(e.endpoint, n-1); err != nil {

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/batonllm/baton/scheduler/discovery"
 )
 
 func TestDataParallelSizeValidate(t *testing.T) {
@@ -62,5 +64,33 @@ func TestRanks(t *testing.T) {
 	wc.DataParallelSize = 0
 	if r := wc.ranks(); len(r) != 1 || r[0].Name != "v" || r[0].rankOptions() != nil {
 		t.Errorf("without data parallelism: %+v, want the worker itself", r)
+	}
+}
+
+// TestDiscoveredDataParallelSize: discovery's template may have
+// data_parallel_size, checked as a static worker's; an endpoint whose
+// kind label makes it other than vllm is refused.
+func TestDiscoveredDataParallelSize(t *testing.T) {
+	cfg := Config{Discovery: DiscoveryConfig{
+		Mode: DiscoveryDNS, DNS: discovery.DNSConfig{Name: "vllm.baton.svc", Port: 8000},
+		Worker: WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{Events: "tcp://{host}:5557", DataParallelSize: 2}},
+	}}
+	if err := cfg.Validate(registry()); err != nil {
+		t.Fatalf("valid config: %v", err)
+	}
+	cfg.Discovery.Worker.Events = "tcp://{host}:65535"
+	if err := cfg.Validate(registry()); err == nil || !strings.HasPrefix(err.Error(), "discovery.worker.events:") {
+		t.Errorf("error %v, want one naming discovery.worker.events", err)
+	}
+	_, err := memberConfig(discovery.Member{Name: "s", Address: "10.0.0.1:8000", Kind: KindSGLang}, WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{DataParallelSize: 2}})
+	if err == nil || !strings.Contains(err.Error(), "discovery.worker.data_parallel_size") {
+		t.Errorf("an sglang endpoint with data_parallel_size 2: error %v, want one naming discovery.worker.data_parallel_size", err)
+	}
+	wc, err := memberConfig(discovery.Member{Name: "v", Address: "10.0.0.1:8000"}, WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{Events: "tcp://{host}:5557", DataParallelSize: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := wc.ranks(); len(r) != 2 || r[1].Name != "v/dp1" || r[1].Events != "tcp://10.0.0.1:5558" {
+		t.Errorf("ranks of a discovered engine: %+v", r)
 	}
 }

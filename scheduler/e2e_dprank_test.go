@@ -1,13 +1,20 @@
 package scheduler_test
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+
+	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
@@ -126,4 +133,53 @@ func TestDataParallelAllBlocksCleared(t *testing.T) {
 	if m := lookup(s, "v0/dp0", prompts["v0/dp0"]); m.GPU != len(prompts["v0/dp0"]) {
 		t.Errorf("rank 1's clear left %d of rank 0's %d blocks in the index", m.GPU, len(prompts["v0/dp0"]))
 	}
+}
+
+// TestDiscoveredDataParallelEngine: an endpoint discovered in an
+// EndpointSlice, with data_parallel_size 2 in discovery.worker, joins as
+// its two ranks, each subscribed to its rank's events and sent the
+// requests routed to it; when the endpoint goes, both ranks leave.
+func TestDiscoveredDataParallelEngine(t *testing.T) {
+	d, err := vllmtest.NewDP(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Close)
+	onHost := func(endpoint string) string { return strings.Replace(endpoint, "127.0.0.1", "{host}", 1) }
+	r0 := d.Rank(0)
+	api := fake.NewClientset(engineSlice(t, "v0", d.URL))
+	f := startFleetSpec(t, simfleet.Spec{Scheduler: scheduler.Config{
+		Strategy: "kv_aware", Pool: fastPool(),
+		Discovery: scheduler.DiscoveryConfig{
+			Mode:       scheduler.DiscoveryKubernetes,
+			Kubernetes: discovery.KubernetesConfig{Namespace: "baton", Selector: "app=vllm", Port: "grpc", Client: api},
+			Worker: scheduler.WorkerConfig{Kind: scheduler.KindVLLM, Models: []string{model},
+				EngineConfig: scheduler.EngineConfig{
+					Events: onHost(r0.EventsEndpoint()), EventsReplay: onHost(r0.ReplayEndpoint()), EventsTopic: r0.Topic(),
+					MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2,
+				}},
+		},
+	}})
+	s := f.Scheduler
+	poolIs(t, s.Pool, "v0/dp0", "v0/dp1")
+	for r := range 2 {
+		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	c := oaClient(t, f.Addr)
+	served := map[string]int{}
+	for q := range 4 {
+		served[chat(t, c, chatParams(fakeVLLMPrompt(q, q), 4)).worker]++
+	}
+	for r := range 2 {
+		name := fmt.Sprintf("v0/dp%d", r)
+		if got := len(d.Rank(r).Requests()); got != served[name] || got == 0 {
+			t.Errorf("rank %d served %d requests, %d were routed to %s; want the same, some", r, got, served[name], name)
+		}
+	}
+	if err := api.DiscoveryV1().EndpointSlices("baton").Delete(context.Background(), "v0", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poolIs(t, s.Pool)
 }

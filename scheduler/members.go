@@ -82,7 +82,11 @@ func (s *Scheduler) setMembers(ms []discovery.Member, tmpl WorkerConfig) {
 			s.log.Warn("discovered worker skipped", "worker", m.Name, "addr", m.Address, "err", err)
 			continue
 		}
-		want[wc.Name] = wc
+		// An engine's data-parallel ranks join and leave with it: they
+		// share its address, so a change of it replaces them all.
+		for _, rc := range wc.ranks() {
+			want[rc.Name] = rc
+		}
 	}
 	s.memberMu.Lock()
 	defer s.memberMu.Unlock()
@@ -134,6 +138,9 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 		return wc, fmt.Errorf("%s %q: unknown kind", discovery.LabelKind, wc.Kind)
 	case wc.Role != "" && wc.Role != RoleBoth && wc.Role != RolePrefill && wc.Role != RoleDecode:
 		return wc, fmt.Errorf("%s %q: unknown role", discovery.LabelRole, wc.Role)
+	}
+	if wc.DataParallelSize > 1 && wc.Kind != KindVLLM {
+		return wc, fmt.Errorf("%s %q: discovery.worker.data_parallel_size is set, and only vllm workers have it", discovery.LabelKind, wc.Kind)
 	}
 	rest := wc.EngineConfig
 	if wc.Kind == KindLlamaCPP {
