@@ -373,6 +373,8 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 			// started: its replay buffer tells which.
 			ReplayFromStart: true,
 			Logger:          log,
+			// A data-parallel rank's stream holds its batches alone.
+			DPRank: int64(wc.dpRank()), CheckDPRank: wc.DataParallelSize > 1,
 		}
 	case wc.Events != "":
 		log.Info("engine's KV events not followed: the strategy does not read the KV index", "strategy", s.cfg.Strategy)
@@ -431,7 +433,7 @@ func (s *Scheduler) engineCounts() []metrics.EngineCounts {
 			c.Stream = map[string]uint64{
 				"batch": st.Batches, "decode_error": st.DecodeErrors, "unknown_tag": st.UnknownTags,
 				"bad_frame": st.BadFrames, "gap": st.Gaps, "replay": st.Replays, "replay_failure": st.ReplayFailures,
-				"reset": st.Resets, "restart": st.Restarts, "reconnect": st.Reconnects, "dial_failure": st.DialFailures,
+				"reset": st.Resets, "wrong_rank": st.WrongRank, "restart": st.Restarts, "reconnect": st.Reconnects, "dial_failure": st.DialFailures,
 			}
 		}
 		out = append(out, c)

@@ -60,6 +60,13 @@ type SubscriberConfig struct {
 	Buffer int
 	// Logger receives connection changes, gaps and resets. Nil: discard.
 	Logger *slog.Logger
+	// DPRank, when CheckDPRank, is the data-parallel rank whose stream
+	// this is. A batch stamped with another rank (a misconfigured port,
+	// another rank's publisher) is dropped and counted as WrongRank, so
+	// that it never lands on this rank's entries; an unstamped batch is
+	// delivered.
+	DPRank      int64
+	CheckDPRank bool
 }
 
 func (c SubscriberConfig) withDefaults() SubscriberConfig {
@@ -139,6 +146,7 @@ type Stats struct {
 	Replays        uint64 // gaps filled by replay
 	ReplayFailures uint64 // replays that failed or came back incomplete
 	Resets         uint64 // Reset messages delivered
+	WrongRank      uint64 // batches of another data-parallel rank, dropped
 	Restarts       uint64 // sequence numbers that went back: the engine restarted
 	Reconnects     uint64 // subscriptions re-established after breaking
 	DialFailures   uint64 // attempts to dial or listen that failed
@@ -161,7 +169,9 @@ type Subscriber struct {
 	stats struct {
 		batches, decodeErrors, unknownTags, badFrames, gaps, replays atomic.Uint64
 		replayFailures, resets, restarts, reconnects, dialFailures   atomic.Uint64
+		wrongRank                                                    atomic.Uint64
 	}
+	wrongRankLogged atomic.Bool
 }
 
 // New validates cfg and starts a Subscriber.
@@ -203,7 +213,7 @@ func (s *Subscriber) Stats() Stats {
 		Gaps: st.gaps.Load(), Replays: st.replays.Load(),
 		ReplayFailures: st.replayFailures.Load(), Resets: st.resets.Load(),
 		Restarts: st.restarts.Load(), Reconnects: st.reconnects.Load(),
-		DialFailures: st.dialFailures.Load(),
+		DialFailures: st.dialFailures.Load(), WrongRank: st.wrongRank.Load(),
 	}
 }
 
@@ -386,6 +396,14 @@ func (s *Subscriber) deliver(ctx context.Context, seq uint64, payload []byte, re
 	case err != nil:
 		s.stats.decodeErrors.Add(1)
 		s.cfg.Logger.Debug("kv events: undecodable batch", "seq", seq, "err", err)
+		return true
+	}
+	if s.cfg.CheckDPRank && b.HasDPRank && b.DPRank != s.cfg.DPRank {
+		s.stats.wrongRank.Add(1)
+		if !s.wrongRankLogged.Swap(true) {
+			s.cfg.Logger.Warn("kv events: batches of another data-parallel rank dropped (logged once)",
+				"seq", seq, "rank", b.DPRank, "want", s.cfg.DPRank, "endpoint", s.cfg.Endpoint)
+		}
 		return true
 	}
 	s.stats.batches.Add(1)

@@ -389,3 +389,28 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		})
 	}
 }
+
+// TestSubscriberDropsOtherRanks: a subscription to rank 1 delivers the
+// batches stamped 1 and unstamped ones, and drops and counts those
+// stamped with another rank, in both encodings.
+func TestSubscriberDropsOtherRanks(t *testing.T) {
+	for _, enc := range encodings {
+		t.Run(enc.String(), func(t *testing.T) {
+			p := newPublisher(t, kveventstest.PublisherConfig{Encoding: enc})
+			s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(), DPRank: 1, CheckDPRank: true})
+			waitSubscribed(t, p)
+			for i, rank := range []int64{1, 0, 2, -1, 1} {
+				b := stampBatch(i, ints(uint64(i+1)))
+				b.DPRank, b.HasDPRank = rank, rank >= 0
+				publish(t, p, b)
+			}
+			got := recv(t, s, 3)
+			if sum, want := summary(got), "0 3 4"; sum != want {
+				t.Errorf("messages %s, want %s", sum, want)
+			}
+			if st := s.Stats(); st.WrongRank != 2 || st.Batches != 3 || st.Gaps != 0 || st.Resets != 0 {
+				t.Errorf("stats %+v, want 2 of another rank, 3 batches, no gap", st)
+			}
+		})
+	}
+}
