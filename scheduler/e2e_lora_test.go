@@ -487,8 +487,9 @@ func TestAdapterLoadedPastThreshold(t *testing.T) {
 }
 
 // An adapter serving a request is never unloaded: with the only slot's
-// adapter in use, a request for another is a 503, the request in flight
-// completes, and once it has the slot is freed for the other adapter.
+// adapter in use, a request for another waits in the queue while the
+// request in flight completes; once it has, the slot is freed for the
+// other adapter.
 func TestAdapterInUseNeverUnloaded(t *testing.T) {
 	e := startLoRAEngine(t, false)
 	e.hold = make(chan struct{})
@@ -504,16 +505,22 @@ func TestAdapterInUseNeverUnloaded(t *testing.T) {
 		}
 		return nil
 	})
-	r := do(t, httpClient(t), http.MethodPost, "http://"+addr+"/v1/chat/completions",
-		`{"model":"chat","messages":[{"role":"user","content":"hi"}]}`, map[string]string{"Content-Type": "application/json"})
-	if _, _, code, _ := decodeError(t, r.body); r.status != http.StatusServiceUnavailable || code != "no_worker_available" {
-		t.Errorf("chat while sql serves a request in the only slot: %d %s, want 503 no_worker_available", r.status, r.body)
+	waiting := make(chan chatResult, 1)
+	go func() { waiting <- chat(t, c, adapterChat("chat", "hi")) }()
+	eventually(t, 20*time.Second, func() error {
+		if v, _ := metric(scrape(t, httpClient(t), addr), "baton_queue_depth"); v != 1 {
+			return fmt.Errorf("queue depth %v, want chat's request waiting for the slot", v)
+		}
+		return nil
+	})
+	if got := e.calls(); len(got) != 1 {
+		t.Errorf("adapter calls while sql serves its request: %q, want sql's load alone", got)
 	}
 	close(e.hold)
 	if got := <-inFlight; got.content == "" {
 		t.Errorf("sql's request in flight: empty answer")
 	}
-	if r := chat(t, c, adapterChat("chat", "now")); !strings.HasSuffix(r.route, "adapter=loaded") {
+	if r := <-waiting; !strings.HasSuffix(r.route, "adapter=loaded") {
 		t.Errorf("chat after sql's request ended: route %q, want adapter=loaded", r.route)
 	}
 	want := []string{

@@ -78,6 +78,12 @@ type adapterLoad struct {
 // errNoAdapterWorker: no worker can take the adapter (503).
 var errNoAdapterWorker = errors.New("no worker can load the adapter")
 
+// errSlotsBusy: a worker could take the adapter, but every one of its
+// slots holds an adapter serving requests, which is never unloaded. It is
+// routing.ErrFull, so the request waits in the queue for one to go idle,
+// and errNoAdapterWorker (503) where there is no queue.
+var errSlotsBusy = fmt.Errorf("%w: every slot's adapter serves requests: %w", errNoAdapterWorker, routing.ErrFull)
+
 // parents returns each adapter's base model, for /v1/models.
 func (l *loader) parents() map[string]string {
 	if l == nil {
@@ -124,6 +130,9 @@ func (l *loader) route(ctx context.Context, req *routing.Request, strategy routi
 		if d, err = strategy.Pick(req, l.pool.Snapshot()); err == nil {
 			d.Worker.TouchAdapter(a.Name)
 			return d, "held", nil
+		}
+		if errors.Is(err, routing.ErrFull) {
+			return d, "", err // the holders are at capacity: wait for them
 		}
 		return d, "", lerr
 	}
@@ -219,6 +228,9 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 			if lastErr != nil {
 				return nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
 			}
+			if l.slotsBusy(a, failed) {
+				return nil, fmt.Errorf("adapter %s: %w", a.Name, errSlotsBusy)
+			}
 			return nil, fmt.Errorf("%w %s", errNoAdapterWorker, a.Name)
 		}
 		lctx, cancel := context.WithTimeout(base, l.cfg.LoadTimeout)
@@ -265,6 +277,18 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 func (l *loader) canLoad(w *pool.Worker, a engine.Adapter, skip []*pool.Worker) bool {
 	return w.AdapterSlots() > 0 && w.Available() && w.Serves(a.Base) && !w.HoldsAdapter(a.Name) && !slices.Contains(skip, w) &&
 		w.CanTakeAdapter(a.Name)
+}
+
+// slotsBusy reports whether a worker not in skip could load a but for its
+// slots, each holding an adapter with requests in flight: one will take a
+// once those end.
+func (l *loader) slotsBusy(a engine.Adapter, skip []*pool.Worker) bool {
+	for _, w := range l.pool.Snapshot().Workers {
+		if w.AdapterSlots() > 0 && w.Available() && w.Serves(a.Base) && !w.HoldsAdapter(a.Name) && !slices.Contains(skip, w) {
+			return true
+		}
+	}
+	return false
 }
 
 // loadOn loads a onto w, first unloading its least recently used adapter
