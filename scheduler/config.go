@@ -146,14 +146,15 @@ type EngineConfig struct {
 	// of its address, port 8998.
 	BootstrapHost string `yaml:"bootstrap_host"`
 	BootstrapPort int    `yaml:"bootstrap_port"`
-	// DataParallelSize is a vllm engine's --data-parallel-size: its ranks
-	// keep KV caches of their own, and baton routes to each as a worker
-	// named <name>/dp<rank>, by the X-data-parallel-rank header, with the
-	// events of the rank (published on the events and events_replay ports
-	// plus the rank) and the load of its engine="<rank>" metrics. In
-	// discovery.worker, every endpoint found is such an engine, its ranks
-	// named <endpoint's name>/dp<rank>, joining and leaving together.
-	// Default 1.
+	// DataParallelSize is a vllm engine's --data-parallel-size (an sglang
+	// engine's --dp-size, of role both): its ranks keep KV caches of their
+	// own, and baton routes to each as a worker named <name>/dp<rank>, by
+	// the X-data-parallel-rank header, with the events of the rank
+	// (published on the events and events_replay ports plus the rank) and
+	// the load of its engine="<rank>" (sglang: dp_rank="<rank>") metrics.
+	// In discovery.worker, every endpoint found is such an engine, its
+	// ranks named <endpoint's name>/dp<rank>, joining and leaving
+	// together. Default 1.
 	DataParallelSize int `yaml:"data_parallel_size"`
 }
 

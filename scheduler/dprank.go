@@ -8,6 +8,11 @@ import (
 	"github.com/batonllm/baton/workers/httpengine"
 )
 
+// SGLang started with --dp-size N (and --enable-dp-attention, for each
+// rank to publish its events on its own port) is the same: its ranks
+// stamp their events attn_dp_rank, label their metrics dp_rank="<rank>"
+// and take the same header.
+
 // A vLLM engine started with --data-parallel-size N runs N engines, each
 // with its own KV cache, behind one OpenAI server: each publishes its KV
 // events on the configured port plus its rank (vLLM's
@@ -85,8 +90,12 @@ func validateRanks(w WorkerConfig, field string) error {
 		return nil
 	case n < 0 || n > maxDataParallelSize:
 		return fmt.Errorf("%s.data_parallel_size: must be 1–%d, got %d", field, maxDataParallelSize, n)
-	case w.Kind != KindVLLM:
-		return fmt.Errorf("%s.data_parallel_size: only vllm workers have it (kind is %s)", field, w.Kind)
+	case w.Kind != KindVLLM && w.Kind != KindSGLang:
+		return fmt.Errorf("%s.data_parallel_size: only vllm and sglang workers have it (kind is %s)", field, w.Kind)
+	case w.Kind == KindSGLang && w.Role != "" && w.Role != RoleBoth:
+		// Its decode ranks would need the prefill rank's index
+		// (disagg_prefill_dp_rank), which baton does not send.
+		return fmt.Errorf("%s.data_parallel_size: sglang ranks serve colocated only (role is %s)", field, w.Role)
 	}
 	for _, e := range []struct{ name, endpoint string }{{"events", w.Events}, {"events_replay", w.EventsReplay}} {
 		if _, err := offsetPort(e.endpoint, n-1); err != nil {

@@ -17,6 +17,11 @@ func TestDataParallelSizeValidate(t *testing.T) {
 	if err := valid().Validate(registry()); err != nil {
 		t.Fatalf("valid config: %v", err)
 	}
+	sglang := valid()
+	sglang.Workers[0].Kind = KindSGLang
+	if err := sglang.Validate(registry()); err != nil {
+		t.Fatalf("valid config of an sglang engine: %v", err)
+	}
 	for _, c := range []struct {
 		name  string
 		edit  func(*Config)
@@ -24,7 +29,9 @@ func TestDataParallelSizeValidate(t *testing.T) {
 	}{
 		{"negative", func(c *Config) { c.Workers[0].DataParallelSize = -1 }, "workers[0].data_parallel_size:"},
 		{"too large", func(c *Config) { c.Workers[0].DataParallelSize = 1000 }, "workers[0].data_parallel_size:"},
-		{"sglang", func(c *Config) { c.Workers[0].Kind = KindSGLang }, "workers[0].data_parallel_size:"},
+		{"sglang prefill", func(c *Config) {
+			c.Workers[0].Kind, c.Workers[0].Role = KindSGLang, RolePrefill
+		}, "workers[0].data_parallel_size:"},
 		{"http", func(c *Config) {
 			c.Workers[0].Kind = KindHTTP
 			c.Workers[0].EngineConfig = EngineConfig{DataParallelSize: 2}
@@ -82,9 +89,9 @@ func TestDiscoveredDataParallelSize(t *testing.T) {
 	if err := cfg.Validate(registry()); err == nil || !strings.HasPrefix(err.Error(), "discovery.worker.events:") {
 		t.Errorf("error %v, want one naming discovery.worker.events", err)
 	}
-	_, err := memberConfig(discovery.Member{Name: "s", Address: "10.0.0.1:8000", Kind: KindSGLang}, WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{DataParallelSize: 2}})
+	_, err := memberConfig(discovery.Member{Name: "s", Address: "10.0.0.1:8000", Kind: KindHTTP}, WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{DataParallelSize: 2}})
 	if err == nil || !strings.Contains(err.Error(), "discovery.worker.data_parallel_size") {
-		t.Errorf("an sglang endpoint with data_parallel_size 2: error %v, want one naming discovery.worker.data_parallel_size", err)
+		t.Errorf("an http endpoint with data_parallel_size 2: error %v, want one naming discovery.worker.data_parallel_size", err)
 	}
 	wc, err := memberConfig(discovery.Member{Name: "v", Address: "10.0.0.1:8000"}, WorkerConfig{Kind: KindVLLM, EngineConfig: EngineConfig{Events: "tcp://{host}:5557", DataParallelSize: 2}})
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 	simfleet "github.com/batonllm/baton/bench/fleet"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/discovery"
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
@@ -182,4 +183,33 @@ func TestDiscoveredDataParallelEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	poolIs(t, s.Pool)
+}
+
+// TestSGLangDataParallelLoad: an SGLang engine with two data-parallel
+// ranks is two workers, each with the load of its dp_rank's series.
+func TestSGLangDataParallelLoad(t *testing.T) {
+	series := func(name string, v0, v1 float64) string {
+		return fmt.Sprintf("# TYPE %[1]s gauge\n%[1]s{dp_rank=\"0\",engine_type=\"unified\",model_name=%[2]q,tp_rank=\"0\"} %[3]v\n"+
+			"%[1]s{dp_rank=\"1\",engine_type=\"unified\",model_name=%[2]q,tp_rank=\"0\"} %[4]v\n", name, model, v0, v1)
+	}
+	eng := startFakeEngine(t, series("sglang:num_running_reqs", 7, 2)+series("sglang:num_queue_reqs", 4, 1)+
+		series("sglang:token_usage", 0.5, 0.25)+series("sglang:max_total_num_tokens", 80000, 80000))
+	s, _ := startScheduler(t, scheduler.Config{
+		Strategy: "kv_aware", Pool: fastPool(),
+		Workers: []scheduler.WorkerConfig{{
+			Name: "s0", Kind: scheduler.KindSGLang, Address: eng.srv.URL,
+			EngineConfig: scheduler.EngineConfig{MetricsInterval: 20 * time.Millisecond, BlockSize: 32, DataParallelSize: 2},
+		}},
+	})
+	for w, want := range map[string]kvindex.Load{
+		"s0/dp0": {Running: 7, Waiting: 4, GPUBlocksUsed: 1250, GPUBlocksTotal: 2500},
+		"s0/dp1": {Running: 2, Waiting: 1, GPUBlocksUsed: 625, GPUBlocksTotal: 2500},
+	} {
+		eventually(t, 10*time.Second, func() error {
+			if m := lookup(s, w, nil); m.Load != want {
+				return fmt.Errorf("%s: load %+v, want %+v", w, m.Load, want)
+			}
+			return nil
+		})
+	}
 }

@@ -139,8 +139,10 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	case wc.Role != "" && wc.Role != RoleBoth && wc.Role != RolePrefill && wc.Role != RoleDecode:
 		return wc, fmt.Errorf("%s %q: unknown role", discovery.LabelRole, wc.Role)
 	}
-	if wc.DataParallelSize > 1 && wc.Kind != KindVLLM {
-		return wc, fmt.Errorf("%s %q: discovery.worker.data_parallel_size is set, and only vllm workers have it", discovery.LabelKind, wc.Kind)
+	if wc.DataParallelSize > 1 {
+		if err := validateRanks(wc, "discovery.worker"); err != nil {
+			return wc, fmt.Errorf("%s %q, role %q: %w", discovery.LabelKind, wc.Kind, wc.Role, err)
+		}
 	}
 	rest := wc.EngineConfig
 	if wc.Kind == KindLlamaCPP {

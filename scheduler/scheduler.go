@@ -397,6 +397,10 @@ func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
 	case KindLlamaCPP:
 		sc, err = llamacpp.NewScraper(wc.Address, wc.MetricsPath, vllm.WithTLS(tc))
 	case KindSGLang:
+		if wc.DataParallelSize > 1 {
+			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.SGLang, wc.dpRank(), vllm.WithTLS(tc))
+			break
+		}
 		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang, vllm.WithTLS(tc))
 	default:
 		if wc.DataParallelSize > 1 {

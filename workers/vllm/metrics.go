@@ -104,6 +104,7 @@ type names struct {
 	cacheInfo        string   // vLLM's info gauge, labels block_size and num_gpu_blocks
 	loraInfo         string   // vLLM's LoRA gauge (Metrics.Adapters)
 	kvTokens         string
+	rankLabel        string // the label naming a data-parallel rank's series
 }
 
 var engineNames = map[Engine]names{
@@ -113,12 +114,15 @@ var engineNames = map[Engine]names{
 		usage:     []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
 		cacheInfo: "vllm:cache_config_info",
 		loraInfo:  "vllm:lora_requests_info",
+		rankLabel: "engine",
 	},
 	SGLang: {
 		running:  "sglang:num_running_reqs",
 		waiting:  "sglang:num_queue_reqs",
 		usage:    []string{"sglang:token_usage"},
 		kvTokens: "sglang:max_total_num_tokens",
+		// Its schedulers label their metrics dp_rank under --dp-size.
+		rankLabel: "dp_rank",
 	},
 	LlamaCPP: {
 		running: "llamacpp:requests_processing",
@@ -136,21 +140,21 @@ func Parse(r io.Reader, e Engine) (Metrics, error) {
 }
 
 // ParseEngine is Parse of the series of one data-parallel engine: those
-// labelled engine="engine" (vLLM labels each rank's by its index), and
+// labelled with its index (vLLM's engine="r", SGLang's dp_rank="r"), and
 // those of families that label none. "" reads every series.
 func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	fams, perr := p.TextToMetricFamilies(r)
-	if engine != "" {
+	n := engineNames[e]
+	if engine != "" && n.rankLabel != "" {
 		for _, f := range fams {
-			f.Metric = engineSeries(f.Metric, engine)
+			f.Metric = engineSeries(f.Metric, n.rankLabel, engine)
 		}
 	}
 	var problems []string
 	if perr != nil {
 		problems = append(problems, perr.Error())
 	}
-	n := engineNames[e]
 	var m Metrics
 	running, okR := count(fams, n.running, &problems)
 	waiting, okW := count(fams, n.waiting, &problems)
@@ -183,14 +187,14 @@ func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	return m, nil
 }
 
-// engineSeries returns the samples of ms labelled engine, or ms when none
-// has an engine label.
-func engineSeries(ms []*dto.Metric, engine string) []*dto.Metric {
+// engineSeries returns the samples of ms whose label is engine, or ms
+// when none has the label.
+func engineSeries(ms []*dto.Metric, label, engine string) []*dto.Metric {
 	var out []*dto.Metric
 	labelled := false
 	for _, m := range ms {
 		for _, l := range m.GetLabel() {
-			if l.GetName() == "engine" {
+			if l.GetName() == label {
 				labelled = true
 				if l.GetValue() == engine {
 					out = append(out, m)

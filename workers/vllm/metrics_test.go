@@ -196,3 +196,38 @@ func TestScraper(t *testing.T) {
 		t.Error("NewScraper accepted an address without a scheme")
 	}
 }
+
+// TestParseEngineSGLangRanks: SGLang under --dp-size labels each rank's
+// scheduler metrics dp_rank; a rank reads its own series, and the
+// unlabelled read sums them.
+func TestParseEngineSGLangRanks(t *testing.T) {
+	const text = `# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 7.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 2.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 4.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 1.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.5
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.25
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{dp_rank="0",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 80000.0
+sglang:max_total_num_tokens{dp_rank="1",engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 80000.0
+`
+	for _, tt := range []struct {
+		rank string
+		want vllm.Metrics
+	}{
+		{"0", vllm.Metrics{Running: 7, Waiting: 4, HasLoad: true, KVUsage: 0.5, HasKVUsage: true, KVTokens: 80000}},
+		{"1", vllm.Metrics{Running: 2, Waiting: 1, HasLoad: true, KVUsage: 0.25, HasKVUsage: true, KVTokens: 80000}},
+		{"", vllm.Metrics{Running: 9, Waiting: 5, HasLoad: true, KVUsage: 0.375, HasKVUsage: true, KVTokens: 160000}},
+	} {
+		got, err := vllm.ParseEngine(strings.NewReader(text), vllm.SGLang, tt.rank)
+		if err != nil {
+			t.Fatalf("rank %q: %v", tt.rank, err)
+		}
+		if diff := cmp.Diff(tt.want, got); diff != "" {
+			t.Errorf("rank %q (-want +got):\n%s", tt.rank, diff)
+		}
+	}
+}

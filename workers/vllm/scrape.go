@@ -65,8 +65,9 @@ func NewScraper(baseURL, path string, e Engine, opts ...HTTPOption) (*Scraper, e
 	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: tr}, tr: tr}, nil
 }
 
-// NewRankScraper is NewScraper of one data-parallel rank of a vLLM engine
-// (--data-parallel-size): it reads only that rank's series (ParseEngine).
+// NewRankScraper is NewScraper of one data-parallel rank of a vLLM or
+// SGLang engine (--data-parallel-size, --dp-size): it reads only that
+// rank's series (ParseEngine).
 func NewRankScraper(baseURL, path string, e Engine, rank int, opts ...HTTPOption) (*Scraper, error) {
 	s, err := NewScraper(baseURL, path, e, opts...)
 	if err != nil {
