@@ -83,7 +83,12 @@ func TestWorkerHTTPSEndpoint(t *testing.T) {
 		{"server not trusted: wrong CA", httpsClient(t, other.File, &client), "certificate signed by unknown authority"},
 	}
 	for _, c := range refused {
-		if _, err := chat("https://"+addr+"/v1", c.hc); err == nil || !strings.Contains(err.Error(), c.want) {
+		_, err := chat("https://"+addr+"/v1", c.hc)
+		// Under TLS 1.3 the client may write its request before the
+		// server's alert for the missing certificate arrives: it then
+		// sees the connection closed rather than the alert.
+		if err == nil || !(strings.Contains(err.Error(), c.want) ||
+			c.name == "no client certificate" && strings.Contains(err.Error(), "use of closed network connection")) {
 			t.Errorf("%s: got %v, want an error with %q", c.name, err, c.want)
 		}
 	}
