@@ -189,7 +189,7 @@ func TestDNSDiscoveryRemovesAWorkerUnderLoad(t *testing.T) {
 
 	rec := &logRecorder{level: slog.LevelInfo}
 	f := startFleetSpec(t, simfleet.Spec{Log: slog.New(rec), Scheduler: scheduler.Config{
-		Strategy: "kv_aware", Pool: fastPool(),
+		Strategy: "kv_aware", Pool: discoveryPool(),
 		Discovery: scheduler.DiscoveryConfig{
 			Mode: scheduler.DiscoveryDNS,
 			DNS:  discovery.DNSConfig{Name: "workers.baton.test.", Port: port, Server: server, Interval: 100 * time.Millisecond},
@@ -340,7 +340,7 @@ func TestKubernetesDiscovery(t *testing.T) {
 	api := fake.NewClientset(endpointSlice("baton-decode", "decode", port,
 		podEndpoint("decode-0", "127.0.0.2", true), podEndpoint("decode-1", "127.0.0.3", true)))
 	f := startFleetSpec(t, simfleet.Spec{Scheduler: scheduler.Config{
-		Strategy: "prefix_aware", Pool: fastPool(),
+		Strategy: "prefix_aware", Pool: discoveryPool(),
 		Discovery: scheduler.DiscoveryConfig{
 			Mode: scheduler.DiscoveryKubernetes,
 			Kubernetes: discovery.KubernetesConfig{
@@ -487,4 +487,13 @@ func TestKubernetesDiscoveredEnginesTokenize(t *testing.T) {
 	if got, _ := metric(m, "baton_tokenize_total", `outcome="miss"`); got != 2 {
 		t.Errorf(`baton_tokenize_total{outcome="miss"} = %v, want 2`, got)
 	}
+}
+
+// discoveryPool is fastPool with health checks a loaded -race run meets: in the tests where membership follows discovery while requests
+// flow and none may fail, a 100 ms timeout would mark the workers that
+// stay down, and count the machine's slowness as a failed removal.
+func discoveryPool() pool.Config {
+	c := fastPool()
+	c.HealthInterval, c.HealthTimeout = 2*time.Second, 2*time.Second
+	return c
 }
