@@ -70,7 +70,7 @@ func TestDataParallelPredictedHit(t *testing.T) {
 		hit := predictedHit(t, r.route)
 		got := float64(r.cached) / float64(r.prompt)
 		if math.Abs(hit-got) > 0.05 {
-			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f", q, doc, hit, r.worker, got)
+			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (route %q)", q, doc, hit, r.worker, got, r.route)
 		}
 		if h, ok := holder[doc]; ok && r.worker != h {
 			t.Errorf("question %d on document %d went to %s, the document is on %s", q, doc, r.worker, h)
