@@ -43,8 +43,7 @@ const (
 //
 // Everything else passes unchanged.
 type linkProxy struct {
-	l      net.Listener
-	target string
+	proxyBase
 
 	corruptEvery atomic.Int64             // 0: off
 	hold         atomic.Pointer[pushHold] // armed by holdPush, taken by the push it holds
@@ -57,23 +56,16 @@ type linkProxy struct {
 	lastErr          atomic.Value // string: the last error that broke a connection (not EOF)
 
 	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
 	opened []time.Time // when each Watch stream was opened
-	wg     sync.WaitGroup
 }
 
 func newLinkProxy(target string) (*linkProxy, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
+	p := &linkProxy{}
+	if err := p.start(target, p.serve); err != nil {
 		return nil, err
 	}
-	p := &linkProxy{l: l, target: target, conns: map[net.Conn]struct{}{}}
-	p.wg.Add(1)
-	go p.accept()
 	return p, nil
 }
-
-func (p *linkProxy) addr() string { return p.l.Addr().String() }
 
 // corrupt flips a byte in every nth block pushed through the link from
 // now on; 0 stops.
@@ -140,42 +132,6 @@ func (p *linkProxy) watchesSince(t time.Time) []time.Duration {
 		}
 	}
 	return out
-}
-
-func (p *linkProxy) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.l.Accept()
-		if err != nil {
-			return
-		}
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.serve(c)
-		}()
-	}
-}
-
-func (p *linkProxy) track(c net.Conn, add bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if add {
-		p.conns[c] = struct{}{}
-	} else {
-		delete(p.conns, c)
-	}
-}
-
-// close stops accepting and closes every connection.
-func (p *linkProxy) close() {
-	p.l.Close()
-	p.mu.Lock()
-	for c := range p.conns {
-		c.Close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
 }
 
 func (p *linkProxy) serve(c net.Conn) {

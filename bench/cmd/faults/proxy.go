@@ -7,57 +7,83 @@ import (
 	"time"
 )
 
-// delayProxy forwards TCP connections from its loopback port to target,
-// holding every chunk it forwards, either way, for the current delay: a
-// slow network or a slow server.
-type delayProxy struct {
+// proxyBase is what the harness's TCP proxies share: a loopback listener
+// whose connections each go to serve, the target they forward to, and the
+// connections open either side, which close closes.
+type proxyBase struct {
 	l      net.Listener
 	target string
-	delay  atomic.Int64 // nanoseconds
 
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	connMu sync.Mutex
+	conns  map[net.Conn]struct{}
+	wg     sync.WaitGroup
 }
 
-func newDelayProxy(target string) (*delayProxy, error) {
+// start listens on a loopback port and hands each connection to serve.
+func (p *proxyBase) start(target string, serve func(net.Conn)) error {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return nil, err
+		return err
 	}
-	p := &delayProxy{l: l, target: target, conns: map[net.Conn]struct{}{}}
+	p.l, p.target, p.conns = l, target, map[net.Conn]struct{}{}
 	p.wg.Add(1)
-	go p.accept()
-	return p, nil
-}
-
-func (p *delayProxy) addr() string             { return p.l.Addr().String() }
-func (p *delayProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
-
-func (p *delayProxy) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.l.Accept()
-		if err != nil {
-			return
+	go func() {
+		defer p.wg.Done()
+		for {
+			c, err := p.l.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				serve(c)
+			}()
 		}
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			p.serve(c)
-		}()
-	}
+	}()
+	return nil
 }
 
-func (p *delayProxy) track(c net.Conn, add bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+func (p *proxyBase) addr() string { return p.l.Addr().String() }
+
+func (p *proxyBase) track(c net.Conn, add bool) {
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
 	if add {
 		p.conns[c] = struct{}{}
 	} else {
 		delete(p.conns, c)
 	}
 }
+
+// close stops accepting and closes every connection.
+func (p *proxyBase) close() {
+	p.l.Close()
+	p.connMu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.connMu.Unlock()
+	p.wg.Wait()
+}
+
+// delayProxy forwards TCP connections from its loopback port to target,
+// holding every chunk it forwards, either way, for the current delay: a
+// slow network or a slow server.
+type delayProxy struct {
+	proxyBase
+	delay atomic.Int64 // nanoseconds
+}
+
+func newDelayProxy(target string) (*delayProxy, error) {
+	p := &delayProxy{}
+	if err := p.start(target, p.serve); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *delayProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
 
 func (p *delayProxy) serve(c net.Conn) {
 	defer c.Close()
@@ -95,17 +121,6 @@ func (p *delayProxy) pipe(dst, src net.Conn) {
 			return
 		}
 	}
-}
-
-// close stops accepting and closes every connection.
-func (p *delayProxy) close() {
-	p.l.Close()
-	p.mu.Lock()
-	for c := range p.conns {
-		c.Close()
-	}
-	p.mu.Unlock()
-	p.wg.Wait()
 }
 
 // blackHole accepts connections on addr and never answers: a worker that
