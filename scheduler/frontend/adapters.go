@@ -55,33 +55,44 @@ func WithAdapters(a Adapters) Option {
 	}
 }
 
-// loader routes requests for adapters and loads them: one load of an
-// adapter at a time, which every request needing it waits for.
+// loader routes requests for adapters and loads them onto the workers of
+// one pool: one load of an adapter at a time, which every request needing
+// it waits for.
 type loader struct {
 	cfg     Adapters
 	byName  map[string]engine.Adapter
 	metrics *metrics.Adapters
 	pool    *pool.Pool
+	// freed is called when a loaded adapter's pin ends without a request
+	// ending (every request that waited for the load went elsewhere):
+	// requests queued for a slot may take it.
+	freed func()
 
 	mu    sync.Mutex
 	loads map[string]*adapterLoad // adapter → its load in progress
 }
 
 // adapterLoad is a load in progress; w and err are set before done is
-// closed.
+// closed. The adapter it loaded stays pinned on w (unpin) until every
+// request that waited for it has been routed, pinning its own choice, or
+// gave up: no other load evicts it before they reach it.
 type adapterLoad struct {
-	done chan struct{}
-	w    *pool.Worker
-	err  error
+	done    chan struct{}
+	w       *pool.Worker
+	err     error
+	waiters int    // requests waiting for it or routing after it; l.mu
+	ended   bool   // the load ended; l.mu
+	unpin   func() // the loaded adapter's pin, nil once released; l.mu
 }
 
 // errNoAdapterWorker: no worker can take the adapter (503).
 var errNoAdapterWorker = errors.New("no worker can load the adapter")
 
 // errSlotsBusy: a worker could take the adapter, but every one of its
-// slots holds an adapter serving requests, which is never unloaded. It is
-// routing.ErrFull, so the request waits in the queue for one to go idle,
-// and errNoAdapterWorker (503) where there is no queue.
+// slots holds an adapter serving requests, which is never unloaded, or is
+// being loaded. It is routing.ErrFull, so the request waits in the queue
+// for one to go idle, and errNoAdapterWorker (503) where there is no
+// queue.
 var errSlotsBusy = fmt.Errorf("%w: every slot's adapter serves requests: %w", errNoAdapterWorker, routing.ErrFull)
 
 // parents returns each adapter's base model, for /v1/models.
@@ -96,66 +107,92 @@ func (l *loader) parents() map[string]string {
 	return p
 }
 
+// pinTries bounds the picks a request makes when the holder it picked
+// stops holding the adapter before the request pins it there.
+const pinTries = 3
+
 // route completes the pick of req, a request for an adapter: d and err
 // are the strategy's, among the holders req has not tried (and, for
 // profiles that count loads, the workers it could load onto). When the
 // strategy chose a worker without the adapter, no holder is available, or
 // all are past the threshold, it loads the adapter (onto the chosen
 // worker, else another) and picks again among the holders. It returns how
-// the adapter was found: "held" or "loaded".
-func (l *loader) route(ctx context.Context, req *routing.Request, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, error) {
+// the adapter was found, "held" or "loaded", and the adapter's pin on the
+// worker picked (pool.Worker.PinAdapter), which the caller ends once the
+// request is done with the worker: no load evicts the adapter under it.
+func (l *loader) route(ctx context.Context, req *routing.Request, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, func(), error) {
+	for try := 1; ; try++ {
+		rd, how, leave, rerr := l.route1(ctx, req, strategy, d, err)
+		if rerr != nil {
+			leave()
+			return rd, "", nil, rerr
+		}
+		end, ok := rd.Worker.PinAdapter(req.Adapter)
+		leave()
+		if ok {
+			rd.Worker.TouchAdapter(req.Adapter)
+			return rd, how, end, nil
+		}
+		if try == pinTries {
+			// Evicted under each pick: wait for the loads to settle.
+			return rd, "", nil, fmt.Errorf("adapter %s: evicted from each worker picked: %w", req.Adapter, routing.ErrFull)
+		}
+		// A load of another adapter evicted it since the pick.
+		d, err = strategy.Pick(req, l.pool.Snapshot())
+	}
+}
+
+// route1 is route's pick without the pin: leave, which the caller calls
+// once it pinned its choice or gave up, ends its wait for a load.
+func (l *loader) route1(ctx context.Context, req *routing.Request, strategy routing.Strategy, d routing.Decision, err error) (routing.Decision, string, func(), error) {
 	a := l.byName[req.Adapter]
 	var prefer *pool.Worker
 	switch {
 	case err == nil && !d.Worker.HoldsAdapter(a.Name):
 		prefer = d.Worker // kv_aware found the load worth its time
 	case err == nil && !l.busy(req):
-		d.Worker.TouchAdapter(a.Name)
-		return d, "held", nil
+		return d, "held", noLeave, nil
 	}
 	if err != nil && !errors.Is(err, routing.ErrNoWorker) && !errors.Is(err, routing.ErrFull) {
-		return d, "", err
+		return d, "", noLeave, err
 	}
 	if err != nil && !l.servable(a) {
 		// No worker holds it nor could load it (llama-server has no
 		// load API): the model does not exist, as an engine would say.
-		return d, "", fmt.Errorf("adapter %s: no worker holds it or loads adapters: %w", a.Name, engine.ErrUnknownModel)
+		return d, "", noLeave, fmt.Errorf("adapter %s: no worker holds it or loads adapters: %w", a.Name, engine.ErrUnknownModel)
 	}
 	// The picks that follow a load choose among the holders only.
 	defer func(load bool) { req.LoadAdapter = load }(req.LoadAdapter)
 	req.LoadAdapter = false
-	w, lerr := l.ensure(ctx, a, req.Tried, prefer)
+	w, leave, lerr := l.ensure(ctx, a, req.Tried, prefer)
 	if lerr != nil && prefer != nil {
 		// The chosen worker failed to load it; holders may serve still.
 		if d, err = strategy.Pick(req, l.pool.Snapshot()); err == nil {
-			d.Worker.TouchAdapter(a.Name)
-			return d, "held", nil
+			return d, "held", leave, nil
 		}
 		if errors.Is(err, routing.ErrFull) {
-			return d, "", err // the holders are at capacity: wait for them
+			return d, "", leave, err // the holders are at capacity: wait for them
 		}
-		return d, "", lerr
+		return d, "", leave, lerr
 	}
 	if lerr != nil {
 		if err == nil || errors.Is(err, routing.ErrFull) {
 			// Busy holders still serve, or the request queues for them.
-			if err == nil {
-				d.Worker.TouchAdapter(a.Name)
-			}
-			return d, "held", err
+			return d, "held", leave, err
 		}
-		return d, "", lerr
+		return d, "", leave, lerr
 	}
 	d, err = strategy.Pick(req, l.pool.Snapshot())
 	if err != nil {
-		return d, "", err
+		return d, "", leave, err
 	}
-	d.Worker.TouchAdapter(a.Name)
 	if d.Worker == w {
-		return d, "loaded", nil
+		return d, "loaded", leave, nil
 	}
-	return d, "held", nil
+	return d, "held", leave, nil
 }
+
+func noLeave() {}
 
 // servable reports whether some worker, available or not, holds a or
 // could load it.
@@ -181,71 +218,109 @@ func (l *loader) busy(req *routing.Request) bool {
 
 // ensure returns a worker a was loaded onto for this request: by the load
 // in progress, or by a new one (onto prefer if it can take a) unless,
-// with no prefer, a holder has room by now. It waits
-// for the load until ctx ends; the load goes on without it, since others
-// may be waiting for it, bounded by LoadTimeout a worker.
-func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker, prefer *pool.Worker) (*pool.Worker, error) {
+// with no prefer, a holder has room by now. It waits for the load until
+// ctx ends; the load goes on without it, since others may be waiting for
+// it, bounded by LoadTimeout a worker. The caller calls leave once it
+// pinned the worker it routes to, or gave up: the loaded adapter stays
+// pinned until every request that waited for it did.
+func (l *loader) ensure(ctx context.Context, a engine.Adapter, tried []*pool.Worker, prefer *pool.Worker) (w *pool.Worker, leave func(), err error) {
 	l.mu.Lock()
 	ld := l.loads[a.Name]
 	if ld == nil {
 		if prefer == nil && !l.busy(&routing.Request{Adapter: a.Name, Tried: tried}) {
 			// A load ended between the pick and here.
 			l.mu.Unlock()
-			return nil, nil
+			return nil, noLeave, nil
 		}
 		ld = &adapterLoad{done: make(chan struct{})}
 		l.loads[a.Name] = ld
 		go func() {
-			ld.w, ld.err = l.load(context.WithoutCancel(ctx), a, slices.Clone(tried), prefer)
+			w, unpin, err := l.load(context.WithoutCancel(ctx), a, slices.Clone(tried), prefer)
 			l.mu.Lock()
 			delete(l.loads, a.Name)
+			ld.w, ld.err, ld.unpin, ld.ended = w, err, unpin, true
+			l.unpinIdle(ld)
 			l.mu.Unlock()
 			close(ld.done)
 		}()
 	}
+	ld.waiters++
 	l.mu.Unlock()
+	var once sync.Once
+	leave = func() {
+		once.Do(func() {
+			l.mu.Lock()
+			ld.waiters--
+			l.unpinIdle(ld)
+			l.mu.Unlock()
+		})
+	}
 	l.metrics.Waiting.Inc()
 	defer l.metrics.Waiting.Dec()
 	select {
 	case <-ld.done:
-		return ld.w, ld.err
+		return ld.w, leave, ld.err
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		leave()
+		return nil, noLeave, ctx.Err()
+	}
+}
+
+// unpinIdle releases the pin of ld's adapter once the load ended and no
+// request waits for it or is routing after it. l.mu is held.
+func (l *loader) unpinIdle(ld *adapterLoad) {
+	if !ld.ended || ld.waiters > 0 || ld.unpin == nil {
+		return
+	}
+	ld.unpin()
+	ld.unpin = nil
+	if l.freed != nil {
+		l.freed()
 	}
 }
 
 // load loads a onto prefer, if it can take it, else the best worker that
 // can and is not in failed, and onto the next when that fails;
-// LoadTimeout bounds each try.
-func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Worker, prefer *pool.Worker) (*pool.Worker, error) {
+// LoadTimeout bounds each try. It returns the worker and the loaded
+// adapter's pin there (pool.Worker.EndAdapterLoad).
+func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Worker, prefer *pool.Worker) (*pool.Worker, func(), error) {
 	var lastErr error
+	// taken are the workers whose last slot another load took between
+	// the choice of the worker and its reservation: busy, not failed.
+	var taken []*pool.Worker
 	for {
-		w := l.target(a, failed)
-		if prefer != nil && l.canLoad(prefer, a, failed) {
+		skip := append(slices.Clip(failed), taken...)
+		w := l.target(a, skip)
+		if prefer != nil && l.canLoad(prefer, a, skip) {
 			w = prefer
 		}
 		if w == nil {
 			if lastErr != nil {
-				return nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
+				return nil, nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
 			}
 			if l.slotsBusy(a, failed) {
-				return nil, fmt.Errorf("adapter %s: %w", a.Name, errSlotsBusy)
+				return nil, nil, fmt.Errorf("adapter %s: %w", a.Name, errSlotsBusy)
 			}
-			return nil, fmt.Errorf("%w %s", errNoAdapterWorker, a.Name)
+			return nil, nil, fmt.Errorf("%w %s", errNoAdapterWorker, a.Name)
+		}
+		victim, ok := w.ReserveAdapter(a.Name)
+		if !ok {
+			taken = append(taken, w)
+			continue
 		}
 		lctx, cancel := context.WithTimeout(base, l.cfg.LoadTimeout)
 		t0 := time.Now()
-		err := l.loadOn(lctx, w, a)
+		err := l.loadOn(lctx, w, a, victim)
 		cancel()
 		took := time.Since(t0)
 		l.metrics.LoadSeconds.Observe(took.Seconds())
 		if _, api := w.Client.(engine.AdapterLoader); api && err == nil {
 			w.ObserveAdapterLoad(took) // for kv_aware's estimates
 		}
+		unpin := w.EndAdapterLoad(a.Name, err == nil)
 		if err == nil {
 			l.metrics.Loads.WithLabelValues(w.Name, a.Name, "ok").Inc()
-			w.AddAdapter(a.Name)
-			return w, nil
+			return w, unpin, nil
 		}
 		l.metrics.Loads.WithLabelValues(w.Name, a.Name, "failed").Inc()
 		failed = append(failed, w)
@@ -280,8 +355,8 @@ func (l *loader) canLoad(w *pool.Worker, a engine.Adapter, skip []*pool.Worker) 
 }
 
 // slotsBusy reports whether a worker not in skip could load a but for its
-// slots, each holding an adapter with requests in flight: one will take a
-// once those end.
+// slots, each holding an adapter with requests in flight or being
+// loaded: one will take a once those end.
 func (l *loader) slotsBusy(a engine.Adapter, skip []*pool.Worker) bool {
 	for _, w := range l.pool.Snapshot().Workers {
 		if w.AdapterSlots() > 0 && w.Available() && w.Serves(a.Base) && !w.HoldsAdapter(a.Name) && !slices.Contains(skip, w) {
@@ -291,22 +366,19 @@ func (l *loader) slotsBusy(a engine.Adapter, skip []*pool.Worker) bool {
 	return false
 }
 
-// loadOn loads a onto w, first unloading its least recently used adapter
-// with no request in flight when its slots are full. Engines without a
-// load API load on the first request.
-func (l *loader) loadOn(ctx context.Context, w *pool.Worker, a engine.Adapter) error {
+// loadOn loads a onto w, into the slot ReserveAdapter took, first
+// unloading victim, the adapter that held it, if any (the worker stopped
+// holding it when the slot was taken; should the unload fail, the engine's
+// next report says it still holds it). Engines without a load API load on
+// the first request.
+func (l *loader) loadOn(ctx context.Context, w *pool.Worker, a engine.Adapter, victim string) error {
 	ld, api := w.Client.(engine.AdapterLoader)
-	if !w.AdapterSlotFree() {
-		victim, ok := w.LRUAdapter(a.Name)
-		if !ok {
-			return fmt.Errorf("worker %s: every adapter slot serves requests in flight", w.Name)
-		}
+	if victim != "" {
 		if api {
 			if err := ld.UnloadAdapter(ctx, victim); err != nil {
 				return err
 			}
 		}
-		w.RemoveAdapter(victim)
 		l.metrics.Evictions.WithLabelValues(w.Name).Inc()
 	}
 	if !api {

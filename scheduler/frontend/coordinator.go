@@ -68,6 +68,9 @@ type exchange struct {
 	// on the worker picked last (held or loaded), empty for a base model.
 	ctx     context.Context
 	adapter string
+	// unpin ends the pin of the request's adapter on the worker of the
+	// last successful pick (loader.route), nil when there is none.
+	unpin func()
 }
 
 // disaggregated returns s.disagg while it has prefill workers, else nil.
@@ -104,9 +107,11 @@ func (x *exchange) run(ctx context.Context) string {
 			}
 			return x.fail(ctx, err)
 		}
+		unpin := x.takePin()
 		acquired, err := wk.Acquire()
 		if err != nil {
 			// The breaker refused between the pick and the call.
+			unpin()
 			x.tried = append(x.tried, wk)
 			attempt--
 			if len(x.tried) > len(s.pool.Snapshot().Workers) {
@@ -118,11 +123,11 @@ func (x *exchange) run(ctx context.Context) string {
 			acquired(err)
 			s.released()
 		}
-		if a := x.rreq.Adapter; a != "" {
-			// The adapter is in use on wk until the attempt ends: never
-			// unloaded under it.
-			end, release := wk.BeginAdapter(a), done
-			done = func(err error) { end(); release(err) }
+		if x.rreq.Adapter != "" {
+			// The adapter is in use on wk until the attempt ends, pinned
+			// since the pick: never unloaded under it.
+			release := done
+			done = func(err error) { unpin(); release(err) }
 		}
 		x.worker = wk.Name
 		x.predicted = -1
@@ -281,9 +286,21 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	}
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
 	if x.rreq.Adapter != "" && x.s.lora != nil {
-		d, x.adapter, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
+		x.takePin()() // a pick not served (none is)
+		d, x.adapter, x.unpin, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
 	}
 	return d, err
+}
+
+// takePin returns the end of the pin of the last pick's adapter, a no-op
+// when there is none, and leaves none in x.
+func (x *exchange) takePin() func() {
+	unpin := x.unpin
+	x.unpin = nil
+	if unpin == nil {
+		return func() {}
+	}
+	return unpin
 }
 
 // pairOnly returns, for a disaggregated request whose prompt is shorter

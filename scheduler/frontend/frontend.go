@@ -120,7 +120,7 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	}
 	s.freed = make(chan struct{})
 	if s.lora != nil {
-		s.lora.metrics, s.lora.pool = m.NewAdapters(), p
+		s.lora.metrics, s.lora.pool, s.lora.freed = m.NewAdapters(), p, s.released
 	}
 	if s.cfg.MaxQueue > 0 {
 		s.queue = make(chan struct{}, s.cfg.MaxQueue)
@@ -279,6 +279,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	defer cancel()
 	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated(), ctx: ctx}
 	outcome := x.run(ctx)
+	x.takePin()() // none is left, but never leak one
 	if s.admission != nil {
 		s.admission.Done(r.Context(), x.used)
 	}

@@ -26,6 +26,11 @@ type adapters struct {
 	running map[string]int
 	// loaded are the adapters the scheduler loaded, by when.
 	loaded map[string]time.Time
+	// loading are the adapters being loaded onto the worker
+	// (ReserveAdapter), each in a slot of its own; nLoading counts them
+	// for readers without the lock.
+	loading  map[string]bool
+	nLoading atomic.Int32
 	// slots is the adapter slots the engine reports (SetAdapterSlots).
 	slots atomic.Int32
 	// loadSeconds is the measured load time (ObserveAdapterLoad), as
@@ -52,9 +57,10 @@ func (w *Worker) Adapters() []string {
 }
 
 // AdapterSlotFree reports whether the scheduler may load one more adapter
-// onto the worker without evicting one: it holds fewer than AdapterSlots.
+// onto the worker without evicting one: it holds, and is loading, fewer
+// than AdapterSlots.
 func (w *Worker) AdapterSlotFree() bool {
-	return len(w.Adapters()) < w.AdapterSlots()
+	return len(w.Adapters())+int(w.lora.nLoading.Load()) < w.AdapterSlots()
 }
 
 // AdapterSlots returns how many adapters the scheduler may have the
@@ -78,12 +84,20 @@ func (w *Worker) AddAdapter(name string) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.add(name)
+}
+
+// add records that the worker holds name, loaded now. a.mu is held.
+func (a *adapters) add(name string) {
 	if a.loaded == nil {
 		a.loaded = make(map[string]time.Time)
 	}
 	a.loaded[name] = time.Now()
 	a.touch(name)
-	held := slices.Clone(w.Adapters())
+	var held []string
+	if h := a.held.Load(); h != nil {
+		held = slices.Clone(*h)
+	}
 	if !slices.Contains(held, name) {
 		held = append(held, name)
 	}
@@ -95,9 +109,17 @@ func (w *Worker) RemoveAdapter(name string) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.remove(name)
+}
+
+// remove records that the worker no longer holds name. a.mu is held.
+func (a *adapters) remove(name string) {
 	delete(a.loaded, name)
 	delete(a.used, name)
-	held := slices.DeleteFunc(slices.Clone(w.Adapters()), func(s string) bool { return s == name })
+	var held []string
+	if h := a.held.Load(); h != nil {
+		held = slices.DeleteFunc(slices.Clone(*h), func(s string) bool { return s == name })
+	}
 	a.held.Store(&held)
 }
 
@@ -163,15 +185,35 @@ func (a *adapters) touch(name string) {
 }
 
 // BeginAdapter records a request for the adapter name in flight on the
-// worker until the returned function is called (once).
+// worker until the returned function is called (once): an adapter in use
+// is never evicted (LRUAdapter, ReserveAdapter).
 func (w *Worker) BeginAdapter(name string) (end func()) {
 	a := &w.lora
 	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.begin(name)
+}
+
+// PinAdapter is BeginAdapter if the worker holds name, checked and
+// counted at once: no load evicts name between the check and the count.
+// ok is false, and nothing counted, when it does not hold name (evicted
+// since the pick that chose the worker for it).
+func (w *Worker) PinAdapter(name string) (end func(), ok bool) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !w.HoldsAdapter(name) {
+		return nil, false
+	}
+	return a.begin(name), true
+}
+
+// begin counts a use of name in flight until end is called. a.mu is held.
+func (a *adapters) begin(name string) (end func()) {
 	if a.running == nil {
 		a.running = make(map[string]int)
 	}
 	a.running[name]++
-	a.mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -182,6 +224,54 @@ func (w *Worker) BeginAdapter(name string) (end func()) {
 			a.mu.Unlock()
 		})
 	}
+}
+
+// ReserveAdapter takes a slot of the worker for a load of name, which
+// must end with EndAdapterLoad: a free slot, else that of the least
+// recently used adapter with no request in flight, which the worker stops
+// holding at once and which is returned as victim, for the caller to
+// unload. Checking and taking are one step, so two loads never take one
+// slot. ok is false when no slot can be had, or the worker holds name or
+// is loading it.
+func (w *Worker) ReserveAdapter(name string) (victim string, ok bool) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if w.HoldsAdapter(name) || a.loading[name] {
+		return "", false
+	}
+	if !w.AdapterSlotFree() {
+		if victim, ok = a.lru(w.Adapters(), name); !ok {
+			return "", false
+		}
+		a.remove(victim)
+	}
+	if a.loading == nil {
+		a.loading = make(map[string]bool)
+	}
+	a.loading[name] = true
+	a.nLoading.Add(1)
+	return victim, true
+}
+
+// EndAdapterLoad ends the load of name that ReserveAdapter began. When it
+// loaded, the worker holds name, pinned as by PinAdapter until unpin is
+// called: the requests that waited for the load are routed to it before
+// any other load may evict it. When it did not, its slot is free again
+// and unpin does nothing.
+func (w *Worker) EndAdapterLoad(name string, loaded bool) (unpin func()) {
+	a := &w.lora
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.loading[name] {
+		delete(a.loading, name)
+		a.nLoading.Add(-1)
+	}
+	if !loaded {
+		return func() {}
+	}
+	a.add(name)
+	return a.begin(name)
 }
 
 // CanTakeAdapter reports whether one more adapter fits on the worker: a
@@ -202,8 +292,13 @@ func (w *Worker) LRUAdapter(keep string) (name string, ok bool) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.lru(w.Adapters(), keep)
+}
+
+// lru is LRUAdapter among held. a.mu is held.
+func (a *adapters) lru(held []string, keep string) (name string, ok bool) {
 	var oldest int64
-	for _, n := range w.Adapters() {
+	for _, n := range held {
 		if n == keep || a.running[n] > 0 {
 			continue
 		}

@@ -48,3 +48,62 @@ func TestWorkerAdapters(t *testing.T) {
 		t.Errorf("a worker without max_loras has a free slot")
 	}
 }
+
+// A slot is reserved by one load at a time: a free one, then the least
+// recently used idle adapter's, which stops being held at once; a loaded
+// adapter is pinned until its waiters are routed, and a pin needs the
+// adapter held.
+func TestWorkerAdapterReservations(t *testing.T) {
+	w := &Worker{Name: "w", MaxLoRAs: 2}
+	w.AddAdapter("sql")
+	if v, ok := w.ReserveAdapter("chat"); !ok || v != "" {
+		t.Fatalf("ReserveAdapter(chat) with a free slot = %q, %t; want no victim", v, ok)
+	}
+	if w.AdapterSlotFree() {
+		t.Errorf("a slot is free while chat loads into the last one")
+	}
+	if _, ok := w.ReserveAdapter("chat"); ok {
+		t.Errorf("chat reserved twice")
+	}
+	// The only slot left is sql's, idle: math takes it, and sql goes.
+	if v, ok := w.ReserveAdapter("math"); !ok || v != "sql" || w.HoldsAdapter("sql") {
+		t.Fatalf("ReserveAdapter(math) = %q, %t, holds %v; want victim sql, no longer held", v, ok, w.Adapters())
+	}
+	if v, ok := w.ReserveAdapter("code"); ok {
+		t.Errorf("ReserveAdapter(code) with both slots loading = %q, true; want none", v)
+	}
+	unpin := w.EndAdapterLoad("chat", true)
+	w.EndAdapterLoad("math", false)
+	if !w.HoldsAdapter("chat") || w.HoldsAdapter("math") || !w.AdapterSlotFree() {
+		t.Fatalf("after chat loaded and math failed: holds %v, slot free %t", w.Adapters(), w.AdapterSlotFree())
+	}
+	w.AddAdapter("code")
+	// chat, just loaded, is pinned for its waiters: not evicted, though
+	// older than code.
+	if v, ok := w.ReserveAdapter("math"); !ok || v != "code" {
+		t.Fatalf("ReserveAdapter(math) with chat pinned = %q, %t; want code", v, ok)
+	}
+	w.EndAdapterLoad("math", false)
+	unpin()
+	unpin() // once only
+	w.AddAdapter("code")
+	end, ok := w.PinAdapter("chat")
+	endCode, okCode := w.PinAdapter("code")
+	if !ok || !okCode {
+		t.Fatal("PinAdapter failed while held")
+	}
+	if v, ok := w.ReserveAdapter("math"); ok {
+		t.Errorf("ReserveAdapter(math) = %q, true with every slot's adapter pinned", v)
+	}
+	end()
+	w.TouchAdapter("chat")
+	endCode()
+	endCode()
+	w.TouchAdapter("code")
+	if v, ok := w.ReserveAdapter("math"); !ok || v != "chat" {
+		t.Errorf("ReserveAdapter(math) with chat idle = %q, %t; want chat", v, ok)
+	}
+	if _, ok := w.PinAdapter("chat"); ok {
+		t.Error("PinAdapter(chat) succeeded once chat was evicted")
+	}
+}
