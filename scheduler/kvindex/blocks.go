@@ -213,8 +213,12 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 		return
 	}
 	// The run from block j has holders g, c, r; a worker that drops out
-	// of it never counts again (alive narrows).
+	// of it never counts again (alive narrows). The first block is warmed
+	// with the first gallop's.
 	j := 0
+	if b.t.warmGallop(keys, 0, walkStride, true) == 0x5eed {
+		b.warmed.Add(1)
+	}
 	g, c, r := holders(keys[0], alive)
 	for g|c|r != 0 {
 		alive = g | c | r
@@ -222,7 +226,7 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 		// first known not to (n: none), whose holders are ng, nc, nr.
 		lo, hi := j, n
 		var ng, nc, nr uint64
-		if b.t.warmGallop(keys, lo, walkStride) == 0x5eed {
+		if j > 0 && b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
 			b.warmed.Add(1)
 		}
 		for step := walkStride; lo < n-1; step *= 2 {
@@ -235,12 +239,20 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 			lo = p
 		}
 		for hi < n && hi-lo > walkStride {
-			mid := lo + (hi-lo)/2
-			mg, mc, mr := holders(keys[mid], alive)
-			if mg == g && mc == c && mr == r {
-				lo = mid
-			} else {
-				hi, ng, nc, nr = mid, mg, mc, mr
+			if b.t.warmBisect(keys, lo, hi, walkStride) == 0x5eed {
+				b.warmed.Add(1)
+			}
+			for range bisectLevels {
+				if hi-lo <= walkStride {
+					break
+				}
+				mid := lo + (hi-lo)/2
+				mg, mc, mr := holders(keys[mid], alive)
+				if mg == g && mc == c && mr == r {
+					lo = mid
+				} else {
+					hi, ng, nc, nr = mid, mg, mc, mr
+				}
 			}
 		}
 		// The last walkStride blocks block by block: exact where a cache

@@ -112,23 +112,76 @@ func (t *table) warm(keys []uint64) uint64 {
 	return sink
 }
 
-// warmGallop is warm over the keys walk's gallop from lo reads first:
-// those at lo+stride, lo+3×stride, lo+7×stride… and the last.
-func (t *table) warmGallop(keys []uint64, lo, stride int) uint64 {
+// warmAt is warm over the keys at positions pos (at most warmBatch).
+func (t *table) warmAt(keys []uint64, pos []int) uint64 {
 	var idx [warmBatch]uint32
-	n := 0
-	for step := stride; lo < len(keys)-1 && n < warmBatch; step *= 2 {
-		lo = min(lo+step, len(keys)-1)
-		idx[n] = t.slots[t.home(keys[lo])]
-		n++
+	pos = pos[:min(len(pos), warmBatch)]
+	for j, p := range pos {
+		idx[j] = t.slots[t.home(keys[p])]
 	}
 	var sink uint64
-	for _, v := range idx[:n] {
+	for _, v := range idx[:len(pos)] {
 		if v != 0 {
 			sink += t.at(v - 1).key
 		}
 	}
 	return sink
+}
+
+// warmGallop is warm over the keys walk's gallop from lo reads first:
+// those at lo+stride, lo+3×stride, lo+7×stride… and the last; and lo's
+// own if self.
+func (t *table) warmGallop(keys []uint64, lo, stride int, self bool) uint64 {
+	var pos [warmBatch]int
+	n := 0
+	if self {
+		pos[0], n = lo, 1
+	}
+	for step := stride; lo < len(keys)-1 && n < warmBatch; step *= 2 {
+		lo = min(lo+step, len(keys)-1)
+		pos[n] = lo
+		n++
+	}
+	return t.warmAt(keys, pos[:n])
+}
+
+// bisectLevels is how many steps of walk's bisection one warmBisect
+// covers: 1+2+4+8 = 15 keys, within warmBatch.
+const bisectLevels = 4
+
+// warmBisect is warm over every key the next bisectLevels steps of walk's
+// bisection of (lo, hi) may read (bisectKeys): the bisection reads one of
+// each level's, which depends on the last read, so warming them all at
+// once pays one round of cache misses for bisectLevels steps.
+func (t *table) warmBisect(keys []uint64, lo, hi, stride int) uint64 {
+	var pos [warmBatch]int
+	return t.warmAt(keys, pos[:bisectKeys(lo, hi, stride, &pos)])
+}
+
+// bisectKeys puts into pos the positions a bisection of (lo, hi) down to
+// spans of stride may read in its next bisectLevels steps, level by
+// level, and returns how many.
+func bisectKeys(lo, hi, stride int, pos *[warmBatch]int) int {
+	var spans, next [1 << (bisectLevels - 1)][2]int
+	spans[0] = [2]int{lo, hi}
+	ns, n := 1, 0
+	for range bisectLevels {
+		nn := 0
+		for _, sp := range spans[:ns] {
+			if sp[1]-sp[0] <= stride {
+				continue
+			}
+			mid := sp[0] + (sp[1]-sp[0])/2
+			pos[n] = mid
+			n++
+			if nn+2 <= len(next) {
+				next[nn], next[nn+1] = [2]int{sp[0], mid}, [2]int{mid, sp[1]}
+				nn += 2
+			}
+		}
+		spans, ns = next, nn
+	}
+	return n
 }
 
 // insert adds an entry for key, which must be absent, at the head of the

@@ -207,12 +207,10 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	req := c.Req
 	cached, seconds := c.Estimates()
 	// Candidates go to the index in batches of up to MaxWorkers (it tracks
-	// no more), in arrays on the stack: one batch for fleets of up to 64.
-	var (
-		idx   [kvindex.MaxWorkers]int
-		names [kvindex.MaxWorkers]string
-		ms    [kvindex.MaxWorkers]kvindex.Match
-	)
+	// no more): one batch for fleets of up to 64. The batch's buffers are
+	// the pick's scratch, sized to it, rather than arrays of MaxWorkers on
+	// the stack, which zeroing would pull into a cold cache whole.
+	idx, names, ms := c.sc.lookupBuffers(min(len(cands), kvindex.MaxWorkers))
 	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
 	var routed float64  // sum over the candidates
 	var top, second int // the most cached tokens of one candidate, of another

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"testing"
 	"time"
 
@@ -747,6 +748,55 @@ func BenchmarkKVAware(b *testing.B) {
 				}
 			}
 			b.ReportMetric(bytesPerBlock, "B/block")
+		})
+	}
+}
+
+// BenchmarkKVAwareCold is BenchmarkKVAware with the CPU's caches cold,
+// as a scheduler finds them between requests while its process (and, in
+// the bench, the simulated fleet beside it) does other work: before each
+// decision it writes coldBytes, more than this machine's caches keep for
+// one core. ns/op counts that writing; cold-p50-ns and cold-p99-ns are
+// the decision alone.
+func BenchmarkKVAwareCold(b *testing.B) {
+	const coldBytes = 64 << 20
+	evict := make([]byte, coldBytes)
+	for _, n := range []int{8, 64} {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
+			f, held := newHeldFleet(b, n, 1<<20, rand.New(rand.NewPCG(5, 6)))
+			per := len(held[0])
+			const prompts = 64
+			reqs := make([]*Request, prompts)
+			for p := range reqs {
+				ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
+				reqs[p] = kvRequest(ks)
+			}
+			s := f.strategy(Params{ConcurrencyThreshold: 1024})
+			snap := f.snap()
+			for _, r := range reqs {
+				d, err := s.Pick(r, snap)
+				if err != nil {
+					b.Fatal(err)
+				}
+				Commit(s, r, d)
+			}
+			lat := make([]time.Duration, 0, 1<<16)
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				for j := 0; j < len(evict); j += 64 {
+					evict[j]++
+				}
+				t0 := time.Now()
+				if _, err := s.Pick(reqs[i%prompts], snap); err != nil {
+					b.Fatal(err)
+				}
+				if len(lat) < cap(lat) {
+					lat = append(lat, time.Since(t0))
+				}
+			}
+			slices.Sort(lat)
+			b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "cold-p50-ns")
+			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "cold-p99-ns")
 		})
 	}
 }

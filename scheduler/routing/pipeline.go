@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 )
 
@@ -107,6 +108,20 @@ type scratch struct {
 	scores  []float64
 	cached  []int
 	seconds []float64
+	// kv_aware's batch of index lookups (lookupBuffers).
+	lookupIndex []int
+	lookupNames []string
+	lookupOut   []kvindex.Match
+}
+
+// lookupBuffers returns s's buffers for a batch of n index lookups.
+func (s *scratch) lookupBuffers(n int) (index []int, names []string, out []kvindex.Match) {
+	if cap(s.lookupIndex) < n {
+		s.lookupIndex = make([]int, n)
+		s.lookupNames = make([]string, n)
+		s.lookupOut = make([]kvindex.Match, n)
+	}
+	return s.lookupIndex[:n], s.lookupNames[:n], s.lookupOut[:n]
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -128,6 +143,7 @@ func getScratch(n int) *scratch {
 
 func putScratch(s *scratch) {
 	clear(s.cands[:cap(s.cands)]) // drop worker references
+	clear(s.lookupNames)
 	s.c = Cycle{}
 	scratchPool.Put(s)
 }
@@ -189,11 +205,11 @@ func (p *Profile) timed(pt func(profile, part string) func(time.Duration)) *Prof
 	return p
 }
 
-// lap reports the time since *t to the i-th part timer and moves *t on.
+// lap reports the time since *t to the i-th part timer and moves *t on,
+// past the report, so that no part is charged for the one before's.
 func (p *Profile) lap(i int, t *time.Time) {
-	now := time.Now()
-	p.timers[i](now.Sub(*t))
-	*t = now
+	p.timers[i](time.Since(*t))
+	*t = time.Now()
 }
 
 // Name is the profile's name, as rendered in X-Baton-Route.
