@@ -58,6 +58,11 @@ type pdEngine struct {
 	// token, until the client goes away; canceled counts those that did.
 	hold     bool
 	canceled int
+	// loras are the LoRA adapters the engine holds, loaded through
+	// vLLM's /v1/load_lora_adapter; loads counts those calls by adapter.
+	// A request for an adapter it does not hold is a violation.
+	loras map[string]bool
+	loads map[string]int
 }
 
 // pdRequest is a chat completion a pdEngine received.
@@ -140,7 +145,7 @@ func (h *pdHub) room(id uint64) *pdRoom {
 // KindSGLang) and role, closed when the test ends.
 func startPDEngine(t testing.TB, hub *pdHub, name, kind, role string) *pdEngine {
 	t.Helper()
-	e := &pdEngine{name: name, kind: kind, role: role, hub: hub, cache: map[uint64]int{}}
+	e := &pdEngine{name: name, kind: kind, role: role, hub: hub, cache: map[uint64]int{}, loras: map[string]bool{}, loads: map[string]int{}}
 	if kind == scheduler.KindSGLang && role == scheduler.RolePrefill {
 		e.bootstrapPort = 9000 + int(xxhash.Sum64String(name)%900) // distinct per name
 	}
@@ -148,7 +153,40 @@ func startPDEngine(t testing.TB, hub *pdHub, name, kind, role string) *pdEngine 
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /metrics", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, model)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}`, model)
+		for n := range e.loras {
+			fmt.Fprintf(w, `,{"id":%q,"object":"model","parent":%q}`, n, model)
+		}
+		io.WriteString(w, "]}")
+	})
+	mux.HandleFunc("POST /v1/load_lora_adapter", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Name string `json:"lora_name"`
+			Path string `json:"lora_path"`
+		}
+		if json.NewDecoder(r.Body).Decode(&req) != nil || req.Name == "" || req.Path == "" {
+			http.Error(w, "bad load", http.StatusBadRequest)
+			return
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		e.loras[req.Name] = true
+		e.loads[req.Name]++
+	})
+	mux.HandleFunc("POST /v1/unload_lora_adapter", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Name string `json:"lora_name"`
+		}
+		json.NewDecoder(r.Body).Decode(&req)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !e.loras[req.Name] {
+			http.Error(w, "no such adapter", http.StatusNotFound)
+			return
+		}
+		delete(e.loras, req.Name)
 	})
 	mux.HandleFunc("POST /v1/chat/completions", e.chat)
 	e.srv = httptest.NewServer(mux)
@@ -191,10 +229,13 @@ const pdBlock = 16
 // prefix looks tokens up in the engine's prefix cache and stores their
 // full blocks: it returns the tokens found cached and the ids of every
 // full block.
-func (e *pdEngine) prefix(tokens []uint32) (cached int, ids []int) {
+func (e *pdEngine) prefix(mdl string, tokens []uint32) (cached int, ids []int) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := xxhash.Sum64String(e.name) // the engine's own seed
+	if mdl != model {
+		h = xxhash.Sum64String(e.name + "/" + mdl) // an adapter's blocks are its own, as vLLM hashes the LoRA in
+	}
 	hit := true
 	for i := 0; i+pdBlock <= len(tokens); i += pdBlock {
 		var b [4 * pdBlock]byte
@@ -237,6 +278,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 	raw, _ := io.ReadAll(r.Body)
 	req := pdRequest{id: r.Header.Get("X-Request-Id"), raw: raw}
 	var body struct {
+		Model               string          `json:"model"`
 		Messages            []fakeMessage   `json:"messages"`
 		Stream              bool            `json:"stream"`
 		MaxTokens           *int            `json:"max_tokens"`
@@ -254,7 +296,13 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 	e.mu.Lock()
 	e.requests = append(e.requests, req)
 	fail, hold := e.fail, e.hold
+	unknown := body.Model != model && !e.loras[body.Model]
 	e.mu.Unlock()
+	if unknown {
+		e.hub.violate("%s: request for model %q, which it does not hold", e.name, body.Model)
+		http.Error(w, `{"error":{"message":"model not found"}}`, http.StatusNotFound)
+		return
+	}
 	sglangPrefill := e.kind == scheduler.KindSGLang && e.role == scheduler.RolePrefill
 	if fail != 0 && !sglangPrefill {
 		http.Error(w, `{"error":{"message":"injected failure"}}`, fail)
@@ -287,7 +335,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 			body.MaxCompletionTokens != nil && *body.MaxCompletionTokens != 1 || req.id == "" {
 			e.hub.violate("%s: prefill request %s with X-Request-Id %q: want stream false, max_tokens 1, no stream_options, an id", e.name, raw, req.id)
 		}
-		cached, ids := e.prefix(tokens)
+		cached, ids := e.prefix(body.Model, tokens)
 		idsJSON, _ := json.Marshal(ids)
 		// Newer vLLM versions add fields: the scheduler must not care.
 		params := fmt.Sprintf(`{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":%s,"remote_engine_id":"%s-engine","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"remote_request_id":%q,"x_future":{"a":[1,"<&>"]}}`,
@@ -309,7 +357,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, `{"error":{"message":"no such remote blocks"}}`, http.StatusBadRequest)
 			return
 		}
-		_, ids := e.prefix(tokens)
+		_, ids := e.prefix(body.Model, tokens)
 		ans.cached = len(ids) * pdBlock // pulled blocks count as cached
 		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
 	case e.kind == scheduler.KindSGLang && e.role != scheduler.RoleBoth:
@@ -355,7 +403,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 				http.Error(w, `{"error":{"message":"injected failure"}}`, fail)
 				return
 			}
-			ans.cached, _ = e.prefix(tokens)
+			ans.cached, _ = e.prefix(body.Model, tokens)
 			e.hub.mu.Lock()
 			select {
 			case <-room.kv: // reported as the room's reuse
@@ -377,7 +425,7 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 		e.hub.mu.Unlock()
 		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
 	default: // colocated, or a vLLM decode engine prefilling itself
-		ans.cached, _ = e.prefix(tokens)
+		ans.cached, _ = e.prefix(body.Model, tokens)
 		ans.write(w, pdWords(tokens, n), holdAfterFirst(hold, waitCancel))
 	}
 }

@@ -71,6 +71,9 @@ type exchange struct {
 	// unpin ends the pin of the request's adapter on the worker of the
 	// last successful pick (loader.route), nil when there is none.
 	unpin func()
+	// prefillAdapter is how the adapter was found on the prefill worker
+	// picked last, when disaggregated (held or loaded).
+	prefillAdapter string
 }
 
 // disaggregated returns s.disagg while it has prefill workers, else nil.
@@ -169,7 +172,10 @@ func (x *exchange) run(ctx context.Context) string {
 				// happen: its time says nothing of the estimate.
 				x.committed.Estimate = 0
 			}
-			h.Set(HeaderRoute, route+"; prefill="+x.disagg)
+			h.Set(HeaderRoute, route+"; prefill="+x.disagg+x.adapterRoute(p != nil))
+			if x.adapter != "" {
+				s.lora.metrics.Requests.WithLabelValues(x.rreq.Adapter, x.adapter).Inc()
+			}
 		} else {
 			route := d.RouteHit(x.strategy, x.rreq.Tokens)
 			if x.adapter != "" {
@@ -288,8 +294,27 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	if x.rreq.Adapter != "" && x.s.lora != nil {
 		x.takePin()() // a pick not served (none is)
 		d, x.adapter, x.unpin, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
+		if x.dz != nil && errors.Is(err, engine.ErrUnknownModel) && x.s.loraPrefill.servable(x.s.lora.byName[x.rreq.Adapter]) {
+			// Prefill workers could take it, but no decode worker can,
+			// and they do not decode.
+			err = fmt.Errorf("%w %s: no decode worker holds it or can load it, and prefill workers do not decode", errNoAdapterWorker, x.rreq.Adapter)
+		}
 	}
 	return d, err
+}
+
+// adapterRoute is what X-Baton-Route says of a disaggregated request's
+// adapter: how the decode worker had it and, when remote is true (a
+// prefill worker computed the prompt), how the prefill worker had it.
+func (x *exchange) adapterRoute(remote bool) string {
+	if x.adapter == "" {
+		return ""
+	}
+	r := "; adapter=" + x.adapter
+	if remote && x.prefillAdapter != "" {
+		r += "; prefill_adapter=" + x.prefillAdapter
+	}
+	return r
 }
 
 // takePin returns the end of the pin of the last pick's adapter, a no-op

@@ -47,7 +47,15 @@ const (
 	reasonNotDisagg       = "decode_colocated"  // the decode worker's engine cannot take transfers
 	reasonRequest         = "request_rejected"  // the prefill worker rejected the request itself
 	reasonTransferFailed  = "transfer_failed"   // the blocks did not reach the decode worker
+	// reasonAdapter: the request names a LoRA adapter that no prefill
+	// worker holds nor can load now (none has slots for it, its slots
+	// serve other adapters' requests, or its loads failed).
+	reasonAdapter = "adapter_unavailable"
 )
+
+// errPrefillAdapter wraps the loader's error when no prefill worker can
+// take a request's adapter.
+var errPrefillAdapter = errors.New("no prefill worker holds the adapter or can load it now")
 
 // plan is the outcome of a remote prefill: the decode worker waits for the
 // transfer and generates.
@@ -105,26 +113,33 @@ func (x *exchange) prefillLoop(ctx context.Context, dw *pool.Worker, p pairing) 
 	var tried []*pool.Worker
 	var lastErr error
 	for i := 0; i <= dz.Retries; i++ {
-		pd, err := x.pickPrefill(tried)
+		pd, unpin, err := x.pickPrefill(tried)
 		if err != nil {
 			if i == 0 {
-				m.Fallbacks.WithLabelValues(reasonNoPrefillWorker).Inc()
-				return prefillEnd{reason: reasonNoPrefillWorker, err: err}
+				reason := reasonNoPrefillWorker
+				if errors.Is(err, errPrefillAdapter) {
+					reason = reasonAdapter
+				}
+				m.Fallbacks.WithLabelValues(reason).Inc()
+				return prefillEnd{reason: reason, err: err}
 			}
 			break
 		}
 		pw := pd.Worker
 		tried = append(tried, pw)
 		if !p.speaks(pw) {
+			unpin()
 			continue
 		}
 		done, err := pw.Acquire()
 		if err != nil {
+			unpin()
 			continue
 		}
 		routing.Commit(s.strategy, x.rreq, pd)
 		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
 		info, err := p.try(ctx, pw, i)
+		unpin()
 		routing.Done(s.strategy, x.rreq, pd, info)
 		done(classify(info.Err))
 		switch {
@@ -288,21 +303,37 @@ func (x *exchange) pushed(res *engine.PrefillResult) {
 }
 
 // pickPrefill picks a prefill worker by the prefill strategy, skipping
-// those already tried.
-func (x *exchange) pickPrefill(tried []*pool.Worker) (routing.Decision, error) {
+// those already tried. A request for a LoRA adapter is prefilled by a
+// worker holding it, as it is decoded by one: the adapter is loaded onto a
+// prefill worker when none holds it or all are busy (loader.route, one
+// load however many requests wait), and unpin, called once the prefill
+// ended, keeps it there meanwhile. A request no prefill worker can take
+// now (errPrefillAdapter) does not wait for one: its decode worker, which
+// holds the adapter, prefills it.
+func (x *exchange) pickPrefill(tried []*pool.Worker) (d routing.Decision, unpin func(), err error) {
 	strategy := x.s.strategy
 	x.rreq.Tried, x.rreq.MaxInFlight = tried, 0
 	t0 := time.Now()
-	d, err := strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
+	d, err = strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
 	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
+	unpin = func() {}
+	x.prefillAdapter = ""
+	if x.rreq.Adapter != "" && x.s.loraPrefill != nil {
+		var how string
+		var end func()
+		if d, how, end, err = x.s.loraPrefill.route(x.ctx, x.rreq, strategy, d, err); err != nil {
+			return d, unpin, fmt.Errorf("%w: %w", errPrefillAdapter, err)
+		}
+		unpin, x.prefillAdapter = end, how
+	}
 	if err != nil {
-		return d, err
+		return d, unpin, err
 	}
 	if d.Spill && d.Home != nil {
 		x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
 	}
 	x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
-	return d, nil
+	return d, unpin, nil
 }
 
 // failureReason labels a prefill failure.

@@ -144,7 +144,7 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 				return routing.DoneInfo{Err: err}, err
 			}
 			h.Set(HeaderPrefillWorker, pw.Name)
-			h.Set(HeaderRoute, x.route+"; prefill=remote")
+			h.Set(HeaderRoute, x.route+"; prefill=remote"+x.adapterRoute(true))
 			x.disagg = "remote"
 			var info routing.DoneInfo
 			var res engine.ProxyResult
@@ -170,7 +170,7 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 	switch {
 	case e.worker != nil || e.reason == "":
 		return written, err
-	case e.reason == reasonNoPrefillWorker || e.reason == reasonPrefillFailed:
+	case e.reason == reasonNoPrefillWorker || e.reason == reasonPrefillFailed || e.reason == reasonAdapter:
 		h.Del(HeaderPrefillWorker)
 		msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
 		if e.err != nil {

@@ -54,6 +54,9 @@ type Server struct {
 	tok       *tokenizer
 	admission Admission // nil: every request is admitted
 	lora      *loader   // the LoRA adapters served (nil: none)
+	// loraPrefill loads adapters onto the disaggregation's prefill
+	// workers (nil: no adapters, or no disaggregation).
+	loraPrefill *loader
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -121,6 +124,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	s.freed = make(chan struct{})
 	if s.lora != nil {
 		s.lora.metrics, s.lora.pool, s.lora.freed = m.NewAdapters(), p, s.released
+		if s.disagg != nil {
+			s.loraPrefill = &loader{cfg: s.lora.cfg, byName: s.lora.byName, metrics: s.lora.metrics, pool: s.disagg.Pool,
+				freed: s.released, loads: make(map[string]*adapterLoad)}
+		}
 	}
 	if s.cfg.MaxQueue > 0 {
 		s.queue = make(chan struct{}, s.cfg.MaxQueue)

@@ -69,6 +69,11 @@ func (e *Engine) linkDelay(n int) time.Duration {
 // caller's goroutine, never on the step loop, and is bounded by
 // req.TransferTimeout when set.
 //
+// A request naming one of the engine's LoRA adapters is prefilled with the
+// adapter in a slot, loaded first if need be (as Generate does), and its
+// blocks are keyed by the adapter's name: the decode worker holds them for
+// that adapter alone, never for the base model or another adapter.
+//
 // Errors: ErrRole, ErrUnknownModel, ErrInvalid, ErrClosed, ErrTransfer
 // (wrapped), or ctx's error when ctx ended. Cancelling ctx cancels the
 // prefill or the push and releases the blocks.
@@ -121,6 +126,16 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		return res, nil
 	}
 
+	// An adapter's prefill runs once the adapter is in a slot, loaded if
+	// need be; it keeps the slot until its prompt is computed.
+	unslot := func() {}
+	if s.adapter != "" {
+		if unslot, err = e.lora.acquire(ctx, s.adapter); err != nil {
+			return nil, err
+		}
+	}
+	defer unslot()
+
 	// Prefill: fetch what the shared tier has, queue, compute, and take
 	// over the blocks' references.
 	if err := e.fetch(ctx, s); err != nil {
@@ -140,6 +155,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		}
 		return nil, ctx.Err()
 	}
+	unslot() // the push needs no adapter
 	if !s.pre.handed {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -228,7 +244,8 @@ func (e *Engine) putBuf(b []byte) {
 // or does not end in time never fails the request: the worker computes
 // whatever prompt blocks its cache still lacks. The final usage's cached
 // tokens count the prompt tokens found in this worker's cache at
-// admission, transferred blocks included.
+// admission, transferred blocks included. A request naming a LoRA adapter
+// runs with it in a slot, as Generate's do.
 //
 // It fails with ErrRole, ErrUnknownModel, ErrInvalid, ErrClosed (wrapped)
 // or ctx's error, without generating anything.
@@ -240,9 +257,6 @@ func (e *Engine) Decode(ctx context.Context, req *engine.Request, transferID str
 	if err != nil {
 		return nil, err
 	}
-	if s.adapter != "" {
-		return nil, fmt.Errorf("adapter %q: disaggregated serving of adapters is not modelled: %w", s.adapter, ErrUnknownModel)
-	}
 	if transferID != "" {
 		s.transferred = true
 		if timeout <= 0 {
@@ -252,7 +266,7 @@ func (e *Engine) Decode(ctx context.Context, req *engine.Request, transferID str
 			return nil, err
 		}
 	}
-	return e.start(ctx, s)
+	return e.startAdapter(ctx, s)
 }
 
 // waitTransfer waits until transfer id ends, timeout passes (nil: proceed

@@ -272,6 +272,13 @@ func (e *Engine) Generate(ctx context.Context, req *engine.Request) (engine.Stre
 	if err != nil {
 		return nil, err
 	}
+	return e.startAdapter(ctx, s)
+}
+
+// startAdapter is start for a sequence that may name an adapter: it runs
+// once the adapter is in a slot, loaded if need be, which it keeps until
+// its stream ends.
+func (e *Engine) startAdapter(ctx context.Context, s *seq) (engine.Stream, error) {
 	if s.adapter == "" {
 		return e.start(ctx, s)
 	}
@@ -294,7 +301,7 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 		return nil, fmt.Errorf("nil request: %w", ErrInvalid)
 	}
 	_, isAdapter := e.lora.adapter(req.Model)
-	if !e.models[req.Model] && (!isAdapter || prefillOnly) {
+	if !e.models[req.Model] && !isAdapter {
 		return nil, fmt.Errorf("model %q: %w", req.Model, ErrUnknownModel)
 	}
 	if req.Prompt == "" {
