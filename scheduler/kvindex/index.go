@@ -365,7 +365,8 @@ func (x *Index) RemoveWorker(name string) {
 // request just routed to it is prefilled: until an event confirms each
 // block, or PredictTTL passes, Lookup counts them as GPU blocks of the
 // worker. The blocks the worker did not hold are added to its pending
-// prefill tokens until its next load report. Predict is called when a
+// prefill tokens until its next load report; a Lookup concurrent with
+// Predict sees all of keys pending, never none. Predict is called when a
 // kv_aware decision is committed; it takes the block table's write lock
 // for about 10 ns a key and does not allocate once the index has grown.
 // It also counts the request in the worker's Routed. A worker the index
@@ -383,13 +384,18 @@ func (x *Index) Predict(name string, keys []uint64) {
 	if w == nil {
 		return
 	}
+	// Requests routed while the blocks are written, which waits for the
+	// table's lock, see this one's prefill pending at once: every block
+	// counts until the write finds those the worker held.
+	all := int64(len(keys))
+	gen := w.predicted(all, now, &x.cfg)
 	var added int64
 	if w.learning() {
 		added = x.learn(w, keys)
 	} else {
 		added = x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
 	}
-	w.predicted(added, now, &x.cfg)
+	w.held(all-added, gen)
 }
 
 // learn records keys on the learned worker w, within its capacity.
@@ -474,16 +480,31 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
 // block keys are keys (see Match); out must be at least as long as
-// workers. It reads each worker's state under that worker's lock, then
-// walks the keys under the block table's read lock; it does not allocate,
-// and costs about 10–20 ns per key plus 30 ns per worker.
+// workers. It walks the keys under the block table's read lock, then
+// reads each worker's state under that worker's lock: the walk may wait
+// for a write to the table, and the load and pending tokens it reports
+// then count the requests Predict recorded meanwhile (a burst's picks
+// queued behind one write would otherwise all see none). It does not
+// allocate, and costs about 10–20 ns per key plus 30 ns per worker.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	now := x.cfg.Now().UnixNano()
 	out = out[:len(workers)]
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	var alive, redisOK uint64
-	var slotOf [MaxWorkers]int32
+	for _, name := range workers {
+		if w := x.workers.get(name); w != nil {
+			bit := uint64(1) << w.slot
+			alive |= bit
+			if w.redisTier.Load() {
+				redisOK |= bit
+			}
+		}
+	}
+	var cnt counts
+	if alive != 0 && len(keys) > 0 {
+		x.blocks.walk(keys, alive, redisOK, now, &cnt)
+	}
 	for i, name := range workers {
 		m := &out[i]
 		w := x.workers.get(name)
@@ -491,22 +512,8 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
 		}
-		bit := uint64(1) << w.slot
-		if w.match(m, now, &x.cfg) {
-			redisOK |= bit
-		}
-		alive |= bit
-		slotOf[w.slot] = int32(i)
-	}
-	if alive == 0 || len(keys) == 0 {
-		return
-	}
-	var cnt counts
-	x.blocks.walk(keys, alive, redisOK, now, &cnt)
-	for s := range MaxWorkers {
-		if c := cnt[s]; c != [3]int32{} {
-			m := &out[slotOf[s]]
-			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
-		}
+		w.match(m, now, &x.cfg)
+		c := cnt[w.slot]
+		m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 	}
 }

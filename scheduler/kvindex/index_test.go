@@ -637,6 +637,98 @@ func TestWorkerStateDoesNotWaitForBlocks(t *testing.T) {
 	}
 }
 
+// A request routed while another's Predict waits for the block table (a
+// burst's picks on a loaded machine) sees that one's prefill pending at
+// once, all of its blocks until the write finds those the worker held; a
+// load report in between resets the count, which the write then leaves.
+func TestPredictCountsPendingBeforeBlocks(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "w0", snapshot(nil, stored(gpu, keys(0, 2))))
+	pending := func() int64 {
+		out := make([]Match, 1)
+		x.Lookup(nil, []string{"w0"}, out) // no keys: the table is not read
+		return out[0].PendingTokens
+	}
+	x.blocks.mu.RLock() // a lookup walking the table
+	var wg sync.WaitGroup
+	wg.Go(func() { x.Predict("w0", keys(0, 10)) })
+	deadline := time.Now().Add(10 * time.Second)
+	for pending() != 10*16 {
+		if time.Now().After(deadline) {
+			x.blocks.mu.RUnlock()
+			wg.Wait()
+			t.Fatalf("pending %d while Predict waits for the table, want %d (all 10 blocks)", pending(), 10*16)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	x.blocks.mu.RUnlock()
+	wg.Wait()
+	if got, want := pending(), int64(8*16); got != want {
+		t.Errorf("pending %d after the write, want %d (the 8 blocks w0 did not hold)", got, want)
+	}
+
+	// A load report while the first request's blocks wait, then a second
+	// request of 10 new blocks: the report counted the first, whose held
+	// blocks no longer come off.
+	mustApply(t, x, "w1", snapshot(nil, stored(gpu, keys(0, 2))))
+	w1 := func() int64 {
+		out := make([]Match, 1)
+		x.Lookup(nil, []string{"w1"}, out)
+		return out[0].PendingTokens
+	}
+	await := func(want int64, what string) {
+		for deadline := time.Now().Add(10 * time.Second); w1() != want; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				x.blocks.mu.RUnlock()
+				wg.Wait()
+				t.Fatalf("pending %d %s, want %d", w1(), what, want)
+			}
+		}
+	}
+	x.blocks.mu.RLock()
+	wg.Go(func() { x.Predict("w1", keys(0, 10)) })
+	await(10*16, "while the first request's Predict waits")
+	mustApply(t, x, "w1", loadEvent(2, Load{WaitingPrefillTokens: 8 * 16}))
+	wg.Go(func() { x.Predict("w1", keys(100, 110)) })
+	await(10*16, "while the second request's Predict waits")
+	x.blocks.mu.RUnlock()
+	wg.Wait()
+	out := make([]Match, 1)
+	x.Lookup(nil, []string{"w1"}, out)
+	if got, want := out[0].PendingTokens, int64(10*16); got != want {
+		t.Errorf("pending %d after a load report and a second request, want %d (the second's 10 blocks)", got, want)
+	}
+}
+
+// A Lookup waiting for the block table (a write holds it) reports the
+// workers' state as of its walk's end: a request routed meanwhile counts
+// in its worker's pending tokens, rather than every pick of a burst
+// queued behind one write deciding on the state before it.
+func TestLookupReadsWorkersAfterTheWalk(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "w0", snapshot(nil))
+	x.blocks.mu.Lock() // a write, such as a cache event's
+	var wg sync.WaitGroup
+	out := make([]Match, 1)
+	wg.Go(func() { x.Lookup(keys(100, 104), []string{"w0"}, out) })
+	time.Sleep(20 * time.Millisecond) // the Lookup waits for the table
+	wg.Go(func() { x.Predict("w0", keys(0, 10)) })
+	probe := make([]Match, 1)
+	for deadline := time.Now().Add(10 * time.Second); probe[0].PendingTokens == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			x.blocks.mu.Unlock()
+			wg.Wait()
+			t.Fatal("Predict's pending tokens never showed while it waited for the table")
+		}
+		x.Lookup(nil, []string{"w0"}, probe)
+	}
+	x.blocks.mu.Unlock()
+	wg.Wait()
+	if got, want := out[0].PendingTokens, int64(10*16); got != want {
+		t.Errorf("Lookup that waited for the table: pending %d, want %d (the request routed meanwhile)", got, want)
+	}
+}
+
 // Lookup gallops along long prompts (walkStride) but counts exactly where
 // workers hold prefixes of them, as engines do: each worker holds some
 // leading blocks in GPU, the next ones in CPU, and Redis some leading

@@ -23,14 +23,16 @@ type worker struct {
 	synced      bool   // a snapshot was applied, and no gap seen since
 	lastSeq     uint64 // of the last event applied
 	load        Load
-	pending     int64 // prompt tokens routed by Predict since pendingAt
-	pendingAt   int64 // Unix nanoseconds: the last load report, or the first Predict after PredictTTL
+	pending     int64  // prompt tokens routed by Predict since pendingAt
+	pendingAt   int64  // Unix nanoseconds: the last load report, or the first Predict after PredictTTL
+	pendingGen  uint64 // counts the resets of pending
 	cost        Cost
 	hasCost     bool
 	blockTokens int
-	redisTier   bool
 	routed      float64 // Match.Routed as of routedAt
 	routedAt    int64   // Unix nanoseconds
+
+	redisTier atomic.Bool // set by setInfo; read without mu by Lookup
 
 	corrMu     sync.Mutex                     // serializes ObserveTTFT's updates
 	correction atomic.Pointer[correctionSums] // read by Lookup
@@ -69,7 +71,7 @@ func (w *worker) setInfo(info Info) {
 	if info.BlockTokens > 0 {
 		w.blockTokens = info.BlockTokens
 	}
-	w.redisTier = info.RedisTier
+	w.redisTier.Store(info.RedisTier)
 }
 
 // setLoad records a load report at now. w.mu is held.
@@ -78,18 +80,36 @@ func (w *worker) setLoad(l Load, now int64) {
 	// The report counts what was routed to the worker before it; the
 	// pending tokens of requests routed since are approximated as counted.
 	w.pending, w.pendingAt = 0, now
+	w.pendingGen++
 }
 
 // predicted counts a routed request whose prefill adds blocks new blocks
-// to the worker's pending tokens and its Routed.
-func (w *worker) predicted(blocks int64, now int64, cfg *Config) {
+// to the worker's pending tokens and its Routed. It returns the pending
+// tokens' generation, for held.
+func (w *worker) predicted(blocks int64, now int64, cfg *Config) (gen uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if now-w.pendingAt >= int64(cfg.PredictTTL) {
 		w.pending, w.pendingAt = 0, now
+		w.pendingGen++
 	}
 	w.pending += blocks * int64(w.blockTokens)
 	w.routed, w.routedAt = w.routedNow(now, cfg.RoutedHalfLife)+1, now
+	return w.pendingGen
+}
+
+// held takes off the pending tokens blocks that predicted counted and the
+// worker turned out to hold, unless the pending tokens were reset since
+// (generation gen): a load report counts the request's actual prefill.
+func (w *worker) held(blocks int64, gen uint64) {
+	if blocks <= 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.pendingGen == gen {
+		w.pending = max(w.pending-blocks*int64(w.blockTokens), 0)
+	}
 }
 
 // prefilled takes tokens off the worker's pending tokens.
@@ -100,7 +120,7 @@ func (w *worker) prefilled(tokens int) {
 }
 
 // match fills m with the worker's state at now (all but the block counts).
-func (w *worker) match(m *Match, now int64, cfg *Config) (redisTier bool) {
+func (w *worker) match(m *Match, now int64, cfg *Config) {
 	w.mu.Lock()
 	pending := w.pending
 	if now-w.pendingAt >= int64(cfg.PredictTTL) {
@@ -115,10 +135,8 @@ func (w *worker) match(m *Match, now int64, cfg *Config) (redisTier bool) {
 		BlockTokens:   w.blockTokens,
 		Routed:        w.routedNow(now, cfg.RoutedHalfLife),
 	}
-	redisTier = w.redisTier
 	w.mu.Unlock()
 	m.Correction = w.correction.Load().factor(now)
-	return redisTier
 }
 
 // observe feeds the correction factor with one request's predicted and
