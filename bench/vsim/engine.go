@@ -3,6 +3,7 @@ package vsim
 import (
 	"slices"
 
+	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/workers/sim"
 )
@@ -51,9 +52,12 @@ type engine struct {
 	run   []*seq
 	busy  bool // a step is in flight
 
-	// Load as the engine reports it.
+	// Load as the engine reports it: on a ticker of period
+	// cfg.LoadInterval and phase phase (seconds), when it changed.
 	waitingPrefill int64
-	lastLoad       float64
+	reported       kvindex.Load
+	phase          float64
+	ticking        bool // a tick is scheduled
 	evSeq          uint64
 	watched        bool
 	steps          int64
@@ -67,6 +71,7 @@ func (e *engine) enqueue(s *seq, now float64) {
 	if !e.busy {
 		e.plan(now)
 	}
+	e.changed(now)
 }
 
 // wake plans a step if the engine is idle and has work (blocks were
@@ -75,12 +80,13 @@ func (e *engine) wake(now float64) {
 	if !e.busy && len(e.queue)+len(e.run) > 0 {
 		e.plan(now)
 	}
+	e.changed(now)
 }
 
 // plan schedules one step and its completion event, or leaves the engine
 // idle when nothing can run.
 func (e *engine) plan(now float64) {
-	e.report(now)
+	e.changed(now)
 	dt, batch := e.schedule(now)
 	if batch == 0 {
 		e.busy = false

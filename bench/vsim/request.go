@@ -3,6 +3,7 @@ package vsim
 import (
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/batonllm/baton/bench"
@@ -269,14 +270,26 @@ func (e *engine) load() kvindex.Load {
 		CPUBlocksUsed: e.cache.CPUUsed(), CPUBlocksTotal: e.cache.CPUCapacity()}
 }
 
-// report publishes e's load at most every LoadInterval of modelled time,
-// as the engine does in real time.
-func (e *engine) report(now float64) {
-	if !e.watched || now-e.lastLoad < e.cfg.LoadInterval.Seconds() && e.lastLoad >= 0 {
+// changed notes that e's load may have changed at now: the engine's next
+// tick reports it if so. workers/sim publishes its load on a ticker, so
+// that a worker going idle says so within LoadInterval, however long
+// ago its last report was; the ticks are modelled only while something
+// changes.
+func (e *engine) changed(now float64) {
+	if !e.watched || e.ticking {
 		return
 	}
-	e.lastLoad = now
-	l := e.load()
-	e.evSeq++
-	e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Load: &l})
+	e.ticking = true
+	next := now
+	if iv := e.cfg.LoadInterval.Seconds(); iv > 0 {
+		next = e.phase + (math.Floor((now-e.phase)/iv)+1)*iv
+	}
+	e.sim.at(next, func(float64) {
+		e.ticking = false
+		if l := e.load(); l != e.reported {
+			e.reported = l
+			e.evSeq++
+			e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Load: &l})
+		}
+	})
 }

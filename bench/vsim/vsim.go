@@ -271,6 +271,7 @@ func newSim(cfg Config) (*Sim, error) {
 		s.pool.Close()
 		return nil, err
 	}
+	phases := rand.New(rand.NewPCG(cfg.Seed, 0x10ad))
 	mk := func(role string, n int) []*pool.Worker {
 		var ws []*pool.Worker
 		for i := range n {
@@ -281,12 +282,16 @@ func newSim(cfg Config) (*Sim, error) {
 				name = fmt.Sprintf("sim-%d", i)
 			}
 			pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
-			e := &engine{sim: s, name: name, cfg: full, cost: cm, pcie: s.figures.CPUCopySeconds, lastLoad: -1}
+			// Each engine's load ticker has its own phase, as engines
+			// started at different moments do.
+			e := &engine{sim: s, name: name, cfg: full, cost: cm, pcie: s.figures.CPUCopySeconds,
+				phase: phases.Float64() * full.LoadInterval.Seconds()}
 			e.watched = s.usesKeys
 			e.cache = sim.NewTieredCache(sim.CacheConfig{GPUBlocks: gpuCap, CPUBlocks: cpuCap, Emit: e.emit})
 			if e.watched {
+				e.reported = e.load()
 				s.index.SetInfo(name, kvindex.Info{BlockTokens: sim.BlockTokens, Cost: s.figures, HasCost: true})
-				s.index.Apply(name, kvindex.Event{Seq: 1, Snapshot: &kvindex.Snapshot{Load: e.load()}})
+				s.index.Apply(name, kvindex.Event{Seq: 1, Snapshot: &kvindex.Snapshot{Load: e.reported}})
 				e.evSeq = 1
 			}
 			s.engines[pw] = e

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batonllm/baton/bench"
 	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/scheduler/kvindex"
 )
 
 func excerpt(t testing.TB, n int) *workload.Workload {
@@ -162,10 +163,14 @@ func TestAgainstRealTime(t *testing.T) {
 	vs := bench.Summarize("prefix_aware", res.Requests, 2)
 	// A machine busy with other work stretches the real run's engine
 	// steps (the bench measures by how much: CPUStretch); the real TTFT
-	// is compared at the modelled pace, its p50 over the stretch. Two
-	// attempts, as a burst of load may stretch one run unevenly.
+	// is compared at the modelled pace, its p50 over the stretch. Up to
+	// four attempts, as a burst of load may stretch one run unevenly: the
+	// stretch counts the engines' steps, not the scheduler's and the
+	// client's goroutines, which a loaded machine delays as well (at a
+	// load average of 20 on two cores, one attempt in five missed by
+	// more than 25%).
 	var d float64
-	for attempt := range 2 {
+	for attempt := range 4 {
 		o := bench.Options{Strategies: []string{"prefix_aware"}, Workers: 2, Speedup: 1, Rate: rate, Seed: 3}
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		rep, err := bench.Run(ctx, o, w)
@@ -203,5 +208,34 @@ func TestRoute(t *testing.T) {
 	}
 	if hit == 0 {
 		t.Error("no request predicted a hit; the excerpt's requests share a system prompt")
+	}
+}
+
+// A worker reports its load on a ticker, as workers/sim does: once its
+// last request is done, the KV index learns within a LoadInterval that it
+// is idle, however recently it reported before (a report at each engine
+// step, at most one per interval, left the index showing the last
+// request running for as long as no other came).
+func TestLoadReportsIdle(t *testing.T) {
+	s, err := newSim(Config{Workers: 1, Strategy: "kv_aware"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	res, err := s.run(context.Background(), excerpt(t, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := res.Requests[0]
+	if r.Err != "" || r.CompletionTokens < 2 {
+		t.Fatalf("request: %+v", r)
+	}
+	out := make([]kvindex.Match, 1)
+	s.index.Lookup(nil, []string{"sim-0"}, out)
+	if l := out[0].Load; l.Running != 0 || l.Waiting != 0 || l.WaitingPrefillTokens != 0 {
+		t.Errorf("load after the only request finished at %.3f s: %+v, want idle", r.Done, l)
+	}
+	if interval := s.engines[s.pool.Snapshot().Workers[0]].cfg.LoadInterval.Seconds(); s.now > r.Done+interval {
+		t.Errorf("last event at %.3f s, more than a load interval (%.3f s) after the request finished at %.3f s", s.now, interval, r.Done)
 	}
 }
