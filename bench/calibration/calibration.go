@@ -44,7 +44,7 @@ type Config struct {
 	Lengths []int
 	// Repeats is how many prompts of each length, decode streams and
 	// batches of each kind are measured, the least time to first token
-	// and the median step kept; default 3.
+	// kept, and the median step (of a batch: its least round's); default 3.
 	Repeats int
 	// DecodeTokens is the tokens each decode stream generates; default 64.
 	DecodeTokens int
@@ -109,8 +109,9 @@ type Result struct {
 	HBMMeasured bool
 	Prefills    []Prefill
 	// Step is the decode step at batch 1; BatchStep and BatchBaseStep
-	// the median steps of Batch streams of BatchContext tokens and of
-	// short ones, whose KV differs by BatchTokens tokens.
+	// the steps (the least round's median gap) of Batch streams of
+	// BatchContext tokens and of short ones, whose KV differs by
+	// BatchTokens tokens.
 	Step, BatchStep, BatchBaseStep time.Duration
 	BatchTokens                    int
 	Requests                       int
@@ -240,7 +241,12 @@ func (m *meter) batch(ctx context.Context, res *Result) error {
 	if _, err := m.together(ctx, long, 1); err != nil {
 		return err
 	}
-	var longGaps, shortGaps []time.Duration
+	// Each round's step is its median gap; each batch's is its least
+	// round's. A loaded host only ever delays a step, and by how much
+	// changes from round to round: the least round carries the least of
+	// it, alike for both batches, where a median over all rounds would
+	// keep whichever batch met the busier moments slower.
+	var longSteps, shortSteps []time.Duration
 	var all []sample
 	longTokens, shortTokens := 0, 0
 	for r := range cfg.Repeats {
@@ -257,20 +263,23 @@ func (m *meter) batch(ctx context.Context, res *Result) error {
 				return err
 			}
 			gaps, tokens := inStep(out)
+			if len(gaps) == 0 {
+				continue
+			}
 			all = append(all, out...)
 			if isLong {
-				longGaps, longTokens = append(longGaps, gaps...), tokens
+				longSteps, longTokens = append(longSteps, median(gaps)), tokens
 			} else {
-				shortGaps, shortTokens = append(shortGaps, gaps...), tokens
+				shortSteps, shortTokens = append(shortSteps, median(gaps)), tokens
 			}
 		}
 	}
-	if len(longGaps) == 0 || len(shortGaps) == 0 {
+	if len(longSteps) == 0 || len(shortSteps) == 0 {
 		m.progress("batch of %d: the streams never decoded together; HBM bandwidth not measured", cfg.Batch)
 		return nil
 	}
 	k := time.Duration(tokensPerChunk(all))
-	res.BatchStep, res.BatchBaseStep = median(longGaps)/k, median(shortGaps)/k
+	res.BatchStep, res.BatchBaseStep = slices.Min(longSteps)/k, slices.Min(shortSteps)/k
 	res.BatchTokens = longTokens - shortTokens
 	m.progress("decode step of %d streams: %v over %d tokens of KV, %v over %d", cfg.Batch,
 		res.BatchStep.Round(time.Microsecond), longTokens, res.BatchBaseStep.Round(time.Microsecond), shortTokens)

@@ -31,7 +31,7 @@ func TestRecoversSimulatedFigures(t *testing.T) {
 	res, err := calibration.Run(context.Background(), calibration.Config{
 		URL:          "http://" + w.HTTPAddr,
 		Lengths:      []int{1024, 4096},
-		Repeats:      2,
+		Repeats:      3,
 		DecodeTokens: 32,
 		Batch:        8,
 		BatchContext: 4096,
