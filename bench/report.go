@@ -76,6 +76,12 @@ type StrategyReport struct {
 	Virtual       bool    `json:"virtual,omitempty"`
 	DecisionP50us float64 `json:"routing_decision_p50_us"`
 	DecisionP99us float64 `json:"routing_decision_p99_us"`
+	// DecisionCPUP50us and DecisionCPUP99us are the same decisions' CPU
+	// time on their thread (baton_routing_decision_cpu_seconds): what the
+	// decision cost, without the time it waited for a CPU. 0 when the
+	// scheduler does not report it.
+	DecisionCPUP50us float64 `json:"routing_decision_cpu_p50_us,omitempty"`
+	DecisionCPUP99us float64 `json:"routing_decision_cpu_p99_us,omitempty"`
 	// PartsUs are the p50 and p99 of each part of the routing profile
 	// (baton_routing_part_seconds: its filters, each scorer, the picker),
 	// microseconds of wall time, by part.
@@ -275,6 +281,8 @@ var rows = []row{
 	{"errors", func(r *StrategyReport) float64 { return float64(r.Errors) }, 1, 0, false},
 	{"routing decision p50 (µs)", func(r *StrategyReport) float64 { return wall(r, r.DecisionP50us) }, 1, 2, false},
 	{"routing decision p99 (µs)", func(r *StrategyReport) float64 { return wall(r, r.DecisionP99us) }, 1, 2, false},
+	{"routing decision thread CPU p50 (µs)", func(r *StrategyReport) float64 { return measured(r, r.DecisionCPUP50us) }, 1, 2, false},
+	{"routing decision thread CPU p99 (µs)", func(r *StrategyReport) float64 { return measured(r, r.DecisionCPUP99us) }, 1, 2, false},
 	{"send lag p99 (wall ms)", func(r *StrategyReport) float64 { return wall(r, r.LagP99ms) }, 1, 1, false},
 	{"CPU stretch (wall/modelled)", func(r *StrategyReport) float64 {
 		if r.CPUStretch == 0 {
@@ -291,6 +299,14 @@ func wall(r *StrategyReport, v float64) float64 {
 		return math.NaN()
 	}
 	return v
+}
+
+// measured is wall(r, v), or NaN where v is 0 or NaN (not reported).
+func measured(r *StrategyReport, v float64) float64 {
+	if v == 0 || math.IsNaN(v) {
+		return math.NaN()
+	}
+	return wall(r, v)
 }
 
 func (rep *Report) base() *StrategyReport {

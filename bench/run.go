@@ -263,6 +263,22 @@ func decisionHistogram(mfs []*dto.MetricFamily) (bounds, cum []float64) {
 	return h.bounds, h.cum
 }
 
+// histogramQuantiles returns the p50 and p99 of the histogram family name,
+// summed over its label sets, between the before and after scrapes, in
+// microseconds; 0 when it has no observation.
+func histogramQuantiles(before, after []*dto.MetricFamily, name string) (p50, p99 float64) {
+	h0, h1 := histograms(before, name, "")[""], histograms(after, name, "")[""]
+	if len(h0.cum) == len(h1.cum) {
+		for i := range h1.cum {
+			h1.cum[i] -= h0.cum[i]
+		}
+	}
+	if len(h1.cum) == 0 || h1.cum[len(h1.cum)-1] == 0 {
+		return 0, 0
+	}
+	return bucketQuantile(0.5, h1.bounds, h1.cum) * 1e6, bucketQuantile(0.99, h1.bounds, h1.cum) * 1e6
+}
+
 // histogram is a histogram's bucket bounds and cumulative counts.
 type histogram struct{ bounds, cum []float64 }
 
@@ -572,6 +588,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		}
 		rep.DecisionP50us = bucketQuantile(0.5, b1, c1) * 1e6
 		rep.DecisionP99us = bucketQuantile(0.99, b1, c1) * 1e6
+		rep.DecisionCPUP50us, rep.DecisionCPUP99us = histogramQuantiles(before, after, "baton_routing_decision_cpu_seconds")
 		rep.PartsUs = partQuantiles(before, after)
 	}
 	rep.checkHealth(o)

@@ -40,6 +40,10 @@ type Metrics struct {
 	InterToken *prometheus.HistogramVec // strategy
 	Duration   *prometheus.HistogramVec // strategy, outcome
 	Decision   *prometheus.HistogramVec // strategy
+	// DecisionCPU is the CPU time the deciding thread spent on a decision
+	// (Linux only): where it falls short of Decision's wall time, the
+	// decision waited for a CPU rather than worked.
+	DecisionCPU *prometheus.HistogramVec // strategy
 	// RoutingPart is the time of each part of a routing profile.
 	RoutingPart *prometheus.HistogramVec // strategy, part
 	Spills      *prometheus.CounterVec   // strategy, worker (the worker spilled from)
@@ -137,6 +141,9 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 		Decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "baton_routing_decision_seconds", Help: "Time a strategy took to pick a worker.", Buckets: decisionBuckets,
 		}, []string{"strategy"}),
+		DecisionCPU: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_routing_decision_cpu_seconds", Help: "CPU time of the thread that picked a worker, for the decisions it made without changing threads (Linux only); beside baton_routing_decision_seconds, the rest is time waiting for a CPU.", Buckets: decisionBuckets,
+		}, []string{"strategy"}),
 		RoutingPart: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "baton_routing_part_seconds", Help: "Time each part of a routing profile (its filters, each scorer, the picker) took in one decision.", Buckets: decisionBuckets,
 		}, []string{"strategy", "part"}),
@@ -216,7 +223,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 	for _, c := range []prometheus.Collector{
 		m.PredictedCached, m.AchievedCached, m.TierHits, m.IndexResyncs, m.Tokenize, m.TokenizeDuration,
 		m.DisaggDecisions, m.Fallbacks, m.TransferBytes, m.TransferBlocks, m.TransferDuration, m.TransferFailures, m.TTFTPhase,
-		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.RoutingPart, m.Decisions, m.PrefixCopies,
+		m.Accepted, m.Completed, m.Failed, m.Requests, m.TTFT, m.InterToken, m.Duration, m.Decision, m.DecisionCPU, m.RoutingPart, m.Decisions, m.PrefixCopies,
 		m.Spills, m.Retries, m.QueueDepth, m.Draining, m.Connections, m.QueueRejections, m.BreakerTransitions, m.PromptTokens, m.CachedTokens,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
