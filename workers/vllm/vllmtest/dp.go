@@ -30,10 +30,18 @@ import (
 // fewest requests in flight, the lowest on a tie, as vLLM's load balancer
 // does by its queues. /metrics has every rank's series, labelled
 // engine="<rank>"; /tokenize and /v1/models are rank 0's.
+//
+// With Config.SGLang it is SGLang started with --dp-size (and
+// --enable-dp-attention): a request names its rank by the
+// X-Data-Parallel-Rank header or the body's routed_dp_rank (or
+// data_parallel_rank, its older name), the header first, and the series
+// of /metrics are labelled dp_rank="<rank>".
 type DP struct {
 	// URL is the front server's base URL.
 	URL string
 
+	sglang   bool
+	pinned   [3]atomic.Int64 // requests by how their rank was picked
 	ranks    []*Server
 	inFlight []atomic.Int64
 	proxies  []*httputil.ReverseProxy
@@ -44,22 +52,23 @@ type DP struct {
 
 // NewDP starts a fake vLLM with n data-parallel ranks, each a Server of
 // cfg (whose EventsAddr, ReplayAddr and HTTPAddr are ignored: the ranks
-// take consecutive free ports). Close it.
-func NewDP(cfg Config, n int) (*DP, error) {
+// take consecutive free ports), edited by per, if given, for each rank.
+// Close it.
+func NewDP(cfg Config, n int, per ...func(rank int, c *Config)) (*DP, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("data-parallel size: %d is below 1", n)
 	}
 	var err error
 	for range 20 { // consecutive free ports may be taken meanwhile: try others
 		var d *DP
-		if d, err = newDP(cfg, n); err == nil {
+		if d, err = newDP(cfg, n, per); err == nil {
 			return d, nil
 		}
 	}
 	return nil, err
 }
 
-func newDP(cfg Config, n int) (*DP, error) {
+func newDP(cfg Config, n int, per []func(int, *Config)) (*DP, error) {
 	events, err := freePorts(n)
 	if err != nil {
 		return nil, err
@@ -68,9 +77,12 @@ func newDP(cfg Config, n int) (*DP, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &DP{inFlight: make([]atomic.Int64, n)}
+	d := &DP{inFlight: make([]atomic.Int64, n), sglang: cfg.SGLang}
 	for r := range n {
 		rc := cfg
+		for _, f := range per {
+			f(r, &rc)
+		}
 		rc.DPRank, rc.HTTPAddr = r, ""
 		rc.EventsAddr = "127.0.0.1:" + strconv.Itoa(events+r)
 		rc.ReplayAddr = "127.0.0.1:" + strconv.Itoa(replay+r)
@@ -146,6 +158,14 @@ func (d *DP) Rank(r int) *Server { return d.ranks[r] }
 // complete hands a completion to the rank its header names, or the least
 // busy one.
 func (d *DP) complete(w http.ResponseWriter, r *http.Request) {
+	if d.sglang {
+		rank, by, ok := sglangRank(w, r, len(d.ranks))
+		if ok {
+			d.pinned[by].Add(1)
+			d.serve(w, r, rank)
+		}
+		return
+	}
 	rank := -1
 	if h := r.Header.Get("X-data-parallel-rank"); h != "" {
 		n, err := strconv.Atoi(h)
@@ -155,7 +175,22 @@ func (d *DP) complete(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		rank = n
+		d.pinned[pinHeader].Add(1)
+	} else {
+		d.pinned[pinBalanced].Add(1)
 	}
+	d.serve(w, r, rank)
+}
+
+// Pinned returns how many completions named their rank by a header, by
+// a field of their body (SGLang's), and how many named none and went to
+// the least busy rank.
+func (d *DP) Pinned() (header, body, balanced int) {
+	return int(d.pinned[pinHeader].Load()), int(d.pinned[pinBody].Load()), int(d.pinned[pinBalanced].Load())
+}
+
+// serve hands a completion to rank, or to the least busy rank if -1.
+func (d *DP) serve(w http.ResponseWriter, r *http.Request, rank int) {
 	if rank < 0 {
 		rank = 0
 		for i := range d.inFlight {
@@ -185,7 +220,7 @@ func (d *DP) metrics(w http.ResponseWriter, _ *http.Request) {
 		for name, f := range fams {
 			for _, m := range f.Metric {
 				for _, l := range m.Label {
-					if l.GetName() == "engine" {
+					if n := l.GetName(); n == "engine" || d.sglang && n == "dp_rank" {
 						v := strconv.Itoa(r)
 						l.Value = &v
 					}

@@ -79,6 +79,13 @@ type Config struct {
 	// DPRank is the data-parallel rank the server is of a DP engine
 	// (NewDP): its batches carry it, as vLLM's publishers stamp theirs.
 	DPRank int
+	// SGLang has the server speak as SGLang does where it differs from
+	// vLLM (see sglang.go): /metrics has SGLang's series, labelled
+	// dp_rank; /tokenize takes a prompt only; every event batch carries
+	// the rank (attn_dp_rank); and a DP front (NewDP) pins a request to a
+	// rank by the X-Data-Parallel-Rank header or the body's
+	// routed_dp_rank (data_parallel_rank before SGLang renamed it).
+	SGLang bool
 	// LoRAModules are the LoRA adapters served from the start, name →
 	// path (vLLM's --lora-modules); MaxLoRAs is --max-loras. Either
 	// enables LoRA (--enable-lora): /v1/models lists the adapters with
@@ -346,7 +353,8 @@ func (s *Server) publish(evs ...kvevents.Event) error {
 		return nil
 	}
 	s.ts++
-	_, err := s.pub.Publish(kvevents.Batch{TS: s.ts, Events: evs, DPRank: int64(s.cfg.DPRank), HasDPRank: s.cfg.DPRank > 0})
+	// SGLang's batches always carry their attn_dp_rank.
+	_, err := s.pub.Publish(kvevents.Batch{TS: s.ts, Events: evs, DPRank: int64(s.cfg.DPRank), HasDPRank: s.cfg.DPRank > 0 || s.cfg.SGLang})
 	return err
 }
 
@@ -466,7 +474,11 @@ func loraNames(counts map[string]int) string {
 	return strings.Join(names, ",")
 }
 
-func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
+func (s *Server) metrics(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.SGLang {
+		s.sglangMetrics(w, r)
+		return
+	}
 	s.mu.Lock()
 	running, waiting := s.running, s.waiting
 	usage := float64(s.cache.held) / float64(s.cfg.GPUBlocks)
@@ -571,7 +583,10 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	if !s.read(w, r, &req) {
 		return
 	}
-	toks, err := req.tokens(req.Messages != nil)
+	if s.cfg.SGLang && !sglangTokenizable(w, &req) {
+		return
+	}
+	toks, err := req.tokens(req.Messages != nil && !s.cfg.SGLang)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
 		return
