@@ -91,7 +91,6 @@ func TestAdapterDisaggregated(t *testing.T) {
 		c.Disaggregation.TransferTimeout = time.Minute
 	})
 	c := oaClient(t, f.Addr)
-	system := text("sql system prompt", 6000) // about 1,500 tokens: prefilled remotely
 
 	var mu sync.Mutex
 	var results []chatResult
@@ -100,7 +99,9 @@ func TestAdapterDisaggregated(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r, err := streamChat(t, c, adapterChat("sql", system+text(fmt.Sprint("question", i), 200)))
+			// About 1,500 tokens of its own: prefilled remotely, whatever
+			// the decode worker holds of the others.
+			r, err := streamChat(t, c, adapterChat("sql", text(fmt.Sprint("sql question ", i), 6000)))
 			if err != nil {
 				t.Errorf("request %d: %v", i, err)
 				return
