@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
@@ -23,7 +26,12 @@ import (
 
 // startFakeDP starts a fake vLLM with two data-parallel ranks and a
 // scheduler routing to it with kv_aware, as the worker v0 with
-// data_parallel_size 2, once subscribed to both ranks' events.
+// data_parallel_size 2 and no models listed (the model is the engine's),
+// once subscribed to both ranks' events. Requests are tokenized with a
+// generous timeout: on a loaded machine (a -race run beside others) the
+// engine's /tokenize can take longer than the default 250 ms, and a
+// request it times out is keyed by its text, which no engine event
+// matches.
 func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 	t.Helper()
 	d, err := vllmtest.NewDP(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps}, 2)
@@ -36,7 +44,7 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 		Name: "v0", Kind: scheduler.KindVLLM, Address: d.URL,
 		EngineConfig: scheduler.EngineConfig{
 			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(),
-			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2,
+			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2, TokenizeTimeout: 10 * time.Second,
 		},
 	}}})
 	for r := range 2 {
@@ -51,14 +59,28 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 // data-parallel ranks routes to each rank as to a worker of its own: a
 // document's questions go to the rank that holds it (the request carries
 // its X-data-parallel-rank), and the hit predicted from that rank's events
-// is the hit it achieves.
+// is the hit it achieves. One document is first served by rank 1 without
+// the scheduler, so that only the rank's events can tell where it is: the
+// requests' keys must be those of the events (the engine's model and
+// block size), not merely those the scheduler recorded as it routed,
+// which expire after a few seconds.
 func TestDataParallelPredictedHit(t *testing.T) {
 	s, addr, d := startFakeDP(t)
 	c := oaClient(t, addr)
 	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
 	rng := rand.New(rand.NewPCG(3, 4))
-	holder := map[int]string{}
+	holder := map[int]string{0: "v0/dp1"}
 	served := map[string]int{}
+	warm := fakeVLLMPrompt(0, 100)
+	chat(t, oaClient(t, strings.TrimPrefix(d.Rank(1).URL, "http://")), chatParams(warm, 4))
+	warmKeys := kvevents.AppendKeys(nil, seed, engineTokens(warm), 16)
+	eventually(t, 20*time.Second, func() error {
+		if m := lookup(s, "v0/dp1", warmKeys); m.GPU != len(warmKeys) {
+			return fmt.Errorf("index has %d of the %d blocks rank 1 served without the scheduler", m.GPU, len(warmKeys))
+		}
+		return nil
+	})
+	served["v0/dp1"]++ // the warm-up, which rank 1 counts among its requests
 	var predicted, achieved float64
 	for q := range 16 {
 		doc := rng.IntN(4)
@@ -73,7 +95,7 @@ func TestDataParallelPredictedHit(t *testing.T) {
 			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (route %q)", q, doc, hit, r.worker, got, r.route)
 		}
 		if h, ok := holder[doc]; ok && r.worker != h {
-			t.Errorf("question %d on document %d went to %s, the document is on %s", q, doc, r.worker, h)
+			t.Errorf("question %d on document %d went to %s, the document is on %s (route %q)", q, doc, r.worker, h, r.route)
 		} else if !ok {
 			holder[doc] = r.worker
 		}
@@ -211,5 +233,119 @@ func TestSGLangDataParallelLoad(t *testing.T) {
 			}
 			return nil
 		})
+	}
+}
+
+// TestSGLangDataParallelPredictedHit: kv_aware over an SGLang engine
+// started with --dp-size 2 (a fake one that speaks SGLang's formats: its
+// /tokenize takes a prompt, its metrics are labelled dp_rank, its event
+// batches carry attn_dp_rank) routes to each rank as to a worker of its
+// own: each request is pinned to the rank baton chose by the
+// X-Data-Parallel-Rank header, which SGLang reads before the body's
+// routed_dp_rank, and none is left to SGLang's own balancing; each rank's
+// capacity is read from its own dp_rank series; and the hit predicted
+// from a rank's events is the hit it achieves. One document is first
+// served by rank 1 without the scheduler, so that only that rank's events
+// can tell where it is.
+func TestSGLangDataParallelPredictedHit(t *testing.T) {
+	const blockSize = 32 // SGLang's --page-size
+	d, err := vllmtest.NewDP(vllmtest.Config{Model: model, TimeScale: 1000, BlockSize: blockSize, SGLang: true}, 2,
+		func(rank int, c *vllmtest.Config) { c.GPUBlocks = 4000 - 1000*rank })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Close)
+	r0 := d.Rank(0)
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: []scheduler.WorkerConfig{{
+		Name: "s0", Kind: scheduler.KindSGLang, Address: d.URL,
+		EngineConfig: scheduler.EngineConfig{
+			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(), BlockSize: blockSize,
+			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2, TokenizeTimeout: 10 * time.Second,
+		},
+	}}})
+	for r := range 2 {
+		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	for r := range 2 {
+		w, want := fmt.Sprintf("s0/dp%d", r), d.Rank(r).GPUBlocks()
+		eventually(t, 10*time.Second, func() error {
+			if got := lookup(s, w, nil).Load.GPUBlocksTotal; got != int64(want) {
+				return fmt.Errorf("%s: %d GPU blocks, want its rank's %d (sglang:max_total_num_tokens{dp_rank=\"%d\"} / %d)", w, got, want, r, blockSize)
+			}
+			return nil
+		})
+	}
+
+	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	keysOf := func(prompt string) []uint64 {
+		return kvevents.AppendKeys(nil, seed, vllmtest.CompletionTokens(prompt, true), blockSize)
+	}
+	complete := func(c openai.Client, prompt string) (worker, route string, promptTokens, cached int64) {
+		t.Helper()
+		var resp *http.Response
+		got, err := c.Completions.New(ctxT(t, 30*time.Second), openai.CompletionNewParams{
+			Model: openai.CompletionNewParamsModel(model), Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String(prompt)},
+			MaxTokens: openai.Int(4),
+		}, option.WithResponseInto(&resp))
+		if err != nil {
+			t.Fatalf("completion: %v", err)
+		}
+		return resp.Header.Get("X-Baton-Worker"), resp.Header.Get("X-Baton-Route"),
+			got.Usage.PromptTokens, got.Usage.PromptTokensDetails.CachedTokens
+	}
+	warm := fakeVLLMPrompt(0, 100)
+	complete(oaClient(t, strings.TrimPrefix(d.Rank(1).URL, "http://")), warm)
+	eventually(t, 20*time.Second, func() error {
+		if m, keys := lookup(s, "s0/dp1", keysOf(warm)), keysOf(warm); m.GPU != len(keys) {
+			return fmt.Errorf("index has %d of the %d blocks rank 1 served without the scheduler", m.GPU, len(keys))
+		}
+		return nil
+	})
+
+	c := oaClient(t, addr)
+	rng := rand.New(rand.NewPCG(5, 6))
+	holder := map[int]string{0: "s0/dp1"}
+	served := map[string]int{"s0/dp1": 1} // the warm-up
+	var predicted, achieved float64
+	for q := range 16 {
+		doc := rng.IntN(4)
+		prompt := fakeVLLMPrompt(doc, q)
+		worker, route, promptTokens, cached := complete(c, prompt)
+		served[worker]++
+		hit := predictedHit(t, route)
+		got := float64(cached) / float64(promptTokens)
+		if math.Abs(hit-got) > 0.05 {
+			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (route %q)", q, doc, hit, worker, got, route)
+		}
+		if h, ok := holder[doc]; ok && worker != h {
+			t.Errorf("question %d on document %d went to %s, the document is on %s (route %q)", q, doc, worker, h, route)
+		} else if !ok {
+			holder[doc] = worker
+		}
+		predicted += hit * float64(promptTokens)
+		achieved += float64(cached)
+		keys := keysOf(prompt)
+		eventually(t, 20*time.Second, func() error {
+			if m := lookup(s, worker, keys); m.GPU != len(keys) {
+				return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, worker)
+			}
+			return nil
+		})
+	}
+	if achieved < 0.5*predicted || achieved == 0 {
+		t.Errorf("achieved %v cached tokens, predicted %v: the run reused too little to test", achieved, predicted)
+	}
+	for r, warmups := range []int{0, 1} {
+		name := fmt.Sprintf("s0/dp%d", r)
+		if got := len(d.Rank(r).Requests()); got != served[name] || got == warmups {
+			t.Errorf("rank %d served %d requests, %d were routed to %s (with %d warm-up); want the same, some routed", r, got, served[name], name, warmups)
+		}
+	}
+	// The warm-up went to rank 1's own server, not through the front.
+	if header, body, balanced := d.Pinned(); header != 16 || body != 0 || balanced != 0 {
+		t.Errorf("the engine saw %d requests pinned by X-Data-Parallel-Rank, %d by routed_dp_rank and %d it balanced itself; want 16, 0, 0",
+			header, body, balanced)
 	}
 }

@@ -223,12 +223,18 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 // model and block size serve every request (mixing engines of different
 // tokenizers or block sizes in one fleet is rare). Nil: no such worker, or
 // it tokenizes nothing, and requests are keyed by their text.
+//
+// For an engine of data-parallel ranks that worker is its first rank: the
+// engine's own name is no worker's, so its model (when the configuration
+// leaves it to the engine) and its block size would be unknown, and every
+// request would be keyed as for an adapter of no model, under keys that
+// none of the ranks' events match.
 func (s *Scheduler) tokenKeys(workers []WorkerConfig) (*frontend.TokenKeys, error) {
 	i := slices.IndexFunc(workers, func(wc WorkerConfig) bool { return engineKind(wc.Kind) })
 	if i < 0 || workers[i].TokenizePath == TokenizeNone {
 		return nil, nil
 	}
-	wc := workers[i]
+	wc := workers[i].ranks()[0]
 	tc, err := s.engineTLS(wc)
 	if err != nil {
 		return nil, err
