@@ -19,6 +19,7 @@ import (
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
@@ -40,7 +41,7 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 	}
 	t.Cleanup(d.Close)
 	r0 := d.Rank(0)
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: []scheduler.WorkerConfig{{
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{{
 		Name: "v0", Kind: scheduler.KindVLLM, Address: d.URL,
 		EngineConfig: scheduler.EngineConfig{
 			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(),
@@ -53,6 +54,17 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 		}
 	}
 	return s, addr, d
+}
+
+// rankPool is fastPool with health checks a loaded -race run meets: the
+// tests that check where each question goes assume both ranks stay
+// available, and a 100 ms timeout marks a live rank down when two checks
+// in a row are slow (the front serves both ranks' checks), sending a
+// document's question to the rank that does not hold it.
+func rankPool() pool.Config {
+	c := fastPool()
+	c.HealthInterval, c.HealthTimeout = 2*time.Second, 2*time.Second
+	return c
 }
 
 // TestDataParallelPredictedHit: kv_aware over a vLLM engine with two
@@ -256,7 +268,7 @@ func TestSGLangDataParallelPredictedHit(t *testing.T) {
 	}
 	t.Cleanup(d.Close)
 	r0 := d.Rank(0)
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: []scheduler.WorkerConfig{{
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{{
 		Name: "s0", Kind: scheduler.KindSGLang, Address: d.URL,
 		EngineConfig: scheduler.EngineConfig{
 			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(), BlockSize: blockSize,
