@@ -491,9 +491,15 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	out = out[:len(workers)]
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
+	// found keeps the first MaxWorkers workers as looked up by name (all
+	// of them, but for a longer list), for the second pass.
+	var found [MaxWorkers]*worker
 	var alive, redisOK uint64
-	for _, name := range workers {
+	for i, name := range workers {
 		if w := x.workers.get(name); w != nil {
+			if i < len(found) {
+				found[i] = w
+			}
 			bit := uint64(1) << w.slot
 			alive |= bit
 			if w.redisTier.Load() {
@@ -507,7 +513,12 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	}
 	for i, name := range workers {
 		m := &out[i]
-		w := x.workers.get(name)
+		var w *worker
+		if i < len(found) {
+			w = found[i]
+		} else {
+			w = x.workers.get(name)
+		}
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
