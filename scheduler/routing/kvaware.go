@@ -6,6 +6,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/workers/engine/cost"
 )
 
 // KVAware is the name of the kv_aware strategy.
@@ -327,7 +328,9 @@ func adapterLoadSeconds(w *pool.Worker, req *Request, c *kvindex.Cost) float64 {
 // with load requests in flight, after loadAdapter seconds of loading the
 // request's LoRA adapter.
 func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) candidate {
-	c := &m.Cost
+	// Naming cost.Figures (kvindex.Cost's type) imports its package, without
+	// which the compiler inlines none of the calls below.
+	var c *cost.Figures = &m.Cost
 	bt := m.BlockTokens
 	tokens := req.Tokens
 	if tokens <= 0 {
