@@ -366,6 +366,7 @@ func (x *exchange) done(firstToken time.Duration, err error) {
 func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, error) {
 	m := x.s.metrics
 	firstToken := func() {
+		wk.Answered()
 		now := time.Now()
 		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
 		x.lastTok = now
@@ -408,6 +409,7 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 	final, written, err := openai.Write(x.w, x.req, x.req.ID, stream, &openai.Observer{
 		FirstToken: firstToken,
 		Token: func(n int) {
+			wk.Answered()
 			now := time.Now()
 			if n < 1 {
 				n = 1

@@ -28,7 +28,10 @@ type Config struct {
 	HealthTimeout time.Duration `yaml:"health_timeout"`
 	// UnhealthyAfter is how many consecutive failed checks mark a worker
 	// unhealthy; one passing check marks it healthy again. Default 2, so a
-	// single dropped probe does not flap the worker.
+	// single dropped probe does not flap the worker. A check that times
+	// out is not counted while the worker answers calls (Worker.Answered
+	// since its previous check began): a starved host times out every
+	// worker's check at once, and that is not the workers' fault.
 	UnhealthyAfter int `yaml:"unhealthy_after"`
 	// HealthConcurrency bounds how many checks run at once. Default 16.
 	HealthConcurrency int `yaml:"health_concurrency"`

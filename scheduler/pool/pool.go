@@ -287,8 +287,15 @@ func (p *Pool) CheckNow(ctx context.Context) {
 
 // check1 checks one worker and updates its health.
 func (p *Pool) check1(ctx context.Context, w *Worker) {
+	since := w.checked // the previous check's start, else this one's
+	w.checked = time.Now()
+	if since.IsZero() {
+		since = w.checked
+	}
 	cctx, cancel := context.WithTimeout(ctx, p.cfg.HealthTimeout)
 	err := w.Client.Check(cctx)
+	// gRPC may report the deadline before cctx's own timer ends it.
+	timedOut := cctx.Err() != nil || errors.Is(err, context.DeadlineExceeded)
 	cancel()
 	if ctx.Err() != nil {
 		return // shutting down: the check says nothing about the worker
@@ -297,6 +304,13 @@ func (p *Pool) check1(ctx context.Context, w *Worker) {
 		w.failedChecks = 0
 		p.setHealthy(w, true)
 		p.describe(ctx, w)
+		return
+	}
+	if timedOut && w.answered.Load() >= since.UnixNano() {
+		// The worker answered calls since its previous check began: it
+		// is up, and a check that timed out says the scheduler's host or
+		// the path was slow (a CPU-starved host times out every worker's
+		// check at once), not that the worker is down.
 		return
 	}
 	w.failedChecks++

@@ -65,6 +65,10 @@ type Worker struct {
 	// which is serialized, touches them.
 	failedChecks int
 	described    *engine.Description
+	// checked is when the worker's previous health check began; answered
+	// is when it last answered a call (Answered), in Unix nanoseconds.
+	checked  time.Time
+	answered atomic.Int64
 
 	// removed is set when the worker leaves its pool, after which Acquire
 	// refuses; drained is closed once it is set and no call is in flight.
@@ -93,6 +97,11 @@ func (w *Worker) SetModels(models []string) {
 
 // InFlight returns the number of calls acquired and not yet done.
 func (w *Worker) InFlight() int { return int(w.inFlight.Load()) }
+
+// Answered records that the worker answered a call just now: a token or
+// a whole response reached the scheduler. A health check that times out
+// while the worker answers calls is not counted against it (Pool.CheckNow).
+func (w *Worker) Answered() { w.answered.Store(time.Now().UnixNano()) }
 
 // Healthy reports whether the worker passed its latest health checks. A
 // worker starts healthy, so a new pool routes at once.
@@ -164,6 +173,9 @@ func (w *Worker) Acquire() (done func(err error), err error) {
 	return func(err error) {
 		if !once.CompareAndSwap(false, true) {
 			return
+		}
+		if err == nil {
+			w.Answered()
 		}
 		w.release()
 		report(err)
