@@ -535,3 +535,38 @@ func TestAdapterInUseNeverUnloaded(t *testing.T) {
 		t.Errorf("%d completions reached the engine without their adapter", e.missing)
 	}
 }
+
+// A request for an adapter when no worker of its base model is available
+// at all is told so, as a base-model request is, not that the adapter
+// cannot be loaded; while a worker is up, the adapter is loaded and served.
+func TestAdapterNoWorkerAvailable(t *testing.T) {
+	workers, cfgs := startLoRAWorkers(t, 2, 1)
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "least_outstanding", Pool: fastPool(), Adapters: loraAdapters, Workers: cfgs})
+	c := oaClient(t, addr)
+	if r := chat(t, c, adapterChat("sql", text("up", 100))); !strings.Contains(r.route, "adapter=loaded") {
+		t.Errorf("route %q, want adapter=loaded", r.route)
+	}
+	for _, w := range workers {
+		w.Close()
+	}
+	eventually(t, 20*time.Second, func() error {
+		for _, w := range s.Pool.Snapshot().Workers {
+			if w.Available() {
+				return fmt.Errorf("%s still available", w.Name)
+			}
+		}
+		return nil
+	})
+	hc := httpClient(t)
+	for _, adapter := range []string{"sql", "math"} { // held before, and never loaded
+		body := `{"model":"` + adapter + `","messages":[{"role":"user","content":"hi"}]}`
+		got := do(t, hc, http.MethodPost, "http://"+addr+"/v1/chat/completions", body, nil)
+		if got.status != http.StatusServiceUnavailable {
+			t.Fatalf("%s: status %d, want 503 (body %s)", adapter, got.status, got.body)
+		}
+		_, _, code, msg := decodeError(t, got.body)
+		if code != "no_worker_available" || !strings.Contains(msg, "no worker is available") || strings.Contains(msg, "load") {
+			t.Errorf("%s: code %q message %q, want no_worker_available saying no worker is available", adapter, code, msg)
+		}
+	}
+}

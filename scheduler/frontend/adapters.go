@@ -301,6 +301,11 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 			if l.slotsBusy(a, failed) {
 				return nil, nil, fmt.Errorf("adapter %s: %w", a.Name, errSlotsBusy)
 			}
+			if !l.baseAvailable(a) {
+				// Not the adapter's doing: no worker of its base
+				// model is available at all.
+				return nil, nil, fmt.Errorf("adapter %s: %w", a.Name, routing.ErrNoWorker)
+			}
 			return nil, nil, fmt.Errorf("%w %s", errNoAdapterWorker, a.Name)
 		}
 		victim, ok := w.ReserveAdapter(a.Name)
@@ -352,6 +357,17 @@ func (l *loader) target(a engine.Adapter, skip []*pool.Worker) *pool.Worker {
 func (l *loader) canLoad(w *pool.Worker, a engine.Adapter, skip []*pool.Worker) bool {
 	return w.AdapterSlots() > 0 && w.Available() && w.Serves(a.Base) && !w.HoldsAdapter(a.Name) && !slices.Contains(skip, w) &&
 		w.CanTakeAdapter(a.Name)
+}
+
+// baseAvailable reports whether any available worker serves a's base
+// model.
+func (l *loader) baseAvailable(a engine.Adapter) bool {
+	for _, w := range l.pool.Snapshot().Workers {
+		if w.Available() && w.Serves(a.Base) {
+			return true
+		}
+	}
+	return false
 }
 
 // slotsBusy reports whether a worker not in skip could load a but for its
