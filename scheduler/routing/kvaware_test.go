@@ -12,6 +12,7 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/watch"
 )
 
@@ -714,36 +715,45 @@ func newHeldFleet(b *testing.B, n, blocks int, rng *rand.Rand) (*kvFleet, [][]ui
 	return f, held
 }
 
+// heldBench is the KV-aware benchmarks' setup: n workers holding 1 Mi
+// blocks between them, a kv_aware strategy over them, and 64 prompts of
+// 500 keys (300 a worker holds, 200 new) whose predictions are indexed.
+// bytesPerBlock is what the index grew by per block it holds.
+func heldBench(b *testing.B, n int) (s Strategy, snap *pool.Snapshot, reqs []*Request, bytesPerBlock float64) {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	f, held := newHeldFleet(b, n, 1<<20, rand.New(rand.NewPCG(5, 6)))
+	per := len(held[0])
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	bytesPerBlock = float64(after.HeapAlloc-before.HeapAlloc) / float64(f.idx.Len())
+	const prompts = 64
+	reqs = make([]*Request, prompts)
+	for p := range reqs {
+		ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
+		reqs[p] = kvRequest(ks)
+	}
+	s = f.strategy(Params{ConcurrencyThreshold: 1024})
+	snap = f.snap()
+	for _, r := range reqs { // index the predicted blocks
+		d, err := s.Pick(r, snap)
+		if err != nil {
+			b.Fatal(err)
+		}
+		Commit(s, r, d)
+	}
+	runtime.GC()
+	return s, snap, reqs, bytesPerBlock
+}
+
 func BenchmarkKVAware(b *testing.B) {
 	for _, n := range []int{8, 64} {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
-			var before, after runtime.MemStats
-			runtime.GC()
-			runtime.ReadMemStats(&before)
-			f, held := newHeldFleet(b, n, 1<<20, rand.New(rand.NewPCG(5, 6)))
-			per := len(held[0])
-			runtime.GC()
-			runtime.ReadMemStats(&after)
-			bytesPerBlock := float64(after.HeapAlloc-before.HeapAlloc) / float64(f.idx.Len())
-			const prompts = 64
-			reqs := make([]*Request, prompts)
-			for p := range reqs {
-				ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
-				reqs[p] = kvRequest(ks)
-			}
-			s := f.strategy(Params{ConcurrencyThreshold: 1024})
-			snap := f.snap()
-			for _, r := range reqs { // index the predicted blocks
-				d, err := s.Pick(r, snap)
-				if err != nil {
-					b.Fatal(err)
-				}
-				Commit(s, r, d)
-			}
-			runtime.GC()
+			s, snap, reqs, bytesPerBlock := heldBench(b, n)
 			b.ReportAllocs()
 			for i := 0; b.Loop(); i++ {
-				if _, err := s.Pick(reqs[i%prompts], snap); err != nil {
+				if _, err := s.Pick(reqs[i%len(reqs)], snap); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -763,23 +773,7 @@ func BenchmarkKVAwareCold(b *testing.B) {
 	evict := make([]byte, coldBytes)
 	for _, n := range []int{8, 64} {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
-			f, held := newHeldFleet(b, n, 1<<20, rand.New(rand.NewPCG(5, 6)))
-			per := len(held[0])
-			const prompts = 64
-			reqs := make([]*Request, prompts)
-			for p := range reqs {
-				ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
-				reqs[p] = kvRequest(ks)
-			}
-			s := f.strategy(Params{ConcurrencyThreshold: 1024})
-			snap := f.snap()
-			for _, r := range reqs {
-				d, err := s.Pick(r, snap)
-				if err != nil {
-					b.Fatal(err)
-				}
-				Commit(s, r, d)
-			}
+			s, snap, reqs, _ := heldBench(b, n)
 			lat := make([]time.Duration, 0, 1<<16)
 			b.ReportAllocs()
 			for i := 0; b.Loop(); i++ {
@@ -787,7 +781,7 @@ func BenchmarkKVAwareCold(b *testing.B) {
 					evict[j]++
 				}
 				t0 := time.Now()
-				if _, err := s.Pick(reqs[i%prompts], snap); err != nil {
+				if _, err := s.Pick(reqs[i%len(reqs)], snap); err != nil {
 					b.Fatal(err)
 				}
 				if len(lat) < cap(lat) {
