@@ -496,7 +496,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	var found [MaxWorkers]*worker
 	var alive, redisOK uint64
 	for i, name := range workers {
-		if w := x.workers.get(name); w != nil {
+		if w := x.workers.find(name); w != nil {
 			if i < len(found) {
 				found[i] = w
 			}

@@ -774,3 +774,41 @@ func TestLookupGallopsExactlyOverPrefixes(t *testing.T) {
 		}
 	}
 }
+
+// Lookup finds each worker by name whatever it remembered of earlier
+// lookups: many names at once (which share the remembered slots), names
+// whose worker left, and names that came back in another slot.
+func TestLookupFindsWorkersByName(t *testing.T) {
+	x := New(Config{})
+	names := make([]string, MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%d", i)
+		if err := x.Apply(names[i], Event{Seq: 1, Snapshot: &Snapshot{Load: Load{Running: i}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := make([]Match, len(names))
+	check := func(step string, gone map[int]bool) {
+		t.Helper()
+		x.Lookup(nil, names, out)
+		for i, m := range out {
+			if m.Known == gone[i] || m.Known && m.Load.Running != i {
+				t.Errorf("%s: %s: known %v, running %d; want known %v, running %d", step, names[i], m.Known, m.Load.Running, !gone[i], i)
+			}
+		}
+	}
+	check("first", nil)
+	check("again", nil)
+	x.RemoveWorker(names[3])
+	check("w3 removed", map[int]bool{3: true})
+	// w3's slot goes to a newcomer; w3 comes back in another.
+	if err := x.Apply("new", Event{Seq: 1, Snapshot: &Snapshot{Load: Load{Running: 100}}}); err != nil {
+		t.Fatal(err)
+	}
+	check("slot reused", map[int]bool{3: true})
+	x.RemoveWorker(names[5])
+	if err := x.Apply(names[3], Event{Seq: 1, Snapshot: &Snapshot{Load: Load{Running: 3}}}); err != nil {
+		t.Fatal(err)
+	}
+	check("w3 back", map[int]bool{5: true})
+}

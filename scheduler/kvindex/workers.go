@@ -5,6 +5,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // Per-worker state: what a worker's stream and the routed requests tell of
@@ -168,10 +169,34 @@ type workers struct {
 	mu     sync.RWMutex
 	byName map[string]*worker
 	slots  [MaxWorkers]*worker
+
+	// hints remembers the worker last found under a name's bytes, indexed
+	// by their address: callers pass the same strings request after
+	// request (the pool's worker names), and a hint costs a few loads
+	// where the map hashes the name. Readers set them under the read lock.
+	// A hint may outlive its worker's removal, which find checks.
+	hints [1 << hintBits]atomic.Pointer[worker]
 }
+
+const hintBits = 8
 
 // get returns name's state, nil if untracked. w.mu is held.
 func (ws *workers) get(name string) *worker { return ws.byName[name] }
+
+// find is get, trying name's hint first. A hint counts only if its worker
+// still holds its slot (RemoveWorker frees it) and has that name, so it
+// returns what get would. ws.mu is held.
+func (ws *workers) find(name string) *worker {
+	h := &ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)]
+	if w := h.Load(); w != nil && ws.slots[w.slot] == w && w.name == name {
+		return w
+	}
+	w := ws.byName[name]
+	if w != nil {
+		h.Store(w)
+	}
+	return w
+}
 
 // add returns name's state, creating it in a free slot if needed. ws.mu
 // is held for writing.
