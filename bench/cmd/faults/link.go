@@ -134,17 +134,7 @@ func (p *linkProxy) watchesSince(t time.Time) []time.Duration {
 	return out
 }
 
-func (p *linkProxy) serve(c net.Conn) {
-	defer c.Close()
-	u, err := net.DialTimeout("tcp", p.target, time.Second)
-	if err != nil {
-		return // the dialer sees its connection closed: the worker is down
-	}
-	defer u.Close()
-	p.track(c, true)
-	p.track(u, true)
-	defer p.track(c, false)
-	defer p.track(u, false)
+func (p *linkProxy) serve(c, u net.Conn) {
 	lc := &linkConn{p: p, up: bufio.NewWriterSize(u, 64<<10), streams: map[uint32]*h2stream{},
 		credits: map[uint32]uint32{}, creditSig: make(chan struct{}, 1)}
 	done := make(chan struct{}, 3)

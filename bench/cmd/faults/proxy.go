@@ -8,8 +8,8 @@ import (
 )
 
 // proxyBase is what the harness's TCP proxies share: a loopback listener
-// whose connections each go to serve, the target they forward to, and the
-// connections open either side, which close closes.
+// whose connections each go to serve with a connection dialled to the
+// target, and the connections open either side, which close closes.
 type proxyBase struct {
 	l      net.Listener
 	target string
@@ -19,8 +19,11 @@ type proxyBase struct {
 	wg     sync.WaitGroup
 }
 
-// start listens on a loopback port and hands each connection to serve.
-func (p *proxyBase) start(target string, serve func(net.Conn)) error {
+// start listens on a loopback port and hands each connection c to serve
+// with u, a connection to target; both are closed when serve returns. A
+// connection whose target does not answer is closed at once: its client
+// sees the target down.
+func (p *proxyBase) start(target string, serve func(c, u net.Conn)) error {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
@@ -37,11 +40,27 @@ func (p *proxyBase) start(target string, serve func(net.Conn)) error {
 			p.wg.Add(1)
 			go func() {
 				defer p.wg.Done()
-				serve(c)
+				p.connect(c, serve)
 			}()
 		}
 	}()
 	return nil
+}
+
+// connect dials the target for c and runs serve on the pair, tracked
+// for close.
+func (p *proxyBase) connect(c net.Conn, serve func(c, u net.Conn)) {
+	defer c.Close()
+	u, err := net.DialTimeout("tcp", p.target, time.Second)
+	if err != nil {
+		return
+	}
+	defer u.Close()
+	p.track(c, true)
+	p.track(u, true)
+	defer p.track(c, false)
+	defer p.track(u, false)
+	serve(c, u)
 }
 
 func (p *proxyBase) addr() string { return p.l.Addr().String() }
@@ -85,17 +104,7 @@ func newDelayProxy(target string) (*delayProxy, error) {
 
 func (p *delayProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
 
-func (p *delayProxy) serve(c net.Conn) {
-	defer c.Close()
-	u, err := net.DialTimeout("tcp", p.target, time.Second)
-	if err != nil {
-		return // the client sees its connection closed: the server is down
-	}
-	defer u.Close()
-	p.track(c, true)
-	p.track(u, true)
-	defer p.track(c, false)
-	defer p.track(u, false)
+func (p *delayProxy) serve(c, u net.Conn) {
 	done := make(chan struct{}, 2)
 	go func() { p.pipe(u, c); done <- struct{}{} }()
 	go func() { p.pipe(c, u); done <- struct{}{} }()
