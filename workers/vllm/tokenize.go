@@ -94,6 +94,12 @@ func (t *Tokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32
 		return nil, err
 	}
 	hr.Header.Set("Content-Type", "application/json")
+	// /tokenize changes nothing, so the transport may send it again on a
+	// fresh connection when a kept-alive one was closed as it went out
+	// (uvicorn closes idle connections after 5 s): otherwise that race
+	// fails the call, and the request is keyed by its text. A nil value
+	// marks it idempotent without sending the header.
+	hr.Header["Idempotency-Key"] = nil
 	resp, err := t.hc.Do(hr)
 	if err != nil {
 		return nil, err
