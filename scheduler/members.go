@@ -179,6 +179,25 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	s.placeMu.Lock()
 	s.roles[wc.Name] = wc.Role
 	s.placeMu.Unlock()
+	if s.engineTokens != nil && engineKind(wc.Kind) {
+		tc, err := s.engineTLS(wc)
+		if err == nil {
+			err = s.engineTokens.add(wc, vllm.WithTLS(tc))
+		}
+		if err != nil {
+			s.log.Warn("worker's tokenizer unavailable", "worker", wc.Name, "err", err)
+		}
+	}
+	// Placed before it is watched, so that what the watcher hears of it
+	// at once (its adapters and slots) finds it.
+	if desc == nil {
+		// Not known yet: the pending pool's health checks ask again
+		// until the worker answers; it serves nothing until then.
+		s.log.Warn("worker info unavailable; not routing to it until it answers", "worker", wc.Name, "addr", wc.Address)
+		s.place(w, s.pending)
+	} else {
+		s.apply(w, *desc)
+	}
 	// Baton workers stream their cache events into the index; the
 	// blocks of engines that publish none are learned from routing.
 	if engineKind(wc.Kind) || wc.Kind == KindLlamaCPP {
@@ -195,23 +214,6 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	if err != nil {
 		s.log.Warn("worker not indexed; kv_aware treats it as holding nothing", "worker", w.Name, "err", err)
 	}
-	if s.engineTokens != nil && engineKind(wc.Kind) {
-		tc, err := s.engineTLS(wc)
-		if err == nil {
-			err = s.engineTokens.add(wc, vllm.WithTLS(tc))
-		}
-		if err != nil {
-			s.log.Warn("worker's tokenizer unavailable", "worker", wc.Name, "err", err)
-		}
-	}
-	if desc == nil {
-		// Not known yet: the pending pool's health checks ask again
-		// until the worker answers; it serves nothing until then.
-		s.log.Warn("worker info unavailable; not routing to it until it answers", "worker", wc.Name, "addr", wc.Address)
-		s.place(w, s.pending)
-		return nil
-	}
-	s.apply(w, *desc)
 	return nil
 }
 

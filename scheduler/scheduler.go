@@ -560,8 +560,9 @@ func (s *Scheduler) placed(name string) *pool.Worker {
 }
 
 // place moves the worker named w.Name into target. A worker belongs to
-// one pool, so a move makes a new pool.Worker over the same client: its
-// breaker and health start afresh.
+// one pool, so a move makes its successor over the same client: its
+// breaker and health start afresh, what it holds of adapters carries
+// over.
 func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
 	s.placeMu.Lock()
 	defer s.placeMu.Unlock()
@@ -571,7 +572,7 @@ func (s *Scheduler) place(w *pool.Worker, target *pool.Pool) {
 	}
 	if from != nil {
 		from.Remove(w.Name)
-		w = &pool.Worker{Name: w.Name, Addr: w.Addr, Models: w.ServedModels(), Discover: w.Discover, Client: w.Client, MaxLoRAs: w.MaxLoRAs}
+		w = w.Successor()
 	}
 	if err := target.Add(w); err != nil {
 		s.log.Error("adding worker to its pool", "worker", w.Name, "err", err)

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"maps"
 	"math"
 	"slices"
 	"sync"
@@ -36,6 +37,22 @@ type adapters struct {
 	// loadSeconds is the measured load time (ObserveAdapterLoad), as
 	// float64 bits; 0: none measured.
 	loadSeconds atomic.Uint64
+}
+
+// copyTo gives b, a new worker's, what a knows: the adapters held, when
+// each was loaded and last used, the slots and the load time. Requests in
+// flight and loads under way stay with a's worker, which ends them.
+func (a *adapters) copyTo(b *adapters) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if h := a.held.Load(); h != nil {
+		held := slices.Clone(*h)
+		b.held.Store(&held)
+	}
+	b.loaded = maps.Clone(a.loaded)
+	b.used = maps.Clone(a.used)
+	b.slots.Store(a.slots.Load())
+	b.loadSeconds.Store(a.loadSeconds.Load())
 }
 
 // HoldsAdapter reports whether the worker holds the LoRA adapter name. It

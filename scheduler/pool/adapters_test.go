@@ -3,6 +3,7 @@ package pool
 import (
 	"slices"
 	"testing"
+	"time"
 )
 
 func TestWorkerAdapters(t *testing.T) {
@@ -105,5 +106,35 @@ func TestWorkerAdapterReservations(t *testing.T) {
 	}
 	if _, ok := w.PinAdapter("chat"); ok {
 		t.Error("PinAdapter(chat) succeeded once chat was evicted")
+	}
+}
+
+// A worker moved to another pool (its successor) keeps what it knew of
+// the engine's adapters: which it holds and when each was loaded, its
+// slots and their load time; adapters the scheduler loaded lately stay
+// held through the engine's next report, as they would have.
+func TestSuccessorKeepsAdapters(t *testing.T) {
+	w := &Worker{Name: "w", Addr: "a", Models: []string{"m"}}
+	w.SetAdapterSlots(2)
+	w.AddAdapter("sql")
+	w.SetAdapters([]string{"chat"})
+	w.TouchAdapter("chat")
+	w.ObserveAdapterLoad(300 * time.Millisecond)
+	n := w.Successor()
+	if n == w || n.Name != "w" || n.Addr != "a" || !slices.Equal(n.ServedModels(), []string{"m"}) {
+		t.Fatalf("successor %+v, want a new worker w at a serving m", n)
+	}
+	if got := slices.Sorted(slices.Values(n.Adapters())); !slices.Equal(got, []string{"chat", "sql"}) {
+		t.Errorf("successor holds %v, want [chat sql]", got)
+	}
+	if n.AdapterSlots() != 2 || n.AdapterLoadSeconds() != w.AdapterLoadSeconds() || n.AdapterLoadSeconds() == 0 {
+		t.Errorf("successor: %d slots, load %v s; want 2 and %v", n.AdapterSlots(), n.AdapterLoadSeconds(), w.AdapterLoadSeconds())
+	}
+	n.SetAdapters(nil) // sql was loaded by the scheduler within AdapterGrace
+	if got := n.Adapters(); !slices.Equal(got, []string{"sql"}) {
+		t.Errorf("after the engine reported none: successor holds %v, want [sql]", got)
+	}
+	if got := w.Adapters(); len(got) != 2 {
+		t.Errorf("the successor's changes reached the old worker: it holds %v", got)
 	}
 }

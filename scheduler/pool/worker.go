@@ -79,6 +79,16 @@ type Worker struct {
 	lora adapters // the LoRA adapters it holds (adapters.go)
 }
 
+// Successor returns a new Worker over w's engine, for another pool: the
+// same name, address, client and models, and what w knows of the LoRA
+// adapters the engine holds (which, loaded when, its slots, their load
+// time); its breaker, health and in-flight count start afresh.
+func (w *Worker) Successor() *Worker {
+	n := &Worker{Name: w.Name, Addr: w.Addr, Models: w.ServedModels(), Discover: w.Discover, Client: w.Client, MaxLoRAs: w.MaxLoRAs}
+	w.lora.copyTo(&n.lora)
+	return n
+}
+
 // ServedModels returns the models the worker serves; empty means any. The
 // slice must not be modified.
 func (w *Worker) ServedModels() []string {
