@@ -5,12 +5,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -150,7 +153,7 @@ func waitReady(ctx context.Context, p *proc, base string, want int, timeout time
 				return err
 			}
 			if got := m.sum("baton_workers_available", nil); int(got) < want {
-				return fmt.Errorf("%v of %d workers available", got, want)
+				return fmt.Errorf("%v of %d workers available (%s)", got, want, unavailable(m))
 			}
 			return nil
 		}()
@@ -159,7 +162,26 @@ func waitReady(ctx context.Context, p *proc, base string, want int, timeout time
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return fmt.Errorf("%s not ready after %s: %v", p.name, timeout, last)
+	return fmt.Errorf("%s not ready after %s: %v; its log ends:\n%s", p.name, timeout, last, p.tail())
+}
+
+// unavailable says which workers a scheduler's metrics show unhealthy or
+// with a breaker not closed, and which it does not list at all (pending).
+func unavailable(m metrics) string {
+	healthy := m.byLabels("baton_worker_healthy", "worker")
+	breaker := m.byLabels("baton_worker_breaker_state", "worker")
+	var out []string
+	for _, w := range slices.Sorted(maps.Keys(healthy)) {
+		switch {
+		case healthy[w] == 0:
+			out = append(out, w+" unhealthy")
+		case breaker[w] == 2:
+			out = append(out, w+" breaker open")
+		case breaker[w] == 1:
+			out = append(out, w+" breaker half-open")
+		}
+	}
+	return fmt.Sprintf("%d listed: %s", len(healthy), strings.Join(out, ", "))
 }
 
 // redisServer finds redis-server: $BATON_REDIS_SERVER, PATH's, or Debian's.
