@@ -56,6 +56,27 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 	return s, addr, d
 }
 
+// keyingState says how the scheduler keyed requests so far (its
+// tokenize outcomes) and the model and block size it keys them with, for
+// a prediction that missed.
+func keyingState(t *testing.T, s *scheduler.Scheduler, addr string) string {
+	var out []string
+	for _, l := range strings.Split(scrape(t, httpClient(t), addr), "\n") {
+		if (strings.HasPrefix(l, "baton_tokenize_total") || strings.HasPrefix(l, "baton_kv_events_total")) && !strings.HasSuffix(l, " 0") {
+			out = append(out, l)
+		}
+	}
+	for _, r := range []string{"v0/dp0", "v0/dp1"} {
+		w := s.Pool.Snapshot().Worker(r)
+		if w == nil {
+			out = append(out, r+" not in the pool")
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s serves %v, healthy %t, blocks of %d tokens", r, w.ServedModels(), w.Healthy(), lookup(s, r, nil).BlockTokens))
+	}
+	return strings.Join(out, "; ")
+}
+
 // rankPool is fastPool with health checks a loaded -race run meets: the
 // tests that check where each question goes assume both ranks stay
 // available, and a 100 ms timeout marks a live rank down when two checks
@@ -104,7 +125,8 @@ func TestDataParallelPredictedHit(t *testing.T) {
 		hit := predictedHit(t, r.route)
 		got := float64(r.cached) / float64(r.prompt)
 		if math.Abs(hit-got) > 0.05 {
-			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (route %q)", q, doc, hit, r.worker, got, r.route)
+			t.Errorf("question %d on document %d: predicted hit %.2f on %s, achieved %.2f (route %q); %s",
+				q, doc, hit, r.worker, got, r.route, keyingState(t, s, addr))
 		}
 		if h, ok := holder[doc]; ok && r.worker != h {
 			t.Errorf("question %d on document %d went to %s, the document is on %s (route %q)", q, doc, r.worker, h, r.route)
