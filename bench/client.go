@@ -31,6 +31,9 @@ type Result struct {
 	CachedTokens     int       `json:"cached_tokens"`
 	CompletionTokens int       `json:"completion_tokens"`
 	Worker           string    `json:"worker"`
+	// PrefillWorker is the worker that prefilled the prompt for Worker
+	// (X-Baton-Prefill-Worker), when another did.
+	PrefillWorker string `json:"prefill_worker,omitempty"`
 	// Route is the scheduler's X-Baton-Route: the strategy and its reason
 	// (kv_aware's predicted hit, a spill, the prefill worker).
 	Route string `json:"route,omitempty"`
@@ -95,6 +98,7 @@ func send(ctx context.Context, hc *http.Client, base, model string, req *workloa
 	}
 	defer resp.Body.Close()
 	res.Worker = resp.Header.Get("X-Baton-Worker")
+	res.PrefillWorker = resp.Header.Get("X-Baton-Prefill-Worker")
 	res.Route = resp.Header.Get("X-Baton-Route")
 	res.Spill = strings.Contains(res.Route, "spill=true")
 	if resp.StatusCode != http.StatusOK {

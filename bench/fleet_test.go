@@ -74,16 +74,33 @@ func TestBenchDisaggregated(t *testing.T) {
 			if s.Fleet != "1 prefill + 1 decode" || s.Ideal != 1 || len(s.Shares) != 1 || s.Shares["decode-0"] != 1 {
 				t.Errorf("%s: fleet %q ideal %v shares %v; want all on decode-0", s.Strategy, s.Fleet, s.Ideal, s.Shares)
 			}
-			n := 0.0
+			n, remote := 0.0, 0.0
 			for k, v := range s.Counters {
 				if strings.HasPrefix(k, "disagg_decisions_total{") {
 					n += v
+					if strings.Contains(k, "decision=remote") {
+						remote += v
+					}
 				}
 			}
 			if n != 12 {
 				t.Errorf("%s: %v disaggregation decisions counted, want 12 (counters %v)", s.Strategy, n, s.Counters)
 			}
-		} else if s.Fleet != "2 colocated" || s.Ideal != 0.5 {
+			prefilled := 0
+			for _, r := range s.Results {
+				if r.PrefillWorker == "prefill-0" {
+					prefilled++
+				} else if r.PrefillWorker != "" {
+					t.Errorf("%s: request %d prefilled on %q", s.Strategy, r.Index, r.PrefillWorker)
+				}
+			}
+			if float64(prefilled) != remote || remote == 0 {
+				t.Errorf("%s: %d results name prefill-0 as their prefill worker, %v remote prefills counted; want the same, some", s.Strategy, prefilled, remote)
+			}
+		} else if r := s.Results; len(r) > 0 && r[0].PrefillWorker != "" {
+			t.Errorf("%s: a colocated request names prefill worker %q", s.Strategy, r[0].PrefillWorker)
+		}
+		if !strings.Contains(s.Strategy, "disagg") && (s.Fleet != "2 colocated" || s.Ideal != 0.5) {
 			t.Errorf("%s: fleet %q ideal %v", s.Strategy, s.Fleet, s.Ideal)
 		}
 		if s.HitRate <= 0 {

@@ -7,27 +7,31 @@ import (
 	"time"
 )
 
-// Every call from the coordinator to an engine reaches the engine's queue
-// a dispatch delay after the decision: one call colocated, two (prefill,
-// then decode) disaggregated. Before Dispatch, the virtual clock handed a
+// A request's first call from the coordinator to an engine reaches the
+// engine's queue a dispatch delay after the decision, colocated or
+// disaggregated (the prefill); the decode call that follows a remote
+// prefill is not delayed. Before Dispatch, the virtual clock handed a
 // request to its engine the instant it was routed.
-func TestDispatchDelaysEachCall(t *testing.T) {
+func TestDispatchDelaysTheFirstCall(t *testing.T) {
 	w := excerpt(t, 1)
 	const d = 40 * time.Millisecond
 	for _, tc := range []struct {
-		c     Config
-		calls int
+		c       Config
+		prefill string // the remote prefill's worker
 	}{
-		{Config{Workers: 1, Strategy: "kv_aware"}, 1},
-		{Config{Prefill: 1, Decode: 1, Strategy: "kv_aware"}, 2},
+		{Config{Workers: 1, Strategy: "kv_aware"}, ""},
+		{Config{Prefill: 1, Decode: 1, Strategy: "kv_aware"}, "prefill-0"},
 	} {
 		t.Run(tc.c.Label(), func(t *testing.T) {
 			base := run(t, tc.c, w).Requests[0]
 			tc.c.dispatchOf = func(int) time.Duration { return d }
 			got := run(t, tc.c, w).Requests[0]
-			want := base.TTFT + float64(tc.calls)*d.Seconds()
+			want := base.TTFT + d.Seconds()
 			if math.Abs(got.TTFT-want) > 1e-9 {
-				t.Errorf("TTFT %.6f s with a %v dispatch delay, want %.6f (%.6f without, %d calls)", got.TTFT, d, want, base.TTFT, tc.calls)
+				t.Errorf("TTFT %.6f s with a %v dispatch delay, want %.6f (%.6f without)", got.TTFT, d, want, base.TTFT)
+			}
+			if got.PrefillWorker != tc.prefill {
+				t.Errorf("prefill worker %q, want %q", got.PrefillWorker, tc.prefill)
 			}
 		})
 	}

@@ -159,6 +159,7 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 		s.send(r, de, decode)
 		return
 	}
+	r.out.PrefillWorker = pw.Name
 	p.prefilled = func(p *seq, now float64) {
 		var send []uint64
 		for i, k := range p.keys {
@@ -181,7 +182,10 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 			r.reused = min(max(p.cached, lead*sim.BlockTokens), decode.prompt)
 			decode.transferred = true
 			ended(first, false)
-			s.send(r, de, decode)
+			// The coordinator's decode call follows at once, over
+			// a connection it holds, for a request already parsed
+			// and routed: no dispatch delay (Dispatch).
+			de.enqueue(decode, now)
 		})
 	}
 	s.send(r, pe, p)

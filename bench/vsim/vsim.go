@@ -76,12 +76,16 @@ type Config struct {
 	dispatchOf func(i int) time.Duration
 }
 
-// Dispatch is the time each call from the coordinator to an engine
-// (colocated generate, prefill, decode) takes to reach the engine's queue:
-// HTTP, the front end's parsing and hashing, gRPC, the engine's own
-// parsing, and the scheduling of all that on the machine's CPUs. It is
-// drawn per call from a log-normal distribution of the given median and
-// 90th percentile. In real time it delays each request's start, reorders
+// Dispatch is the time a request's first call from the coordinator to an
+// engine (a colocated generate, a prefill, a decode that prefills
+// locally) takes to reach the engine's queue: HTTP, the front end's
+// parsing and hashing, gRPC, the engine's own parsing, and the scheduling
+// of all that on the machine's CPUs. It is drawn per request from a
+// log-normal distribution of the given median and 90th percentile. The
+// decode call that follows a remote prefill is not delayed: a gRPC call
+// on a held connection for a request already parsed and routed, it took
+// 0.42 ms at the median and 0.87 ms at p90 where first calls took 2–3 ms
+// and 6–8 ms (bench/RESULTS.md, 9c). In real time it delays each request's start, reorders
 // simultaneous arrivals in the engines' queues, and leaves routed requests
 // out of the engines' load reports while they are on their way (see
 // kvindex.Index.Predict), which cost-aware routing feels and random
