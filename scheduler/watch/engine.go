@@ -289,15 +289,26 @@ func (e *engine) scraped(m vllm.Metrics) {
 // message applies a subscriber's message: its batch's events, translated,
 // or a reset.
 func (e *engine) message(m kvevents.Message) {
-	if e.tr == nil {
-		e.tr = kvevents.NewTranslator(kvevents.TranslatorConfig{Model: e.cfg.Model()})
-		e.st.tr.Store(e.tr)
-	}
+	model := e.cfg.Model()
 	var evs []kvindex.Event
-	if m.Reset {
-		evs = []kvindex.Event{e.tr.Reset()}
-	} else {
+	switch {
+	case e.tr == nil:
+		e.tr = kvevents.NewTranslator(kvevents.TranslatorConfig{Model: model})
+		e.st.tr.Store(e.tr)
+	case model != "" && model != e.tr.Model():
+		// The model was not known when the first events came (a worker
+		// that had not described itself yet), or the engine now serves
+		// another: what was keyed without it matches no request.
+		e.cfg.Logger.Info("engine's events now keyed by its model", "worker", e.name, "model", model, "was", e.tr.Model())
+		evs = append(evs, e.tr.SetModel(model))
+	}
+	switch {
+	case m.Reset:
+		evs = append(evs, e.tr.Reset())
+	case evs == nil:
 		evs = e.tr.Translate(m.Batch)
+	default:
+		evs = append(evs, e.tr.Translate(m.Batch)...)
 	}
 	for _, ev := range evs {
 		if ev.Snapshot != nil {

@@ -183,3 +183,70 @@ func TestEngineWithoutEvents(t *testing.T) {
 		t.Errorf("one slot, another prompt routed since: %d blocks held, want 0", m.GPU)
 	}
 }
+
+// An engine whose model is not known when its first events come (a
+// worker not yet described) has them keyed without it; once its model is
+// known, its next batch is keyed by it and the blocks keyed before leave
+// the index: no request would find them, and their hashes must not chain
+// new blocks onto the old keys.
+func TestEngineEventsFollowTheModel(t *testing.T) {
+	pub, err := kveventstest.NewPublisher(kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: "kv"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	idx := kvindex.New(kvindex.Config{})
+	w := watch.New(idx, watch.Config{})
+	defer w.Close()
+	var mu sync.Mutex
+	model := ""
+	err = w.AddEngine("e0", watch.EngineConfig{
+		Metrics: &fakeMetrics{m: vllm.Metrics{HasLoad: true, BlockSize: 4, GPUBlocks: 100}}, ScrapeInterval: 10 * time.Millisecond,
+		Events: kvevents.SubscriberConfig{Endpoint: pub.Endpoint(), Topic: "kv", RedialMin: 10 * time.Millisecond},
+		Model: func() string {
+			mu.Lock()
+			defer mu.Unlock()
+			return model
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := pub.WaitSubscribed(ctx); err != nil {
+		t.Fatal(err)
+	}
+	store := func(first uint64, toks []uint32) {
+		t.Helper()
+		if _, err := pub.Publish(kvevents.Batch{Events: []kvevents.Event{&kvevents.BlockStored{
+			BlockHashes: []kvevents.Hash{kvevents.IntHash(first), kvevents.IntHash(first + 1)}, TokenIDs: toks, BlockSize: 4,
+		}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys := func(m string, toks []uint32) []uint64 {
+		return kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt(m, "", "")), toks, 4)
+	}
+	a, b := []uint32{1, 2, 3, 4, 5, 6, 7, 8}, []uint32{9, 10, 11, 12, 13, 14, 15, 16}
+	store(1, a)
+	waitUntil(t, func() error {
+		if m := match(idx, keys("", a)); m.GPU != 2 {
+			return fmt.Errorf("%d of 2 blocks indexed without a model", m.GPU)
+		}
+		return nil
+	})
+	mu.Lock()
+	model = "m"
+	mu.Unlock()
+	store(3, b)
+	waitUntil(t, func() error {
+		if m := match(idx, keys("m", b)); m.GPU != 2 {
+			return fmt.Errorf("%d of 2 blocks indexed under the model", m.GPU)
+		}
+		return nil
+	})
+	if m := match(idx, keys("", a)); m.GPU != 0 {
+		t.Errorf("%d blocks keyed without the model still indexed, want none", m.GPU)
+	}
+}

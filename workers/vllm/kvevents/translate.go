@@ -194,6 +194,19 @@ func (t *Translator) Reset() kvindex.Event {
 	return t.snapshot()
 }
 
+// Model returns the model that salts the translator's keys.
+func (t *Translator) Model() string { return t.cfg.Model }
+
+// SetModel changes the model that salts the chains the translator keys
+// from now on. The blocks it translated under the old model keep keys no
+// request of the new one has, and their engine hashes would chain new
+// blocks onto them: it forgets them, and returns the snapshot of no blocks
+// that empties the engine's entries in the index, as Reset does.
+func (t *Translator) SetModel(model string) kvindex.Event {
+	t.cfg.Model = model
+	return t.Reset()
+}
+
 func (t *Translator) snapshot() kvindex.Event {
 	t.synced = true
 	t.seq++
