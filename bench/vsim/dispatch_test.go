@@ -64,8 +64,8 @@ func TestDispatchDistribution(t *testing.T) {
 	draw, again := d.sampler(3), d.sampler(3)
 	xs := make([]float64, 20000)
 	for i := range xs {
-		xs[i] = draw()
-		if y := again(); y != xs[i] {
+		xs[i] = draw(1000)
+		if y := again(1000); y != xs[i] {
 			t.Fatalf("draw %d: %v, then %v under the same seed", i, xs[i], y)
 		}
 	}
@@ -84,8 +84,20 @@ func TestDispatchDistribution(t *testing.T) {
 	if (Dispatch{}).sampler(1) != nil {
 		t.Error("the zero Dispatch draws delays")
 	}
-	if c := (Dispatch{Median: time.Millisecond, P90: time.Millisecond}).sampler(1); c() != 0.001 {
-		t.Errorf("median = p90 = 1 ms: drew %v s, want exactly 0.001", c())
+	if c := (Dispatch{Median: time.Millisecond, P90: time.Millisecond}).sampler(1); c(5000) != 0.001 {
+		t.Errorf("median = p90 = 1 ms: drew %v s, want exactly 0.001", c(5000))
+	}
+	// PerToken adds to every draw, in proportion to the prompt.
+	base := d.sampler(3)
+	d.PerToken = 100 * time.Nanosecond
+	long := d.sampler(3)
+	for i := range 1000 {
+		if got, want := long(1000), base(1000)+1e-4; math.Abs(got-want) > 1e-12 {
+			t.Fatalf("draw %d with PerToken 100ns for 1,000 tokens: %v, want %v", i, got, want)
+		}
+	}
+	if c := (Dispatch{PerToken: time.Microsecond}).sampler(1); c == nil || c(2500) != 0.0025 {
+		t.Errorf("PerToken alone, 1 µs for 2,500 tokens: want exactly 2.5 ms")
 	}
 }
 
@@ -95,6 +107,7 @@ func TestDispatchInvalid(t *testing.T) {
 		{Median: -time.Millisecond, P90: time.Millisecond},
 		{Median: 10 * time.Millisecond, P90: 5 * time.Millisecond},
 		{P90: time.Millisecond}, // a p90 without a median is a typo, not "none"
+		{Median: time.Millisecond, P90: time.Millisecond, PerToken: -time.Nanosecond},
 	} {
 		if _, err := Run(t.Context(), Config{Workers: 1, Dispatch: d}, w); err == nil {
 			t.Errorf("Dispatch %+v: no error", d)

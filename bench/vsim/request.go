@@ -199,7 +199,7 @@ func (s *Sim) send(r *request, e *engine, q *seq) {
 	case s.cfg.dispatchOf != nil:
 		d = s.cfg.dispatchOf(r.out.Index).Seconds()
 	case s.dispatch != nil:
-		d = s.dispatch()
+		d = s.dispatch(q.prompt)
 	}
 	if d <= 0 {
 		e.enqueue(q, s.now)

@@ -78,20 +78,26 @@ type Config struct {
 
 // Dispatch is the time a request's first call from the coordinator to an
 // engine (a colocated generate, a prefill, a decode that prefills
-// locally) takes to reach the engine's queue: HTTP, the front end's
-// parsing and hashing, gRPC, the engine's own parsing, and the scheduling
-// of all that on the machine's CPUs. It is drawn per request from a
-// log-normal distribution of the given median and 90th percentile. The
-// decode call that follows a remote prefill is not delayed: a gRPC call
-// on a held connection for a request already parsed and routed, it took
-// 0.42 ms at the median and 0.87 ms at p90 where first calls took 2–3 ms
-// and 6–8 ms (bench/RESULTS.md, 9c). In real time it delays each request's start, reorders
-// simultaneous arrivals in the engines' queues, and leaves routed requests
-// out of the engines' load reports while they are on their way (see
-// kvindex.Index.Predict), which cost-aware routing feels and random
-// routing hardly does.
+// locally) takes to reach the engine's queue from the request's arrival:
+// HTTP, the front end's parsing and hashing, gRPC, the engine's own
+// parsing, and the scheduling of all that on the machine's CPUs. It is a
+// draw from a log-normal distribution of the given median and 90th
+// percentile, per request, plus PerToken for each prompt token: a long
+// prompt takes longer to read, hash, send and parse, so within a burst it
+// reaches its engine after the short ones. In real time it delays each
+// request's start, reorders simultaneous arrivals in the engines' queues,
+// and leaves routed requests out of the engines' load reports while they
+// are on their way (see kvindex.Index.Predict), which cost-aware routing
+// feels and random routing hardly does. The pick itself is modelled at
+// the arrival.
+//
+// The decode call that follows a remote prefill is not delayed: a gRPC
+// call on a held connection for a request already parsed and routed, it
+// took 0.42 ms at the median and 0.87 ms at p90 where first calls took
+// 2–3 ms and 6–8 ms (bench/RESULTS.md, 9c).
 type Dispatch struct {
 	Median, P90 time.Duration
+	PerToken    time.Duration
 }
 
 // validate names the field at fault.
@@ -103,20 +109,27 @@ func (d Dispatch) validate() error {
 		return fmt.Errorf("dispatch: p90 %v is below the median %v", d.P90, d.Median)
 	case d.Median == 0 && d.P90 > 0:
 		return fmt.Errorf("dispatch: p90 %v without a median", d.P90)
+	case d.PerToken < 0:
+		return fmt.Errorf("dispatch: per-token time %v is negative", d.PerToken)
 	}
 	return nil
 }
 
-// sampler returns a function drawing Dispatch's delays in seconds from a
-// generator seeded with seed; nil when there is no delay.
-func (d Dispatch) sampler(seed uint64) func() float64 {
-	if d.Median == 0 {
+// sampler returns a function drawing Dispatch's delays in seconds for a
+// prompt of tokens tokens, from a generator seeded with seed; nil when
+// there is no delay.
+func (d Dispatch) sampler(seed uint64) func(tokens int) float64 {
+	if d.Median == 0 && d.PerToken == 0 {
 		return nil
+	}
+	per := d.PerToken.Seconds()
+	if d.Median == 0 {
+		return func(tokens int) float64 { return per * float64(tokens) }
 	}
 	const z90 = 1.2815515655446004 // the standard normal's 90th percentile
 	mu, sigma := d.Median.Seconds(), math.Log(float64(d.P90)/float64(d.Median))/z90
 	rng := rand.New(rand.NewPCG(seed, 0xd15a7c4))
-	return func() float64 { return mu * math.Exp(sigma*rng.NormFloat64()) }
+	return func(tokens int) float64 { return mu*math.Exp(sigma*rng.NormFloat64()) + per*float64(tokens) }
 }
 
 func (c Config) withDefaults() Config {
@@ -217,7 +230,7 @@ type Sim struct {
 	defaultMax int
 	prefixLen  int
 	seed       uint64
-	dispatch   func() float64 // nil: no dispatch delay
+	dispatch   func(tokens int) float64 // nil: no dispatch delay
 }
 
 func newSim(cfg Config) (*Sim, error) {

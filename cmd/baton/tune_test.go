@@ -68,14 +68,20 @@ func TestDispatchFlag(t *testing.T) {
 		t.Fatalf("no TTFT p50 in %q", stdout.String())
 		return ""
 	}
-	if a, b := p50(), p50("--dispatch", "1s,1s"); a == b {
+	a, b := p50(), p50("--dispatch", "1s,1s")
+	if a == b {
 		t.Errorf("a 1 s dispatch delay left the report's %q", a)
+	}
+	if c := p50("--dispatch", "1s,1s,10us"); c == b {
+		t.Errorf("10 µs a prompt token on top of 1 s left the report's %q", c)
 	}
 	for _, args := range [][]string{
 		{"bench", "--workload", "mooncake", "--trace", trace, "--dispatch", "7ms,48ms"},
 		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "7ms"},
 		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "48ms,7ms"},
 		{"tune", "--trace", trace, "--dispatch", "0s,7ms"},
+		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "1ms,2ms,-1ns"},
+		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "1ms,2ms,3ns,4ns"},
 	} {
 		var stdout, stderr bytes.Buffer
 		err := run(context.Background(), append(args, "--out", t.TempDir()), &stdout, &stderr)
