@@ -58,20 +58,28 @@ func match(idx *kvindex.Index, keys []uint64) kvindex.Match {
 	return out[0]
 }
 
-// TestEngine: an engine's scraped load and translated events reach the
-// index; a lost batch resets its blocks but keeps its load; Remove stops
-// following it and forgets it.
-func TestEngine(t *testing.T) {
+// newEngineWatch returns a publisher of cache events on a loopback port, an
+// index and a watcher feeding it, closed at the test's end.
+func newEngineWatch(t *testing.T) (*kveventstest.Publisher, *kvindex.Index, *watch.Watcher) {
+	t.Helper()
 	pub, err := kveventstest.NewPublisher(kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: "kv"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pub.Close()
+	t.Cleanup(func() { pub.Close() })
 	idx := kvindex.New(kvindex.Config{})
 	w := watch.New(idx, watch.Config{})
-	defer w.Close()
+	t.Cleanup(func() { w.Close() })
+	return pub, idx, w
+}
+
+// TestEngine: an engine's scraped load and translated events reach the
+// index; a lost batch resets its blocks but keeps its load; Remove stops
+// following it and forgets it.
+func TestEngine(t *testing.T) {
+	pub, idx, w := newEngineWatch(t)
 	src := &fakeMetrics{m: vllm.Metrics{Running: 2, Waiting: 1, HasLoad: true, KVUsage: 0.5, HasKVUsage: true, BlockSize: 4, GPUBlocks: 100}}
-	err = w.AddEngine("e0", watch.EngineConfig{
+	err := w.AddEngine("e0", watch.EngineConfig{
 		Metrics: src, ScrapeInterval: 10 * time.Millisecond,
 		Events: kvevents.SubscriberConfig{Endpoint: pub.Endpoint(), Topic: "kv", RedialMin: 10 * time.Millisecond},
 		Model:  func() string { return "m" },
@@ -190,17 +198,10 @@ func TestEngineWithoutEvents(t *testing.T) {
 // the index: no request would find them, and their hashes must not chain
 // new blocks onto the old keys.
 func TestEngineEventsFollowTheModel(t *testing.T) {
-	pub, err := kveventstest.NewPublisher(kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: "kv"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pub.Close()
-	idx := kvindex.New(kvindex.Config{})
-	w := watch.New(idx, watch.Config{})
-	defer w.Close()
+	pub, idx, w := newEngineWatch(t)
 	var mu sync.Mutex
 	model := ""
-	err = w.AddEngine("e0", watch.EngineConfig{
+	err := w.AddEngine("e0", watch.EngineConfig{
 		Metrics: &fakeMetrics{m: vllm.Metrics{HasLoad: true, BlockSize: 4, GPUBlocks: 100}}, ScrapeInterval: 10 * time.Millisecond,
 		Events: kvevents.SubscriberConfig{Endpoint: pub.Endpoint(), Topic: "kv", RedialMin: 10 * time.Millisecond},
 		Model: func() string {
