@@ -169,8 +169,8 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	return wc, nil
 }
 
-// addWorker connects to a worker, has the watcher follow it and puts it in
-// its pool, or the pending pool until it describes itself.
+// addWorker connects to a worker, puts it in its pool (the pending pool
+// until it describes itself) and has the watcher follow it.
 func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	w, desc, err := s.connect(wc)
 	if err != nil {
