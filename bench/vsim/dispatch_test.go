@@ -64,8 +64,8 @@ func TestDispatchDistribution(t *testing.T) {
 	draw, again := d.sampler(3), d.sampler(3)
 	xs := make([]float64, 20000)
 	for i := range xs {
-		xs[i] = draw(1000)
-		if y := again(1000); y != xs[i] {
+		xs[i] = draw()
+		if y := again(); y != xs[i] {
 			t.Fatalf("draw %d: %v, then %v under the same seed", i, xs[i], y)
 		}
 	}
@@ -84,20 +84,33 @@ func TestDispatchDistribution(t *testing.T) {
 	if (Dispatch{}).sampler(1) != nil {
 		t.Error("the zero Dispatch draws delays")
 	}
-	if c := (Dispatch{Median: time.Millisecond, P90: time.Millisecond}).sampler(1); c(5000) != 0.001 {
-		t.Errorf("median = p90 = 1 ms: drew %v s, want exactly 0.001", c(5000))
+	if c := (Dispatch{Median: time.Millisecond, P90: time.Millisecond}).sampler(1); c() != 0.001 {
+		t.Errorf("median = p90 = 1 ms: drew %v s, want exactly 0.001", c())
 	}
-	// PerToken adds to every draw, in proportion to the prompt.
-	base := d.sampler(3)
-	d.PerToken = 100 * time.Nanosecond
-	long := d.sampler(3)
-	for i := range 1000 {
-		if got, want := long(1000), base(1000)+1e-4; math.Abs(got-want) > 1e-12 {
-			t.Fatalf("draw %d with PerToken 100ns for 1,000 tokens: %v, want %v", i, got, want)
-		}
+}
+
+// With PerToken, a request is routed once its prompt is read and hashed:
+// of simultaneous arrivals the shorter prompt is routed, and served,
+// first; its time to first token counts from its arrival.
+func TestDispatchPerTokenRoutesShortPromptsFirst(t *testing.T) {
+	w := excerpt(t, 3)
+	r := w.Requests
+	if r[1].At != r[2].At {
+		t.Fatalf("the excerpt's requests 1 and 2 arrive at %v and %v, want together", r[1].At, r[2].At)
 	}
-	if c := (Dispatch{PerToken: time.Microsecond}).sampler(1); c == nil || c(2500) != 0.0025 {
-		t.Errorf("PerToken alone, 1 µs for 2,500 tokens: want exactly 2.5 ms")
+	c := Config{Workers: 1, Strategy: "random"}
+	res := run(t, c, w).Requests
+	if res[1].PromptTokens <= res[2].PromptTokens || !(res[1].TTFT < res[2].TTFT) {
+		t.Fatalf("without PerToken: prompts %d, %d tokens, TTFTs %.3f, %.3f s; want the longer first, served first",
+			res[1].PromptTokens, res[2].PromptTokens, res[1].TTFT, res[2].TTFT)
+	}
+	c.Dispatch = Dispatch{PerToken: time.Millisecond}
+	got := run(t, c, w).Requests
+	if !(got[2].TTFT < got[1].TTFT) {
+		t.Errorf("PerToken 1 ms: TTFTs %.3f, %.3f s; want the shorter prompt (request 2) served first", got[1].TTFT, got[2].TTFT)
+	}
+	if parse := float64(got[0].PromptTokens) * 1e-3; got[0].TTFT < res[0].TTFT+parse-1e-9 {
+		t.Errorf("request 0: TTFT %.3f s with PerToken, %.3f without; want at least its %.3f s of reading", got[0].TTFT, res[0].TTFT, parse)
 	}
 }
 

@@ -36,12 +36,13 @@ type request struct {
 	reused int
 }
 
-// arrive routes request i at s.now, as the scheduler's coordinator does.
-func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result) {
+// arrive routes request i, which arrived at arrival, at s.now, as the
+// scheduler's coordinator does.
+func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result, arrival float64) {
 	text := wr.RoutingText()
 	keys := blockkey.Append(nil, seed, text, blockkey.DefaultBlockChars)
 	prompt := blockkey.Tokens(blockkey.Chars(text))
-	r := &request{s: s, out: out, arrival: s.now, reused: -1,
+	r := &request{s: s, out: out, arrival: arrival, reused: -1,
 		rreq: &routing.Request{Model: s.cfg.Model, PrefixKey: blockkey.Prefix(seed, text, s.prefixLen)}}
 	if s.usesKeys {
 		r.rreq.Keys, r.rreq.Tokens = keys, prompt
@@ -199,7 +200,7 @@ func (s *Sim) send(r *request, e *engine, q *seq) {
 	case s.cfg.dispatchOf != nil:
 		d = s.cfg.dispatchOf(r.out.Index).Seconds()
 	case s.dispatch != nil:
-		d = s.dispatch(q.prompt)
+		d = s.dispatch()
 	}
 	if d <= 0 {
 		e.enqueue(q, s.now)

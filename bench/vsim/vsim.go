@@ -76,20 +76,19 @@ type Config struct {
 	dispatchOf func(i int) time.Duration
 }
 
-// Dispatch is the time a request's first call from the coordinator to an
-// engine (a colocated generate, a prefill, a decode that prefills
-// locally) takes to reach the engine's queue from the request's arrival:
-// HTTP, the front end's parsing and hashing, gRPC, the engine's own
-// parsing, and the scheduling of all that on the machine's CPUs. It is a
-// draw from a log-normal distribution of the given median and 90th
-// percentile, per request, plus PerToken for each prompt token: a long
-// prompt takes longer to read, hash, send and parse, so within a burst it
-// reaches its engine after the short ones. In real time it delays each
-// request's start, reorders simultaneous arrivals in the engines' queues,
-// and leaves routed requests out of the engines' load reports while they
-// are on their way (see kvindex.Index.Predict), which cost-aware routing
-// feels and random routing hardly does. The pick itself is modelled at
-// the arrival.
+// Dispatch is the time from a request's arrival to its first call
+// reaching an engine's queue (a colocated generate, a prefill, a decode
+// that prefills locally): HTTP, the front end's parsing and hashing, gRPC,
+// the engine's own parsing, and the scheduling of all that on the
+// machine's CPUs. PerToken for each prompt token delays the pick: a long
+// prompt takes longer to read and hash, so within a burst the short ones
+// are routed, and reach their engines, first. Then a draw from a
+// log-normal distribution of the given median and 90th percentile, per
+// request, delays the call. In real time these delays reorder
+// simultaneous arrivals in the engines' queues, and leave routed requests
+// out of the engines' load reports while they are on their way (see
+// kvindex.Index.Predict), which cost-aware routing feels and random
+// routing hardly does.
 //
 // The decode call that follows a remote prefill is not delayed: a gRPC
 // call on a held connection for a request already parsed and routed, it
@@ -115,21 +114,17 @@ func (d Dispatch) validate() error {
 	return nil
 }
 
-// sampler returns a function drawing Dispatch's delays in seconds for a
-// prompt of tokens tokens, from a generator seeded with seed; nil when
-// there is no delay.
-func (d Dispatch) sampler(seed uint64) func(tokens int) float64 {
-	if d.Median == 0 && d.PerToken == 0 {
-		return nil
-	}
-	per := d.PerToken.Seconds()
+// sampler returns a function drawing the delays in seconds from the pick
+// to the engine's queue, from a generator seeded with seed; nil when there
+// is no such delay.
+func (d Dispatch) sampler(seed uint64) func() float64 {
 	if d.Median == 0 {
-		return func(tokens int) float64 { return per * float64(tokens) }
+		return nil
 	}
 	const z90 = 1.2815515655446004 // the standard normal's 90th percentile
 	mu, sigma := d.Median.Seconds(), math.Log(float64(d.P90)/float64(d.Median))/z90
 	rng := rand.New(rand.NewPCG(seed, 0xd15a7c4))
-	return func(tokens int) float64 { return mu*math.Exp(sigma*rng.NormFloat64()) + per*float64(tokens) }
+	return func() float64 { return mu * math.Exp(sigma*rng.NormFloat64()) }
 }
 
 func (c Config) withDefaults() Config {
@@ -230,7 +225,7 @@ type Sim struct {
 	defaultMax int
 	prefixLen  int
 	seed       uint64
-	dispatch   func(tokens int) float64 // nil: no dispatch delay
+	dispatch   func() float64 // nil: no dispatch delay
 }
 
 func newSim(cfg Config) (*Sim, error) {
@@ -371,7 +366,12 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 			return
 		}
 		s.at(arr[i]*scale, func(now float64) {
-			s.arrive(i, &w.Requests[i], seed, &res.Requests[i])
+			wr := &w.Requests[i]
+			if parse := s.cfg.Dispatch.PerToken.Seconds() * float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText()))); parse > 0 {
+				s.at(now+parse, func(float64) { s.arrive(i, wr, seed, &res.Requests[i], now) })
+			} else {
+				s.arrive(i, wr, seed, &res.Requests[i], now)
+			}
 			next(i + 1)
 		})
 	}
