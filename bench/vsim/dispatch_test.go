@@ -121,9 +121,29 @@ func TestDispatchInvalid(t *testing.T) {
 		{Median: 10 * time.Millisecond, P90: 5 * time.Millisecond},
 		{P90: time.Millisecond}, // a p90 without a median is a typo, not "none"
 		{Median: time.Millisecond, P90: time.Millisecond, PerToken: -time.Nanosecond},
+		{Spacing: -time.Millisecond},
 	} {
 		if _, err := Run(t.Context(), Config{Workers: 1, Dispatch: d}, w); err == nil {
 			t.Errorf("Dispatch %+v: no error", d)
 		}
+	}
+}
+
+// With Spacing, requests that arrive together are taken up one after
+// another: on two workers of their own, the second of two simultaneous
+// requests starts Spacing after the first, its time to first token
+// counted from its arrival.
+func TestDispatchSpacing(t *testing.T) {
+	w := excerpt(t, 2)
+	c := Config{Workers: 2, Strategy: "round_robin"}
+	base := run(t, c, w).Requests
+	if base[0].Worker == base[1].Worker {
+		t.Fatalf("round_robin sent both requests to %s", base[0].Worker)
+	}
+	const sp = 50 * time.Millisecond
+	c.Dispatch = Dispatch{Spacing: sp}
+	got := run(t, c, w).Requests
+	if math.Abs(got[0].TTFT-base[0].TTFT) > 1e-9 || math.Abs(got[1].TTFT-(base[1].TTFT+sp.Seconds())) > 1e-9 {
+		t.Errorf("TTFTs %.4f, %.4f s with a %v spacing, want %.4f, %.4f", got[0].TTFT, got[1].TTFT, sp, base[0].TTFT, base[1].TTFT+sp.Seconds())
 	}
 }

@@ -80,7 +80,8 @@ type Config struct {
 // reaching an engine's queue (a colocated generate, a prefill, a decode
 // that prefills locally): HTTP, the front end's parsing and hashing, gRPC,
 // the engine's own parsing, and the scheduling of all that on the
-// machine's CPUs. PerToken for each prompt token delays the pick: a long
+// machine's CPUs. Requests that arrive together are taken up Spacing
+// apart, in order; then PerToken for each prompt token delays the pick: a long
 // prompt takes longer to read and hash, so within a burst the short ones
 // are routed, and reach their engines, first. Then a draw from a
 // log-normal distribution of the given median and 90th percentile, per
@@ -97,6 +98,10 @@ type Config struct {
 type Dispatch struct {
 	Median, P90 time.Duration
 	PerToken    time.Duration
+	// Spacing is how far apart the front end takes up requests that
+	// arrive together, in their order: the bench's client sends a burst
+	// one request after another, and the front end accepts them so.
+	Spacing time.Duration
 }
 
 // validate names the field at fault.
@@ -110,6 +115,8 @@ func (d Dispatch) validate() error {
 		return fmt.Errorf("dispatch: p90 %v without a median", d.P90)
 	case d.PerToken < 0:
 		return fmt.Errorf("dispatch: per-token time %v is negative", d.PerToken)
+	case d.Spacing < 0:
+		return fmt.Errorf("dispatch: spacing %v is negative", d.Spacing)
 	}
 	return nil
 }
@@ -361,14 +368,18 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 	// Arrivals are fed one ahead, so the heap holds the engines' events
 	// and the next arrival only.
 	var next func(i int)
+	takenUp := math.Inf(-1) // when the front end took up the last request
 	next = func(i int) {
 		if i >= len(w.Requests) {
 			return
 		}
 		s.at(arr[i]*scale, func(now float64) {
 			wr := &w.Requests[i]
-			if parse := s.cfg.Dispatch.PerToken.Seconds() * float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText()))); parse > 0 {
-				s.at(now+parse, func(float64) { s.arrive(i, wr, seed, &res.Requests[i], now) })
+			d := s.cfg.Dispatch
+			takenUp = max(now, takenUp+d.Spacing.Seconds())
+			pick := takenUp + d.PerToken.Seconds()*float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText())))
+			if pick > now {
+				s.at(pick, func(float64) { s.arrive(i, wr, seed, &res.Requests[i], now) })
 			} else {
 				s.arrive(i, wr, seed, &res.Requests[i], now)
 			}

@@ -81,7 +81,7 @@ func TestDispatchFlag(t *testing.T) {
 		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "48ms,7ms"},
 		{"tune", "--trace", trace, "--dispatch", "0s,7ms"},
 		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "1ms,2ms,-1ns"},
-		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "1ms,2ms,3ns,4ns"},
+		{"bench", "--virtual", "--workload", "mooncake", "--trace", trace, "--dispatch", "1ms,2ms,3ns,4ns,5ns"},
 	} {
 		var stdout, stderr bytes.Buffer
 		err := run(context.Background(), append(args, "--out", t.TempDir()), &stdout, &stderr)
