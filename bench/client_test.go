@@ -1,0 +1,45 @@
+package bench
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/batonllm/baton/bench/workload"
+)
+
+// send reads what the scheduler says of a request in its headers (the
+// worker, the prefill worker, the route) and its stream's tokens and
+// usage.
+func TestSendReadsHeadersAndStream(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/chat/completions" {
+			http.NotFound(w, r)
+			return
+		}
+		h := w.Header()
+		h.Set("Content-Type", "text/event-stream")
+		h.Set("X-Baton-Worker", "decode-1")
+		h.Set("X-Baton-Prefill-Worker", "prefill-0")
+		h.Set("X-Baton-Route", "kv_aware; predicted_hit=0.50; spill=true")
+		io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+		io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n")
+		io.WriteString(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n")
+		io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	var res Result
+	send(context.Background(), srv.Client(), srv.URL, "m", &workload.Request{Messages: []workload.Message{{Role: "user", Content: "hi"}}, MaxTokens: 2}, &res)
+	if res.Err != "" {
+		t.Fatal(res.Err)
+	}
+	if res.Worker != "decode-1" || res.PrefillWorker != "prefill-0" || !res.Spill || res.Route == "" {
+		t.Errorf("worker %q, prefill worker %q, spill %t, route %q; want decode-1, prefill-0, a spill", res.Worker, res.PrefillWorker, res.Spill, res.Route)
+	}
+	if res.TTFT <= 0 || len(res.Gaps) != 1 || res.PromptTokens != 40 || res.CompletionTokens != 2 || res.CachedTokens != 32 {
+		t.Errorf("TTFT %v, gaps %v, tokens %d/%d/%d; want a TTFT, one gap, 40 prompt (32 cached), 2 completion",
+			res.TTFT, res.Gaps, res.PromptTokens, res.CachedTokens, res.CompletionTokens)
+	}
+}
