@@ -40,20 +40,28 @@ func startFakeDP(t *testing.T) (*scheduler.Scheduler, string, *vllmtest.DP) {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Close)
+	s, addr := startDPScheduler(t, d, scheduler.WorkerConfig{Name: "v0", Kind: scheduler.KindVLLM})
+	return s, addr, d
+}
+
+// startDPScheduler starts a kv_aware scheduler routing to the two-rank
+// engine d as the worker wc (its name, kind and block size set), with
+// data_parallel_size 2, rank 0's event endpoints, rankPool's health
+// checks and a generous tokenize timeout, once subscribed to both ranks'
+// events.
+func startDPScheduler(t *testing.T, d *vllmtest.DP, wc scheduler.WorkerConfig) (*scheduler.Scheduler, string) {
+	t.Helper()
 	r0 := d.Rank(0)
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{{
-		Name: "v0", Kind: scheduler.KindVLLM, Address: d.URL,
-		EngineConfig: scheduler.EngineConfig{
-			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(),
-			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2, TokenizeTimeout: 10 * time.Second,
-		},
-	}}})
+	wc.Address = d.URL
+	wc.Events, wc.EventsReplay, wc.EventsTopic = r0.EventsEndpoint(), r0.ReplayEndpoint(), r0.Topic()
+	wc.MetricsInterval, wc.DataParallelSize, wc.TokenizeTimeout = 50*time.Millisecond, 2, 10*time.Second
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{wc}})
 	for r := range 2 {
 		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
 			t.Fatalf("rank %d: %v", r, err)
 		}
 	}
-	return s, addr, d
+	return s, addr
 }
 
 // keyingState says how the scheduler keyed requests so far (its
@@ -289,19 +297,8 @@ func TestSGLangDataParallelPredictedHit(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Close)
-	r0 := d.Rank(0)
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{{
-		Name: "s0", Kind: scheduler.KindSGLang, Address: d.URL,
-		EngineConfig: scheduler.EngineConfig{
-			Events: r0.EventsEndpoint(), EventsReplay: r0.ReplayEndpoint(), EventsTopic: r0.Topic(), BlockSize: blockSize,
-			MetricsInterval: 50 * time.Millisecond, DataParallelSize: 2, TokenizeTimeout: 10 * time.Second,
-		},
-	}}})
-	for r := range 2 {
-		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
-			t.Fatalf("rank %d: %v", r, err)
-		}
-	}
+	s, addr := startDPScheduler(t, d, scheduler.WorkerConfig{Name: "s0", Kind: scheduler.KindSGLang,
+		EngineConfig: scheduler.EngineConfig{BlockSize: blockSize}})
 	for r := range 2 {
 		w, want := fmt.Sprintf("s0/dp%d", r), d.Rank(r).GPUBlocks()
 		eventually(t, 10*time.Second, func() error {

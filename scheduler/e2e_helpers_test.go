@@ -259,6 +259,32 @@ func chat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts 
 	}
 }
 
+// concurrentChats streams n chats at once, the i-th with params(i), and
+// returns the results of those that succeeded, in the order they ended;
+// each failure is a test error.
+func concurrentChats(t testing.TB, c openai.Client, n int, params func(i int) openai.ChatCompletionNewParams) []chatResult {
+	t.Helper()
+	var mu sync.Mutex
+	var results []chatResult
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := streamChat(t, c, params(i))
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+				return
+			}
+			mu.Lock()
+			results = append(results, r)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
 // streamChat sends a streaming chat completion with usage, accumulates it
 // and fails the test on error.
 func streamChat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts ...option.RequestOption) (chatResult, error) {

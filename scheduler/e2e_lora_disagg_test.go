@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -92,26 +91,11 @@ func TestAdapterDisaggregated(t *testing.T) {
 	})
 	c := oaClient(t, f.Addr)
 
-	var mu sync.Mutex
-	var results []chatResult
-	var wg sync.WaitGroup
-	for i := range 12 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			// About 1,500 tokens of its own: prefilled remotely, whatever
-			// the decode worker holds of the others.
-			r, err := streamChat(t, c, adapterChat("sql", text(fmt.Sprint("sql question ", i), 6000)))
-			if err != nil {
-				t.Errorf("request %d: %v", i, err)
-				return
-			}
-			mu.Lock()
-			results = append(results, r)
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
+	results := concurrentChats(t, c, 12, func(i int) openai.ChatCompletionNewParams {
+		// About 1,500 tokens of its own: prefilled remotely, whatever
+		// the decode worker holds of the others.
+		return adapterChat("sql", text(fmt.Sprint("sql question ", i), 6000))
+	})
 	for i, r := range results {
 		pw, dw := f.prefill[r.prefill], f.decode[r.worker]
 		if pw == nil || dw == nil || !strings.Contains(r.route, "prefill=remote") {

@@ -77,26 +77,14 @@ func TestAdapterBurstLoadsOnce(t *testing.T) {
 	})
 	c := oaClient(t, addr)
 
-	var mu sync.Mutex
 	where := map[string]int{}
 	routes := map[string]int{}
-	var wg sync.WaitGroup
-	for i := range 50 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := streamChat(t, c, adapterChat("sql", text(fmt.Sprint("burst", i), 200)))
-			if err != nil {
-				t.Errorf("request %d: %v", i, err)
-				return
-			}
-			mu.Lock()
-			where[r.worker]++
-			routes[r.route[strings.LastIndex(r.route, ";")+2:]]++
-			mu.Unlock()
-		}()
+	for _, r := range concurrentChats(t, c, 50, func(i int) openai.ChatCompletionNewParams {
+		return adapterChat("sql", text(fmt.Sprint("burst", i), 200))
+	}) {
+		where[r.worker]++
+		routes[r.route[strings.LastIndex(r.route, ";")+2:]]++
 	}
-	wg.Wait()
 	if len(where) != 1 {
 		t.Fatalf("the burst ran on %v, want one worker", where)
 	}
