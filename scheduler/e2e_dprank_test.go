@@ -3,10 +3,12 @@ package scheduler_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -55,13 +57,41 @@ func startDPScheduler(t *testing.T, d *vllmtest.DP, wc scheduler.WorkerConfig) (
 	wc.Address = d.URL
 	wc.Events, wc.EventsReplay, wc.EventsTopic = r0.EventsEndpoint(), r0.ReplayEndpoint(), r0.Topic()
 	wc.MetricsInterval, wc.DataParallelSize, wc.TokenizeTimeout = 50*time.Millisecond, 2, 10*time.Second
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{wc}})
+	s, addr := startSchedulerLog(t, scheduler.Config{Strategy: "kv_aware", Pool: rankPool(), Workers: []scheduler.WorkerConfig{wc}}, warnings(t))
 	for r := range 2 {
 		if err := d.Rank(r).WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
 			t.Fatalf("rank %d: %v", r, err)
 		}
 	}
 	return s, addr
+}
+
+// warnings returns a logger whose warnings and errors go to t's log,
+// shown when the test fails (a failed tokenization says why there), until
+// the test's cleanups have run.
+func warnings(t *testing.T) *slog.Logger {
+	w := &testLog{t: t}
+	t.Cleanup(func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		w.t = nil
+	})
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// testLog writes to a test's log while it has one.
+type testLog struct {
+	mu sync.Mutex
+	t  *testing.T
+}
+
+func (w *testLog) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.t != nil {
+		w.t.Log(strings.TrimSpace(string(p)))
+	}
+	return len(p), nil
 }
 
 // keyingState says how the scheduler keyed requests so far (its

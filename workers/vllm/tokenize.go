@@ -89,9 +89,22 @@ func (t *Tokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32
 	if body == nil || err != nil {
 		return nil, err
 	}
+	// A call that got no answer, or a 5xx from the engine or a proxy in
+	// front of it, is made once more while ctx allows: /tokenize changes
+	// nothing, and a failed call keys the request by its text.
+	toks, retry, err := t.call(ctx, body)
+	if err != nil && retry && ctx.Err() == nil {
+		toks, _, err = t.call(ctx, body)
+	}
+	return toks, err
+}
+
+// call posts body to the endpoint once; with an error, retry reports
+// whether another call may succeed.
+func (t *Tokenizer) call(ctx context.Context, body []byte) (toks []uint32, retry bool, err error) {
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, t.url, bytes.NewReader(body))
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	hr.Header.Set("Content-Type", "application/json")
 	// /tokenize changes nothing, so the transport may send it again on a
@@ -102,27 +115,27 @@ func (t *Tokenizer) Tokenize(ctx context.Context, req *engine.Request) ([]uint32
 	hr.Header["Idempotency-Key"] = nil
 	resp, err := t.hc.Do(hr)
 	if err != nil {
-		return nil, err
+		return nil, true, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
-		return nil, fmt.Errorf("POST %s: status %d", t.url, resp.StatusCode)
+		return nil, resp.StatusCode >= 500, fmt.Errorf("POST %s: status %d", t.url, resp.StatusCode)
 	}
 	buf := bufs.Get().(*bytes.Buffer)
 	defer bufs.Put(buf)
 	buf.Reset()
 	if _, err := buf.ReadFrom(io.LimitReader(resp.Body, maxTokenizeBytes)); err != nil {
-		return nil, fmt.Errorf("POST %s: reading: %w", t.url, err)
+		return nil, true, fmt.Errorf("POST %s: reading: %w", t.url, err)
 	}
 	out, err := parseTokenizeResponse(buf.Bytes())
 	if err != nil {
-		return nil, fmt.Errorf("POST %s: %w", t.url, err)
+		return nil, false, fmt.Errorf("POST %s: %w", t.url, err)
 	}
 	if out.Count != len(out.Tokens) {
-		return nil, fmt.Errorf("POST %s: count %d, but %d tokens", t.url, out.Count, len(out.Tokens))
+		return nil, false, fmt.Errorf("POST %s: count %d, but %d tokens", t.url, out.Count, len(out.Tokens))
 	}
-	return out.Tokens, nil
+	return out.Tokens, false, nil
 }
 
 // tokenizeBody builds the /tokenize request for req; nil if there is none.

@@ -45,3 +45,50 @@ func TestTokenizeResentWhenAKeptAliveConnectionCloses(t *testing.T) {
 		t.Errorf("the server saw %d calls, want 3 (the dropped one sent again)", n)
 	}
 }
+
+// A call that fails on the engine's side or a proxy's (a 5xx, a connection
+// cut before the answer) is made once more; a 4xx, the request's fault,
+// is not.
+func TestTokenizeRetriesAFailedCallOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		fail    func(w http.ResponseWriter)
+		failing int32 // calls that fail before one succeeds
+		calls   int32 // calls the server sees
+		ok      bool
+	}{
+		{"502 once", func(w http.ResponseWriter) { w.WriteHeader(http.StatusBadGateway) }, 1, 2, true},
+		{"cut once", func(w http.ResponseWriter) {
+			if c, _, err := w.(http.Hijacker).Hijack(); err == nil {
+				c.Close()
+			}
+		}, 1, 2, true},
+		{"503 twice", func(w http.ResponseWriter) { w.WriteHeader(http.StatusServiceUnavailable) }, 2, 2, false},
+		{"400", func(w http.ResponseWriter) { w.WriteHeader(http.StatusBadRequest) }, 1, 1, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls atomic.Int32
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if calls.Add(1) <= tc.failing {
+					tc.fail(w)
+					return
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.Write([]byte(`{"count":1,"max_model_len":8192,"tokens":[5]}`))
+			}))
+			t.Cleanup(srv.Close)
+			tok, err := NewTokenizer(srv.URL, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			req := &engine.Request{Model: "m", Path: chatPath, Body: []byte(`{"messages":[{"role":"user","content":"hi"}]}`)}
+			got, err := tok.Tokenize(context.Background(), req)
+			if tc.ok != (err == nil) || tc.ok && len(got) != 1 {
+				t.Errorf("tokens %v, error %v; want success %t", got, err, tc.ok)
+			}
+			if n := calls.Load(); n != tc.calls {
+				t.Errorf("the server saw %d calls, want %d", n, tc.calls)
+			}
+		})
+	}
+}
