@@ -130,9 +130,10 @@ func TestDispatchInvalid(t *testing.T) {
 }
 
 // With Spacing, requests that arrive together are taken up one after
-// another: on two workers of their own, the second of two simultaneous
-// requests starts Spacing after the first, its time to first token
-// counted from its arrival.
+// another, in an order drawn from the seed: on two workers of their own,
+// one of two simultaneous requests starts Spacing after the other, its time
+// to first token counted from its arrival; which one goes first changes
+// with the seed and not with the trace's order alone.
 func TestDispatchSpacing(t *testing.T) {
 	w := excerpt(t, 2)
 	c := Config{Workers: 2, Strategy: "round_robin"}
@@ -142,8 +143,25 @@ func TestDispatchSpacing(t *testing.T) {
 	}
 	const sp = 50 * time.Millisecond
 	c.Dispatch = Dispatch{Spacing: sp}
-	got := run(t, c, w).Requests
-	if math.Abs(got[0].TTFT-base[0].TTFT) > 1e-9 || math.Abs(got[1].TTFT-(base[1].TTFT+sp.Seconds())) > 1e-9 {
-		t.Errorf("TTFTs %.4f, %.4f s with a %v spacing, want %.4f, %.4f", got[0].TTFT, got[1].TTFT, sp, base[0].TTFT, base[1].TTFT+sp.Seconds())
+	var delayed [2]int
+	for seed := uint64(1); seed <= 16; seed++ {
+		c.Seed = seed
+		got := run(t, c, w).Requests
+		d := []float64{got[0].TTFT - base[0].TTFT, got[1].TTFT - base[1].TTFT}
+		switch {
+		case math.Abs(d[0]) < 1e-9 && math.Abs(d[1]-sp.Seconds()) < 1e-9:
+			delayed[1]++
+		case math.Abs(d[1]) < 1e-9 && math.Abs(d[0]-sp.Seconds()) < 1e-9:
+			delayed[0]++
+		default:
+			t.Fatalf("seed %d: TTFTs %.4f, %.4f s with a %v spacing, want one of %.4f, %.4f delayed by it",
+				seed, got[0].TTFT, got[1].TTFT, sp, base[0].TTFT, base[1].TTFT)
+		}
+		if again := run(t, c, w).Requests; again[0].TTFT != got[0].TTFT || again[1].TTFT != got[1].TTFT {
+			t.Fatalf("seed %d: two runs differ", seed)
+		}
+	}
+	if delayed[0] == 0 || delayed[1] == 0 {
+		t.Errorf("over 16 seeds the first request was taken up second %d times, the second %d times; want both orders", delayed[0], delayed[1])
 	}
 }

@@ -81,9 +81,8 @@ type Config struct {
 // that prefills locally): HTTP, the front end's parsing and hashing, gRPC,
 // the engine's own parsing, and the scheduling of all that on the
 // machine's CPUs. Requests that arrive together are taken up Spacing
-// apart, in order; then PerToken for each prompt token delays the pick: a long
-// prompt takes longer to read and hash, so within a burst the short ones
-// are routed, and reach their engines, first. Then a draw from a
+// apart, in a random order; then PerToken for each prompt token delays the
+// pick: a long prompt takes longer to read and hash. Then a draw from a
 // log-normal distribution of the given median and 90th percentile, per
 // request, delays the call. In real time these delays reorder
 // simultaneous arrivals in the engines' queues, and leave routed requests
@@ -99,8 +98,10 @@ type Dispatch struct {
 	Median, P90 time.Duration
 	PerToken    time.Duration
 	// Spacing is how far apart the front end takes up requests that
-	// arrive together, in their order: the bench's client sends a burst
-	// one request after another, and the front end accepts them so.
+	// arrive together. Their order is random (seeded by Config.Seed): the
+	// bench's client sends a burst's requests concurrently, and the front
+	// end takes them up in no order of the trace's or of their sizes
+	// (bench/RESULTS.md, 9d).
 	Spacing time.Duration
 }
 
@@ -368,7 +369,7 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 	// Arrivals are fed one ahead, so the heap holds the engines' events
 	// and the next arrival only.
 	var next func(i int)
-	takenUp := math.Inf(-1) // when the front end took up the last request
+	rank := burstRanks(arr, s.cfg.Seed)
 	next = func(i int) {
 		if i >= len(w.Requests) {
 			return
@@ -376,8 +377,8 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 		s.at(arr[i]*scale, func(now float64) {
 			wr := &w.Requests[i]
 			d := s.cfg.Dispatch
-			takenUp = max(now, takenUp+d.Spacing.Seconds())
-			pick := takenUp + d.PerToken.Seconds()*float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText())))
+			pick := now + float64(rank[i])*d.Spacing.Seconds() +
+				d.PerToken.Seconds()*float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText())))
 			if pick > now {
 				s.at(pick, func(float64) { s.arrive(i, wr, seed, &res.Requests[i], now) })
 			} else {
@@ -410,6 +411,25 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 		res.Steps += e.steps
 	}
 	return res, nil
+}
+
+// burstRanks returns each request's place among the requests that arrive
+// at the same instant as it, in a random order drawn from seed: 0 for the
+// first the front end takes up, and for a request that arrives alone.
+func burstRanks(arr []float64, seed uint64) []int {
+	rank := make([]int, len(arr))
+	rng := rand.New(rand.NewPCG(seed, 0xb0257))
+	for i := 0; i < len(arr); {
+		j := i + 1
+		for j < len(arr) && arr[j] == arr[i] {
+			j++
+		}
+		if j-i > 1 {
+			copy(rank[i:j], rng.Perm(j-i))
+		}
+		i = j
+	}
+	return rank
 }
 
 type event struct {

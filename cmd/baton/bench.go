@@ -48,7 +48,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
-	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue (HTTP, hashing, gRPC, parsing, and the CPU they wait for), e.g. 1.4ms,6.6ms,77ns,0.5ms: simultaneous arrivals taken up spacing apart, per-token for each prompt token before the pick, then a log-normal draw per request (default: none)")
+	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue (HTTP, hashing, gRPC, parsing, and the CPU they wait for), e.g. 5.1ms,16.4ms,77ns,0.51ms: simultaneous arrivals taken up spacing apart in a random order, per-token for each prompt token before the pick, then a log-normal draw per request (default: none)")
 	perRequest := fs.Bool("per-request", false, "also write requests.jsonl to --out: each request's column, worker, X-Baton-Route (kv_aware's predicted hit), prompt and cached tokens, TTFT, end-to-end time and error, in modelled seconds for --virtual and wall seconds otherwise")
 	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
@@ -241,7 +241,7 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 func parseDispatch(v string) (vsim.Dispatch, error) {
 	parts := strings.Split(v, ",")
 	if len(parts) < 2 || len(parts) > 4 {
-		return vsim.Dispatch{}, fmt.Errorf("%q: want median,p90[,per-token[,spacing]], e.g. 1.4ms,6.6ms,77ns,0.5ms", v)
+		return vsim.Dispatch{}, fmt.Errorf("%q: want median,p90[,per-token[,spacing]], e.g. 5.1ms,16.4ms,77ns,0.51ms", v)
 	}
 	var d vsim.Dispatch
 	for i, f := range []*time.Duration{&d.Median, &d.P90, &d.PerToken, &d.Spacing}[:len(parts)] {

@@ -39,7 +39,7 @@ func tuneCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	docs := fs.Int("docs", 200, "long-context: shared documents")
 	pop := fs.String("popularity", "uniform", "long-context: document popularity, uniform or zipf")
 	convs := fs.Int("conversations", 32, "sharegpt: conversations open at once")
-	dispatch := fs.String("dispatch", "", "`median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue, e.g. 1.4ms,6.6ms,77ns,0.5ms, as baton bench --virtual --dispatch (default: none)")
+	dispatch := fs.String("dispatch", "", "`median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue, e.g. 5.1ms,16.4ms,77ns,0.51ms, as baton bench --virtual --dispatch (default: none)")
 	parallel := fs.Int("parallel", 0, "simulations run at once (default: GOMAXPROCS)")
 	out := fs.String("out", "bench/tune-out", "`directory` for report.md, candidates.csv, best.yaml and goodput.png")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
