@@ -27,6 +27,11 @@ type adapters struct {
 	running map[string]int
 	// loaded are the adapters the scheduler loaded, by when.
 	loaded map[string]time.Time
+	// evicted are the adapters the scheduler evicted to make room
+	// (ReserveAdapter's victims), by when: until the unload reaches the
+	// engine, and a report read after it arrives, the engine's reports
+	// still list them, and must not give their slot back to them.
+	evicted map[string]time.Time
 	// loading are the adapters being loaded onto the worker
 	// (ReserveAdapter), each in a slot of its own; nLoading counts them
 	// for readers without the lock.
@@ -50,6 +55,7 @@ func (a *adapters) copyTo(b *adapters) {
 		b.held.Store(&held)
 	}
 	b.loaded = maps.Clone(a.loaded)
+	b.evicted = maps.Clone(a.evicted)
 	b.used = maps.Clone(a.used)
 	b.slots.Store(a.slots.Load())
 	b.loadSeconds.Store(a.loadSeconds.Load())
@@ -110,6 +116,7 @@ func (a *adapters) add(name string) {
 		a.loaded = make(map[string]time.Time)
 	}
 	a.loaded[name] = time.Now()
+	delete(a.evicted, name)
 	a.touch(name)
 	var held []string
 	if h := a.held.Load(); h != nil {
@@ -141,13 +148,16 @@ func (a *adapters) remove(name string) {
 }
 
 // SetAdapters replaces the adapters the worker holds with those its engine
-// reports, keeping any the scheduler loaded in the last AdapterGrace.
+// reports, keeping any the scheduler loaded in the last AdapterGrace and
+// leaving out any it evicted in that time (ReserveAdapter): a report may
+// have been read before a load or an unload reached the engine.
 func (w *Worker) SetAdapters(names []string) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	held := slices.Clone(names)
 	now := time.Now()
+	a.expireEvicted(now)
+	held := slices.DeleteFunc(slices.Clone(names), func(n string) bool { _, ok := a.evicted[n]; return ok })
 	for n, t := range a.loaded {
 		switch {
 		case slices.Contains(held, n):
@@ -168,14 +178,17 @@ func (w *Worker) SetAdapters(names []string) {
 
 // NoteAdapters records that the worker holds names too, as an engine
 // tells of the adapters its requests use (vLLM's lora_requests_info),
-// without dropping the others it holds.
+// without dropping the others it holds, nor taking back those the
+// scheduler evicted in the last AdapterGrace.
 func (w *Worker) NoteAdapters(names []string) {
 	a := &w.lora
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.expireEvicted(time.Now())
 	var held []string
 	for _, n := range names {
-		if !w.HoldsAdapter(n) && !slices.Contains(held, n) {
+		_, gone := a.evicted[n]
+		if !gone && !w.HoldsAdapter(n) && !slices.Contains(held, n) {
 			held = append(held, n)
 		}
 	}
@@ -183,6 +196,16 @@ func (w *Worker) NoteAdapters(names []string) {
 		held = append(held, w.Adapters()...)
 		slices.Sort(held)
 		a.held.Store(&held)
+	}
+}
+
+// expireEvicted forgets evictions older than AdapterGrace: by then the
+// engine's reports say what it holds. a.mu is held.
+func (a *adapters) expireEvicted(now time.Time) {
+	for n, t := range a.evicted {
+		if now.Sub(t) >= AdapterGrace {
+			delete(a.evicted, n)
+		}
 	}
 }
 
@@ -262,6 +285,10 @@ func (w *Worker) ReserveAdapter(name string) (victim string, ok bool) {
 			return "", false
 		}
 		a.remove(victim)
+		if a.evicted == nil {
+			a.evicted = make(map[string]time.Time)
+		}
+		a.evicted[victim] = time.Now()
 	}
 	if a.loading == nil {
 		a.loading = make(map[string]bool)

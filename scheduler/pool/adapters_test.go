@@ -109,6 +109,44 @@ func TestWorkerAdapterReservations(t *testing.T) {
 	}
 }
 
+// An engine's report read before an unload reached it still lists the
+// adapter the scheduler evicted: it does not give that adapter its slot
+// back, so a second load cannot evict it again and take the slot twice.
+// Once the grace is over, the engine's reports say what it holds.
+func TestStaleReportKeepsEvictedOut(t *testing.T) {
+	w := &Worker{Name: "w", MaxLoRAs: 1}
+	w.AddAdapter("sql")
+	if v, ok := w.ReserveAdapter("chat"); !ok || v != "sql" {
+		t.Fatalf("ReserveAdapter(chat) = %q, %t; want victim sql", v, ok)
+	}
+	w.SetAdapters([]string{"sql"}) // read before sql's unload reached the engine
+	w.NoteAdapters([]string{"sql"})
+	if w.HoldsAdapter("sql") {
+		t.Errorf("a stale report gave evicted sql its slot back: holds %v", w.Adapters())
+	}
+	if v, ok := w.ReserveAdapter("math"); ok {
+		t.Fatalf("ReserveAdapter(math) = %q, true while chat loads into the one slot", v)
+	}
+	w.EndAdapterLoad("chat", true)()
+	w.SetAdapters([]string{"sql"}) // stale again, after chat's load
+	if got := w.Adapters(); !slices.Equal(got, []string{"chat"}) {
+		t.Errorf("after chat loaded and a stale report: holds %v, want [chat]", got)
+	}
+	// Reloaded later, sql counts as held again at once.
+	w.EndAdapterLoad("sql", true)()
+	if !w.HoldsAdapter("sql") {
+		t.Errorf("sql, loaded again, not held: %v", w.Adapters())
+	}
+	// Past the grace, a report of sql is believed.
+	w.lora.mu.Lock()
+	w.lora.evicted = map[string]time.Time{"code": time.Now().Add(-AdapterGrace)}
+	w.lora.mu.Unlock()
+	w.SetAdapters([]string{"code"})
+	if !w.HoldsAdapter("code") {
+		t.Errorf("a report of code, evicted longer than AdapterGrace ago, not believed: %v", w.Adapters())
+	}
+}
+
 // A worker moved to another pool (its successor) keeps what it knew of
 // the engine's adapters: which it holds and when each was loaded, its
 // slots and their load time; adapters the scheduler loaded lately stay
