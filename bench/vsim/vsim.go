@@ -105,8 +105,8 @@ type Dispatch struct {
 	Spacing time.Duration
 }
 
-// validate names the field at fault.
-func (d Dispatch) validate() error {
+// Validate names the field at fault.
+func (d Dispatch) Validate() error {
 	switch {
 	case d.Median < 0:
 		return fmt.Errorf("dispatch: median %v is negative", d.Median)
@@ -241,7 +241,7 @@ func newSim(cfg Config) (*Sim, error) {
 	if cfg.Prefill > 0 && cfg.Decode == 0 || cfg.Prefill == 0 && cfg.Decode > 0 || cfg.Prefill > 0 && cfg.Workers > 0 {
 		return nil, fmt.Errorf("fleet: %d colocated, %d prefill, %d decode workers: either colocated workers or both prefill and decode ones", cfg.Workers, cfg.Prefill, cfg.Decode)
 	}
-	if err := cfg.Dispatch.validate(); err != nil {
+	if err := cfg.Dispatch.Validate(); err != nil {
 		return nil, err
 	}
 	reg := cfg.Registry
@@ -377,8 +377,10 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 		s.at(arr[i]*scale, func(now float64) {
 			wr := &w.Requests[i]
 			d := s.cfg.Dispatch
-			pick := now + float64(rank[i])*d.Spacing.Seconds() +
-				d.PerToken.Seconds()*float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText())))
+			pick := now + float64(rank[i])*d.Spacing.Seconds()
+			if d.PerToken > 0 {
+				pick += d.PerToken.Seconds() * float64(blockkey.Tokens(blockkey.Chars(wr.RoutingText())))
+			}
 			if pick > now {
 				s.at(pick, func(float64) { s.arrive(i, wr, seed, &res.Requests[i], now) })
 			} else {

@@ -250,8 +250,11 @@ func parseDispatch(v string) (vsim.Dispatch, error) {
 			return d, err
 		}
 	}
-	if d.Median <= 0 || d.P90 < d.Median || d.PerToken < 0 || d.Spacing < 0 {
-		return d, fmt.Errorf("%q: want 0 < median ≤ p90, per-token and spacing ≥ 0", v)
+	if d.Median <= 0 {
+		return d, fmt.Errorf("%q: median %v is not positive", v, d.Median)
+	}
+	if err := d.Validate(); err != nil {
+		return d, fmt.Errorf("%q: %w", v, err)
 	}
 	return d, nil
 }

@@ -290,7 +290,6 @@ func (e *engine) scraped(m vllm.Metrics) {
 // or a reset.
 func (e *engine) message(m kvevents.Message) {
 	model := e.cfg.Model()
-	var evs []kvindex.Event
 	switch {
 	case e.tr == nil:
 		e.tr = kvevents.NewTranslator(kvevents.TranslatorConfig{Model: model})
@@ -300,25 +299,26 @@ func (e *engine) message(m kvevents.Message) {
 		// that had not described itself yet), or the engine now serves
 		// another: what was keyed without it matches no request.
 		e.cfg.Logger.Info("engine's events now keyed by its model", "worker", e.name, "model", model, "was", e.tr.Model())
-		evs = append(evs, e.tr.SetModel(model))
+		e.applyEvents([]kvindex.Event{e.tr.SetModel(model)})
 	}
-	switch {
-	case m.Reset:
-		evs = append(evs, e.tr.Reset())
-	case evs == nil:
-		evs = e.tr.Translate(m.Batch)
-	default:
-		evs = append(evs, e.tr.Translate(m.Batch)...)
-	}
-	for _, ev := range evs {
-		if ev.Snapshot != nil {
-			// A snapshot replaces the worker's load too: keep the latest.
-			ev.Snapshot.Load = e.load
-		}
-		e.apply(ev)
+	if m.Reset {
+		e.applyEvents([]kvindex.Event{e.tr.Reset()})
+	} else {
+		e.applyEvents(e.tr.Translate(m.Batch))
 	}
 	if e.cfg.BlockSize == 0 && e.metricsBS == 0 && e.tr.BlockSize() > 0 && e.tr.BlockSize() != e.blockSize {
 		e.setInfo()
+	}
+}
+
+// applyEvents applies translated events in order; a snapshot among them
+// carries the engine's latest load, which it replaces too.
+func (e *engine) applyEvents(evs []kvindex.Event) {
+	for _, ev := range evs {
+		if ev.Snapshot != nil {
+			ev.Snapshot.Load = e.load
+		}
+		e.apply(ev)
 	}
 }
 
