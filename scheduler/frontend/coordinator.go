@@ -275,6 +275,7 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	if capacity {
 		x.rreq.MaxInFlight = x.s.cfg.MaxInFlight
 	}
+	obs := x.s.decisionObservers(strategy.Name())
 	cpu0, tid0, cpuOK := threadCPU()
 	t0 := time.Now()
 	var d routing.Decision
@@ -291,9 +292,11 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	} else {
 		d, err = strategy.Pick(x.rreq, snap)
 	}
-	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
-	if cpu1, tid1, ok := threadCPU(); cpuOK && ok && tid1 == tid0 {
-		x.s.metrics.DecisionCPU.WithLabelValues(strategy.Name()).Observe((cpu1 - cpu0).Seconds())
+	wall := time.Since(t0)
+	cpu1, tid1, ok := threadCPU()
+	obs.wall.Observe(wall.Seconds())
+	if cpuOK && ok && tid1 == tid0 {
+		obs.cpu.Observe((cpu1 - cpu0).Seconds())
 	}
 	if x.rreq.Adapter != "" && x.s.lora != nil {
 		x.takePin()() // a pick not served (none is)

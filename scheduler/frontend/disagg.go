@@ -313,9 +313,10 @@ func (x *exchange) pushed(res *engine.PrefillResult) {
 func (x *exchange) pickPrefill(tried []*pool.Worker) (d routing.Decision, unpin func(), err error) {
 	strategy := x.s.strategy
 	x.rreq.Tried, x.rreq.MaxInFlight = tried, 0
+	obs := x.s.decisionObservers(strategy.Name())
 	t0 := time.Now()
 	d, err = strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
-	x.s.metrics.Decision.WithLabelValues(strategy.Name()).Observe(time.Since(t0).Seconds())
+	obs.wall.Observe(time.Since(t0).Seconds())
 	unpin = func() {}
 	x.prefillAdapter = ""
 	if x.rreq.Adapter != "" && x.s.loraPrefill != nil {

@@ -18,6 +18,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/batonllm/baton/scheduler/metrics"
@@ -67,6 +68,28 @@ type Server struct {
 
 	draining atomic.Bool  // Drain was called: not ready
 	inFlight atomic.Int64 // generation requests being served
+
+	// decisionObs holds each strategy's decisionTimers, by name.
+	decisionObs sync.Map
+}
+
+// decisionTimers are a strategy's decision-time histograms
+// (baton_routing_decision_seconds and its thread-CPU twin).
+type decisionTimers struct{ wall, cpu prometheus.Observer }
+
+// decisionObservers returns the named strategy's decision-time
+// histograms. They are resolved once per strategy and kept, and a caller
+// takes them before it starts the clock: resolving a labelled histogram
+// hashes its labels and looks them up, a few µs on a cold cache, which
+// neither the decision should pay for on every request nor its timing
+// count.
+func (s *Server) decisionObservers(strategy string) decisionTimers {
+	if o, ok := s.decisionObs.Load(strategy); ok {
+		return o.(decisionTimers)
+	}
+	o := decisionTimers{wall: s.metrics.Decision.WithLabelValues(strategy), cpu: s.metrics.DecisionCPU.WithLabelValues(strategy)}
+	s.decisionObs.Store(strategy, o)
+	return o
 }
 
 // ErrDrained is the cause with which the scheduler cancels the requests
