@@ -72,7 +72,9 @@ type chunk struct {
 }
 
 // send posts one streaming chat completion to base and reads the SSE
-// stream to its end, timing the first token and every chunk after it.
+// stream to its end, timing the first token and every chunk after it. It
+// reads the response to EOF, so that its connection serves the next
+// request.
 func send(ctx context.Context, hc *http.Client, base, model string, req *workload.Request, res *Result) {
 	if req.Model != "" {
 		model = req.Model
@@ -155,4 +157,14 @@ func send(ctx context.Context, hc *http.Client, base, model string, req *workloa
 	if res.Err == "" && last.IsZero() {
 		res.Err = "no content"
 	}
+	if done {
+		// Read the response's end (its last chunk's terminator), as a
+		// client that reads the stream to EOF does: a body closed before
+		// it costs the connection, and the next request a new one.
+		_, _ = io.Copy(io.Discard, io.LimitReader(br, drainAfterDone))
+	}
 }
+
+// drainAfterDone bounds what send reads of a stream after its [DONE]
+// event, which ends it: a server that sends more loses the connection.
+const drainAfterDone = 4 << 10

@@ -3,9 +3,12 @@ package bench
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/batonllm/baton/bench/workload"
 )
@@ -41,5 +44,40 @@ func TestSendReadsHeadersAndStream(t *testing.T) {
 	if res.TTFT <= 0 || len(res.Gaps) != 1 || res.PromptTokens != 40 || res.CompletionTokens != 2 || res.CachedTokens != 32 {
 		t.Errorf("TTFT %v, gaps %v, tokens %d/%d/%d; want a TTFT, one gap, 40 prompt (32 cached), 2 completion",
 			res.TTFT, res.Gaps, res.PromptTokens, res.CachedTokens, res.CompletionTokens)
+	}
+}
+
+// send leaves its connection to the next request: a stream's body read up
+// to [DONE] and closed before the server's end of the response would cost
+// the connection, and the server a new one (and its goroutine a new
+// stack) per request. The server here ends each response a moment after
+// [DONE], so that the end never comes with it.
+func TestSendReusesTheConnection(t *testing.T) {
+	var conns atomic.Int64
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n")
+		io.WriteString(w, "data: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		time.Sleep(20 * time.Millisecond)
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	hc := srv.Client()
+	const requests = 5
+	for range requests {
+		var res Result
+		send(context.Background(), hc, srv.URL, "m", &workload.Request{Messages: []workload.Message{{Role: "user", Content: "hi"}}, MaxTokens: 1}, &res)
+		if res.Err != "" {
+			t.Fatal(res.Err)
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("%d requests in turn opened %d connections, want 1", requests, n)
 	}
 }
