@@ -275,7 +275,7 @@ func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.D
 	if capacity {
 		x.rreq.MaxInFlight = x.s.cfg.MaxInFlight
 	}
-	obs := x.s.decisionObservers(strategy.Name())
+	obs := x.s.timersFor(strategy.Name())
 	cpu0, tid0, cpuOK := threadCPU()
 	t0 := time.Now()
 	var d routing.Decision

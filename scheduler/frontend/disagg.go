@@ -313,7 +313,7 @@ func (x *exchange) pushed(res *engine.PrefillResult) {
 func (x *exchange) pickPrefill(tried []*pool.Worker) (d routing.Decision, unpin func(), err error) {
 	strategy := x.s.strategy
 	x.rreq.Tried, x.rreq.MaxInFlight = tried, 0
-	obs := x.s.decisionObservers(strategy.Name())
+	obs := x.s.timersFor(strategy.Name())
 	t0 := time.Now()
 	d, err = strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
 	obs.wall.Observe(time.Since(t0).Seconds())

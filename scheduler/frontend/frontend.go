@@ -69,27 +69,25 @@ type Server struct {
 	draining atomic.Bool  // Drain was called: not ready
 	inFlight atomic.Int64 // generation requests being served
 
-	// decisionObs holds each strategy's decisionTimers, by name.
-	decisionObs sync.Map
+	timers sync.Map // a strategy's name → its decisionTimers
 }
 
 // decisionTimers are a strategy's decision-time histograms
 // (baton_routing_decision_seconds and its thread-CPU twin).
 type decisionTimers struct{ wall, cpu prometheus.Observer }
 
-// decisionObservers returns the named strategy's decision-time
-// histograms. They are resolved once per strategy and kept, and a caller
-// takes them before it starts the clock: resolving a labelled histogram
-// hashes its labels and looks them up, a few µs on a cold cache, which
-// neither the decision should pay for on every request nor its timing
-// count.
-func (s *Server) decisionObservers(strategy string) decisionTimers {
-	if o, ok := s.decisionObs.Load(strategy); ok {
-		return o.(decisionTimers)
+// timersFor returns the named strategy's decision-time histograms. They
+// are resolved once per strategy and kept, and a caller takes them before
+// it starts the clock: resolving a labelled histogram hashes its labels
+// and looks them up, a few µs on a cold cache, which neither the decision
+// should pay for on every request nor its timing count.
+func (s *Server) timersFor(strategy string) decisionTimers {
+	if t, ok := s.timers.Load(strategy); ok {
+		return t.(decisionTimers)
 	}
-	o := decisionTimers{wall: s.metrics.Decision.WithLabelValues(strategy), cpu: s.metrics.DecisionCPU.WithLabelValues(strategy)}
-	s.decisionObs.Store(strategy, o)
-	return o
+	t := decisionTimers{wall: s.metrics.Decision.WithLabelValues(strategy), cpu: s.metrics.DecisionCPU.WithLabelValues(strategy)}
+	s.timers.Store(strategy, t)
+	return t
 }
 
 // ErrDrained is the cause with which the scheduler cancels the requests
