@@ -91,6 +91,9 @@ type WorkerConfig struct {
 	TLS tlsconf.Config `yaml:"tls"`
 
 	EngineConfig `yaml:",inline"`
+
+	// rank is the data-parallel rank this worker routes to, set by ranks.
+	rank int
 }
 
 // EngineConfig holds the fields of vllm and sglang workers: where the

@@ -37,6 +37,7 @@ func (wc WorkerConfig) ranks() []WorkerConfig {
 	for r := range out {
 		rc := wc
 		rc.Name = wc.Name + rankSuffix + strconv.Itoa(r)
+		rc.rank = r
 		rc.Events, _ = offsetPort(wc.Events, r)
 		rc.EventsReplay, _ = offsetPort(wc.EventsReplay, r)
 		out[r] = rc
@@ -47,13 +48,10 @@ func (wc WorkerConfig) ranks() []WorkerConfig {
 // rankSuffix precedes the rank in a rank's worker name.
 const rankSuffix = "/dp"
 
-// dpRank returns the rank a worker of ranks routes to, which its name
-// ends with.
-func (wc WorkerConfig) dpRank() int {
-	i := strings.LastIndex(wc.Name, rankSuffix)
-	r, _ := strconv.Atoi(wc.Name[i+len(rankSuffix):])
-	return r
-}
+// dpRank returns the rank a worker of ranks routes to: 0 for an engine
+// of one rank. It is kept beside the name, never parsed back out of it,
+// so that any name an operator chooses is a valid one.
+func (wc WorkerConfig) dpRank() int { return wc.rank }
 
 // rankOptions are the engine client's options of a rank's worker.
 func (wc WorkerConfig) rankOptions() []httpengine.Option {
