@@ -25,12 +25,10 @@ type request struct {
 	rreq    *routing.Request
 	arrival float64
 	last    float64 // time of the latest token
-	// The generating worker's committed decision, the strategy that made
-	// it, and its in-flight slot.
-	gen      routing.Strategy
-	d        routing.Decision
-	release  func(error)
-	reported bool
+	// gen is the strategy that picks the generating worker, att its
+	// attempt there.
+	gen routing.Strategy
+	att *routing.Attempt
 	// reused is the prompt tokens a remote prefill reused (its cached
 	// tokens or the decode worker's held ones), -1 without one.
 	reused int
@@ -73,13 +71,12 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 		return
 	}
 	wk := d.Worker
-	done, err := wk.Acquire()
+	att, err := routing.Start(r.gen, r.rreq, d, routing.Hooks{})
 	if err != nil {
 		out.Err = err.Error()
 		return
 	}
-	r.release, r.d = done, d
-	routing.Commit(r.gen, r.rreq, d)
+	r.att = att
 	out.Worker, out.Spill = wk.Name, d.Spill
 	out.Route = d.RouteHit(r.gen.Name(), r.rreq.Tokens)
 	de := s.engines[wk]
@@ -88,8 +85,7 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 	if decode.blocks > de.cache.Capacity() {
 		// The engine refuses it (sim.ErrInvalid): a client error.
 		out.Err = fmt.Sprintf("%d prompt and %d completion tokens need %d blocks, capacity %d", prompt, gen, decode.blocks, de.cache.Capacity())
-		routing.Done(r.gen, r.rreq, d, routing.DoneInfo{Err: errTooLong})
-		done(nil)
+		att.End(errTooLong, nil)
 		return
 	}
 	local := func() { s.send(r, de, decode) }
@@ -105,19 +101,16 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 			local()
 			return
 		}
-		pdone, err := pd.Worker.Acquire()
+		patt, err := routing.Start(s.strategy, r.rreq, pd, routing.Hooks{})
 		if err != nil {
 			local()
 			return
 		}
-		routing.Commit(s.strategy, r.rreq, pd)
-		r.d.Estimate = 0 // it estimated a local prefill
 		s.remotePrefill(r, pd.Worker, de, decode, func(first time.Duration, skipped bool) {
-			info := routing.DoneInfo{FirstToken: first}
-			routing.Done(s.strategy, r.rreq, pd, info)
-			pdone(nil)
-			if skipped {
-				r.d.Estimate = d.Estimate
+			patt.FirstToken(first)
+			patt.End(nil, nil)
+			if !skipped {
+				att.Unestimated() // it estimated a local prefill
 			}
 		})
 	case d.Reason == routing.ReasonReplicate && d.Home != nil && d.Home != wk:
@@ -128,7 +121,7 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 			local()
 			return
 		}
-		r.d.Estimate = 0
+		att.Unestimated()
 		s.remotePrefill(r, d.Home, de, decode, func(time.Duration, bool) { hdone(nil) })
 	default:
 		local()
@@ -213,10 +206,7 @@ func (s *Sim) send(r *request, e *engine, q *seq) {
 func (r *request) token(now float64) {
 	if r.out.CompletionTokens == 0 {
 		r.out.TTFT = now - r.arrival
-		if !r.reported {
-			r.reported = true
-			routing.Done(r.gen, r.rreq, r.d, routing.DoneInfo{FirstToken: time.Duration(r.out.TTFT * float64(time.Second))})
-		}
+		r.att.FirstToken(time.Duration(r.out.TTFT * float64(time.Second)))
 	} else {
 		r.out.Gaps = append(r.out.Gaps, now-r.last)
 	}
@@ -228,7 +218,8 @@ func (r *request) token(now float64) {
 func (r *request) finish(now float64) {
 	r.out.E2E = now - r.arrival
 	r.out.Done = now
-	r.release(nil)
+	r.att.Usage(r.out.PromptTokens, r.out.CachedTokens)
+	r.att.End(nil, nil)
 }
 
 // setCached records the prompt tokens r's generating worker found cached.

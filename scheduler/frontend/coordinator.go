@@ -53,17 +53,14 @@ type exchange struct {
 	// predicted is the strategy's predicted cached tokens for the worker
 	// that serves, or -1 when it made no prediction.
 	predicted int
-	// committed is the attempt's committed decision; reported says
-	// whether its outcome went back to the strategy (routing.Done).
-	committed routing.Decision
-	reported  bool
-	disagg    string // how the prompt was prefilled, when disaggregated
-	used      int    // prompt and completion tokens reported; -1: none
+	// att is the generating worker's attempt under way: its committed
+	// decision, slot, adapter pin and what its strategy hears of it.
+	att    *routing.Attempt
+	disagg string // how the prompt was prefilled, when disaggregated
+	used   int    // prompt and completion tokens reported; -1: none
 	// dz is the server's Disagg when the fleet had prefill workers as the
 	// request arrived, else nil: the request is served colocated.
 	dz *Disagg
-	// fin is what the worker reported of the attempt, for the strategy.
-	fin routing.FinishInfo
 	// ctx is the request's; adapter is how its LoRA adapter was found
 	// on the worker picked last (held or loaded), empty for a base model.
 	ctx     context.Context
@@ -110,11 +107,11 @@ func (x *exchange) run(ctx context.Context) string {
 			}
 			return x.fail(ctx, err)
 		}
-		unpin := x.takePin()
-		acquired, err := wk.Acquire()
+		// The adapter is in use on wk until the attempt ends, pinned since
+		// the pick: never unloaded under it.
+		att, err := routing.Start(x.genStrategy(), x.rreq, d, routing.Hooks{Unpin: x.takePin(), Released: s.released})
 		if err != nil {
 			// The breaker refused between the pick and the call.
-			unpin()
 			x.tried = append(x.tried, wk)
 			attempt--
 			if len(x.tried) > len(s.pool.Snapshot().Workers) {
@@ -122,21 +119,10 @@ func (x *exchange) run(ctx context.Context) string {
 			}
 			continue
 		}
-		done := func(err error) {
-			acquired(err)
-			s.released()
-		}
-		if x.rreq.Adapter != "" {
-			// The adapter is in use on wk until the attempt ends, pinned
-			// since the pick: never unloaded under it.
-			release := done
-			done = func(err error) { unpin(); release(err) }
-		}
+		x.att = att
 		x.worker = wk.Name
 		x.predicted = -1
-		routing.Commit(x.genStrategy(), x.rreq, d)
 		s.metrics.Decisions.WithLabelValues(x.genStrategy().Name(), d.Reason.String()).Inc()
-		x.committed, x.reported, x.fin = d, false, routing.FinishInfo{}
 		if x.dz == nil && s.usesKeys {
 			x.predicted = d.PredictedCached
 		}
@@ -169,8 +155,8 @@ func (x *exchange) run(ctx context.Context) string {
 				route = s.name
 			} else {
 				// The strategy estimated a local prefill, which did not
-				// happen: its time says nothing of the estimate.
-				x.committed.Estimate = 0
+				// happen.
+				att.Unestimated()
 			}
 			h.Set(HeaderRoute, route+"; prefill="+x.disagg+x.adapterRoute(p != nil))
 			if x.adapter != "" {
@@ -187,15 +173,13 @@ func (x *exchange) run(ctx context.Context) string {
 				// The prefix moves by transfer, not recomputation: the
 				// estimate was of the latter.
 				if p = x.copyPrefix(ctx, d.Home, wk); p != nil {
-					x.committed.Estimate = 0
+					att.Unestimated()
 				}
 			}
 		}
 
 		written, err := x.serve(ctx, wk, p)
-		x.done(0, err)
-		routing.Finish(x.genStrategy(), x.rreq, x.committed, x.fin)
-		done(classify(err))
+		att.End(err, classify(err))
 		if err == nil {
 			return metrics.OutcomeOK
 		}
@@ -353,17 +337,6 @@ func (x *exchange) pairOnly(snap *pool.Snapshot) []*pool.Worker {
 	return out
 }
 
-// done reports the outcome of the committed decision to the strategy that
-// made it, once: its first token's time, or the error that ended the
-// attempt without one.
-func (x *exchange) done(firstToken time.Duration, err error) {
-	if x.reported {
-		return
-	}
-	x.reported = true
-	routing.Done(x.genStrategy(), x.rreq, x.committed, routing.DoneInfo{FirstToken: firstToken, Err: err})
-}
-
 // serve runs the request on wk and reports whether anything reached the
 // client.
 func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, error) {
@@ -373,7 +346,7 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		now := time.Now()
 		m.TTFT.WithLabelValues(x.strategy).Observe(now.Sub(x.start).Seconds())
 		x.lastTok = now
-		x.done(now.Sub(x.start), nil)
+		x.att.FirstToken(now.Sub(x.start))
 	}
 	if pr, ok := wk.Client.(engine.Proxier); ok {
 		var res engine.ProxyResult
@@ -448,7 +421,7 @@ func (d drainStream) Recv() (engine.Event, error) {
 
 func (x *exchange) usage(wk *pool.Worker, f *engine.Final) {
 	x.used = f.PromptTokens + f.CompletionTokens
-	x.fin = routing.FinishInfo{Usage: true, PromptTokens: f.PromptTokens, CachedTokens: f.CachedTokens}
+	x.att.Usage(f.PromptTokens, f.CachedTokens)
 	m := x.s.metrics
 	m.PromptTokens.WithLabelValues(wk.Name).Add(float64(f.PromptTokens))
 	m.CachedTokens.WithLabelValues(wk.Name).Add(float64(f.CachedTokens))

@@ -131,17 +131,16 @@ func (x *exchange) prefillLoop(ctx context.Context, dw *pool.Worker, p pairing) 
 			unpin()
 			continue
 		}
-		done, err := pw.Acquire()
+		att, err := routing.Start(s.strategy, x.rreq, pd, routing.Hooks{Unpin: unpin})
 		if err != nil {
-			unpin()
 			continue
 		}
-		routing.Commit(s.strategy, x.rreq, pd)
 		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
 		info, err := p.try(ctx, pw, i)
-		unpin()
-		routing.Done(s.strategy, x.rreq, pd, info)
-		done(classify(info.Err))
+		if info.FirstToken > 0 {
+			att.FirstToken(info.FirstToken)
+		}
+		att.End(info.Err, classify(info.Err))
 		switch {
 		case ctx.Err() != nil:
 			return prefillEnd{err: ctx.Err()}
