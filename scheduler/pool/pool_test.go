@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
@@ -360,7 +361,10 @@ func fail(t *testing.T, w *Worker, err error) {
 	done(err)
 }
 
-func TestBreaker(t *testing.T) {
+// On synctest's fake clock: sleeps past the open timeout take no time.
+func TestBreaker(t *testing.T) { synctest.Test(t, testBreaker) }
+
+func testBreaker(t *testing.T) {
 	const timeout = 50 * time.Millisecond
 	rec := &recorder{}
 	p := newPool(t, Config{BreakerFailures: 3, BreakerOpenTimeout: timeout}, OnBreakerChange(rec.breaker))

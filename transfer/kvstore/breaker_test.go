@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
@@ -115,7 +116,10 @@ func TestBreakerCancelledCallsDoNotCount(t *testing.T) {
 	}
 }
 
-func TestBreakerHalfOpen(t *testing.T) {
+// On synctest's fake clock: sleeps past the open timeout take no time.
+func TestBreakerHalfOpen(t *testing.T) { synctest.Test(t, testBreakerHalfOpen) }
+
+func testBreakerHalfOpen(t *testing.T) {
 	const timeout = 50 * time.Millisecond
 	f := &fakeStore{err: errDown}
 	var tr transitions
@@ -152,7 +156,10 @@ func TestBreakerHalfOpen(t *testing.T) {
 
 // A half-open breaker lets one probe through; calls during it are
 // bypassed.
-func TestBreakerHalfOpenLetsOneProbe(t *testing.T) {
+// On synctest's fake clock: sleeps past the open timeout take no time.
+func TestBreakerHalfOpenLetsOneProbe(t *testing.T) { synctest.Test(t, testBreakerHalfOpenLetsOneProbe) }
+
+func testBreakerHalfOpenLetsOneProbe(t *testing.T) {
 	const timeout = 50 * time.Millisecond
 	block := make(chan struct{})
 	f := &slowStore{fakeStore: fakeStore{err: errDown}, block: block}
@@ -166,8 +173,9 @@ func TestBreakerHalfOpenLetsOneProbe(t *testing.T) {
 
 	done := make(chan error)
 	go func() { _, err := b.Exists(ctx, ns, nil); done <- err }()
-	for f.count() < 2 { // wait for the probe to be inside the store
-		time.Sleep(time.Millisecond)
+	synctest.Wait() // the probe is inside the store, blocked
+	if n := f.count(); n != 2 {
+		t.Fatalf("%d calls reached the store, want 2 (the one that opened it, the probe)", n)
 	}
 	if _, err := b.Exists(ctx, ns, nil); !errors.Is(err, transfer.ErrBypassed) || !errors.Is(err, gobreaker.ErrTooManyRequests) {
 		t.Errorf("call during the probe: error %v, want ErrBypassed and gobreaker.ErrTooManyRequests", err)
