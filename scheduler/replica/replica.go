@@ -1,0 +1,469 @@
+// Package replica shares what each scheduler replica commits with the
+// other replicas in front of the same fleet, through a Redis stream: the
+// blocks a replica's decisions predict a worker will hold reach every
+// other replica within milliseconds, and are applied to its KV index as
+// its own predictions are. Sharing is off the hot path and loss-tolerant:
+// Publish never blocks (a full queue drops, counted), a message Redis did
+// not take is dropped (counted, and seen by the others as a gap in the
+// sender's sequence numbers), and while Redis is down every replica keeps
+// routing on what it knows alone. The stream is capped (MaxLen), which
+// bounds Redis's memory; a replica that joins replays its newest
+// messages (Replay) before it follows the rest.
+package replica
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Entry is one committed decision: Worker will hold the blocks Keys
+// (chained block keys, in order).
+type Entry struct {
+	Worker string
+	Keys   []uint64
+}
+
+// Config configures a Sharer. The zero value of every field but Client and
+// Apply means its default.
+type Config struct {
+	// Client is the Redis the replicas share (the shared KV tier's server
+	// will do). Required. The Sharer does not close it.
+	Client redis.UniversalClient
+	// Stream is the Redis stream's key. Default "baton:replica:commits".
+	// Replicas in front of different fleets need different streams.
+	Stream string
+	// ID names this replica in its messages, so that it skips its own.
+	// Default: 16 random hex digits.
+	ID string
+	// MaxLen caps the stream (approximately, as XADD MAXLEN ~ does).
+	// Default 10,000 messages: at a message every 2 ms, 20 s of history.
+	MaxLen int64
+	// Replay is how many of the newest messages a replica applies when
+	// it starts. Default 1,000; negative: none.
+	Replay int64
+	// FlushInterval bounds how long a committed entry waits to be batched
+	// with others before it is sent. Default 2ms.
+	FlushInterval time.Duration
+	// MaxBatch is the most entries one message carries. Default 256.
+	MaxBatch int
+	// Queue is how many entries wait to be sent at most; Publish drops
+	// past it. Default 8,192: four seconds at 2,000 commits a second.
+	Queue int
+	// Apply applies an entry another replica committed. It is called
+	// from the Sharer's reading goroutine, one entry at a time, and must
+	// not block for long. Required.
+	Apply func(Entry)
+	// Logger hears one line each time Redis becomes unreachable or
+	// reachable again. Default: discarded.
+	Logger *slog.Logger
+	// Observer hears what the Sharer does, for metrics. Default: none.
+	Observer Observer
+}
+
+// Observer hears what a Sharer does. Its methods are called from the
+// Sharer's goroutines and from Publish's caller; they must not block.
+type Observer interface {
+	// Sent: a message of n entries and the given bytes was added to the
+	// stream.
+	Sent(entries, bytes int)
+	// Received: a message of another replica's, of n entries and bytes,
+	// was applied lag after it was sent.
+	Received(entries, bytes int, lag time.Duration)
+	// Dropped: n entries were not shared, for reason "queue_full" or
+	// "redis_error".
+	Dropped(reason string, n int)
+	// Gap: n messages of another replica's were missed (lost before
+	// Redis, or trimmed from the stream before they were read).
+	Gap(n int)
+	// Up: Redis became reachable (true) or unreachable (false).
+	Up(up bool)
+}
+
+const (
+	defaultStream        = "baton:replica:commits"
+	defaultMaxLen        = 10_000
+	defaultReplay        = 1_000
+	defaultFlushInterval = 2 * time.Millisecond
+	defaultMaxBatch      = 256
+	defaultQueue         = 8_192
+	// readBlock is how long one XREAD waits for a message; Close waits
+	// for it at most.
+	readBlock = 500 * time.Millisecond
+	// callTimeout bounds one XADD.
+	callTimeout = time.Second
+	// retryMin and retryMax bound the backoff while Redis is down.
+	retryMin = 50 * time.Millisecond
+	retryMax = 2 * time.Second
+	// maxOrigins bounds the senders whose sequence numbers are tracked;
+	// past it the least recently heard is forgotten.
+	maxOrigins = 1024
+)
+
+func (c Config) withDefaults() Config {
+	if c.Stream == "" {
+		c.Stream = defaultStream
+	}
+	if c.ID == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		c.ID = hex.EncodeToString(b[:])
+	}
+	if c.MaxLen <= 0 {
+		c.MaxLen = defaultMaxLen
+	}
+	if c.Replay == 0 {
+		c.Replay = defaultReplay
+	}
+	if c.FlushInterval <= 0 {
+		c.FlushInterval = defaultFlushInterval
+	}
+	if c.MaxBatch <= 0 {
+		c.MaxBatch = defaultMaxBatch
+	}
+	if c.Queue <= 0 {
+		c.Queue = defaultQueue
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Observer == nil {
+		c.Observer = nopObserver{}
+	}
+	return c
+}
+
+// Sharer publishes this replica's committed entries and applies the other
+// replicas'. New starts its two goroutines; Close stops them.
+type Sharer struct {
+	cfg    Config
+	queue  chan Entry
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	upMu sync.Mutex
+	up   bool // as last reported
+}
+
+// New starts a Sharer.
+func New(cfg Config) (*Sharer, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("replica: a Redis client is required")
+	}
+	if cfg.Apply == nil {
+		return nil, errors.New("replica: Apply is required")
+	}
+	cfg = cfg.withDefaults()
+	s := &Sharer{cfg: cfg, queue: make(chan Entry, cfg.Queue), up: true}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.wg.Add(2)
+	go s.send()
+	go s.read()
+	return s, nil
+}
+
+// ID is the replica's id in its messages.
+func (s *Sharer) ID() string { return s.cfg.ID }
+
+// Publish queues e to be shared; it copies e.Keys and never blocks. An
+// entry without keys is not shared.
+func (s *Sharer) Publish(e Entry) {
+	if len(e.Keys) == 0 || e.Worker == "" {
+		return
+	}
+	e.Keys = append([]uint64(nil), e.Keys...)
+	select {
+	case s.queue <- e:
+	default:
+		s.cfg.Observer.Dropped("queue_full", 1)
+	}
+}
+
+// Close stops sharing; entries still queued are dropped. It is idempotent.
+func (s *Sharer) Close() error {
+	s.cancel()
+	s.wg.Wait()
+	return nil
+}
+
+// setUp records whether Redis answered, logging and reporting a change.
+func (s *Sharer) setUp(up bool, err error) {
+	s.upMu.Lock()
+	changed := s.up != up
+	s.up = up
+	s.upMu.Unlock()
+	if !changed {
+		return
+	}
+	s.cfg.Observer.Up(up)
+	if up {
+		s.cfg.Logger.Info("replica sharing: redis reachable again", "stream", s.cfg.Stream)
+	} else {
+		s.cfg.Logger.Warn("replica sharing: redis unreachable; routing on this replica's own knowledge", "stream", s.cfg.Stream, "err", err)
+	}
+}
+
+// send batches queued entries into messages: one per MaxBatch entries, or
+// per FlushInterval after the first entry of a batch.
+func (s *Sharer) send() {
+	defer s.wg.Done()
+	var seq uint64
+	batch := make([]Entry, 0, s.cfg.MaxBatch)
+	var buf []byte
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	flush := func() {
+		if len(batch) == 0 {
+			return
+		}
+		seq++
+		buf = encode(buf[:0], batch)
+		ctx, cancel := context.WithTimeout(s.ctx, callTimeout)
+		err := s.cfg.Client.XAdd(ctx, &redis.XAddArgs{
+			Stream: s.cfg.Stream, MaxLen: s.cfg.MaxLen, Approx: true,
+			Values: []any{"r", s.cfg.ID, "s", seq, "t", time.Now().UnixNano(), "d", buf},
+		}).Err()
+		cancel()
+		switch {
+		case err == nil:
+			s.cfg.Observer.Sent(len(batch), len(buf))
+			s.setUp(true, nil)
+		case s.ctx.Err() != nil:
+		default:
+			// The others see the gap in seq.
+			s.cfg.Observer.Dropped("redis_error", len(batch))
+			s.setUp(false, err)
+		}
+		batch = batch[:0]
+	}
+	for {
+		select {
+		case <-s.ctx.Done():
+			timer.Stop()
+			return
+		case e := <-s.queue:
+			if len(batch) == 0 {
+				timer.Reset(s.cfg.FlushInterval)
+			}
+			batch = append(batch, e)
+			if len(batch) >= s.cfg.MaxBatch {
+				timer.Stop()
+				flush()
+			}
+		case <-timer.C:
+			flush()
+		}
+	}
+}
+
+// origin is what the reader knows of another replica's messages.
+type origin struct {
+	seq  uint64
+	seen time.Time
+}
+
+// read applies the other replicas' messages: first the newest Replay of
+// them, then each as it comes.
+func (s *Sharer) read() {
+	defer s.wg.Done()
+	origins := make(map[string]*origin)
+	last := ""
+	backoff := retryMin
+	for s.ctx.Err() == nil {
+		var err error
+		if last == "" {
+			last, err = s.replay(origins)
+		} else {
+			last, err = s.follow(origins, last)
+		}
+		if err == nil {
+			backoff = retryMin
+			continue
+		}
+		if s.ctx.Err() != nil {
+			return
+		}
+		s.setUp(false, err)
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, retryMax)
+	}
+}
+
+// replay applies the newest Replay messages and returns the id to follow
+// the stream from.
+func (s *Sharer) replay(origins map[string]*origin) (string, error) {
+	if s.cfg.Replay < 0 {
+		return "$", nil
+	}
+	msgs, err := s.cfg.Client.XRevRangeN(s.ctx, s.cfg.Stream, "+", "-", s.cfg.Replay).Result()
+	if err != nil {
+		return "", err
+	}
+	s.setUp(true, nil)
+	if len(msgs) == 0 {
+		return "0-0", nil
+	}
+	for i := len(msgs) - 1; i >= 0; i-- {
+		s.apply(msgs[i], origins, false)
+	}
+	return msgs[0].ID, nil
+}
+
+// follow waits for the messages after last, applies them and returns the
+// id of the newest.
+func (s *Sharer) follow(origins map[string]*origin, last string) (string, error) {
+	res, err := s.cfg.Client.XRead(s.ctx, &redis.XReadArgs{
+		Streams: []string{s.cfg.Stream, last}, Count: 512, Block: readBlock,
+	}).Result()
+	if errors.Is(err, redis.Nil) {
+		s.setUp(true, nil)
+		return last, nil // nothing new
+	}
+	if err != nil {
+		return last, err
+	}
+	s.setUp(true, nil)
+	for _, st := range res {
+		for _, m := range st.Messages {
+			s.apply(m, origins, true)
+			last = m.ID
+		}
+	}
+	return last, nil
+}
+
+// apply applies m unless this replica sent it, counting gaps in its
+// sender's sequence when gaps is true.
+func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) {
+	from, _ := m.Values["r"].(string)
+	if from == s.cfg.ID || from == "" {
+		return
+	}
+	seq, _ := strconv.ParseUint(str(m.Values["s"]), 10, 64)
+	sent, _ := strconv.ParseInt(str(m.Values["t"]), 10, 64)
+	data := str(m.Values["d"])
+	now := time.Now()
+	o := origins[from]
+	switch {
+	case o == nil:
+		if len(origins) >= maxOrigins {
+			forgetOldest(origins)
+		}
+		origins[from] = &origin{seq: seq, seen: now}
+	default:
+		if gaps && seq > o.seq+1 {
+			s.cfg.Observer.Gap(int(seq - o.seq - 1))
+		}
+		if seq > o.seq {
+			o.seq = seq
+		}
+		o.seen = now
+	}
+	n, err := decode([]byte(data), s.cfg.Apply)
+	if err != nil {
+		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", m.ID, "from", from, "err", err)
+		return
+	}
+	s.cfg.Observer.Received(n, len(data), now.Sub(time.Unix(0, sent)))
+}
+
+func forgetOldest(origins map[string]*origin) {
+	var oldest string
+	var at time.Time
+	for id, o := range origins {
+		if oldest == "" || o.seen.Before(at) {
+			oldest, at = id, o.seen
+		}
+	}
+	delete(origins, oldest)
+}
+
+func str(v any) string {
+	switch v := v.(type) {
+	case string:
+		return v
+	case []byte:
+		return string(v)
+	case nil:
+		return ""
+	}
+	return fmt.Sprint(v)
+}
+
+// formatVersion is the first byte of every message's data.
+const formatVersion = 1
+
+// encode appends the entries to b: a version byte, then per entry the
+// worker's name (uvarint length, bytes) and its keys (uvarint count, 8
+// bytes each, little endian: block keys are uniform 64-bit hashes, which
+// varints would lengthen).
+func encode(b []byte, entries []Entry) []byte {
+	b = append(b, formatVersion)
+	for _, e := range entries {
+		b = binary.AppendUvarint(b, uint64(len(e.Worker)))
+		b = append(b, e.Worker...)
+		b = binary.AppendUvarint(b, uint64(len(e.Keys)))
+		for _, k := range e.Keys {
+			b = binary.LittleEndian.AppendUint64(b, k)
+		}
+	}
+	return b
+}
+
+// maxKeys bounds the keys of one decoded entry: a million blocks is a
+// prompt of 16 million tokens.
+const maxKeys = 1 << 20
+
+// decode calls apply with each entry of b and returns how many there
+// were. A malformed message is an error; the entries before the fault
+// were applied.
+func decode(b []byte, apply func(Entry)) (int, error) {
+	if len(b) == 0 || b[0] != formatVersion {
+		return 0, errors.New("unknown format")
+	}
+	b = b[1:]
+	n := 0
+	for len(b) > 0 {
+		l, k := binary.Uvarint(b)
+		if k <= 0 || l > uint64(len(b)-k) {
+			return n, errors.New("truncated worker name")
+		}
+		worker := string(b[k : k+int(l)])
+		b = b[k+int(l):]
+		c, k := binary.Uvarint(b)
+		if k <= 0 || c > maxKeys || c*8 > uint64(len(b)-k) {
+			return n, errors.New("truncated keys")
+		}
+		b = b[k:]
+		keys := make([]uint64, c)
+		for i := range keys {
+			keys[i] = binary.LittleEndian.Uint64(b[8*i:])
+		}
+		b = b[8*c:]
+		apply(Entry{Worker: worker, Keys: keys})
+		n++
+	}
+	return n, nil
+}
+
+type nopObserver struct{}
+
+func (nopObserver) Sent(int, int)                    {}
+func (nopObserver) Received(int, int, time.Duration) {}
+func (nopObserver) Dropped(string, int)              {}
+func (nopObserver) Gap(int)                          {}
+func (nopObserver) Up(bool)                          {}

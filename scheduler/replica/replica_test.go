@@ -1,0 +1,269 @@
+package replica
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/batonllm/baton/transfer/kvstore/redistest"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).reaper"))
+}
+
+// peer is a Sharer with what it applied and observed.
+type peer struct {
+	*Sharer
+	applied chan Entry
+	mu      sync.Mutex
+	dropped map[string]int
+	gaps    int
+	ups     []bool
+}
+
+func (p *peer) Sent(int, int)                    {}
+func (p *peer) Received(int, int, time.Duration) {}
+func (p *peer) Dropped(reason string, n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropped[reason] += n
+}
+func (p *peer) Gap(n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.gaps += n
+}
+func (p *peer) Up(up bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.ups = append(p.ups, up)
+}
+
+func (p *peer) stats() (dropped map[string]int, gaps int, ups []bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d := make(map[string]int, len(p.dropped))
+	for k, v := range p.dropped {
+		d[k] = v
+	}
+	return d, p.gaps, append([]bool(nil), p.ups...)
+}
+
+func newPeer(t *testing.T, addr, id string, edit func(*Config)) *peer {
+	t.Helper()
+	client := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+	t.Cleanup(func() { client.Close() })
+	p := &peer{applied: make(chan Entry, 1024), dropped: map[string]int{}}
+	cfg := Config{Client: client, ID: id, Stream: "test:" + t.Name(), Observer: p,
+		Apply: func(e Entry) { p.applied <- e }}
+	if edit != nil {
+		edit(&cfg)
+	}
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	p.Sharer = s
+	return p
+}
+
+// expect waits for want, in order, on p, past the markers of earlier
+// calls of none.
+func (p *peer) expect(t *testing.T, want ...Entry) {
+	t.Helper()
+	for i, w := range want {
+		for done := false; !done; {
+			select {
+			case got := <-p.applied:
+				if got.Worker == "marker" && w.Worker != "marker" {
+					continue // an earlier none's, seen by every peer
+				}
+				if diff := cmp.Diff(w, got); diff != "" {
+					t.Fatalf("%s's entry %d (-want +got):\n%s", p.ID(), i, diff)
+				}
+				done = true
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: entry %d (%v) never applied", p.ID(), i, w)
+			}
+		}
+	}
+}
+
+// none checks that p applied nothing more, once a marker sent after
+// everything else came through.
+func (p *peer) none(t *testing.T, from *peer) {
+	t.Helper()
+	marker := Entry{Worker: "marker", Keys: []uint64{0xfeed}}
+	from.Publish(marker)
+	p.expect(t, marker)
+}
+
+func TestShare(t *testing.T) {
+	addr := redistest.Start(t).Addr()
+	a := newPeer(t, addr, "a", nil)
+	b := newPeer(t, addr, "b", nil)
+	c := newPeer(t, addr, "c", nil)
+	// Every peer follows the stream once its replay is done: wait for
+	// b's and c's by a message each.
+	b.none(t, a)
+	c.none(t, a)
+	a.expect(t) // a skips its own
+
+	e1 := Entry{Worker: "w0", Keys: []uint64{1, 2, 3}}
+	e2 := Entry{Worker: "w1", Keys: []uint64{1<<63 | 5}}
+	keys := []uint64{7, 8}
+	a.Publish(e1)
+	a.Publish(Entry{Worker: "w2", Keys: keys})
+	keys[0] = 99 // Publish copied them
+	b.Publish(e2)
+	a.Publish(Entry{Worker: "w3"}) // no keys: not shared
+	b.expect(t, e1, Entry{Worker: "w2", Keys: []uint64{7, 8}})
+	a.expect(t, e2)
+	c.expect(t, e1, Entry{Worker: "w2", Keys: []uint64{7, 8}}, e2)
+	a.none(t, b)
+	b.none(t, a)
+}
+
+// A replica that joins applies the newest messages first.
+func TestJoinReplays(t *testing.T) {
+	addr := redistest.Start(t).Addr()
+	a := newPeer(t, addr, "a", func(c *Config) { c.MaxBatch = 1 })
+	watcher := newPeer(t, addr, "watcher", nil)
+	watcher.none(t, a)
+	var sent []Entry
+	for i := range 5 {
+		e := Entry{Worker: "w", Keys: []uint64{uint64(i)}}
+		sent = append(sent, e)
+		a.Publish(e)
+	}
+	watcher.expect(t, sent...) // all five are in the stream
+	late := newPeer(t, addr, "late", func(c *Config) { c.Replay = 3 })
+	// The newest three messages: one each, the marker's among them
+	// only if it is newer, which it is not.
+	late.expect(t, sent[2:]...)
+	late.none(t, a)
+}
+
+// Redis lost: entries are dropped and counted, never an error; back, the
+// replicas share again and count the messages they missed.
+func TestRedisLost(t *testing.T) {
+	srv := redistest.Start(t)
+	a := newPeer(t, srv.Addr(), "a", func(c *Config) { c.MaxBatch = 1 })
+	b := newPeer(t, srv.Addr(), "b", nil)
+	b.none(t, a)
+	srv.Stop()
+	lost := 3
+	for i := range lost {
+		a.Publish(Entry{Worker: "w", Keys: []uint64{uint64(i)}})
+	}
+	waitFor(t, "the lost entries counted", func() bool {
+		d, _, _ := a.stats()
+		return d["redis_error"] == lost
+	})
+	srv.Restart()
+	e := Entry{Worker: "w", Keys: []uint64{42}}
+	// b follows the new stream from where it was: the first message
+	// after the restart may come before b reads again, and is kept.
+	waitFor(t, "sharing again", func() bool {
+		a.Publish(e)
+		select {
+		case got := <-b.applied:
+			return cmp.Equal(got, e)
+		case <-time.After(100 * time.Millisecond):
+			return false
+		}
+	})
+	_, gaps, bUps := b.stats()
+	t.Logf("b counted %d missed messages; %d were lost", gaps, lost)
+	if gaps == 0 {
+		t.Errorf("b counted no missed messages, %d were lost", lost)
+	}
+	_, _, aUps := a.stats()
+	if !cmp.Equal(aUps[:2], []bool{false, true}) || len(bUps) < 2 || bUps[0] {
+		t.Errorf("up reports: a %v, b %v; want each down then up", aUps, bUps)
+	}
+}
+
+// A full queue drops, never blocks.
+func TestPublishNeverBlocks(t *testing.T) {
+	// Nothing listens here: every send fails, slowly.
+	p := &peer{applied: make(chan Entry, 1), dropped: map[string]int{}}
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { client.Close() })
+	s, err := New(Config{Client: client, Queue: 4, MaxBatch: 1, Observer: p, Apply: func(Entry) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for range 1000 {
+		s.Publish(Entry{Worker: "w", Keys: []uint64{1}})
+	}
+	if d, _, _ := p.stats(); d["queue_full"] == 0 {
+		t.Errorf("dropped %v, want some queue_full", d)
+	}
+}
+
+func TestConfigRequired(t *testing.T) {
+	if _, err := New(Config{Apply: func(Entry) {}}); err == nil {
+		t.Error("no client accepted")
+	}
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer client.Close()
+	if _, err := New(Config{Client: client}); err == nil {
+		t.Error("no Apply accepted")
+	}
+}
+
+func TestCodec(t *testing.T) {
+	in := []Entry{{Worker: "a", Keys: []uint64{0, 1<<64 - 1}}, {Worker: "prefill/dp3", Keys: []uint64{5}}, {Worker: "", Keys: nil}}
+	var out []Entry
+	n, err := decode(encode(nil, in), func(e Entry) { out = append(out, e) })
+	if err != nil || n != len(in) {
+		t.Fatalf("decode: %d, %v", n, err)
+	}
+	if diff := cmp.Diff(in, out, cmp.Comparer(func(a, b []uint64) bool { return len(a) == len(b) && (len(a) == 0 || cmp.Equal(a, b)) })); diff != "" {
+		t.Errorf("round trip (-in +out):\n%s", diff)
+	}
+	// Per entry: name length, name, key count, 8 bytes a key.
+	if got, want := len(encode(nil, in[:1])), 1+1+1+1+16; got != want {
+		t.Errorf("encoded size %d, want %d", got, want)
+	}
+}
+
+func FuzzDecode(f *testing.F) {
+	f.Add(encode(nil, []Entry{{Worker: "w", Keys: []uint64{1, 2}}}))
+	f.Add([]byte{formatVersion, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{formatVersion, 1, 'w', 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		n, err := decode(b, func(e Entry) {
+			if len(e.Keys) > maxKeys {
+				t.Fatalf("%d keys", len(e.Keys))
+			}
+		})
+		if err == nil && n > 0 {
+			// What decodes encodes to bytes that decode the same.
+			var es, again []Entry
+			decode(b, func(e Entry) { es = append(es, e) })
+			if _, err := decode(encode(nil, es), func(e Entry) { again = append(again, e) }); err != nil || !cmp.Equal(es, again) {
+				t.Fatalf("%x decoded to %v, re-encoded to %v (%v)", b, es, again, err)
+			}
+		}
+	})
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
