@@ -22,10 +22,18 @@ import (
 // to every engine.
 func startFakeVLLMs(t *testing.T, n int, strategy string) (*scheduler.Scheduler, string, []*vllmtest.Server) {
 	t.Helper()
+	return startFakeVLLMsWith(t, n, strategy, vllmtest.Config{Encoding: kveventstest.TaggedMaps})
+}
+
+// startFakeVLLMsWith is startFakeVLLMs with engines of cfg (its model and
+// time scale set).
+func startFakeVLLMsWith(t *testing.T, n int, strategy string, cfg vllmtest.Config) (*scheduler.Scheduler, string, []*vllmtest.Server) {
+	t.Helper()
+	cfg.Model, cfg.TimeScale = model, 1000
 	var engines []*vllmtest.Server
 	var workers []scheduler.WorkerConfig
 	for i := range n {
-		e, err := vllmtest.New(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps})
+		e, err := vllmtest.New(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -203,5 +211,58 @@ func TestFakeVLLMTenants(t *testing.T) {
 	}
 	if salts := []string{engines[0].Requests()[0].CacheSalt, engines[0].Requests()[1].CacheSalt}; salts[0] != "tenant-a" || salts[1] != "tenant-b" {
 		t.Errorf("cache_salt the engine saw first: %q, want tenant-a then tenant-b", salts)
+	}
+}
+
+// TestFakeVLLMEventVariants: kv_aware over fake engines whose events are
+// written as other publishers write them (a first block's parent as 0,
+// block_size 0, full-width integers; older vLLM's fields; bytes hashes,
+// nil fields left out) indexes every block they store, drops none for an
+// unknown parent, and keeps a document's questions on the engine that
+// holds it.
+func TestFakeVLLMEventVariants(t *testing.T) {
+	for name, cfg := range map[string]vllmtest.Config{
+		"array-like, llm-d Go publisher": {Encoding: kveventstest.ArrayLike, EventsVariant: kveventstest.Variant{
+			NoParent: kveventstest.ParentZero, ZeroBlockSize: true, FixedInts: true}},
+		"array-like, parent 0, vLLM 0.9 fields": {Encoding: kveventstest.ArrayLike, EventsVariant: kveventstest.Variant{
+			NoParent: kveventstest.ParentZero, StoredFields: kveventstest.FieldsLoRAID}},
+		"maps, bytes hashes, nils left out": {Encoding: kveventstest.Maps, EventsVariant: kveventstest.Variant{
+			NoParent: kveventstest.ParentAbsent, OmitNil: true, BytesHashes: true}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s, addr, engines := startFakeVLLMsWith(t, 2, "kv_aware", cfg)
+			c := oaClient(t, addr)
+			seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+			holder := map[int]string{}
+			for q := range 6 {
+				d := q % 2
+				p := fakeVLLMPrompt(d, q)
+				r := chat(t, c, chatParams(p, 4))
+				if h, ok := holder[d]; ok && r.worker != h {
+					t.Errorf("question %d on document %d went to %s, the document is on %s", q, d, r.worker, h)
+				} else if !ok {
+					holder[d] = r.worker
+				}
+				keys := kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+				eventually(t, 20*time.Second, func() error {
+					if m := lookup(s, r.worker, keys); m.GPU != len(keys) {
+						return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, r.worker)
+					}
+					return nil
+				})
+			}
+			var engineStored int64
+			for _, e := range engines {
+				engineStored += e.Stats().BlocksStored
+			}
+			m := scrapeSettled(t, httpClient(t), addr)
+			stored, _ := metric(m, "baton_kv_events_total", `outcome="stored"`)
+			unknown, _ := metric(m, "baton_kv_events_total", `outcome="unknown_parent"`)
+			bad, _ := metric(m, "baton_kv_events_total", `outcome="bad_stored"`)
+			if stored != float64(engineStored) || unknown != 0 || bad != 0 {
+				t.Errorf("baton_kv_events_total stored %v, unknown_parent %v, bad_stored %v; want the engines' %d blocks stored, none dropped",
+					stored, unknown, bad, engineStored)
+			}
+		})
 	}
 }

@@ -77,8 +77,19 @@ func mooncakeBlock(seed, h uint64) string {
 // Mooncake turns trace records into requests: each hash id becomes its own
 // 512-token block of text, the prompt is their concatenation cut to
 // input_length tokens, max_tokens is output_length, arrivals are the
-// trace's timestamps.
+// trace's timestamps. Its description calls the records the Mooncake
+// conversation trace; MooncakeFile names another trace's file.
 func Mooncake(recs []MooncakeRecord, seed uint64) *Workload {
+	return mooncake(recs, seed, "Mooncake conversation trace")
+}
+
+// MooncakeFile is Mooncake of records read from the file called name,
+// which its description names.
+func MooncakeFile(recs []MooncakeRecord, seed uint64, name string) *Workload {
+	return mooncake(recs, seed, "Mooncake-format trace "+name)
+}
+
+func mooncake(recs []MooncakeRecord, seed uint64, title string) *Workload {
 	blocks := map[uint64]string{}
 	w := &Workload{Name: "mooncake", Timed: true, Requests: make([]Request, len(recs))}
 	var b strings.Builder
@@ -100,7 +111,7 @@ func Mooncake(recs []MooncakeRecord, seed uint64) *Workload {
 	if len(recs) > 0 {
 		span = w.Requests[len(recs)-1].At
 	}
-	w.Describe = fmt.Sprintf("Mooncake conversation trace, first %d records over %.0f s of trace time, %d distinct 512-token blocks", len(recs), span.Seconds(), len(blocks))
+	w.Describe = fmt.Sprintf("%s, first %d records over %.0f s of trace time, %d distinct 512-token blocks", title, len(recs), span.Seconds(), len(blocks))
 	return w
 }
 
@@ -167,7 +178,17 @@ func ParseAzure(r io.Reader, limit int) ([]AzureRecord, error) {
 
 // Azure turns Azure trace rows into requests with unique text (the trace
 // carries no prefix information), the trace's arrival times and lengths.
-func Azure(recs []AzureRecord, seed uint64) *Workload {
+// Its description calls the rows the Azure trace; AzureFile names another
+// trace's file.
+func Azure(recs []AzureRecord, seed uint64) *Workload { return azure(recs, seed, "Azure trace") }
+
+// AzureFile is Azure of rows read from the file called name, which its
+// description names.
+func AzureFile(recs []AzureRecord, seed uint64, name string) *Workload {
+	return azure(recs, seed, "Azure-format trace "+name)
+}
+
+func azure(recs []AzureRecord, seed uint64, title string) *Workload {
 	w := &Workload{Name: "azure", Timed: true, Requests: make([]Request, len(recs))}
 	for i, rec := range recs {
 		head := fmt.Sprintf("Request %d. ", i)
@@ -179,7 +200,7 @@ func Azure(recs []AzureRecord, seed uint64) *Workload {
 	if len(recs) > 0 {
 		span = w.Requests[len(recs)-1].At
 	}
-	w.Describe = fmt.Sprintf("Azure trace, first %d rows over %.0f s of trace time, no prefix sharing", len(recs), span.Seconds())
+	w.Describe = fmt.Sprintf("%s, first %d rows over %.0f s of trace time, no prefix sharing", title, len(recs), span.Seconds())
 	return w
 }
 

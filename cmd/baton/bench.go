@@ -216,19 +216,29 @@ func buildWorkload(name string, n int, seed uint64, trace string, docs int, pop 
 	case "lora":
 		return workload.LoRA(workload.LoRAConfig{}, synthetic, seed)
 	case "mooncake":
-		if trace == "" {
-			trace = filepath.Join(tracesDir(), "mooncake_conversation_trace.jsonl")
+		// A trace given by --trace is named in the report; the default
+		// one is the Mooncake conversation trace.
+		if trace != "" {
+			recs, err := workload.LoadTrace(trace, records, workload.ParseMooncake)
+			if err != nil {
+				return nil, err
+			}
+			return workload.MooncakeFile(recs, seed, filepath.Base(trace)), nil
 		}
-		recs, err := workload.LoadTrace(trace, records, workload.ParseMooncake)
+		recs, err := workload.LoadTrace(filepath.Join(tracesDir(), "mooncake_conversation_trace.jsonl"), records, workload.ParseMooncake)
 		if err != nil {
 			return nil, err
 		}
 		return workload.Mooncake(recs, seed), nil
 	case "azure":
-		if trace == "" {
-			trace = filepath.Join(tracesDir(), "azure2023_conv.csv")
+		if trace != "" {
+			recs, err := workload.LoadTrace(trace, records, workload.ParseAzure)
+			if err != nil {
+				return nil, err
+			}
+			return workload.AzureFile(recs, seed, filepath.Base(trace)), nil
 		}
-		recs, err := workload.LoadTrace(trace, records, workload.ParseAzure)
+		recs, err := workload.LoadTrace(filepath.Join(tracesDir(), "azure2023_conv.csv"), records, workload.ParseAzure)
 		if err != nil {
 			return nil, err
 		}

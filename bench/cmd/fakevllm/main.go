@@ -56,6 +56,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	kvBlocks := fs.Int("kv-blocks", 0, "GPU KV capacity of each engine in blocks (default: from the modelled GPU's memory)")
 	maxRunning := fs.Int("max-running", 256, "running sequences of each engine at most; the rest wait")
 	encoding := fs.String("encoding", "tagged-maps", "KV event encoding: array-like, tagged-maps, maps")
+	noParent := fs.String("no-parent", "nil", "how events write a sequence's first block's parent: nil (vLLM), zero (0, as llm-d's Go publishers), absent (maps leave the key out)")
+	storedFields := fs.Int("stored-fields", 0, "BlockStored fields written, as older vLLM: 5 (0.9, through lora_id), 6 (and medium), 7 (and lora_name); 0 all")
+	zeroBlockSize := fs.Bool("zero-block-size", false, "write block_size 0 in events, as llm-d's inference simulator does")
+	fixedInts := fs.Bool("fixed-ints", false, "write hashes and token ids as full-width msgpack integers, as Go's msgpack structs do")
+	bytesHashes := fs.Bool("bytes-hashes", false, "write block hashes as bytes, as vLLM's ExternalBlockHash")
+	omitNil := fs.Bool("omit-nil", false, "leave nil fields out of map events")
 	listen := fs.String("listen", "127.0.0.1:8080", "listen address written into the configuration for baton serve")
 	strategy := fs.String("strategy", "kv_aware", "strategy written into the configuration")
 	configPath := fs.String("config", "", "also write the configuration to `file`")
@@ -72,6 +78,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	variant := kveventstest.Variant{StoredFields: *storedFields, ZeroBlockSize: *zeroBlockSize,
+		FixedInts: *fixedInts, BytesHashes: *bytesHashes, OmitNil: *omitNil}
+	if variant.NoParent, err = parseNoParent(*noParent); err != nil {
+		return err
+	}
+	if *storedFields != 0 && (*storedFields < kveventstest.FieldsLoRAID || *storedFields > kveventstest.FieldsLoRAName) {
+		return fmt.Errorf("-stored-fields: must be 0, 5, 6 or 7, got %d", *storedFields)
+	}
 	var engines []engine
 	defer func() {
 		for _, e := range engines {
@@ -80,7 +94,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}()
 	for i := range *n {
 		cfg := vllmtest.Config{Model: *served, Cost: cost.Config{Model: *preset, GPU: *gpu}, TimeScale: *scale,
-			BlockSize: *blockSize, GPUBlocks: *kvBlocks, MaxRunning: *maxRunning, Encoding: enc}
+			BlockSize: *blockSize, GPUBlocks: *kvBlocks, MaxRunning: *maxRunning, Encoding: enc,
+			EventsVariant: variant}
 		addr := func(k int) string {
 			if *port == 0 {
 				return net.JoinHostPort(*host, "0")
@@ -168,6 +183,18 @@ func parseEncoding(s string) (kveventstest.Encoding, error) {
 		}
 	}
 	return 0, errors.New("-encoding: must be array-like, tagged-maps or maps, got " + strconv.Quote(s))
+}
+
+func parseNoParent(s string) (kveventstest.NoParent, error) {
+	switch s {
+	case "nil":
+		return kveventstest.ParentNil, nil
+	case "zero":
+		return kveventstest.ParentZero, nil
+	case "absent":
+		return kveventstest.ParentAbsent, nil
+	}
+	return 0, errors.New("-no-parent: must be nil, zero or absent, got " + strconv.Quote(s))
 }
 
 func names[V any](m map[string]V) []string {

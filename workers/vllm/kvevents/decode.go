@@ -43,7 +43,10 @@ type Event interface {
 // block with hash Parent (none for a sequence's first block), in order.
 type BlockStored struct {
 	BlockHashes []Hash
-	Parent      Hash // zero: the first block starts a sequence
+	// Parent is the hash of the block the first one follows. The zero
+	// Hash means none: the first block starts a sequence. Decode returns
+	// the zero Hash for every encoding of "none" (see NoParent).
+	Parent Hash
 	// TokenIDs are the tokens of all the blocks, BlockSize per block.
 	TokenIDs  []uint32
 	BlockSize int
@@ -443,7 +446,7 @@ func (dc *decoder) field(f *fields, name string) error {
 		f.hashes, err = dc.hashes()
 		f.seen |= seenHashes
 	case "parent_block_hash":
-		f.parent, err = dc.optHash()
+		f.parent, err = dc.parentHash()
 	case "token_ids":
 		f.tokens, err = dc.tokens()
 		f.seen |= seenTokens
@@ -582,6 +585,18 @@ func (dc *decoder) optHash() (Hash, error) {
 		return Hash{}, dc.d.DecodeNil()
 	}
 	return dc.hash()
+}
+
+// parentHash decodes a BlockStored's parent: nil, 0 and empty bytes are
+// all "no parent" (the zero Hash). vLLM writes nil; publishers built on
+// Go's msgpack structs (llm-d's kv-cache-manager and inference simulator,
+// as their adapters read it) write 0 for a sequence's first block.
+func (dc *decoder) parentHash() (Hash, error) {
+	h, err := dc.optHash()
+	if err != nil || NoParent(h) {
+		return Hash{}, err
+	}
+	return h, nil
 }
 
 // hash decodes an integer or bytes hash; integers keep their bits.

@@ -24,6 +24,21 @@
 //     "EXTERNAL", and a metadata map {cache_salt} in the slot where vLLM
 //     has lora_name; its older releases are the same minus those fields.
 //
+// A sequence's first block has no parent. vLLM writes its
+// parent_block_hash as nil (every version above, integer and bytes hashes
+// alike); publishers built on Go's msgpack structs write 0 instead, or
+// leave block_size 0: the array-like events of llm-d's kv-cache-manager
+// examples and of its inference simulator (llm-d-inference-sim's
+// kv_cache_sender.go), which llm-d's own reader
+// (llm-d-kv-cache pkg/kvevents: vllm_adapter.go, pool.go) takes as "no
+// parent" too. Decode reads nil, 0, empty bytes and a missing field alike
+// as no parent (NoParent), and a Translator takes a block size of 0 as the
+// tokens a block. A parent that is none of these and that the Translator
+// never saw drops the event (TranslatorStats.UnknownParent): its token ids
+// follow a prefix the event does not carry, so they cannot be keyed as
+// baton keys them (each key covers every token before it), and keying them
+// as a sequence of their own would claim a prefix the engine does not hold.
+//
 // Keys are baton's own: a Translator recomputes chained block keys over
 // each stored block's token ids (AppendKeys) and keeps a bounded map from
 // the engine's hash to baton's key for removals, so the engine's hash

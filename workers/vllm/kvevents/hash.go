@@ -29,6 +29,22 @@ func BytesHash(b []byte) Hash { return Hash{b: string(b), isBytes: true} }
 // IsZero reports whether h is no hash.
 func (h Hash) IsZero() bool { return h == Hash{} }
 
+// NoParent reports whether h, as a BlockStored's parent, means the block
+// has none: the zero Hash (msgpack nil, or the field absent), the integer
+// 0, or empty bytes. vLLM sends nil; publishers that encode the parent as
+// a plain integer send 0 (llm-d's Go publishers, whose readers take 0 as
+// "no parent" too). A real block
+// hashed to 0 is a 2⁻⁶⁴ chance.
+func NoParent(h Hash) bool {
+	if h.IsZero() {
+		return true
+	}
+	if v, ok := h.Uint64(); ok {
+		return v == 0
+	}
+	return h.isBytes && h.b == ""
+}
+
 // Uint64 returns an integer hash's value; ok is false for bytes hashes.
 func (h Hash) Uint64() (v uint64, ok bool) {
 	if h.isBytes || len(h.b) != 8 {

@@ -40,13 +40,16 @@ type TranslatorStats struct {
 	Removed uint64 // blocks reported removed
 	Cleared uint64 // AllBlocksCleared events
 	// UnknownParent counts BlockStored events dropped because their parent
-	// hash was never seen (the translator started mid-sequence, or the
-	// parent was evicted from the map): their keys cannot be chained.
+	// hash (not 0 nor nil: see NoParent) was never seen (the translator
+	// started mid-sequence, or the parent was evicted from the map): their
+	// keys cannot be chained. Their blocks are not indexed, and neither are
+	// their children's, whose parents are then unknown too.
 	UnknownParent uint64
 	// UnknownRemoved counts removed hashes that were not mapped.
 	UnknownRemoved uint64
 	// BadStored counts BlockStored events whose token count is not blocks
-	// times block size.
+	// times block size (or, without a block size, not a multiple of the
+	// blocks).
 	BadStored uint64
 	// OtherMedium counts events of a medium the index has no tier for (disk,
 	// external pools): their hashes are mapped, for chaining, not indexed.
@@ -227,16 +230,26 @@ func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Even
 	if n == 0 {
 		return out
 	}
+	if bs <= 0 && len(ev.TokenIDs)%n == 0 {
+		// Some publishers leave block_size 0; the blocks are full, so
+		// their size is the tokens a block.
+		bs = len(ev.TokenIDs) / n
+	}
 	if bs <= 0 || len(ev.TokenIDs) != n*bs {
 		t.stats.badStored.Add(1)
 		return out
 	}
 	var prev uint64
-	if ev.Parent.IsZero() {
+	if NoParent(ev.Parent) {
 		prev = Seed(Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
 	} else {
 		el := t.entries[ev.Parent]
 		if el == nil {
+			// Not keyed from the tokens as a chain of its own: a block's
+			// key covers every token before it, and these tokens follow a
+			// prefix the event does not carry. Keyed as a first block, they
+			// would stand for a prompt that starts with them, which the
+			// engine does not hold, and draw such prompts to it.
 			t.stats.unknownParent.Add(1)
 			return out
 		}

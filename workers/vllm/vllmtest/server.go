@@ -71,6 +71,10 @@ type Config struct {
 	Topic string
 	// Encoding is the events' msgpack layout. Default array-like.
 	Encoding kveventstest.Encoding
+	// EventsVariant is how the events write what their encoding leaves
+	// open (a first block's parent as nil or 0, older field sets, ...), as
+	// other publishers do. Default vLLM's.
+	EventsVariant kveventstest.Variant
 	// NoEvents publishes no KV events; NoReplay keeps no replay socket.
 	NoEvents, NoReplay bool
 	// NoCachedTokens leaves prompt_tokens_details out of usage, as vLLM
@@ -206,7 +210,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	if !cfg.NoEvents {
 		pc := kveventstest.PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Topic: cfg.Topic,
-			Encoding: cfg.Encoding, Replay: !cfg.NoReplay,
+			Encoding: cfg.Encoding, Variant: cfg.EventsVariant, Replay: !cfg.NoReplay,
 			// vLLM puts the topic in replies from 0.26, whose events are maps.
 			ReplayTopic: cfg.Encoding != kveventstest.ArrayLike}
 		if cfg.EventsAddr != "" {

@@ -35,6 +35,9 @@ type PublisherConfig struct {
 	ReplayEndpoint string
 	// Encoding of the batches. Default ArrayLike.
 	Encoding Encoding
+	// Variant of the encoding: how the publisher writes what it leaves
+	// open. Default current vLLM's.
+	Variant Variant
 	// Buffer is how many batches the replay socket keeps. Default 10,000,
 	// the engines' buffer_steps.
 	Buffer int
@@ -149,7 +152,7 @@ func (p *Publisher) Drop(b kvevents.Batch) (uint64, error) {
 }
 
 func (p *Publisher) publish(b kvevents.Batch, send bool) (uint64, error) {
-	payload, err := Encode(b, p.cfg.Encoding)
+	payload, err := EncodeVariant(b, p.cfg.Encoding, p.cfg.Variant)
 	if err != nil {
 		return 0, err
 	}
