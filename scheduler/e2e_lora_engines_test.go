@@ -75,7 +75,7 @@ func TestAdapterLlamaCPP(t *testing.T) {
 			want    []llamatest.LoRA
 		}{
 			{"sql", sqlSrv, []llamatest.LoRA{{ID: 0, Scale: 1}}},
-			{"chat", chatSrv, []llamatest.LoRA{{ID: 1, Scale: 1}}},
+			{"chat", chatSrv, []llamatest.LoRA{{ID: 0, Scale: 0}, {ID: 1, Scale: 1}}},
 		} {
 			before := len(tc.srv.Requests())
 			r := chat(t, c, adapterChat(tc.adapter, text(fmt.Sprint(tc.adapter, i), 200)))
@@ -98,8 +98,8 @@ func TestAdapterLlamaCPP(t *testing.T) {
 		srv = sqlSrv
 	}
 	reqs := srv.Requests()
-	if got := reqs[len(reqs)-1].LoRA; got == nil || len(got) != 0 {
-		t.Errorf("base-model request: server applied lora %v, want [] (none)", got)
+	if got := reqs[len(reqs)-1].Applied; got != nil {
+		t.Errorf("base-model request: server applied %v, want none", got)
 	}
 
 	n := len(sqlSrv.Requests()) + len(chatSrv.Requests())
@@ -113,5 +113,59 @@ func TestAdapterLlamaCPP(t *testing.T) {
 	}
 	if got := len(sqlSrv.Requests()) + len(chatSrv.Requests()); got != n {
 		t.Errorf("servers got %d requests for an adapter none holds", got-n)
+	}
+}
+
+// Two llama-servers, each started with one adapter not applied by
+// default (--lora-init-without-apply), under the strategies that route by
+// prefix: base-model requests get the base model's output from either,
+// streamed or not, and adapter requests their adapter's.
+func TestAdapterLlamaCPPBaseModel(t *testing.T) {
+	for _, strategy := range []string{"kv_aware", "prefix_aware"} {
+		t.Run(strategy, func(t *testing.T) {
+			sqlSrv := llamatest.Start(t, llamatest.Config{Model: model, LoRA: []string{"/adapters/sql"}, LoRAInitWithoutApply: true})
+			chatSrv := llamatest.Start(t, llamatest.Config{Model: model, LoRA: []string{"/adapters/chat"}, LoRAInitWithoutApply: true})
+			workers := []scheduler.WorkerConfig{
+				{Name: "l0", Kind: scheduler.KindLlamaCPP, Address: sqlSrv.URL, Models: []string{model}},
+				{Name: "l1", Kind: scheduler.KindLlamaCPP, Address: chatSrv.URL, Models: []string{model}},
+			}
+			s, addr := startScheduler(t, scheduler.Config{Strategy: strategy, Pool: loraPool(), Workers: workers, Adapters: loraAdapters})
+			eventually(t, 10*time.Second, func() error {
+				snap := s.Pool.Snapshot()
+				if !snap.Worker("l0").HoldsAdapter("sql") || !snap.Worker("l1").HoldsAdapter("chat") {
+					return fmt.Errorf("scheduler sees l0 holding %v, l1 %v", snap.Worker("l0").Adapters(), snap.Worker("l1").Adapters())
+				}
+				return nil
+			})
+			c := oaClient(t, addr)
+			const base = "ok ok ok ok "
+			served := map[string]int{}
+			for i := 0; i < 40 && (i < 6 || served["l0"] == 0 || served["l1"] == 0); i++ {
+				p := chatParams(text(fmt.Sprint("base", i), 200), 4)
+				r := chat(t, c, p)
+				if r.content != base {
+					t.Errorf("base-model request %d on %s: %q, want %q", i, r.worker, r.content, base)
+				}
+				served[r.worker]++
+				sr, err := streamChat(t, c, p)
+				if err != nil || sr.content != base {
+					t.Errorf("streamed base-model request %d on %s: %q, %v; want %q", i, sr.worker, sr.content, err, base)
+				}
+				served[sr.worker]++
+			}
+			if served["l0"] == 0 || served["l1"] == 0 {
+				t.Errorf("base-model requests went to %v, want both servers", served)
+			}
+			for _, tc := range []struct{ adapter, want string }{{"sql", "sql sql sql sql "}, {"chat", "chat chat chat chat "}} {
+				r := chat(t, c, adapterChat(tc.adapter, text(tc.adapter, 200)))
+				if r.content != tc.want {
+					t.Errorf("%s on %s: %q, want %q", tc.adapter, r.worker, r.content, tc.want)
+				}
+				sr, err := streamChat(t, c, adapterChat(tc.adapter, text(tc.adapter+"s", 200)))
+				if err != nil || sr.content != tc.want {
+					t.Errorf("streamed %s on %s: %q, %v; want %q", tc.adapter, sr.worker, sr.content, err, tc.want)
+				}
+			}
+		})
 	}
 }
