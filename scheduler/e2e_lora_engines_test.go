@@ -158,12 +158,12 @@ func TestAdapterLlamaCPPBaseModel(t *testing.T) {
 			}
 			for _, tc := range []struct{ adapter, want string }{{"sql", "sql sql sql sql "}, {"chat", "chat chat chat chat "}} {
 				r := chat(t, c, adapterChat(tc.adapter, text(tc.adapter, 200)))
-				if r.content != tc.want {
-					t.Errorf("%s on %s: %q, want %q", tc.adapter, r.worker, r.content, tc.want)
+				if r.content != tc.want || r.model != tc.adapter {
+					t.Errorf("%s on %s: %q from model %q, want %q from %q", tc.adapter, r.worker, r.content, r.model, tc.want, tc.adapter)
 				}
 				sr, err := streamChat(t, c, adapterChat(tc.adapter, text(tc.adapter+"s", 200)))
-				if err != nil || sr.content != tc.want {
-					t.Errorf("streamed %s on %s: %q, %v; want %q", tc.adapter, sr.worker, sr.content, err, tc.want)
+				if err != nil || sr.content != tc.want || sr.model != tc.adapter {
+					t.Errorf("streamed %s on %s: %q from model %q, %v; want %q from %q", tc.adapter, sr.worker, sr.content, sr.model, err, tc.want, tc.adapter)
 				}
 			}
 		})
