@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/workers/llamacpp/llamatest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
@@ -167,5 +168,66 @@ func TestAdapterLlamaCPPBaseModel(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// While the only server holding an adapter is down, a request for it is a
+// 503 with Retry-After, whose message does not say where the server is;
+// one for an adapter no server holds, or a model nobody serves, is a 404.
+func TestAdapterLlamaCPPHolderDown(t *testing.T) {
+	sqlSrv := llamatest.Start(t, llamatest.Config{Model: model, LoRA: []string{"/adapters/sql"}, LoRAInitWithoutApply: true})
+	chatSrv := llamatest.Start(t, llamatest.Config{Model: model, LoRA: []string{"/adapters/chat"}, LoRAInitWithoutApply: true})
+	workers := []scheduler.WorkerConfig{
+		{Name: "l0", Kind: scheduler.KindLlamaCPP, Address: sqlSrv.URL, Models: []string{model}},
+		{Name: "l1", Kind: scheduler.KindLlamaCPP, Address: chatSrv.URL, Models: []string{model}},
+	}
+	adapters := append(slices.Clone(loraAdapters), scheduler.AdapterConfig{Name: "ghost", BaseModel: model, Source: "/adapters/ghost"})
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Workers: workers, Adapters: adapters,
+		Pool: pool.Config{HealthInterval: 50 * time.Millisecond, HealthTimeout: time.Second, UnhealthyAfter: 1}})
+	eventually(t, 10*time.Second, func() error {
+		if w := s.Pool.Snapshot().Worker("l0"); !w.HoldsAdapter("sql") {
+			return fmt.Errorf("scheduler sees l0 holding %v", w.Adapters())
+		}
+		return nil
+	})
+	hc := httpClient(t)
+	ask := func(name string) rawResult {
+		return do(t, hc, http.MethodPost, "http://"+addr+"/v1/chat/completions",
+			`{"model":"`+name+`","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, nil)
+	}
+	if res := ask("sql"); res.status != http.StatusOK {
+		t.Fatalf("sql while its server is up: status %d: %s", res.status, res.body)
+	}
+	host := strings.TrimPrefix(sqlSrv.URL, "http://")
+	sqlSrv.Close()
+	// At once (the scheduler still counts the server available, and its
+	// connection is refused), then once the health checks saw it down.
+	check := func(when string) {
+		res := ask("sql")
+		if res.status != http.StatusServiceUnavailable || res.header.Get("Retry-After") == "" {
+			t.Errorf("sql %s: status %d, Retry-After %q; want 503 with Retry-After", when, res.status, res.header.Get("Retry-After"))
+		}
+		_, _, code, msg := decodeError(t, res.body)
+		if code != "no_worker_available" {
+			t.Errorf("sql %s: code %q, want no_worker_available", when, code)
+		}
+		port := host[strings.LastIndex(host, ":"):]
+		if strings.Contains(string(res.body), "127.0.0.1") || strings.Contains(string(res.body), port) || strings.Contains(msg, "dial") {
+			t.Errorf("sql %s: the client reads where the server is: %s", when, res.body)
+		}
+	}
+	check("with its server just gone")
+	eventually(t, 10*time.Second, func() error {
+		if s.Pool.Snapshot().Worker("l0").Available() {
+			return fmt.Errorf("l0 still available")
+		}
+		return nil
+	})
+	check("with its server seen down")
+	for _, name := range []string{"ghost", "nobody"} {
+		res := ask(name)
+		if _, _, code, _ := decodeError(t, res.body); res.status != http.StatusNotFound || code != "model_not_found" {
+			t.Errorf("%s: status %d, code %q; want 404 model_not_found", name, res.status, code)
+		}
 	}
 }
