@@ -183,7 +183,7 @@ func TestAdapterLlamaCPPHolderDown(t *testing.T) {
 	}
 	adapters := append(slices.Clone(loraAdapters), scheduler.AdapterConfig{Name: "ghost", BaseModel: model, Source: "/adapters/ghost"})
 	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Workers: workers, Adapters: adapters,
-		Pool: pool.Config{HealthInterval: 50 * time.Millisecond, HealthTimeout: time.Second, UnhealthyAfter: 1}})
+		Pool: pool.Config{HealthInterval: 200 * time.Millisecond, HealthTimeout: 200 * time.Millisecond, UnhealthyAfter: 1}})
 	eventually(t, 10*time.Second, func() error {
 		if w := s.Pool.Snapshot().Worker("l0"); !w.HoldsAdapter("sql") {
 			return fmt.Errorf("scheduler sees l0 holding %v", w.Adapters())
