@@ -232,6 +232,7 @@ type chatResult struct {
 	prefill       string // X-Baton-Prefill-Worker
 	content       string
 	finish        string
+	model         string // the response's model
 	prompt        int64
 	cached        int64
 }
@@ -254,6 +255,7 @@ func chat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams, opts 
 		prefill: resp.Header.Get("X-Baton-Prefill-Worker"),
 		content: got.Choices[0].Message.Content,
 		finish:  got.Choices[0].FinishReason,
+		model:   got.Model,
 		prompt:  got.Usage.PromptTokens,
 		cached:  got.Usage.PromptTokensDetails.CachedTokens,
 	}
@@ -305,6 +307,7 @@ func streamChat(t testing.TB, c openai.Client, p openai.ChatCompletionNewParams,
 		worker:  resp.Header.Get("X-Baton-Worker"),
 		route:   resp.Header.Get("X-Baton-Route"),
 		prefill: resp.Header.Get("X-Baton-Prefill-Worker"),
+		model:   acc.Model,
 		prompt:  acc.Usage.PromptTokens,
 		cached:  acc.Usage.PromptTokensDetails.CachedTokens,
 	}

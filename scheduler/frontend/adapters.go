@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"time"
@@ -63,6 +64,7 @@ type loader struct {
 	byName  map[string]engine.Adapter
 	metrics *metrics.Adapters
 	pool    *pool.Pool
+	log     *slog.Logger
 	// freed is called when a loaded adapter's pin ends without a request
 	// ending (every request that waited for the load went elsewhere):
 	// requests queued for a slot may take it.
@@ -296,7 +298,7 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 		}
 		if w == nil {
 			if lastErr != nil {
-				return nil, nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, lastErr)
+				return nil, nil, fmt.Errorf("%w %s: %w", errNoAdapterWorker, a.Name, &clientSafe{"its load failed", lastErr})
 			}
 			if l.slotsBusy(a, failed) {
 				return nil, nil, fmt.Errorf("adapter %s: %w", a.Name, errSlotsBusy)
@@ -328,6 +330,7 @@ func (l *loader) load(base context.Context, a engine.Adapter, failed []*pool.Wor
 			return w, unpin, nil
 		}
 		l.metrics.Loads.WithLabelValues(w.Name, a.Name, "failed").Inc()
+		l.log.Warn("adapter load failed", "worker", w.Name, "adapter", a.Name, "err", err)
 		failed = append(failed, w)
 		lastErr = err
 	}

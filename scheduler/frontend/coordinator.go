@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strconv"
@@ -413,8 +414,17 @@ type drainStream struct {
 
 func (d drainStream) Recv() (engine.Event, error) {
 	ev, err := d.Stream.Recv()
-	if err != nil && errors.Is(context.Cause(d.ctx), ErrDrained) {
+	var e *openai.Error
+	switch {
+	case err == nil:
+	case errors.Is(context.Cause(d.ctx), ErrDrained):
 		return ev, errInterrupted
+	case errors.Is(err, io.EOF) || errors.As(err, &e):
+	default:
+		// The client's stream_interrupted event says what the engine
+		// said, not where it is.
+		return ev, fmt.Errorf("%w: %w", &openai.Error{Status: http.StatusBadGateway, Type: openai.TypeServer, Code: "stream_interrupted",
+			Message: withEngineSaid("the worker stream ended early", err)}, err)
 	}
 	return ev, err
 }
@@ -460,17 +470,22 @@ func (x *exchange) fail(ctx context.Context, err error) string {
 		e = openai.ModelNotFound(x.req.Model)
 		outcome = metrics.OutcomeInvalid
 	case errors.Is(err, engine.ErrInvalid):
-		e = openai.Invalid("", "invalid_request", "the worker rejected the request: "+err.Error())
+		e = openai.Invalid("", "invalid_request", withEngineSaid("the worker rejected the request", err))
 		outcome = metrics.OutcomeInvalid
 	case errors.Is(err, engine.ErrTooLarge):
 		e = &openai.Error{Status: http.StatusRequestEntityTooLarge, Type: openai.TypeInvalidRequest, Code: "request_too_large",
-			Message: "the request is larger than the workers accept: " + err.Error()}
+			Message: withEngineSaid("the request is larger than the workers accept", err)}
 		outcome = metrics.OutcomeInvalid
 	case errors.Is(err, engine.ErrUnavailable):
-		e = openai.NoWorker("every worker tried was unavailable: " + err.Error())
+		e = openai.NoWorker(withEngineSaid("every worker tried was unavailable", err))
 		outcome = metrics.OutcomeNoWorker
 	default:
-		e = openai.Internal(http.StatusBadGateway, "the worker failed: "+err.Error())
+		e = openai.Internal(http.StatusBadGateway, withEngineSaid("the worker failed", err))
+	}
+	if e.Status >= 500 {
+		// The client reads what the engine said; the log keeps where
+		// it is.
+		x.s.log.Warn("request failed", "id", x.req.ID, "model", x.req.Model, "worker", x.worker, "status", e.Status, "err", err)
 	}
 	x.w.Header().Del(HeaderRoute)
 	if outcome == metrics.OutcomeNoWorker {

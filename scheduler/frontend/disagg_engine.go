@@ -174,7 +174,7 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 		h.Del(HeaderPrefillWorker)
 		msg := "no prefill worker could serve the request, and decode workers cannot prefill alone"
 		if e.err != nil {
-			msg += ": " + e.err.Error()
+			msg = withEngineSaid(msg, e.err)
 		}
 		// Not the decode worker's fault, nor worth another one.
 		return false, pool.ClientError(openai.NoWorker(msg))

@@ -144,10 +144,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	}
 	s.freed = make(chan struct{})
 	if s.lora != nil {
-		s.lora.metrics, s.lora.pool, s.lora.freed = m.NewAdapters(), p, s.released
+		s.lora.metrics, s.lora.pool, s.lora.freed, s.lora.log = m.NewAdapters(), p, s.released, log
 		if s.disagg != nil {
 			s.loraPrefill = &loader{cfg: s.lora.cfg, byName: s.lora.byName, metrics: s.lora.metrics, pool: s.disagg.Pool,
-				freed: s.released, loads: make(map[string]*adapterLoad)}
+				log: log, freed: s.released, loads: make(map[string]*adapterLoad)}
 		}
 	}
 	if s.cfg.MaxQueue > 0 {

@@ -30,6 +30,12 @@ const maxUsageBody = 8 << 20
 // Usage (and the finish reason) are read from the stream's usage chunk or
 // the whole response's usage object.
 //
+// The model a 2xx response names (each chunk's, or the whole response's)
+// is the one the client asked for, req.Model when set, whatever the
+// engine answered: llama-server names its base model, or its file, for a
+// request for one of its LoRA adapters. A non-streamed response is then
+// kept whole (up to 8 MiB) to be rewritten before it is relayed.
+//
 // Cancelling ctx (the client went away) cancels the engine's request.
 func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
 	return c.proxy(ctx, req, w, onFirstToken, nil)
@@ -83,7 +89,7 @@ func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.Response
 	}
 	rw := &relayWriter{w: w, rc: http.NewResponseController(w), onFirst: onFirstToken}
 	if ok {
-		rw.cached = cached
+		rw.cached, rw.model = cached, req.Model
 	}
 	var usage usageTracker
 	if isEventStream(ct) {
@@ -120,11 +126,33 @@ type relayWriter struct {
 	cached    func() (int, bool)
 	rewrote   bool
 	rewroteTo int
+	// model, if set, is the model every chunk or response names.
+	model string
 }
 
-// rewrite returns the data of a chunk or response with its usage's cached
-// tokens replaced, when the relay does that.
+// rewrite returns the data of a chunk or response with its model and its
+// usage's cached tokens replaced, when the relay does that.
 func (rw *relayWriter) rewrite(data []byte) ([]byte, bool) {
+	data, named := rw.nameModel(data)
+	out, counted := rw.rewriteCached(data)
+	return out, named || counted
+}
+
+// nameModel returns data with its model replaced by rw.model, when it
+// names another.
+func (rw *relayWriter) nameModel(data []byte) ([]byte, bool) {
+	if rw.model == "" || valueStart(data, `"model"`) == 0 {
+		return data, false
+	}
+	if m, ok := plainString(data, `"model"`); ok && m == rw.model {
+		return data, false
+	}
+	return withModel(data, rw.model)
+}
+
+// rewriteCached returns data with its usage's cached tokens replaced,
+// when the relay does that.
+func (rw *relayWriter) rewriteCached(data []byte) ([]byte, bool) {
 	if rw.cached == nil || valueStart(data, `"usage"`) != '{' {
 		return data, false
 	}
@@ -231,9 +259,9 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 // relayBody copies a whole (non-streamed) response as it comes, keeping up
 // to maxUsageBody of a 2xx body to read its usage at the end.
 func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bool) error {
-	if inspect && rw.cached != nil {
-		// The usage comes last: keep the response (sent whole once
-		// generated anyway) to rewrite it.
+	if inspect && (rw.cached != nil || rw.model != "") {
+		// The usage comes last, the model anywhere: keep the response
+		// (sent whole once generated anyway) to rewrite it.
 		b, err := io.ReadAll(io.LimitReader(body, maxUsageBody+1))
 		if err != nil {
 			return fmt.Errorf("reading engine response: %w", err)
@@ -288,3 +316,43 @@ func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bo
 }
 
 var _ engine.Proxier = (*Client)(nil)
+
+// withModel returns data, a JSON object, with the value of its top-level
+// "model" key replaced by model, and the rest of its bytes as they were;
+// false if data is not an object or has no such key.
+func withModel(data []byte, model string) ([]byte, bool) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return data, false
+	}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return data, false
+		}
+		afterKey := int(dec.InputOffset())
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return data, false
+		}
+		if key, _ := t.(string); key != "model" {
+			continue
+		}
+		end := int(dec.InputOffset())
+		start := afterKey + skipSpace(data[afterKey:])
+		if start >= end || data[start] != ':' {
+			return data, false
+		}
+		start++
+		start += skipSpace(data[start:end])
+		name, err := json.Marshal(model)
+		if err != nil {
+			return data, false
+		}
+		out := make([]byte, 0, len(data)-(end-start)+len(name))
+		out = append(out, data[:start]...)
+		out = append(out, name...)
+		return append(out, data[end:]...), true
+	}
+	return data, false
+}

@@ -53,12 +53,18 @@ func (c *Client) Close() error {
 
 // Proxy relays req as httpengine.Client.Proxy does, with cache_prompt
 // set to true unless the client set it, and the LoRA adapter it names
-// applied (lora.go). A request for an adapter the server does not hold
-// is refused (engine.ErrUnknownModel) before anything is written.
+// applied, every other the server holds at scale 0 (lora.go). A request
+// for an adapter the server does not hold is refused
+// (engine.ErrUnknownModel), and any request while the server's adapters
+// cannot be read (engine.ErrUnavailable), before anything is written.
 func (c *Client) Proxy(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func()) (engine.ProxyResult, error) {
 	if req != nil {
 		r := *req
-		body, ok := c.withLoRA(req.Body, req.Model)
+		held, err := c.heldLoRA(ctx)
+		if err != nil {
+			return engine.ProxyResult{}, fmt.Errorf("proxy: %w", err)
+		}
+		body, ok := c.withLoRA(req.Body, req.Model, held)
 		if !ok {
 			return engine.ProxyResult{}, fmt.Errorf("llama-server does not hold the adapter %q: %w", req.Model, engine.ErrUnknownModel)
 		}

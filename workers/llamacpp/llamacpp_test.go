@@ -2,8 +2,15 @@ package llamacpp_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -112,5 +119,128 @@ func TestScraperLoad(t *testing.T) {
 		if err != nil || m.Running != 1 {
 			t.Errorf("no metrics %v: scraped %+v, %v during a request; want 1 running", noMetrics, m, err)
 		}
+	}
+}
+
+// proxyChat sends a chat request for model through c and returns the
+// generated text.
+func proxyChat(t *testing.T, c *llamacpp.Client, model string, stream bool) (string, error) {
+	t.Helper()
+	body := fmt.Sprintf(`{"model":%q,"max_tokens":2,"stream":%v,"messages":[{"role":"user","content":"hi"}]}`, model, stream)
+	rec := httptest.NewRecorder()
+	_, err := c.Proxy(context.Background(), &engine.Request{Model: model, Path: "/v1/chat/completions", Body: []byte(body), Stream: stream}, rec, nil)
+	if err != nil {
+		return "", err
+	}
+	if !stream {
+		var r struct {
+			Choices []struct {
+				Message struct {
+					Content string `json:"content"`
+				} `json:"message"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &r); err != nil || len(r.Choices) != 1 {
+			t.Fatalf("response %q: %v", rec.Body, err)
+		}
+		return r.Choices[0].Message.Content, nil
+	}
+	var text strings.Builder
+	for _, line := range strings.Split(rec.Body.String(), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var ch struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(data), &ch); err != nil {
+			t.Fatalf("chunk %q: %v", data, err)
+		}
+		for _, c := range ch.Choices {
+			text.WriteString(c.Delta.Content)
+		}
+	}
+	return text.String(), nil
+}
+
+// A server started with adapters gives the base model to a base-model
+// request, and an adapter request that adapter alone, whether the server
+// applies its adapters by default or not (--lora-init-without-apply), and
+// whether the client was told of the adapters or not.
+func TestLoRABaseModel(t *testing.T) {
+	adapters := []engine.Adapter{{Name: "sql", Base: "model", Source: "/adapters/sql.gguf"},
+		{Name: "chat", Base: "model", Source: "/adapters/chat.gguf"}}
+	for _, withoutApply := range []bool{false, true} {
+		for _, told := range []bool{false, true} {
+			srv := llamatest.Start(t, llamatest.Config{LoRA: []string{"/adapters/math.gguf", "/adapters/sql.gguf"}, LoRAInitWithoutApply: withoutApply})
+			c, err := llamacpp.New(srv.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			if told {
+				c.ServeAdapters(adapters)
+			}
+			name := fmt.Sprintf("without apply %v, told %v", withoutApply, told)
+			for _, stream := range []bool{false, true} {
+				got, err := proxyChat(t, c, "model", stream)
+				if err != nil || got != "ok ok " {
+					t.Errorf("%s, stream %v: base model answered %q, %v; want %q", name, stream, got, err, "ok ok ")
+				}
+				reqs := srv.Requests()
+				if applied := reqs[len(reqs)-1].Applied; applied != nil {
+					t.Errorf("%s, stream %v: base model: server applied %v", name, stream, applied)
+				}
+				if !told {
+					continue
+				}
+				got, err = proxyChat(t, c, "sql", stream)
+				if err != nil || got != "sql sql " {
+					t.Errorf("%s, stream %v: sql answered %q, %v; want %q", name, stream, got, err, "sql sql ")
+				}
+				if _, err := proxyChat(t, c, "chat", stream); !errors.Is(err, engine.ErrUnknownModel) {
+					t.Errorf("%s, stream %v: adapter the server does not hold: %v, want ErrUnknownModel", name, stream, err)
+				}
+			}
+		}
+	}
+}
+
+// Until the client has read which adapters the server holds, it sends it
+// nothing: a request waits for the list, and is refused as the server
+// being unavailable while the list cannot be read.
+func TestLoRAListUnknown(t *testing.T) {
+	srv := llamatest.Start(t, llamatest.Config{LoRA: []string{"/adapters/sql.gguf"}, LoRAInitWithoutApply: true})
+	target, _ := url.Parse(srv.URL)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var listFails atomic.Bool
+	listFails.Store(true)
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/lora-adapters" && listFails.Load() {
+			http.Error(w, "busy", http.StatusServiceUnavailable)
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
+	c, err := llamacpp.New(front.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if _, err := proxyChat(t, c, "model", false); !errors.Is(err, engine.ErrUnavailable) {
+		t.Errorf("adapter list unreadable: %v, want ErrUnavailable", err)
+	}
+	if n := len(srv.Requests()); n != 0 {
+		t.Errorf("adapter list unreadable: server got %d requests", n)
+	}
+	listFails.Store(false)
+	if got, err := proxyChat(t, c, "model", false); err != nil || got != "ok ok " {
+		t.Errorf("adapter list readable: base model answered %q, %v; want %q", got, err, "ok ok ")
 	}
 }

@@ -6,7 +6,10 @@
 // own), else the one used least lately, reuses the tokens they share if
 // it asked to (cache_prompt), and leaves its own prompt there. It reports
 // what it reused in timings.cache_n and, like newer servers, in usage.
-// Its "tokens" are 4 characters of the prompt; it generates no real text.
+// Its "tokens" are 4 characters of the prompt; it generates no real text,
+// but says which LoRA adapters it applied: each generated token is "ok "
+// from the base model alone, else the applied adapters' file names
+// (without extension) joined by "+" (as "sql ").
 package llamatest
 
 import (
@@ -15,6 +18,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path"
 	"strings"
 	"sync"
 	"testing"
@@ -47,8 +51,19 @@ type Config struct {
 	PrefillPerToken, TokenTime time.Duration
 	// LoRA are the paths of the LoRA adapters loaded at start (--lora),
 	// whose ids are their positions: GET /lora-adapters lists them, at
-	// scale 1, and a request's lora field ([{id, scale}]) applies them.
+	// scale 1 (0 with LoRAInitWithoutApply).
+	//
+	// A request's lora field ([{id, scale}]) sets the scales of the
+	// adapters it names. As late-2026 servers do, a request whose lora is
+	// empty ([]) or absent gets every adapter at scale 1, whatever the
+	// global scales (even with --lora-init-without-apply), and an adapter
+	// a non-empty lora leaves out keeps scale 1 too (the least forgiving
+	// reading; older servers set it to 0): a client that wants the base
+	// model alone must name every adapter at scale 0.
 	LoRA []string
+	// LoRAInitWithoutApply is --lora-init-without-apply: GET
+	// /lora-adapters lists every adapter at scale 0.
+	LoRAInitWithoutApply bool
 }
 
 // Request is what the server did with one completion request.
@@ -57,9 +72,11 @@ type Request struct {
 	PromptTokens int
 	CachedTokens int
 	CachePrompt  bool // the request asked to reuse the slot's cache
-	// LoRA is the request's lora field, nil without one (the server's
-	// own scales apply).
+	// LoRA is the request's lora field, nil without one.
 	LoRA []LoRA
+	// Applied are the paths of the adapters the server applied, with a
+	// scale above 0, in id order; nil for the base model alone.
+	Applied []string
 }
 
 // LoRA is an adapter's scale in a request's lora field.
@@ -244,8 +261,12 @@ func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
 // loraAdapters answers GET /lora-adapters: the adapters loaded at start.
 func (s *Server) loraAdapters(w http.ResponseWriter, _ *http.Request) {
 	out := make([]map[string]any, len(s.cfg.LoRA))
+	scale := 1.0
+	if s.cfg.LoRAInitWithoutApply {
+		scale = 0
+	}
 	for i, p := range s.cfg.LoRA {
-		out[i] = map[string]any{"id": i, "path": p, "scale": 1.0}
+		out[i] = map[string]any{"id": i, "path": p, "scale": scale}
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -317,8 +338,8 @@ func commonPrefix(a, b []string) int {
 
 // acquire takes the slot for prompt as llama-server picks it, waiting
 // while every slot is busy, and returns it with the tokens it reuses.
-func (s *Server) acquire(prompt []string, cachePrompt bool, lora []LoRA) (int, int) {
-	key := loraKey(lora, len(s.cfg.LoRA))
+func (s *Server) acquire(prompt []string, cachePrompt bool, lora []LoRA, applied []float64) (int, int) {
+	key := loraKey(applied)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	waited := false
@@ -352,7 +373,8 @@ func (s *Server) acquire(prompt []string, cachePrompt bool, lora []LoRA) (int, i
 			}
 			s.tick++
 			sl.busy, sl.used, sl.tokens, sl.lora = true, s.tick, append([]string(nil), prompt...), key
-			s.requests = append(s.requests, Request{Slot: best, PromptTokens: len(prompt), CachedTokens: cached, CachePrompt: cachePrompt, LoRA: lora})
+			s.requests = append(s.requests, Request{Slot: best, PromptTokens: len(prompt), CachedTokens: cached, CachePrompt: cachePrompt,
+				LoRA: lora, Applied: s.appliedPaths(applied)})
 			return best, cached
 		}
 		if !waited {
@@ -363,19 +385,52 @@ func (s *Server) acquire(prompt []string, cachePrompt bool, lora []LoRA) (int, i
 	}
 }
 
-// loraKey names the adapters a request applies, of n loaded: those its
-// lora field scales above 0, or, without one, all of them (scale 1).
-func loraKey(lora []LoRA, n int) string {
-	if lora == nil {
-		return fmt.Sprint("all", n)
+// scales returns the scale of each loaded adapter, by id, for a request
+// whose lora field is lora (Config.LoRA says how it is read).
+func (s *Server) scales(lora []LoRA) []float64 {
+	out := make([]float64, len(s.cfg.LoRA))
+	for i := range out {
+		out[i] = 1
 	}
-	var b strings.Builder
 	for _, l := range lora {
-		if l.Scale != 0 {
-			fmt.Fprintf(&b, "%d:%g,", l.ID, l.Scale)
+		out[l.ID] = l.Scale
+	}
+	return out
+}
+
+// appliedPaths returns the paths of the adapters scales applies.
+func (s *Server) appliedPaths(scales []float64) []string {
+	var out []string
+	for i, sc := range scales {
+		if sc != 0 {
+			out = append(out, s.cfg.LoRA[i])
+		}
+	}
+	return out
+}
+
+// loraKey names the adapters applied at scales: those above 0.
+func loraKey(scales []float64) string {
+	var b strings.Builder
+	for i, sc := range scales {
+		if sc != 0 {
+			fmt.Fprintf(&b, "%d:%g,", i, sc)
 		}
 	}
 	return b.String()
+}
+
+// tokenText is each generated token: "ok " from the base model alone,
+// else the applied adapters' names.
+func tokenText(applied []string) string {
+	if len(applied) == 0 {
+		return "ok "
+	}
+	names := make([]string, len(applied))
+	for i, p := range applied {
+		names[i] = strings.TrimSuffix(path.Base(p), path.Ext(p))
+	}
+	return strings.Join(names, "+") + " "
 }
 
 func (s *Server) release(i int) {
@@ -412,7 +467,8 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	i, cached := s.acquire(prompt, cachePrompt, c.LoRA)
+	scales := s.scales(c.LoRA)
+	i, cached := s.acquire(prompt, cachePrompt, c.LoRA, scales)
 	defer s.release(i)
 	s.mu.Lock()
 	h := s.hold
@@ -428,7 +484,8 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 	if n <= 0 {
 		n = 4
 	}
-	text := strings.Repeat("ok ", n)
+	tok := tokenText(s.appliedPaths(scales))
+	text := strings.Repeat(tok, n)
 	chat := len(c.Messages) > 0
 	usage := map[string]any{"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 	if !s.cfg.NoUsageDetails {
@@ -468,9 +525,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 	for range n {
 		time.Sleep(s.cfg.TokenTime)
 		if chat {
-			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": "ok "}, "finish_reason": nil}))
+			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": tok}, "finish_reason": nil}))
 		} else {
-			send(chunk(map[string]any{"index": 0, "text": "ok ", "finish_reason": nil}))
+			send(chunk(map[string]any{"index": 0, "text": tok, "finish_reason": nil}))
 		}
 	}
 	last := chunk(map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"})
