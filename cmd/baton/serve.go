@@ -197,6 +197,7 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	f.register(fs, scheduler.DefaultListen, scheduler.DefaultStrategy)
 	fs.Var(&f.workers, "worker", "a worker, `[name=]host:port` (baton gRPC) or [name=]http://host:port (OpenAI-compatible engine); repeatable, added to the config's workers")
 	f.registerTLS(fs)
+	pprofListen := fs.String("pprof-listen", "", "loopback listen `address` of net/http/pprof under /debug/pprof/ (off when empty)")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
 	}
@@ -206,6 +207,21 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if err := f.check(fs, cfg, false); err != nil {
 		return err
+	}
+	if *pprofListen != "" {
+		if err := loopbackAddr(*pprofListen); err != nil {
+			return fmt.Errorf("--pprof-listen: %w", err)
+		}
+		log, err := newLogger(stderr, cfg.WithDefaults().LogLevel)
+		if err != nil {
+			return err
+		}
+		srv, err := serveDebug("pprof-listen", *pprofListen, pprofHandler(), log)
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+		log.Info("pprof listening", "addr", srv.addr)
 	}
 	return runScheduler(ctx, cfg, stdout, stderr, nil)
 }

@@ -5,20 +5,23 @@
 // as the stub engine, its modelled clock sped up so that compute is
 // negligible (at the default -timescale a step sleeps nanoseconds; a
 // lower one adds each one-token answer's modelled step, about 6 ms over
-// the time scale). In-process schedulers route to it as an http worker (and,
-// for comparison, over its gRPC API), and an HAProxy child process proxies
-// to it. Sequential streaming chat requests with max_tokens 1 then go
-// round-robin to each path over keep-alive connections; each is timed to
-// its last byte (data: [DONE]). The report gives percentiles per path and
-// each proxy's added latency, both as a difference of percentiles and as
-// percentiles of the per-round difference to the direct request.
+// the time scale). A `baton serve` child process routes to it as an http
+// worker, as a user deploys it, and an HAProxy child process proxies to
+// it; for comparison, schedulers inside this process route to it as an
+// http worker and over its gRPC API. Sequential streaming chat requests
+// with max_tokens 1 then go round-robin to each path over keep-alive
+// connections; each is timed to its first byte of body (the first event)
+// and to its last (data: [DONE]). The report gives percentiles per path
+// and each proxy's added latency, both as a difference of percentiles and
+// as percentiles of the per-round difference to the direct request.
 //
-//	make bench-proxy    # go run ./bench/cmd/proxybench
+//	make bench-proxy    # go run ./bench/cmd/proxybench -baton bin/baton
 package main
 
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -45,13 +48,14 @@ const model = "llama-3.1-8b"
 
 // Paths a request can take to the engine.
 const (
-	pathDirect    = "direct"
-	pathHAProxy   = "haproxy"
-	pathBaton     = "baton"      // scheduler, engine as an http worker
-	pathBatonGRPC = "baton-grpc" // scheduler, the same engine over gRPC
+	pathDirect      = "direct"
+	pathHAProxy     = "haproxy"
+	pathBaton       = "baton"        // baton serve in its own process, engine as an http worker
+	pathBatonInproc = "baton-inproc" // the scheduler in this process, engine as an http worker
+	pathBatonGRPC   = "baton-grpc"   // the scheduler in this process, the same engine over gRPC
 )
 
-var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonGRPC}
+var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonInproc, pathBatonGRPC}
 
 func main() {
 	if err := run(); err != nil {
@@ -69,6 +73,8 @@ func run() error {
 	promptChars := flag.Int("prompt-chars", 0, "pad each prompt to about this many characters (an 8,000-token document is ~32,000)")
 	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole process to `file` at the end")
 	haproxyBin := flag.String("haproxy", "", "HAProxy binary (default: haproxy on PATH, or /usr/sbin/haproxy)")
+	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
+	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
 	flag.Parse()
 
 	paths := strings.Split(*pathsFlag, ",")
@@ -103,8 +109,16 @@ func run() error {
 		urls[pathHAProxy] = "http://" + hp.addr
 		haproxyVersion = hp.version
 	}
+	var bs *batonServe
+	if slices.Contains(paths, pathBaton) {
+		if bs, err = startBatonServe(*batonBin, engineURL, *batonProfile != ""); err != nil {
+			return err
+		}
+		defer bs.stop()
+		urls[pathBaton] = "http://" + bs.addr
+	}
 	for _, p := range []struct{ path, kind, addr string }{
-		{pathBaton, scheduler.KindHTTP, engineURL},
+		{pathBatonInproc, scheduler.KindHTTP, engineURL},
 		{pathBatonGRPC, scheduler.KindGRPC, w.GRPCAddr},
 	} {
 		if !slices.Contains(paths, p.path) {
@@ -132,7 +146,8 @@ func run() error {
 		*n, *warmup, len(requestBody(0, *promptChars)))
 	fmt.Printf("stub engine: baton's simulated worker (workers/sim, %s, TimeScale %g) on its own OpenAI HTTP endpoint %s\n", model, *timeScale, engineURL)
 	fmt.Printf("paths: direct = client → engine; haproxy = client → %s → engine (mode http, http-reuse always);\n", orNone(haproxyVersion))
-	fmt.Printf("       baton = client → scheduler (strategy random, kind: http worker) → engine; baton-grpc = scheduler → the same worker over gRPC\n")
+	fmt.Printf("       baton = client → baton serve, its own process (strategy random, kind: http worker) → engine;\n")
+	fmt.Printf("       baton-inproc = the same scheduler inside this process; baton-grpc = that scheduler → the same worker over gRPC\n")
 	fmt.Printf("%s, GOMAXPROCS %d, %d CPUs\n\n", runtime.Version(), runtime.GOMAXPROCS(0), runtime.NumCPU())
 
 	if *cpuProfile != "" {
@@ -147,8 +162,13 @@ func run() error {
 		defer pprof.StopCPUProfile()
 	}
 
-	times := map[string][]time.Duration{}
+	var profiled chan error
+	times := map[string][]timing{}
 	for round := -*warmup; round < *n; round++ {
+		if round == 0 && *batonProfile != "" && bs != nil {
+			profiled = make(chan error, 1)
+			go func() { profiled <- bs.profile(*batonProfile, *n) }()
+		}
 		body := requestBody(round, *promptChars)
 		// Rotate which path goes first, so that none always follows
 		// another's connection wake-ups.
@@ -164,7 +184,15 @@ func run() error {
 			}
 		}
 	}
-	report(os.Stdout, paths, times)
+	fmt.Println("Time to the first byte of the body (the first event):")
+	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.first })
+	fmt.Println("\nTime to data: [DONE]:")
+	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.done })
+	if profiled != nil {
+		if err := <-profiled; err != nil {
+			return fmt.Errorf("baton serve's CPU profile: %w", err)
+		}
+	}
 	if *memProfile != "" {
 		f, err := os.Create(*memProfile)
 		if err != nil {
@@ -204,23 +232,31 @@ type client struct {
 	br   *bufio.Reader // reused, so that the client allocates little
 }
 
-// timeRequest posts body and returns the time from sending it to reading
-// the stream's [DONE] event. The rest of the body is read afterwards,
-// untimed, so that the connection is reused.
-func (c *client) timeRequest(body []byte) (time.Duration, error) {
+// timing is one request's: from sending it to reading the first byte of
+// the response's body, and to reading its [DONE] event.
+type timing struct{ first, done time.Duration }
+
+// timeRequest posts body and times it. The rest of the body is read
+// afterwards, untimed, so that the connection is reused.
+func (c *client) timeRequest(body []byte) (timing, error) {
+	var t timing
 	start := time.Now()
 	resp, err := c.hc.Post(c.base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
-		return 0, err
+		return t, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<10))
-		return 0, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return t, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 	}
 	br := c.br
 	br.Reset(resp.Body)
 	defer br.Reset(nil)
+	if _, err := br.Peek(1); err != nil {
+		return t, fmt.Errorf("empty stream: %w", err)
+	}
+	t.first = time.Since(start)
 	content := false
 	for {
 		line, err := br.ReadSlice('\n')
@@ -231,17 +267,17 @@ func (c *client) timeRequest(body []byte) (time.Duration, error) {
 			content = true
 		}
 		if err != nil {
-			return 0, fmt.Errorf("stream ended before [DONE]: %w", err)
+			return t, fmt.Errorf("stream ended before [DONE]: %w", err)
 		}
 	}
-	d := time.Since(start)
+	t.done = time.Since(start)
 	if _, err := io.Copy(io.Discard, br); err != nil {
-		return 0, err
+		return t, err
 	}
 	if !content {
-		return 0, errors.New("no content chunk before [DONE]")
+		return t, errors.New("no content chunk before [DONE]")
 	}
-	return d, nil
+	return t, nil
 }
 
 // waitReady sends requests until one succeeds (a scheduler routes only
@@ -284,6 +320,119 @@ func startScheduler(kind, addr string) (string, func(), error) {
 	served := make(chan error, 1)
 	go func() { served <- s.Serve(l) }()
 	return l.Addr().String(), func() { s.Close(); <-served }, nil
+}
+
+// batonServe is a `baton serve` child process.
+type batonServe struct {
+	cmd       *exec.Cmd
+	dir       string // the temporary build's, if any
+	addr      string
+	pprofAddr string
+	exited    chan struct{}
+}
+
+// startBatonServe runs bin (built from ./cmd/baton when empty) as
+// `baton serve` with engineURL as its one http worker, strategy random,
+// logging at its default level (info: nothing per request), and returns
+// once it accepts connections.
+func startBatonServe(bin, engineURL string, pprof bool) (*batonServe, error) {
+	b := &batonServe{exited: make(chan struct{})}
+	if bin == "" {
+		dir, err := os.MkdirTemp("", "proxybench-baton")
+		if err != nil {
+			return nil, err
+		}
+		b.dir = dir
+		bin = filepath.Join(dir, "baton")
+		build := exec.Command("go", "build", "-o", bin, "github.com/batonllm/baton/cmd/baton")
+		build.Stdout, build.Stderr = os.Stderr, os.Stderr
+		if err := build.Run(); err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("building baton: %w", err)
+		}
+	}
+	var err error
+	if b.addr, err = freeAddr(); err != nil {
+		return nil, err
+	}
+	args := []string{"serve", "--listen", b.addr, "--strategy", "random", "--worker", "stub=" + engineURL}
+	if pprof {
+		if b.pprofAddr, err = freeAddr(); err != nil {
+			return nil, err
+		}
+		args = append(args, "--pprof-listen", b.pprofAddr)
+	}
+	b.cmd = exec.Command(bin, args...)
+	b.cmd.Stdout, b.cmd.Stderr = os.Stderr, os.Stderr
+	if err := b.cmd.Start(); err != nil {
+		os.RemoveAll(b.dir)
+		return nil, fmt.Errorf("starting baton serve: %w", err)
+	}
+	go func() { b.cmd.Wait(); close(b.exited) }()
+	if err := waitListening(b.addr, b.exited); err != nil {
+		b.stop()
+		return nil, fmt.Errorf("baton serve: %w", err)
+	}
+	return b, nil
+}
+
+// profile writes a CPU profile of the process over about the time n
+// rounds take (1 ms each at most, and at least 5 s) to file.
+func (b *batonServe) profile(file string, n int) error {
+	secs := max(5, n/1000)
+	resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", b.pprofAddr, secs))
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("status %d", resp.StatusCode)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// stop ends the process as a user would, with SIGINT, and waits for it.
+func (b *batonServe) stop() {
+	b.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-b.exited:
+	case <-time.After(5 * time.Second):
+		b.cmd.Process.Kill()
+		<-b.exited
+	}
+	if b.dir != "" {
+		os.RemoveAll(b.dir)
+	}
+}
+
+// waitListening returns once addr accepts connections, or an error when
+// exited is closed first or after 10 s.
+func waitListening(addr string, exited <-chan struct{}) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err == nil {
+			c.Close()
+			return nil
+		}
+		select {
+		case <-exited:
+			return errors.New("exited")
+		case <-ctx.Done():
+			return fmt.Errorf("does not listen on %s", addr)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // findHAProxy returns the HAProxy binary to run.
@@ -362,23 +511,11 @@ func startHAProxy(bin, engine string) (*haproxy, error) {
 		return nil, fmt.Errorf("starting haproxy: %w", err)
 	}
 	go func() { h.cmd.Wait(); close(h.exited) }()
-	for deadline := time.Now().Add(5 * time.Second); ; {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-			return h, nil
-		}
-		select {
-		case <-h.exited:
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("haproxy exited: %v", h.cmd.ProcessState)
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			h.stop()
-			return nil, fmt.Errorf("haproxy does not listen on %s", addr)
-		}
+	if err := waitListening(addr, h.exited); err != nil {
+		h.stop()
+		return nil, fmt.Errorf("haproxy: %w", err)
 	}
+	return h, nil
 }
 
 func (h *haproxy) stop() {
@@ -400,7 +537,13 @@ func freeAddr() (string, error) {
 
 // report prints each path's percentiles and what each proxy adds to the
 // direct path, and baton's added latency over HAProxy's.
-func report(out io.Writer, paths []string, times map[string][]time.Duration) {
+func report(out io.Writer, paths []string, timings map[string][]timing, of func(timing) time.Duration) {
+	times := map[string][]time.Duration{}
+	for p, ts := range timings {
+		for _, t := range ts {
+			times[p] = append(times[p], of(t))
+		}
+	}
 	direct := times[pathDirect]
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "path\tp50\tp90\tp99\tadded p50\tadded p99\tper-round added p50\tper-round added p99\t")
@@ -427,7 +570,7 @@ func report(out io.Writer, paths []string, times map[string][]time.Duration) {
 		return
 	}
 	fmt.Fprintln(out)
-	for _, p := range []string{pathBaton, pathBatonGRPC} {
+	for _, p := range []string{pathBaton, pathBatonInproc, pathBatonGRPC} {
 		a, ok := adds[p]
 		if !ok {
 			continue
