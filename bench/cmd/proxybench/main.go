@@ -53,6 +53,7 @@ const (
 	pathBaton       = "baton"        // baton serve in its own process, engine as an http worker
 	pathBatonInproc = "baton-inproc" // the scheduler in this process, engine as an http worker
 	pathBatonGRPC   = "baton-grpc"   // the scheduler in this process, the same engine over gRPC
+	pathBatonB      = "baton-b"      // -baton-b: another build of baton serve, side by side
 )
 
 var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonInproc, pathBatonGRPC}
@@ -74,6 +75,7 @@ func run() error {
 	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole process to `file` at the end")
 	haproxyBin := flag.String("haproxy", "", "HAProxy binary (default: haproxy on PATH, or /usr/sbin/haproxy)")
 	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
+	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
 	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
 	flag.Parse()
 
@@ -85,6 +87,9 @@ func run() error {
 	}
 	if !slices.Contains(paths, pathDirect) {
 		paths = append([]string{pathDirect}, paths...)
+	}
+	if *batonB != "" {
+		paths = append(paths, pathBatonB)
 	}
 
 	w, err := sim.Start(sim.Config{Name: "stub", TimeScale: *timeScale}, "127.0.0.1:0", "127.0.0.1:0", nil)
@@ -116,6 +121,14 @@ func run() error {
 		}
 		defer bs.stop()
 		urls[pathBaton] = "http://" + bs.addr
+	}
+	if *batonB != "" {
+		b, err := startBatonServe(*batonB, engineURL, false)
+		if err != nil {
+			return err
+		}
+		defer b.stop()
+		urls[pathBatonB] = "http://" + b.addr
 	}
 	for _, p := range []struct{ path, kind, addr string }{
 		{pathBatonInproc, scheduler.KindHTTP, engineURL},
@@ -570,7 +583,7 @@ func report(out io.Writer, paths []string, timings map[string][]timing, of func(
 		return
 	}
 	fmt.Fprintln(out)
-	for _, p := range []string{pathBaton, pathBatonInproc, pathBatonGRPC} {
+	for _, p := range []string{pathBaton, pathBatonB, pathBatonInproc, pathBatonGRPC} {
 		a, ok := adds[p]
 		if !ok {
 			continue
