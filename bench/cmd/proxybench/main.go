@@ -7,8 +7,9 @@
 // lower one adds each one-token answer's modelled step, about 6 ms over
 // the time scale). A `baton serve` child process routes to it as an http
 // worker, as a user deploys it, and an HAProxy child process proxies to
-// it; for comparison, schedulers inside this process route to it as an
-// http worker and over its gRPC API. Sequential streaming chat requests
+// it, as does a third child, the least reverse proxy Go's net/http makes
+// (go-proxy: the floor of baton's HTTP stack); for comparison, schedulers
+// inside this process route to it as an http worker and over its gRPC API. Sequential streaming chat requests
 // with max_tokens 1 then go round-robin to each path over keep-alive
 // connections; each is timed to its first byte of body (the first event)
 // and to its last (data: [DONE]). The report gives percentiles per path
@@ -54,9 +55,10 @@ const (
 	pathBatonInproc = "baton-inproc" // the scheduler in this process, engine as an http worker
 	pathBatonGRPC   = "baton-grpc"   // the scheduler in this process, the same engine over gRPC
 	pathBatonB      = "baton-b"      // -baton-b: another build of baton serve, side by side
+	pathGoProxy     = "go-proxy"     // the least a Go net/http reverse proxy does, in its own process
 )
 
-var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonInproc, pathBatonGRPC}
+var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathGoProxy, pathBatonInproc, pathBatonGRPC}
 
 func main() {
 	if err := run(); err != nil {
@@ -77,7 +79,12 @@ func run() error {
 	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
 	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
 	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
+	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
+	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
 	flag.Parse()
+	if *minimal != "" {
+		return serveMinimalProxy(*minimal, *minimalEngine)
+	}
 
 	paths := strings.Split(*pathsFlag, ",")
 	for _, p := range paths {
@@ -122,6 +129,28 @@ func run() error {
 		defer bs.stop()
 		urls[pathBaton] = "http://" + bs.addr
 	}
+	if slices.Contains(paths, pathGoProxy) {
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		addr, err := freeAddr()
+		if err != nil {
+			return err
+		}
+		gp := exec.Command(self, "-minimal-proxy", addr, "-minimal-proxy-engine", engineURL)
+		gp.Stdout, gp.Stderr = os.Stderr, os.Stderr
+		if err := gp.Start(); err != nil {
+			return fmt.Errorf("starting go-proxy: %w", err)
+		}
+		exited := make(chan struct{})
+		go func() { gp.Wait(); close(exited) }()
+		defer func() { gp.Process.Kill(); <-exited }()
+		if err := waitListening(addr, exited); err != nil {
+			return fmt.Errorf("go-proxy: %w", err)
+		}
+		urls[pathGoProxy] = "http://" + addr
+	}
 	if *batonB != "" {
 		b, err := startBatonServe(*batonB, engineURL, false)
 		if err != nil {
@@ -160,7 +189,8 @@ func run() error {
 	fmt.Printf("stub engine: baton's simulated worker (workers/sim, %s, TimeScale %g) on its own OpenAI HTTP endpoint %s\n", model, *timeScale, engineURL)
 	fmt.Printf("paths: direct = client → engine; haproxy = client → %s → engine (mode http, http-reuse always);\n", orNone(haproxyVersion))
 	fmt.Printf("       baton = client → baton serve, its own process (strategy random, kind: http worker) → engine;\n")
-	fmt.Printf("       baton-inproc = the same scheduler inside this process; baton-grpc = that scheduler → the same worker over gRPC\n")
+	fmt.Printf("       go-proxy = client → the least a Go net/http reverse proxy does (no parsing, no routing), its own process → engine;\n")
+	fmt.Printf("       baton-inproc = the same scheduler as baton inside this process; baton-grpc = that scheduler → the same worker over gRPC\n")
 	fmt.Printf("%s, GOMAXPROCS %d, %d CPUs\n\n", runtime.Version(), runtime.GOMAXPROCS(0), runtime.NumCPU())
 
 	if *cpuProfile != "" {
@@ -448,6 +478,50 @@ func waitListening(addr string, exited <-chan struct{}) error {
 	}
 }
 
+// serveMinimalProxy serves the go-proxy path: each request's body is read
+// and posted to engine with Go's http.Client (keep-alive, as baton's
+// engine client), and the response relayed with a flush after each read,
+// with none of baton's parsing, routing, metrics or accounting: the floor
+// of a proxy built on net/http, server and client.
+func serveMinimalProxy(addr, engine string) error {
+	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, DisableCompression: true}}
+	h := func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, engine+r.URL.Path, bytes.NewReader(body))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := hc.Do(req)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer resp.Body.Close()
+		w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+		w.WriteHeader(resp.StatusCode)
+		rc := http.NewResponseController(w)
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := resp.Body.Read(buf)
+			if n > 0 {
+				if _, err := w.Write(buf[:n]); err != nil {
+					return
+				}
+				rc.Flush()
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	return http.ListenAndServe(addr, http.HandlerFunc(h))
+}
+
 // findHAProxy returns the HAProxy binary to run.
 func findHAProxy(bin string) (string, error) {
 	if bin != "" {
@@ -583,7 +657,7 @@ func report(out io.Writer, paths []string, timings map[string][]timing, of func(
 		return
 	}
 	fmt.Fprintln(out)
-	for _, p := range []string{pathBaton, pathBatonB, pathBatonInproc, pathBatonGRPC} {
+	for _, p := range []string{pathBaton, pathBatonB, pathGoProxy, pathBatonInproc, pathBatonGRPC} {
 		a, ok := adds[p]
 		if !ok {
 			continue
