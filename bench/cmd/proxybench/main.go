@@ -79,6 +79,7 @@ func run() error {
 	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
 	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
 	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
+	batonMemProfile := flag.String("baton-memprofile", "", "write an allocation profile of the baton serve process, at the end, to `file`")
 	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
 	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
 	flag.Parse()
@@ -123,7 +124,7 @@ func run() error {
 	}
 	var bs *batonServe
 	if slices.Contains(paths, pathBaton) {
-		if bs, err = startBatonServe(*batonBin, engineURL, *batonProfile != ""); err != nil {
+		if bs, err = startBatonServe(*batonBin, engineURL, *batonProfile != "" || *batonMemProfile != ""); err != nil {
 			return err
 		}
 		defer bs.stop()
@@ -234,6 +235,11 @@ func run() error {
 	if profiled != nil {
 		if err := <-profiled; err != nil {
 			return fmt.Errorf("baton serve's CPU profile: %w", err)
+		}
+	}
+	if *batonMemProfile != "" && bs != nil {
+		if err := bs.fetch("/debug/pprof/allocs", *batonMemProfile); err != nil {
+			return fmt.Errorf("baton serve's allocation profile: %w", err)
 		}
 	}
 	if *memProfile != "" {
@@ -422,8 +428,12 @@ func startBatonServe(bin, engineURL string, pprof bool) (*batonServe, error) {
 // profile writes a CPU profile of the process over about the time n
 // rounds take (1 ms each at most, and at least 5 s) to file.
 func (b *batonServe) profile(file string, n int) error {
-	secs := max(5, n/1000)
-	resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", b.pprofAddr, secs))
+	return b.fetch(fmt.Sprintf("/debug/pprof/profile?seconds=%d", max(5, n/1000)), file)
+}
+
+// fetch writes what the process's pprof listener answers at path to file.
+func (b *batonServe) fetch(path, file string) error {
+	resp, err := http.Get("http://" + b.pprofAddr + path)
 	if err != nil {
 		return err
 	}
