@@ -75,12 +75,15 @@ func TestWorkerMetricsAndPprof(t *testing.T) {
 	}
 }
 
-// baton serve serves pprof on --pprof-listen, a loopback address only.
+// baton serve (and demo) serve pprof on --pprof-listen, a loopback
+// address only.
 func TestServePprof(t *testing.T) {
 	for _, addr := range []string{"0.0.0.0:6060", ":6060", "nonsense"} {
-		err := run(context.Background(), []string{"serve", "--listen", "127.0.0.1:0", "--worker", "127.0.0.1:1", "--pprof-listen", addr}, io.Discard, io.Discard)
-		if err == nil || !strings.Contains(err.Error(), "pprof-listen") {
-			t.Errorf("--pprof-listen %s: error %v, want one naming the flag", addr, err)
+		for _, args := range [][]string{{"serve", "--worker", "127.0.0.1:1"}, {"demo", "--workers", "1"}} {
+			err := run(context.Background(), append(args, "--listen", "127.0.0.1:0", "--pprof-listen", addr), io.Discard, io.Discard)
+			if err == nil || !strings.Contains(err.Error(), "pprof-listen") {
+				t.Errorf("%s --pprof-listen %s: error %v, want one naming the flag", args[0], addr, err)
+			}
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
