@@ -48,14 +48,15 @@ bench: build
 	./$(BIN)/baton bench --speedup 1.25
 
 # The latency baton serve adds in front of an engine, beside HAProxy's:
-# both proxy the same simulated engine's own HTTP endpoint (see
-# bench/RESULTS.md). ARGS go to the program: make bench-proxy ARGS="-n 10000".
-# HAProxy is Debian's package, installed when run as root.
-bench-proxy:
+# both run as their own processes and proxy the same simulated engine's
+# own HTTP endpoint (see bench/RESULTS.md). ARGS go to the program:
+# make bench-proxy ARGS="-n 10000". HAProxy is Debian's package, installed
+# when run as root.
+bench-proxy: build
 	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
 	  else echo "haproxy is missing: run  sudo apt-get install -y haproxy"; exit 1; fi; }
-	$(GO) run ./bench/cmd/proxybench $(ARGS)
+	$(GO) run ./bench/cmd/proxybench -baton $(BIN)/baton $(ARGS)
 
 # The fault matrix (bench/FAULTS.md): a disaggregated fleet of baton
 # processes on loopback (redis-server, 2 prefill + 2 decode workers, two

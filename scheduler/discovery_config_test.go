@@ -80,7 +80,7 @@ discovery:
 		},
 		Worker: WorkerConfig{Kind: KindVLLM, Models: []string{"llama-3.1-8b"}, EngineConfig: EngineConfig{Events: "tcp://{host}:5557"}},
 	}
-	if diff := cmp.Diff(want, cfg.Discovery); diff != "" {
+	if diff := cmp.Diff(want, cfg.Discovery, withRank); diff != "" {
 		t.Errorf("discovery (-want +got):\n%s", diff)
 	}
 }
@@ -120,8 +120,12 @@ func TestMemberConfig(t *testing.T) {
 			t.Errorf("memberConfig(%+v): %v", tt.m, err)
 			continue
 		}
-		if diff := cmp.Diff(tt.want, got); diff != "" {
+		if diff := cmp.Diff(tt.want, got, withRank); diff != "" {
 			t.Errorf("memberConfig(%+v) (-want +got):\n%s", tt.m, diff)
 		}
 	}
 }
+
+// withRank lets cmp compare WorkerConfigs, whose data-parallel rank is
+// unexported.
+var withRank = cmp.AllowUnexported(WorkerConfig{})

@@ -163,7 +163,7 @@ workers:
 	want.MaxInFlight = 1000
 	want.MaxQueue = -1
 	want.QueueTimeout = 2 * time.Second
-	opt := cmpopts.IgnoreFields(Config{}, "Rand")
+	opt := cmp.Options{cmpopts.IgnoreFields(Config{}, "Rand"), withRank}
 	if diff := cmp.Diff(want, got, opt); diff != "" {
 		t.Errorf("LoadConfig (-want +got):\n%s", diff)
 	}
@@ -182,7 +182,7 @@ workers:
 func TestLoadConfigEmpty(t *testing.T) {
 	for _, text := range []string{"", "# nothing yet\n", "---\n"} {
 		got, err := loadYAML(t, t.TempDir(), text)
-		if err != nil || !cmp.Equal(got, Config{}, cmpopts.IgnoreFields(Config{}, "Rand")) {
+		if err != nil || !cmp.Equal(got, Config{}, cmpopts.IgnoreFields(Config{}, "Rand"), withRank) {
 			t.Errorf("%q: got %+v, %v; want the zero Config", text, got, err)
 		}
 	}
@@ -224,7 +224,7 @@ func FuzzLoadConfigAgreesWithYAML(f *testing.F) {
 		if err != nil {
 			t.Fatalf("yaml.v3 decodes %q, LoadConfig: %v", b, err)
 		}
-		if diff := cmp.Diff(want, got, cmpopts.IgnoreFields(Config{}, "Rand")); diff != "" {
+		if diff := cmp.Diff(want, got, cmpopts.IgnoreFields(Config{}, "Rand"), withRank); diff != "" {
 			t.Fatalf("%q (-yaml +LoadConfig):\n%s", b, diff)
 		}
 	})

@@ -43,6 +43,11 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	stopPprof, err := f.servePprof(log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	// The fleet's shared KV tier: Redis with --redis, else one in-process
 	// store all the demo's workers share.
 	if sf.store, err = sf.openStore(); err != nil {

@@ -32,6 +32,7 @@ type schedulerFlags struct {
 	workers   workerList // serve's --worker flags
 	tlsCert   string     // --tls-cert-file (serve, demo)
 	tlsKey    string     // --tls-key-file (serve, demo)
+	pprof     string     // --pprof-listen
 }
 
 // tlsFlags maps serve's TLS flags to their config fields.
@@ -46,6 +47,24 @@ func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrate
 	fs.IntVar(&f.prefixLen, "prefix-length", 0, "characters (bytes on /invocations) of routing text prefix_aware hashes, 1024–65536 (default 4096)")
 	fs.StringVar(&f.logLevel, "log-level", "", "log level: debug, info, warn, error (default info)")
 	fs.DurationVar(&f.drain, "drain-timeout", 0, "on SIGTERM or SIGINT, how long requests in flight may finish before they are interrupted (default 30s)")
+	fs.StringVar(&f.pprof, "pprof-listen", "", "loopback listen `address` of net/http/pprof under /debug/pprof/ (off when empty)")
+}
+
+// servePprof serves net/http/pprof on --pprof-listen, if set, until the
+// returned stop is called.
+func (f *schedulerFlags) servePprof(log *slog.Logger) (stop func(), err error) {
+	if f.pprof == "" {
+		return func() {}, nil
+	}
+	if err := loopbackAddr(f.pprof); err != nil {
+		return nil, fmt.Errorf("--pprof-listen: %w", err)
+	}
+	srv, err := serveDebug("pprof-listen", f.pprof, pprofHandler(), log)
+	if err != nil {
+		return nil, err
+	}
+	log.Info("pprof listening", "addr", srv.addr)
+	return srv.Close, nil
 }
 
 // registerTLS defines the front end's TLS flags on fs.
@@ -207,6 +226,15 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err := f.check(fs, cfg, false); err != nil {
 		return err
 	}
+	log, err := newLogger(stderr, cfg.WithDefaults().LogLevel)
+	if err != nil {
+		return err
+	}
+	stopPprof, err := f.servePprof(log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	return runScheduler(ctx, cfg, stdout, stderr, nil)
 }
 

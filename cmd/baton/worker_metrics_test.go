@@ -74,3 +74,45 @@ func TestWorkerMetricsAndPprof(t *testing.T) {
 		t.Errorf("/debug/pprof/ lists no heap profile")
 	}
 }
+
+// baton serve (and demo) serve pprof on --pprof-listen, a loopback
+// address only.
+func TestServePprof(t *testing.T) {
+	for _, addr := range []string{"0.0.0.0:6060", ":6060", "nonsense"} {
+		for _, args := range [][]string{{"serve", "--worker", "127.0.0.1:1"}, {"demo", "--workers", "1"}} {
+			err := run(context.Background(), append(args, "--listen", "127.0.0.1:0", "--pprof-listen", addr), io.Discard, io.Discard)
+			if err == nil || !strings.Contains(err.Error(), "pprof-listen") {
+				t.Errorf("%s --pprof-listen %s: error %v, want one naming the flag", args[0], addr, err)
+			}
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"serve", "--listen", "127.0.0.1:0", "--worker", "127.0.0.1:1", "--pprof-listen", "127.0.0.1:0"}, io.Discard, &logs)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve ended with %v", err)
+		}
+	})
+	var addr string
+	for deadline := time.Now().Add(10 * time.Second); addr == "" && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if m := regexp.MustCompile(`msg="pprof listening" addr=(\S+)`).FindStringSubmatch(logs.String()); m != nil {
+			addr = m[1]
+		}
+	}
+	if addr == "" {
+		t.Fatalf("no pprof address logged:\n%s", logs.String())
+	}
+	res, err := http.Get("http://" + addr + "/debug/pprof/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	if b, _ := io.ReadAll(res.Body); res.StatusCode != http.StatusOK || !strings.Contains(string(b), "heap") {
+		t.Errorf("GET /debug/pprof/: %d, lists no heap profile", res.StatusCode)
+	}
+}

@@ -10,8 +10,10 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
@@ -176,10 +178,9 @@ func TestProxyRelaysEventStream(t *testing.T) {
 	if k := eventsIn(vllmChatEvents, atFirst); k < 2 {
 		t.Errorf("at onFirstToken the client had %q, want the role and first content events and any that came with them", atFirst)
 	}
-	// A flush once the headers are written, before the first read, and
-	// one with the last event.
-	if n := len(rec.flushes); n < 2 || rec.flushes[0] != 0 || rec.flushes[n-1] != rec.Body.Len() {
-		t.Errorf("flush points %v, want 0 first and %d last", rec.flushes, rec.Body.Len())
+	// The last flush is with the last event.
+	if n := len(rec.flushes); n == 0 || rec.flushes[n-1] != rec.Body.Len() {
+		t.Errorf("flush points %v, want %d last", rec.flushes, rec.Body.Len())
 	}
 
 	if got := string(*fe.gotBody.Load()); got != chatBody {
@@ -221,8 +222,8 @@ func (r *segmentReader) Read(p []byte) (int, error) {
 }
 
 // The relay flushes before each read that may block: events that arrived
-// together leave together, and a partial event is not held back behind
-// the rest of it.
+// together leave together (the headers with the first ones), and a
+// partial event is not held back behind the rest of it.
 func TestRelayEventsFlushesBeforeBlocking(t *testing.T) {
 	ev := vllmChatEvents
 	partial := ev[2][:len(ev[2])-1] // the data line of event 2, not its end
@@ -239,7 +240,7 @@ func TestRelayEventsFlushesBeforeBlocking(t *testing.T) {
 	}
 	var want []int
 	n := 0
-	for _, s := range append([]string{""}, segs...) {
+	for _, s := range segs {
 		n += len(s)
 		want = append(want, n)
 	}
@@ -252,6 +253,66 @@ func TestRelayEventsFlushesBeforeBlocking(t *testing.T) {
 	if got, want := u.final(), (&engine.Final{FinishReason: "stop", PromptTokens: 40, CachedTokens: 32, CompletionTokens: 3}); !cmp.Equal(got, want) {
 		t.Errorf("usage = %+v, want %+v", got, want)
 	}
+}
+
+// blockingReader blocks its first Read until release is closed, then
+// reads from r.
+type blockingReader struct {
+	release chan struct{}
+	r       io.Reader
+}
+
+func (b *blockingReader) Read(p []byte) (int, error) {
+	<-b.release
+	return b.r.Read(p)
+}
+
+// An engine that sends its headers long before its first event has them
+// relayed after holdHeaders, not when the first event comes.
+func TestRelayEventsHeadersOfSlowStream(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		rec := newRecorder()
+		var mu sync.Mutex // the timer's flush and the test's reads
+		rw := &relayWriter{w: rec, rc: http.NewResponseController(lockedFlusher{rec, &mu})}
+		body := &blockingReader{release: make(chan struct{}), r: strings.NewReader(strings.Join(vllmChatEvents, ""))}
+		done := make(chan error, 1)
+		var u usageTracker
+		go func() { done <- rw.relayEvents(body, &u, true) }()
+
+		time.Sleep(holdHeaders - time.Microsecond)
+		synctest.Wait()
+		mu.Lock()
+		if len(rec.flushes) != 0 {
+			t.Errorf("flushed at %v before holdHeaders passed", rec.flushes)
+		}
+		mu.Unlock()
+		time.Sleep(time.Microsecond)
+		synctest.Wait()
+		mu.Lock()
+		if want := []int{0}; !slices.Equal(rec.flushes, want) {
+			t.Errorf("flush points %v after holdHeaders, want %v (the headers)", rec.flushes, want)
+		}
+		mu.Unlock()
+		close(body.release)
+		if err := <-done; err != nil {
+			t.Fatalf("relayEvents: %v", err)
+		}
+		if want := []int{0, rec.Body.Len()}; !slices.Equal(rec.flushes, want) {
+			t.Errorf("flush points %v, want %v", rec.flushes, want)
+		}
+	})
+}
+
+// lockedFlusher is a flushRecorder whose Flush holds mu.
+type lockedFlusher struct {
+	*flushRecorder
+	mu *sync.Mutex
+}
+
+func (l lockedFlusher) Flush() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.flushRecorder.Flush()
 }
 
 func TestPlainString(t *testing.T) {

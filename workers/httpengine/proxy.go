@@ -9,9 +9,18 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"sync"
+	"time"
 
 	"github.com/batonllm/baton/workers/engine"
 )
+
+// holdHeaders is how long the relay of an event stream keeps the headers
+// back while it waits for the first bytes of the body, so that the two
+// leave in one write when the engine sent them together (one write and
+// one wake-up of the client fewer), and an engine that sends its headers
+// long before its first token still has them relayed at once.
+const holdHeaders = 2 * time.Millisecond
 
 // maxUsageBody bounds how much of a non-streamed response is kept to read
 // its usage; a larger response is relayed whole but its usage is not read.
@@ -181,6 +190,32 @@ func (rw *relayWriter) flush() error {
 	return nil
 }
 
+// flushAfter flushes what was written to the client after d, unless the
+// returned stop is called first. stop reports whether the flush happened,
+// and its error; once it returns, the timer no longer touches the client.
+func (rw *relayWriter) flushAfter(d time.Duration) (stop func() (bool, error)) {
+	var (
+		mu      sync.Mutex
+		stopped bool
+		flushed bool
+		err     error
+	)
+	t := time.AfterFunc(d, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !stopped {
+			flushed, err = true, rw.flush()
+		}
+	})
+	return func() (bool, error) {
+		t.Stop()
+		mu.Lock()
+		defer mu.Unlock()
+		stopped = true
+		return flushed, err
+	}
+}
+
 func (rw *relayWriter) firstToken() {
 	if f := rw.onFirst; f != nil {
 		rw.onFirst = nil
@@ -189,9 +224,10 @@ func (rw *relayWriter) firstToken() {
 }
 
 // relayEvents copies an event stream line by line. It flushes before any
-// read that may block while something is unflushed (the headers, then
-// whatever was written since): events that arrived together leave in one
-// write, as a plain proxy would relay them, and none waits for the next.
+// read that may block while something is unflushed (whatever was written
+// since the last flush): events that arrived together leave in one write,
+// as a plain proxy would relay them, and none waits for the next. The
+// headers wait for the first bytes of the body, holdHeaders at most.
 // Data lines of a 2xx stream are inspected for the first generated text
 // and for usage; a chunk is only decoded while no text has been seen, or
 // when it carries usage or a finish reason, so the hot path of token
@@ -202,6 +238,13 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 	dirty := true         // the headers are not flushed yet
 	firstPending := false // an unflushed event carries the first text
 	firstSeen := false    // the first text has been seen
+	stop := rw.flushAfter(holdHeaders)
+	lr.fill() // a read error comes again from next
+	if flushed, err := stop(); err != nil {
+		return err
+	} else if flushed {
+		dirty = false
+	}
 	for {
 		if dirty && !lr.lineBuffered() {
 			if err := rw.flush(); err != nil {

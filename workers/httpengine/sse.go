@@ -52,6 +52,13 @@ func (lr *lineReader) release() {
 	lr.r = nil
 }
 
+// fill waits until some of the stream is buffered, or it ends.
+func (lr *lineReader) fill() {
+	if lr.r.Buffered() == 0 {
+		_, _ = lr.r.Peek(1)
+	}
+}
+
 // lineBuffered reports whether a whole line has already been read, so
 // that next will not block.
 func (lr *lineReader) lineBuffered() bool {

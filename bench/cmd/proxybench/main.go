@@ -5,20 +5,24 @@
 // as the stub engine, its modelled clock sped up so that compute is
 // negligible (at the default -timescale a step sleeps nanoseconds; a
 // lower one adds each one-token answer's modelled step, about 6 ms over
-// the time scale). In-process schedulers route to it as an http worker (and,
-// for comparison, over its gRPC API), and an HAProxy child process proxies
-// to it. Sequential streaming chat requests with max_tokens 1 then go
-// round-robin to each path over keep-alive connections; each is timed to
-// its last byte (data: [DONE]). The report gives percentiles per path and
-// each proxy's added latency, both as a difference of percentiles and as
-// percentiles of the per-round difference to the direct request.
+// the time scale). A `baton serve` child process routes to it as an http
+// worker, as a user deploys it, and an HAProxy child process proxies to
+// it, as does a third child, the least reverse proxy Go's net/http makes
+// (go-proxy: the floor of baton's HTTP stack); for comparison, schedulers
+// inside this process route to it as an http worker and over its gRPC API. Sequential streaming chat requests
+// with max_tokens 1 then go round-robin to each path over keep-alive
+// connections; each is timed to its first byte of body (the first event)
+// and to its last (data: [DONE]). The report gives percentiles per path
+// and each proxy's added latency, both as a difference of percentiles and
+// as percentiles of the per-round difference to the direct request.
 //
-//	make bench-proxy    # go run ./bench/cmd/proxybench
+//	make bench-proxy    # go run ./bench/cmd/proxybench -baton bin/baton
 package main
 
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -45,13 +49,16 @@ const model = "llama-3.1-8b"
 
 // Paths a request can take to the engine.
 const (
-	pathDirect    = "direct"
-	pathHAProxy   = "haproxy"
-	pathBaton     = "baton"      // scheduler, engine as an http worker
-	pathBatonGRPC = "baton-grpc" // scheduler, the same engine over gRPC
+	pathDirect      = "direct"
+	pathHAProxy     = "haproxy"
+	pathBaton       = "baton"        // baton serve in its own process, engine as an http worker
+	pathBatonInproc = "baton-inproc" // the scheduler in this process, engine as an http worker
+	pathBatonGRPC   = "baton-grpc"   // the scheduler in this process, the same engine over gRPC
+	pathBatonB      = "baton-b"      // -baton-b: another build of baton serve, side by side
+	pathGoProxy     = "go-proxy"     // the least a Go net/http reverse proxy does, in its own process
 )
 
-var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathBatonGRPC}
+var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathGoProxy, pathBatonInproc, pathBatonGRPC}
 
 func main() {
 	if err := run(); err != nil {
@@ -69,7 +76,16 @@ func run() error {
 	promptChars := flag.Int("prompt-chars", 0, "pad each prompt to about this many characters (an 8,000-token document is ~32,000)")
 	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole process to `file` at the end")
 	haproxyBin := flag.String("haproxy", "", "HAProxy binary (default: haproxy on PATH, or /usr/sbin/haproxy)")
+	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
+	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
+	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
+	batonMemProfile := flag.String("baton-memprofile", "", "write an allocation profile of the baton serve process, at the end, to `file`")
+	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
+	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
 	flag.Parse()
+	if *minimal != "" {
+		return serveMinimalProxy(*minimal, *minimalEngine)
+	}
 
 	paths := strings.Split(*pathsFlag, ",")
 	for _, p := range paths {
@@ -79,6 +95,9 @@ func run() error {
 	}
 	if !slices.Contains(paths, pathDirect) {
 		paths = append([]string{pathDirect}, paths...)
+	}
+	if *batonB != "" {
+		paths = append(paths, pathBatonB)
 	}
 
 	w, err := sim.Start(sim.Config{Name: "stub", TimeScale: *timeScale}, "127.0.0.1:0", "127.0.0.1:0", nil)
@@ -103,8 +122,46 @@ func run() error {
 		urls[pathHAProxy] = "http://" + hp.addr
 		haproxyVersion = hp.version
 	}
+	var bs *batonServe
+	if slices.Contains(paths, pathBaton) {
+		if bs, err = startBatonServe(*batonBin, engineURL, *batonProfile != "" || *batonMemProfile != ""); err != nil {
+			return err
+		}
+		defer bs.stop()
+		urls[pathBaton] = "http://" + bs.addr
+	}
+	if slices.Contains(paths, pathGoProxy) {
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		addr, err := freeAddr()
+		if err != nil {
+			return err
+		}
+		gp := exec.Command(self, "-minimal-proxy", addr, "-minimal-proxy-engine", engineURL)
+		gp.Stdout, gp.Stderr = os.Stderr, os.Stderr
+		if err := gp.Start(); err != nil {
+			return fmt.Errorf("starting go-proxy: %w", err)
+		}
+		exited := make(chan struct{})
+		go func() { gp.Wait(); close(exited) }()
+		defer func() { gp.Process.Kill(); <-exited }()
+		if err := waitListening(addr, exited); err != nil {
+			return fmt.Errorf("go-proxy: %w", err)
+		}
+		urls[pathGoProxy] = "http://" + addr
+	}
+	if *batonB != "" {
+		b, err := startBatonServe(*batonB, engineURL, false)
+		if err != nil {
+			return err
+		}
+		defer b.stop()
+		urls[pathBatonB] = "http://" + b.addr
+	}
 	for _, p := range []struct{ path, kind, addr string }{
-		{pathBaton, scheduler.KindHTTP, engineURL},
+		{pathBatonInproc, scheduler.KindHTTP, engineURL},
 		{pathBatonGRPC, scheduler.KindGRPC, w.GRPCAddr},
 	} {
 		if !slices.Contains(paths, p.path) {
@@ -132,7 +189,9 @@ func run() error {
 		*n, *warmup, len(requestBody(0, *promptChars)))
 	fmt.Printf("stub engine: baton's simulated worker (workers/sim, %s, TimeScale %g) on its own OpenAI HTTP endpoint %s\n", model, *timeScale, engineURL)
 	fmt.Printf("paths: direct = client → engine; haproxy = client → %s → engine (mode http, http-reuse always);\n", orNone(haproxyVersion))
-	fmt.Printf("       baton = client → scheduler (strategy random, kind: http worker) → engine; baton-grpc = scheduler → the same worker over gRPC\n")
+	fmt.Printf("       baton = client → baton serve, its own process (strategy random, kind: http worker) → engine;\n")
+	fmt.Printf("       go-proxy = client → the least a Go net/http reverse proxy does (no parsing, no routing), its own process → engine;\n")
+	fmt.Printf("       baton-inproc = the same scheduler as baton inside this process; baton-grpc = that scheduler → the same worker over gRPC\n")
 	fmt.Printf("%s, GOMAXPROCS %d, %d CPUs\n\n", runtime.Version(), runtime.GOMAXPROCS(0), runtime.NumCPU())
 
 	if *cpuProfile != "" {
@@ -147,8 +206,13 @@ func run() error {
 		defer pprof.StopCPUProfile()
 	}
 
-	times := map[string][]time.Duration{}
+	var profiled chan error
+	times := map[string][]timing{}
 	for round := -*warmup; round < *n; round++ {
+		if round == 0 && *batonProfile != "" && bs != nil {
+			profiled = make(chan error, 1)
+			go func() { profiled <- bs.profile(*batonProfile, *n) }()
+		}
 		body := requestBody(round, *promptChars)
 		// Rotate which path goes first, so that none always follows
 		// another's connection wake-ups.
@@ -164,7 +228,20 @@ func run() error {
 			}
 		}
 	}
-	report(os.Stdout, paths, times)
+	fmt.Println("Time to the first byte of the body (the first event):")
+	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.first })
+	fmt.Println("\nTime to data: [DONE]:")
+	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.done })
+	if profiled != nil {
+		if err := <-profiled; err != nil {
+			return fmt.Errorf("baton serve's CPU profile: %w", err)
+		}
+	}
+	if *batonMemProfile != "" && bs != nil {
+		if err := bs.fetch("/debug/pprof/allocs", *batonMemProfile); err != nil {
+			return fmt.Errorf("baton serve's allocation profile: %w", err)
+		}
+	}
 	if *memProfile != "" {
 		f, err := os.Create(*memProfile)
 		if err != nil {
@@ -204,23 +281,31 @@ type client struct {
 	br   *bufio.Reader // reused, so that the client allocates little
 }
 
-// timeRequest posts body and returns the time from sending it to reading
-// the stream's [DONE] event. The rest of the body is read afterwards,
-// untimed, so that the connection is reused.
-func (c *client) timeRequest(body []byte) (time.Duration, error) {
+// timing is one request's: from sending it to reading the first byte of
+// the response's body, and to reading its [DONE] event.
+type timing struct{ first, done time.Duration }
+
+// timeRequest posts body and times it. The rest of the body is read
+// afterwards, untimed, so that the connection is reused.
+func (c *client) timeRequest(body []byte) (timing, error) {
+	var t timing
 	start := time.Now()
 	resp, err := c.hc.Post(c.base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
-		return 0, err
+		return t, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<10))
-		return 0, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return t, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 	}
 	br := c.br
 	br.Reset(resp.Body)
 	defer br.Reset(nil)
+	if _, err := br.Peek(1); err != nil {
+		return t, fmt.Errorf("empty stream: %w", err)
+	}
+	t.first = time.Since(start)
 	content := false
 	for {
 		line, err := br.ReadSlice('\n')
@@ -231,17 +316,17 @@ func (c *client) timeRequest(body []byte) (time.Duration, error) {
 			content = true
 		}
 		if err != nil {
-			return 0, fmt.Errorf("stream ended before [DONE]: %w", err)
+			return t, fmt.Errorf("stream ended before [DONE]: %w", err)
 		}
 	}
-	d := time.Since(start)
+	t.done = time.Since(start)
 	if _, err := io.Copy(io.Discard, br); err != nil {
-		return 0, err
+		return t, err
 	}
 	if !content {
-		return 0, errors.New("no content chunk before [DONE]")
+		return t, errors.New("no content chunk before [DONE]")
 	}
-	return d, nil
+	return t, nil
 }
 
 // waitReady sends requests until one succeeds (a scheduler routes only
@@ -284,6 +369,167 @@ func startScheduler(kind, addr string) (string, func(), error) {
 	served := make(chan error, 1)
 	go func() { served <- s.Serve(l) }()
 	return l.Addr().String(), func() { s.Close(); <-served }, nil
+}
+
+// batonServe is a `baton serve` child process.
+type batonServe struct {
+	cmd       *exec.Cmd
+	dir       string // the temporary build's, if any
+	addr      string
+	pprofAddr string
+	exited    chan struct{}
+}
+
+// startBatonServe runs bin (built from ./cmd/baton when empty) as
+// `baton serve` with engineURL as its one http worker, strategy random,
+// logging at its default level (info: nothing per request), and returns
+// once it accepts connections.
+func startBatonServe(bin, engineURL string, pprof bool) (*batonServe, error) {
+	b := &batonServe{exited: make(chan struct{})}
+	if bin == "" {
+		dir, err := os.MkdirTemp("", "proxybench-baton")
+		if err != nil {
+			return nil, err
+		}
+		b.dir = dir
+		bin = filepath.Join(dir, "baton")
+		build := exec.Command("go", "build", "-o", bin, "github.com/batonllm/baton/cmd/baton")
+		build.Stdout, build.Stderr = os.Stderr, os.Stderr
+		if err := build.Run(); err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("building baton: %w", err)
+		}
+	}
+	var err error
+	if b.addr, err = freeAddr(); err != nil {
+		return nil, err
+	}
+	args := []string{"serve", "--listen", b.addr, "--strategy", "random", "--worker", "stub=" + engineURL}
+	if pprof {
+		if b.pprofAddr, err = freeAddr(); err != nil {
+			return nil, err
+		}
+		args = append(args, "--pprof-listen", b.pprofAddr)
+	}
+	b.cmd = exec.Command(bin, args...)
+	b.cmd.Stdout, b.cmd.Stderr = os.Stderr, os.Stderr
+	if err := b.cmd.Start(); err != nil {
+		os.RemoveAll(b.dir)
+		return nil, fmt.Errorf("starting baton serve: %w", err)
+	}
+	go func() { b.cmd.Wait(); close(b.exited) }()
+	if err := waitListening(b.addr, b.exited); err != nil {
+		b.stop()
+		return nil, fmt.Errorf("baton serve: %w", err)
+	}
+	return b, nil
+}
+
+// profile writes a CPU profile of the process over about the time n
+// rounds take (1 ms each at most, and at least 5 s) to file.
+func (b *batonServe) profile(file string, n int) error {
+	return b.fetch(fmt.Sprintf("/debug/pprof/profile?seconds=%d", max(5, n/1000)), file)
+}
+
+// fetch writes what the process's pprof listener answers at path to file.
+func (b *batonServe) fetch(path, file string) error {
+	resp, err := http.Get("http://" + b.pprofAddr + path)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("status %d", resp.StatusCode)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// stop ends the process as a user would, with SIGINT, and waits for it.
+func (b *batonServe) stop() {
+	b.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-b.exited:
+	case <-time.After(5 * time.Second):
+		b.cmd.Process.Kill()
+		<-b.exited
+	}
+	if b.dir != "" {
+		os.RemoveAll(b.dir)
+	}
+}
+
+// waitListening returns once addr accepts connections, or an error when
+// exited is closed first or after 10 s.
+func waitListening(addr string, exited <-chan struct{}) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err == nil {
+			c.Close()
+			return nil
+		}
+		select {
+		case <-exited:
+			return errors.New("exited")
+		case <-ctx.Done():
+			return fmt.Errorf("does not listen on %s", addr)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// serveMinimalProxy serves the go-proxy path: each request's body is read
+// and posted to engine with Go's http.Client (keep-alive, as baton's
+// engine client), and the response relayed with a flush after each read,
+// with none of baton's parsing, routing, metrics or accounting: the floor
+// of a proxy built on net/http, server and client.
+func serveMinimalProxy(addr, engine string) error {
+	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, DisableCompression: true}}
+	h := func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, engine+r.URL.Path, bytes.NewReader(body))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := hc.Do(req)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer resp.Body.Close()
+		w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+		w.WriteHeader(resp.StatusCode)
+		rc := http.NewResponseController(w)
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := resp.Body.Read(buf)
+			if n > 0 {
+				if _, err := w.Write(buf[:n]); err != nil {
+					return
+				}
+				rc.Flush()
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	return http.ListenAndServe(addr, http.HandlerFunc(h))
 }
 
 // findHAProxy returns the HAProxy binary to run.
@@ -362,23 +608,11 @@ func startHAProxy(bin, engine string) (*haproxy, error) {
 		return nil, fmt.Errorf("starting haproxy: %w", err)
 	}
 	go func() { h.cmd.Wait(); close(h.exited) }()
-	for deadline := time.Now().Add(5 * time.Second); ; {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-			return h, nil
-		}
-		select {
-		case <-h.exited:
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("haproxy exited: %v", h.cmd.ProcessState)
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			h.stop()
-			return nil, fmt.Errorf("haproxy does not listen on %s", addr)
-		}
+	if err := waitListening(addr, h.exited); err != nil {
+		h.stop()
+		return nil, fmt.Errorf("haproxy: %w", err)
 	}
+	return h, nil
 }
 
 func (h *haproxy) stop() {
@@ -400,7 +634,13 @@ func freeAddr() (string, error) {
 
 // report prints each path's percentiles and what each proxy adds to the
 // direct path, and baton's added latency over HAProxy's.
-func report(out io.Writer, paths []string, times map[string][]time.Duration) {
+func report(out io.Writer, paths []string, timings map[string][]timing, of func(timing) time.Duration) {
+	times := map[string][]time.Duration{}
+	for p, ts := range timings {
+		for _, t := range ts {
+			times[p] = append(times[p], of(t))
+		}
+	}
 	direct := times[pathDirect]
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "path\tp50\tp90\tp99\tadded p50\tadded p99\tper-round added p50\tper-round added p99\t")
@@ -427,7 +667,7 @@ func report(out io.Writer, paths []string, times map[string][]time.Duration) {
 		return
 	}
 	fmt.Fprintln(out)
-	for _, p := range []string{pathBaton, pathBatonGRPC} {
+	for _, p := range []string{pathBaton, pathBatonB, pathGoProxy, pathBatonInproc, pathBatonGRPC} {
 		a, ok := adds[p]
 		if !ok {
 			continue
