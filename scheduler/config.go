@@ -378,6 +378,9 @@ type Config struct {
 	// parts (filters, weighted scorers, a picker); strategy and
 	// disaggregation.decode_strategy may name them.
 	Profiles []routing.ProfileConfig `yaml:"profiles"`
+	// Replicas shares what this scheduler learns with the other replicas
+	// in front of the same workers. Default: none.
+	Replicas ReplicasConfig `yaml:"replicas"`
 	// Adapters are the LoRA adapters served as models of their own names:
 	// a request for one goes to a worker that holds it, or it is loaded
 	// onto one whose max_loras allows.
@@ -444,6 +447,9 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	}
 	if !slices.Contains(strategies.Names(), c.Strategy) {
 		return fmt.Errorf("strategy: unknown strategy %q (known: %s)", c.Strategy, strings.Join(strategies.Names(), ", "))
+	}
+	if err := c.Replicas.validate(); err != nil {
+		return err
 	}
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(c.LogLevel)); err != nil {

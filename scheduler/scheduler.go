@@ -25,6 +25,7 @@ import (
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/pool"
+	"github.com/batonllm/baton/scheduler/replica"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/engine"
@@ -53,6 +54,9 @@ type Scheduler struct {
 	Handler  *frontend.Server
 	Strategy routing.Strategy
 	log      *slog.Logger
+	// sharing links the scheduler to its other replicas; nil without
+	// replicas.redis.
+	sharing *sharing
 
 	// Auth checks API keys in front of Handler; nil when no keys are
 	// configured.
@@ -93,10 +97,17 @@ type Scheduler struct {
 // Strategies are built from the registry (routing.RegisterBuiltins) over
 // the scheduler's own KV index (routing.Params.Index).
 func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler, error) {
-	idx := kvindex.New(kvindex.Config{})
 	if err := cfg.Validate(strategies); err != nil {
 		return nil, err
 	}
+	// The other replicas hear each prediction once sharing has started,
+	// before the first request.
+	var share func(worker string, keys []uint64)
+	var icfg kvindex.Config
+	if cfg.Replicas.enabled() {
+		icfg.OnPredict = func(worker string, keys []uint64) { share(worker, keys) }
+	}
+	idx := kvindex.New(icfg)
 	strategies, err := cfg.RegisterProfiles(strategies)
 	if err != nil {
 		return nil, err
@@ -120,6 +131,14 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	}
 	if err := s.setupTLS(cfg); err != nil {
 		return nil, err
+	}
+	if cfg.Replicas.enabled() {
+		if s.sharing, err = startSharing(cfg.Replicas, idx, s.Metrics.Registry, log); err != nil {
+			return nil, err
+		}
+		share = func(worker string, keys []uint64) {
+			s.sharing.sharer.Publish(replica.Entry{Worker: worker, Keys: keys})
+		}
 	}
 	if err := s.build(cfg, strategies); err != nil {
 		s.Close()
@@ -734,6 +753,9 @@ func (s *Scheduler) Close() error {
 	}
 	if s.pending != nil {
 		s.pending.Close()
+	}
+	if s.sharing != nil {
+		s.sharing.close()
 	}
 	if s.watcher != nil {
 		s.watcher.Close()

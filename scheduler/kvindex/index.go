@@ -126,6 +126,11 @@ type Config struct {
 	RoutedHalfLife time.Duration
 	// Now returns the current time; nil means time.Now. Tests set it.
 	Now func() time.Time
+	// OnPredict, when set, hears each Predict of a tracked worker, after
+	// it was recorded, from Predict's caller: the scheduler shares it
+	// with its other replicas, which record it with Shared. It must not
+	// block nor keep keys.
+	OnPredict func(worker string, keys []uint64)
 }
 
 func (c Config) withDefaults() Config {
@@ -391,16 +396,43 @@ func (x *Index) Predict(name string, keys []uint64) {
 	gen := w.predicted(all, now, &x.cfg)
 	var added int64
 	if w.learning() {
-		added = x.learn(w, keys)
+		added = x.learn(w, keys, true)
 	} else {
 		added = x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
 	}
 	w.held(all-added, gen)
+	if x.cfg.OnPredict != nil {
+		x.cfg.OnPredict(name, keys)
+	}
 }
 
-// learn records keys on the learned worker w, within its capacity.
-// x.workers.mu is held.
-func (x *Index) learn(w *worker, keys []uint64) int64 {
+// Shared records keys on the worker as another scheduler replica's
+// committed decision predicts them (see Config.OnPredict): as Predict
+// does, but without counting the request against the worker (its queue
+// is the other replica's to estimate, and the worker's load reports
+// count it) and, on a learned worker, without a request to finish. A
+// worker the index does not track is ignored.
+func (x *Index) Shared(name string, keys []uint64) {
+	if len(keys) == 0 {
+		return
+	}
+	now := x.cfg.Now().UnixNano()
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	w := x.workers.get(name)
+	if w == nil {
+		return
+	}
+	if w.learning() {
+		x.learn(w, keys, false)
+		return
+	}
+	x.blocks.predict(keys, uint64(1)<<w.slot, now, now+int64(x.cfg.PredictTTL))
+}
+
+// learn records keys on the learned worker w, within its capacity, as a
+// request in flight there when busy. x.workers.mu is held.
+func (x *Index) learn(w *worker, keys []uint64, busy bool) int64 {
 	if len(keys) == 0 {
 		return 0
 	}
@@ -420,7 +452,7 @@ func (x *Index) learn(w *worker, keys []uint64) int64 {
 	if blocks <= 0 {
 		blocks = DefaultLearnedBlocks
 	}
-	return l.record(&x.blocks, uint64(1)<<w.slot, keys, prompts, blocks)
+	return l.record(&x.blocks, uint64(1)<<w.slot, keys, prompts, blocks, busy)
 }
 
 // Finished reports the end of a request Predict recorded on a learned

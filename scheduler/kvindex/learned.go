@@ -78,10 +78,10 @@ func commonPrefix(a, b []uint64) int {
 }
 
 // record records keys on the worker of bit, which keeps at most prompts
-// chains (0: no limit) and maxBlocks blocks, and marks the chain busy
-// until finish. It returns how many of keys the worker held in no chain.
-// b.mu is held for writing.
-func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxBlocks int64) (added int64) {
+// chains (0: no limit) and maxBlocks blocks, and, when busy, marks the
+// chain busy until finish. It returns how many of keys the worker held in
+// no chain. b.mu is held for writing.
+func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxBlocks int64, busy bool) (added int64) {
 	for _, k := range keys {
 		if l.refs[k] == 0 {
 			added++
@@ -133,7 +133,9 @@ func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxB
 		l.setKeys(b, bit, c, keys)
 		l.chains = append(l.chains, c)
 	}
-	c.busy++
+	if busy {
+		c.busy++
+	}
 	l.touch(c)
 	for len(l.chains) > 1 && (int64(len(l.refs)) > maxBlocks || len(l.chains) > maxLearnedChains ||
 		prompts > 0 && len(l.chains) > prompts) {

@@ -36,6 +36,21 @@ type Redis struct {
 // connections are made by the first calls, so a Redis that is down at
 // start is no reason not to start.
 func NewRedis(cfg RedisConfig) (*Redis, error) {
+	client, err := NewClient(cfg)
+	if err != nil {
+		return nil, err
+	}
+	r := &Redis{client: client}
+	if cfg = cfg.withDefaults(); cfg.TTL > 0 {
+		r.ttl = cfg.TTL
+	}
+	return r, nil
+}
+
+// NewClient returns a go-redis client of the server cfg names, with the
+// store's fail-fast settings: no retries, short timeouts. It does not
+// connect.
+func NewClient(cfg RedisConfig) (*redis.Client, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -74,11 +89,7 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		tc.InsecureSkipVerify = cfg.TLSInsecureSkipVerify // tests only (Validate says so)
 		opts.TLSConfig = tc
 	}
-	r := &Redis{client: redis.NewClient(opts)}
-	if cfg.TTL > 0 {
-		r.ttl = cfg.TTL
-	}
-	return r, nil
+	return redis.NewClient(opts), nil
 }
 
 // ErrRefused is returned (wrapped) by Check when the server refused the

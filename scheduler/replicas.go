@@ -1,0 +1,154 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/replica"
+	"github.com/batonllm/baton/transfer/kvstore"
+)
+
+// ReplicasConfig makes several scheduler replicas in front of one fleet
+// share what each learns: the blocks each replica's committed decisions
+// predict on a worker (on engines that publish no KV events, what the
+// learned index knows) reach the others through a Redis stream, within
+// milliseconds, and are applied as their own. Sharing never delays a
+// decision; while Redis is down each replica routes on what it knows.
+type ReplicasConfig struct {
+	// Redis is the server the replicas share through (the shared KV
+	// tier's will do). Default: none, and each replica learns alone.
+	Redis kvstore.RedisConfig `yaml:"redis"`
+	// Stream is the Redis stream's key; replicas in front of different
+	// fleets that share a Redis need different ones. Default
+	// baton:replica:commits.
+	Stream string `yaml:"stream"`
+	// Replay is how many of the newest messages a starting replica
+	// applies before it follows the stream. Default 1000; -1: none.
+	Replay int64 `yaml:"replay"`
+}
+
+// enabled reports whether the replicas share.
+func (c ReplicasConfig) enabled() bool { return c.Redis.Addr != "" }
+
+// validate reports what is wrong with c, naming the field.
+func (c ReplicasConfig) validate() error {
+	if !c.enabled() {
+		if c.Stream != "" || c.Replay != 0 || c.Redis != (kvstore.RedisConfig{}) {
+			return errors.New("replicas.redis.addr: required when replicas is set")
+		}
+		return nil
+	}
+	if err := c.Redis.Validate(); err != nil {
+		return fmt.Errorf("replicas.redis.%w", err)
+	}
+	if c.Replay < -1 {
+		return fmt.Errorf("replicas.replay: must be -1 (none) or more, got %d", c.Replay)
+	}
+	return nil
+}
+
+// sharing is a replica's link to the others, closed with the scheduler.
+type sharing struct {
+	sharer *replica.Sharer
+	client *redis.Client
+}
+
+func (s *sharing) close() {
+	s.sharer.Close()
+	s.client.Close()
+}
+
+// startSharing starts sharing idx's predictions with the other replicas,
+// and applying theirs to it.
+func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registerer, log *slog.Logger) (*sharing, error) {
+	client, err := kvstore.NewClient(c.Redis)
+	if err != nil {
+		return nil, fmt.Errorf("replicas.redis.%w", err)
+	}
+	obs := newSyncMetrics(reg)
+	sh, err := replica.New(replica.Config{
+		Client: client, Stream: c.Stream, Replay: c.Replay,
+		Apply:  func(e replica.Entry) { idx.Shared(e.Worker, e.Keys) },
+		Logger: log, Observer: obs,
+	})
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	log.Info("sharing with the other scheduler replicas", "redis", c.Redis.Addr, "replica", sh.ID())
+	return &sharing{sharer: sh, client: client}, nil
+}
+
+// syncMetrics are the baton_replica_sync_* metrics.
+type syncMetrics struct {
+	messages, entries, bytes *prometheus.CounterVec
+	dropped                  *prometheus.CounterVec
+	missed                   prometheus.Counter
+	up                       prometheus.Gauge
+	lag                      prometheus.Histogram
+	sent, received           [3]prometheus.Counter // messages, entries, bytes
+}
+
+func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
+	m := &syncMetrics{
+		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_messages_total",
+			Help: "Messages of committed decisions this replica sent to the other scheduler replicas, or received and applied from them."}, []string{"direction"}),
+		entries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_entries_total",
+			Help: "Committed decisions (a worker and the blocks it will hold) sent or received."}, []string{"direction"}),
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_bytes_total",
+			Help: "Bytes of messages sent or received (their data, without Redis's framing)."}, []string{"direction"}),
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_dropped_entries_total",
+			Help: "Committed decisions not shared: queue_full (sharing fell behind) or redis_error."}, []string{"reason"}),
+		missed: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_missed_messages_total",
+			Help: "Messages of other replicas this one never applied, from the gaps in their sequence numbers."}),
+		up: prometheus.NewGauge(prometheus.GaugeOpts{Name: "baton_replica_sync_up",
+			Help: "1 while the replicas' Redis answers, else 0."}),
+		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
+			Help:    "Time from another replica's send of a message to its application here.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}),
+	}
+	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.missed, m.up, m.lag)
+	m.up.Set(1)
+	for i, vec := range []*prometheus.CounterVec{m.messages, m.entries, m.bytes} {
+		m.sent[i] = vec.WithLabelValues("sent")
+		m.received[i] = vec.WithLabelValues("received")
+	}
+	for _, r := range []string{"queue_full", "redis_error"} {
+		m.dropped.WithLabelValues(r)
+	}
+	return m
+}
+
+func (m *syncMetrics) Sent(entries, bytes int) {
+	m.sent[0].Inc()
+	m.sent[1].Add(float64(entries))
+	m.sent[2].Add(float64(bytes))
+}
+
+func (m *syncMetrics) Received(entries, bytes int, lag time.Duration) {
+	m.received[0].Inc()
+	m.received[1].Add(float64(entries))
+	m.received[2].Add(float64(bytes))
+	m.lag.Observe(max(lag, 0).Seconds())
+}
+
+func (m *syncMetrics) Dropped(reason string, n int) {
+	m.dropped.WithLabelValues(reason).Add(float64(n))
+}
+func (m *syncMetrics) Gap(n int) { m.missed.Add(float64(n)) }
+
+func (m *syncMetrics) Up(up bool) {
+	if up {
+		m.up.Set(1)
+	} else {
+		m.up.Set(0)
+	}
+}
+
+var _ replica.Observer = (*syncMetrics)(nil)
