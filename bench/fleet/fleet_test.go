@@ -54,7 +54,7 @@ func TestStartNamesAndRoles(t *testing.T) {
 				wc.Address = ""
 				got = append(got, wc)
 			}
-			if diff := cmp.Diff(c.want, got); diff != "" {
+			if diff := cmp.Diff(c.want, got, cmp.AllowUnexported(scheduler.WorkerConfig{})); diff != "" {
 				t.Errorf("configs (-want +got):\n%s", diff)
 			}
 		})
