@@ -474,6 +474,21 @@ func (o *objects) schedulerConfig(c container) (string, []byte, error) {
 	return "", nil, fmt.Errorf("--config=%s: no ConfigMap volume mounted at %s", file, dir)
 }
 
+// hasService reports whether addr, host:port, names a Service of o by its
+// cluster DNS name (<service>.<namespace>.svc.cluster.local) and one of
+// its ports.
+func (o *objects) hasService(addr string) bool {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	p, _ := strconv.Atoi(port)
+	svc, ns, _ := strings.Cut(strings.TrimSuffix(host, ".svc.cluster.local"), ".")
+	return slices.ContainsFunc(o.services, func(s *corev1.Service) bool {
+		return s.Name == svc && s.Namespace == ns && slices.ContainsFunc(s.Spec.Ports, func(sp corev1.ServicePort) bool { return int(sp.Port) == p })
+	})
+}
+
 // podAddress matches <statefulset>-<ordinal>.<service>.<namespace>.svc.cluster.local.
 var podAddress = regexp.MustCompile(`^([a-z0-9-]+)-([0-9]+)\.([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local$`)
 
@@ -515,6 +530,11 @@ func TestSchedulerConfig(t *testing.T) {
 			p, _ := strconv.Atoi(port)
 			if host == "127.0.0.1" || host == "localhost" || !hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, intstr.FromInt32(int32(p))) {
 				t.Errorf("%s: listen %q: want a non-loopback address on a port of %s", where, cfg.Listen, c)
+			}
+			if a := cfg.Replicas.Redis.Addr; a == "" {
+				t.Errorf("%s: replicas.redis: not set; the scheduler replicas would learn alone", where)
+			} else if !o.hasService(a) {
+				t.Errorf("%s: replicas.redis.addr %s: no Service of that name and port in the build", where, a)
 			}
 			if cfg.Discovery.Mode == scheduler.DiscoveryKubernetes {
 				checkDiscovery(t, o, where, cfg, c)
