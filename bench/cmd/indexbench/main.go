@@ -30,6 +30,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -41,19 +42,20 @@ import (
 )
 
 type options struct {
-	kinds    []string
-	workers  []int
-	blocks   []int
-	source   string
-	trace    string
-	start    float64 // first offered rate, ops/s
-	steps    int
-	maxOps   int
-	minStep  time.Duration
-	out      string
-	seed     uint64
-	procs    int
-	keepUpAt float64
+	kinds      []string
+	workers    []int
+	blocks     []int
+	source     string
+	trace      string
+	start      float64 // first offered rate, ops/s
+	steps      int
+	maxOps     int
+	minStep    time.Duration
+	out        string
+	seed       uint64
+	procs      int
+	keepUpAt   float64
+	cpuprofile string
 }
 
 func main() {
@@ -82,11 +84,12 @@ func parseFlags(args []string) (options, error) {
 	out := fs.String("out", "bench/results/index", "folder for results.csv and the plots (empty: none)")
 	seed := fs.Uint64("seed", 1, "random seed")
 	procs := fs.Int("procs", 1, "GOMAXPROCS (the replay is one goroutine; 1 means one core, the garbage collector included)")
+	prof := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	keep := fs.Float64("keep-up", 0.95, "an offered rate is kept up when achieved ≥ this fraction of it")
 	if err := fs.Parse(args); err != nil {
 		return options{}, err
 	}
-	o := options{source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
+	o := options{cpuprofile: *prof, source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
 	for _, k := range strings.Split(*kinds, ",") {
 		if k != "events" && k != "learned" {
 			return o, fmt.Errorf("-kind: %q is neither events nor learned", k)
@@ -167,6 +170,17 @@ func tracesDir() string {
 
 func run(w io.Writer, o options) error {
 	runtime.GOMAXPROCS(o.procs)
+	if o.cpuprofile != "" {
+		f, err := os.Create(o.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	var recs []workload.MooncakeRecord
 	if o.source == "mooncake" {
 		path := o.trace
