@@ -25,6 +25,21 @@ func (b *blocks) init(maxBlocks int) {
 	b.t.init(maxBlocks)
 }
 
+// trim forgets the least recently touched blocks while above the cap.
+// b.mu is held.
+func (b *blocks) trim() {
+	for b.t.n > b.max && b.t.tail != none {
+		b.t.remove(b.t.tail)
+		b.evicted++
+	}
+}
+
+// setMax changes the cap (see workers.share). b.mu is held.
+func (b *blocks) setMax(maxBlocks int) {
+	b.max = maxBlocks
+	b.t.fresh = uint32(min(maxBlocks/8, 1<<30))
+}
+
 // apply applies one cache event of the worker in slot bit. b.mu is held.
 func (b *blocks) apply(bit uint64, ce *CacheEvent) {
 	to, from := ce.Tier, ce.From
