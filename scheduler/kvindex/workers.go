@@ -196,7 +196,7 @@ type workers struct {
 	hints [1 << hintBits]atomic.Pointer[worker]
 }
 
-const hintBits = 8
+const hintBits = 12
 
 // maxGroups bounds the groups, and so the workers tracked (MaxTracked).
 const maxGroups = MaxTracked / MaxWorkers
