@@ -56,6 +56,7 @@ type options struct {
 	procs      int
 	keepUpAt   float64
 	cpuprofile string
+	plotFrom   string
 }
 
 func main() {
@@ -85,11 +86,12 @@ func parseFlags(args []string) (options, error) {
 	seed := fs.Uint64("seed", 1, "random seed")
 	procs := fs.Int("procs", 1, "GOMAXPROCS (the replay is one goroutine; 1 means one core, the garbage collector included)")
 	prof := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
+	from := fs.String("plot", "", "plot the results.csv files given (comma-separated) into -out instead of measuring")
 	keep := fs.Float64("keep-up", 0.95, "an offered rate is kept up when achieved ≥ this fraction of it")
 	if err := fs.Parse(args); err != nil {
 		return options{}, err
 	}
-	o := options{cpuprofile: *prof, source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
+	o := options{plotFrom: *from, cpuprofile: *prof, source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
 	for _, k := range strings.Split(*kinds, ",") {
 		if k != "events" && k != "learned" {
 			return o, fmt.Errorf("-kind: %q is neither events nor learned", k)
@@ -169,6 +171,19 @@ func tracesDir() string {
 }
 
 func run(w io.Writer, o options) error {
+	if o.plotFrom != "" {
+		var all []result
+		for _, f := range strings.Split(o.plotFrom, ",") {
+			rs, err := readCSV(f)
+			if err != nil {
+				return err
+			}
+			all = append(all, rs...)
+		}
+		files, err := plots(o.out, all)
+		fmt.Fprintf(w, "wrote %s\n", strings.Join(files, ", "))
+		return err
+	}
 	runtime.GOMAXPROCS(o.procs)
 	if o.cpuprofile != "" {
 		f, err := os.Create(o.cpuprofile)
@@ -569,4 +584,37 @@ func writeCSV(path string, all []result) error {
 		}
 	}
 	return os.WriteFile(path, []byte(sb.String()), 0o644)
+}
+
+// readCSV reads back what writeCSV wrote.
+func readCSV(path string) ([]result, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var all []result
+	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n")[1:] {
+		f := strings.Split(line, ",")
+		if len(f) != 14 {
+			return nil, fmt.Errorf("%s line %d: %d fields, want 14", path, i+2, len(f))
+		}
+		n := make([]float64, len(f))
+		for j, v := range f {
+			if j == 0 || j == 9 {
+				continue
+			}
+			if n[j], err = strconv.ParseFloat(v, 64); err != nil {
+				return nil, fmt.Errorf("%s line %d: %v", path, i+2, err)
+			}
+		}
+		s := step{offered: n[7], achieved: n[8], keptUp: f[9] == "true", perCore: n[13],
+			q50: time.Duration(n[10] * 1e3), q99: time.Duration(n[11] * 1e3), r99: time.Duration(n[12] * 1e3)}
+		if k := len(all) - 1; k >= 0 && all[k].kind == f[0] && all[k].workers == int(n[1]) && all[k].target == int(n[2]) {
+			all[k].steps = append(all[k].steps, s)
+			continue
+		}
+		all = append(all, result{kind: f[0], workers: int(n[1]), target: int(n[2]), indexedWorkers: int(n[3]),
+			blocks: int(n[4]), entries: int(n[5]), heap: uint64(n[6]), steps: []step{s}})
+	}
+	return all, nil
 }

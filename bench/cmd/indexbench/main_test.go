@@ -36,6 +36,21 @@ func TestRunReports(t *testing.T) {
 			t.Errorf("%s: %v", f, err)
 		}
 	}
+	// The CSV reads back, step for step, and plots again.
+	rs, err := readCSV(filepath.Join(dir, "results.csv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rs) != 2 || rs[0].kind != "events" || rs[1].kind != "learned" || rs[0].workers != 4 || len(rs[0].steps) == 0 {
+		t.Errorf("read back %+v", rs)
+	}
+	again := t.TempDir()
+	if err := run(&strings.Builder{}, options{plotFrom: filepath.Join(dir, "results.csv"), out: again}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(again, "index_events_latency.png")); err != nil {
+		t.Error(err)
+	}
 }
 
 func TestParseFlagsRejects(t *testing.T) {
