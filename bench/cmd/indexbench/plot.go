@@ -34,7 +34,7 @@ func plots(dir string, all []result) ([]string, error) {
 			p.X.Label.Text = "offered (ops/s)"
 			p.Y.Label.Text = fig.y
 			p.X.Scale, p.Y.Scale = plot.LogScale{}, plot.LogScale{}
-			p.X.Tick.Marker, p.Y.Tick.Marker = plot.LogTicks{Prec: -1}, plot.LogTicks{Prec: -1}
+			p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
 			i := 0
 			lo, hi := 0.0, 0.0
 			for _, r := range all {
@@ -65,6 +65,12 @@ func plots(dir string, all []result) ([]string, error) {
 				p.Legend.Add(fmt.Sprintf("W=%d, %s blocks", r.workers, si(float64(r.target))), l, sc)
 				i++
 			}
+			// Ticks at the offered rates, which double from the first.
+			var ticks []plot.Tick
+			for r := lo; r > 0 && r <= hi*1.01; r *= 2 {
+				ticks = append(ticks, plot.Tick{Value: r, Label: si(r)})
+			}
+			p.X.Tick.Marker = plot.ConstantTicks(ticks)
 			if fig.name == "throughput" && hi > 0 {
 				ideal, err := plotter.NewLine(plotter.XYs{{X: lo, Y: lo}, {X: hi, Y: hi}})
 				if err != nil {
