@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"path/filepath"
+	"slices"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -17,7 +18,7 @@ func plots(dir string, all []result) ([]string, error) {
 	var files []string
 	kinds := []string{}
 	for _, r := range all {
-		if len(kinds) == 0 || kinds[len(kinds)-1] != r.kind {
+		if !slices.Contains(kinds, r.kind) {
 			kinds = append(kinds, r.kind)
 		}
 	}
