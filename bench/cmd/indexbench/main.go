@@ -78,7 +78,7 @@ func parseFlags(args []string) (options, error) {
 	blocks := fs.String("blocks", "1M,16M", "blocks the fleet's caches hold together (K, M suffixes)")
 	src := fs.String("source", "mooncake", "mooncake (the trace, one copy per tenant) or synthetic")
 	trace := fs.String("trace", "", "Mooncake trace (default: mooncake_conversation_trace.jsonl in $BATON_TRACES or a shared/traces folder beside the working directory or a parent)")
-	start := fs.String("start", "250K", "first offered rate, ops/s; each next step doubles it")
+	start := fs.String("start", "16K", "first offered rate, ops/s; each next step doubles it")
 	steps := fs.Int("steps", 8, "offered rates at most per configuration (stops past saturation)")
 	maxOps := fs.Int("ops", 1_000_000, "operations per offered rate at most")
 	minStep := fs.Duration("min-step", 500*time.Millisecond, "shortest step: fewer operations than -ops when the rate is low")
