@@ -61,8 +61,8 @@ bench-proxy:
 # the Mooncake trace's block hashes as the cache events of 8 to 1,000
 # engines holding 1 Mi and 16 Mi blocks, plus a match query per request,
 # offered at doubling rates from 16 K ops/s on one core, for both index
-# kinds; about twenty minutes on a busy 2-core machine, and up to 9 GB of
-# memory at 16 Mi blocks. Results and plots go to bench/results/index.
+# kinds; about twenty minutes on a busy 2-core machine, and a few GB of
+# memory (over 8 GB with -blocks 64M). Results and plots go to bench/results/index.
 # ARGS go to the program: make bench-index ARGS="-workers 1000 -blocks 64M -kind events".
 bench-index:
 	nice -n 10 $(GO) run ./bench/cmd/indexbench $(ARGS)
