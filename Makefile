@@ -11,7 +11,7 @@ BUF_VERSION                := v1.75.0
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test test-short demo proto lint bench bench-proxy faults soak gobench clean
+.PHONY: all build test test-short demo proto lint bench bench-proxy bench-index faults soak gobench clean
 
 all: lint build test
 
@@ -57,6 +57,16 @@ bench-proxy: build
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy; \
 	  else echo "haproxy is missing: run  sudo apt-get install -y haproxy"; exit 1; fi; }
 	$(GO) run ./bench/cmd/proxybench -baton $(BIN)/baton $(ARGS)
+
+# The KV index benchmark (bench/cmd/indexbench, see bench/RESULTS.md):
+# the Mooncake trace's block hashes as the cache events of 8 to 1,000
+# engines holding 1 Mi and 16 Mi blocks, plus a match query per request,
+# offered at doubling rates from 16 K ops/s on one core, for both index
+# kinds; about twenty minutes on a busy 2-core machine, and a few GB of
+# memory (over 8 GB with -blocks 64M). Results and plots go to bench/results/index.
+# ARGS go to the program: make bench-index ARGS="-workers 1000 -blocks 64M -kind events".
+bench-index:
+	nice -n 10 $(GO) run ./bench/cmd/indexbench $(ARGS)
 
 # The fault matrix (bench/FAULTS.md): a disaggregated fleet of baton
 # processes on loopback (redis-server, 2 prefill + 2 decode workers, two

@@ -25,24 +25,50 @@ func (b *blocks) init(maxBlocks int) {
 	b.t.init(maxBlocks)
 }
 
+// trim forgets the least recently touched blocks while above the cap.
+// b.mu is held.
+func (b *blocks) trim() {
+	for b.t.n > b.max && b.t.tail != none {
+		b.t.remove(b.t.tail)
+		b.evicted++
+	}
+}
+
+// setMax changes the cap (see workers.share). b.mu is held.
+func (b *blocks) setMax(maxBlocks int) {
+	b.max = maxBlocks
+	b.t.fresh = uint32(min(maxBlocks/8, 1<<30))
+}
+
 // apply applies one cache event of the worker in slot bit. b.mu is held.
+// It takes the keys warmBatch at a time, warming each batch's slots and
+// entries first (see table.warm): the keys of an event are scattered over
+// the table, and on a table larger than the CPU's caches their misses then
+// overlap instead of coming one after the other.
 func (b *blocks) apply(bit uint64, ce *CacheEvent) {
 	to, from := ce.Tier, ce.From
-	switch ce.Kind {
-	case Stored:
-		for _, k := range ce.Keys {
-			b.set(k, bit, to)
+	for keys := ce.Keys; len(keys) > 0; {
+		batch := keys[:min(len(keys), warmBatch)]
+		keys = keys[len(batch):]
+		if len(batch) > 1 && b.t.warm(batch) == 0x5eed {
+			b.warmed.Add(1)
 		}
-	case Removed:
-		for _, k := range ce.Keys {
-			b.clear(k, bit, to)
-		}
-	case Moved:
-		for _, k := range ce.Keys {
-			if ce.HasFrom && from != to {
-				b.clear(k, bit, from)
+		switch ce.Kind {
+		case Stored:
+			for _, k := range batch {
+				b.set(k, bit, to)
 			}
-			b.set(k, bit, to)
+		case Removed:
+			for _, k := range batch {
+				b.clear(k, bit, to)
+			}
+		case Moved:
+			for _, k := range batch {
+				if ce.HasFrom && from != to {
+					b.clear(k, bit, from)
+				}
+				b.set(k, bit, to)
+			}
 		}
 	}
 }

@@ -18,7 +18,12 @@
 // past it). When full, the least recently touched block
 // (stored, moved or predicted; entries touched within the latest eighth of
 // the cap's worth of touches keep their place) is forgotten. Workers
-// occupy one of MaxWorkers slots each, so per-block holder sets are 64-bit masks.
+// occupy one of MaxWorkers slots of a group each, so per-block holder sets
+// are 64-bit masks; a fleet of more than MaxWorkers takes several groups,
+// each with its own block table and lock, and its share of the cap in
+// proportion to its workers (a block held in several groups takes an
+// entry in each, and a full group forgets its own least recently touched
+// block).
 package kvindex
 
 import (
@@ -28,10 +33,15 @@ import (
 	"time"
 )
 
-// MaxWorkers is the number of workers an Index tracks at once. Blocks of
+// MaxWorkers is the number of workers of one group: the workers whose
+// blocks share a block table, one bit each in its holder masks. A Lookup
+// of at most MaxWorkers workers of one group walks the prompt once.
+const MaxWorkers = 64
+
+// MaxTracked is the number of workers an Index tracks at once. Blocks of
 // further workers are not indexed (Apply returns ErrTooManyWorkers); such
 // workers are still routable, with no known cache.
-const MaxWorkers = 64
+const MaxTracked = 4096
 
 // BytesPerBlock bounds the memory of one indexed block once the index has
 // grown to it: a 56-byte entry plus at most 16 bytes of hash table (more
@@ -110,7 +120,7 @@ var (
 	ErrGap = errors.New("sequence gap")
 	// ErrNoSnapshot: an event arrived for a worker before its snapshot.
 	ErrNoSnapshot = errors.New("no snapshot")
-	// ErrTooManyWorkers: MaxWorkers workers are already indexed.
+	// ErrTooManyWorkers: MaxTracked workers are already indexed.
 	ErrTooManyWorkers = errors.New("too many workers")
 )
 
@@ -202,35 +212,49 @@ const defaultBlockTokens = 16
 
 // Index is the KV index: the block index (blocks.go) and the per-worker
 // state (workers.go), each under its own locks. Its methods are safe for
-// concurrent use. Locks are taken in the order membership, block table,
-// worker.
+// concurrent use. Locks are taken in the order membership, block table
+// (of one group at a time), worker.
 type Index struct {
 	cfg     Config
 	workers workers
-	blocks  blocks
+	blocks  *blocks // the first group's
 }
 
 // New returns an empty index.
 func New(cfg Config) *Index {
 	x := &Index{cfg: cfg.withDefaults()}
 	x.workers.byName = make(map[string]*worker)
-	x.blocks.init(x.cfg.MaxBlocks)
+	x.workers.maxBlocks = x.cfg.MaxBlocks
+	x.blocks = &x.workers.newGroup().blocks
 	return x
 }
 
-// Len returns the number of blocks indexed.
+// Len returns the number of blocks indexed: a block held by workers of
+// several groups (see MaxWorkers) counts once in each.
 func (x *Index) Len() int {
-	x.blocks.mu.RLock()
-	defer x.blocks.mu.RUnlock()
-	return x.blocks.t.n
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	n := 0
+	for _, g := range x.workers.groups {
+		g.blocks.mu.RLock()
+		n += g.blocks.t.n
+		g.blocks.mu.RUnlock()
+	}
+	return n
 }
 
 // Evicted returns the number of blocks forgotten because the index was
 // full.
 func (x *Index) Evicted() uint64 {
-	x.blocks.mu.RLock()
-	defer x.blocks.mu.RUnlock()
-	return x.blocks.evicted
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	var n uint64
+	for _, g := range x.workers.groups {
+		g.blocks.mu.RLock()
+		n += g.blocks.evicted
+		g.blocks.mu.RUnlock()
+	}
+	return n
 }
 
 // AddWorker tracks the worker without a watch stream, so that Predict
@@ -254,8 +278,9 @@ func (x *Index) Learn(name string, c Capacity) error {
 	if err != nil {
 		return err
 	}
-	x.blocks.mu.Lock()
-	defer x.blocks.mu.Unlock()
+	b := &w.grp.blocks
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	if w.lrn == nil {
 		w.lrn = &learned{refs: make(map[uint64]int32)}
 		w.isLearned.Store(true)
@@ -309,17 +334,20 @@ func (x *Index) Apply(name string, ev Event) error {
 	if w == nil {
 		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
 	}
-	bit := uint64(1) << w.slot
+	bit, b := w.bit(), &w.grp.blocks
 	if snap := ev.Snapshot; snap != nil {
-		x.blocks.mu.Lock()
+		b.mu.Lock()
 		if w.lrn != nil {
-			w.lrn.clear(&x.blocks, bit)
+			w.lrn.clear(b, bit)
 		}
-		x.blocks.clearSlot(w.slot, false)
+		b.clearSlot(w.slot, false)
 		for i := range snap.Blocks {
-			x.blocks.apply(bit, &snap.Blocks[i])
+			b.apply(bit, &snap.Blocks[i])
 		}
-		x.blocks.mu.Unlock()
+		b.mu.Unlock()
+		for i := range snap.Blocks {
+			x.applyRedisElsewhere(w, &snap.Blocks[i])
+		}
 		w.mu.Lock()
 		w.setLoad(snap.Load, x.cfg.Now().UnixNano())
 		w.synced, w.lastSeq = true, ev.Seq
@@ -346,9 +374,24 @@ func (x *Index) Apply(name string, ev Event) error {
 	}
 	w.mu.Unlock()
 	if ev.Cache != nil {
-		x.blocks.applyChunked(bit, ev.Cache)
+		b.applyChunked(bit, ev.Cache)
+		x.applyRedisElsewhere(w, ev.Cache)
 	}
 	return nil
+}
+
+// applyRedisElsewhere applies a store in or removal from the shared Redis
+// tier, which holds blocks for the whole fleet, to the block tables of the
+// groups other than w's. x.workers.mu is held.
+func (x *Index) applyRedisElsewhere(w *worker, ce *CacheEvent) {
+	if ce.Tier != TierRedis || ce.Kind == Moved || len(x.workers.groups) == 1 {
+		return
+	}
+	for _, g := range x.workers.groups {
+		if g != w.grp {
+			g.blocks.applyChunked(0, ce)
+		}
+	}
 }
 
 // RemoveWorker forgets the worker: its blocks, predictions, load and
@@ -360,9 +403,10 @@ func (x *Index) RemoveWorker(name string) {
 	if w == nil {
 		return
 	}
-	x.blocks.mu.Lock()
-	x.blocks.clearSlot(w.slot, true)
-	x.blocks.mu.Unlock()
+	b := &w.grp.blocks
+	b.mu.Lock()
+	b.clearSlot(w.slot, true)
+	b.mu.Unlock()
 	x.workers.remove(w)
 }
 
@@ -398,7 +442,7 @@ func (x *Index) Predict(name string, keys []uint64) {
 	if w.learning() {
 		added = x.learn(w, keys, true)
 	} else {
-		added = x.blocks.predict(keys, uint64(1)<<w.slot, now, until)
+		added = w.grp.blocks.predict(keys, w.bit(), now, until)
 	}
 	w.held(all-added, gen)
 	if x.cfg.OnPredict != nil {
@@ -427,7 +471,7 @@ func (x *Index) Shared(name string, keys []uint64) {
 		x.learn(w, keys, false)
 		return
 	}
-	x.blocks.predict(keys, uint64(1)<<w.slot, now, now+int64(x.cfg.PredictTTL))
+	w.grp.blocks.predict(keys, w.bit(), now, now+int64(x.cfg.PredictTTL))
 }
 
 // learn records keys on the learned worker w, within its capacity, as a
@@ -439,8 +483,9 @@ func (x *Index) learn(w *worker, keys []uint64, busy bool) int64 {
 	w.mu.Lock()
 	load := w.load
 	w.mu.Unlock()
-	x.blocks.mu.Lock()
-	defer x.blocks.mu.Unlock()
+	b := &w.grp.blocks
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	l := w.lrn
 	prompts, blocks := l.cap.Prompts, l.cap.Blocks
 	if prompts <= 0 {
@@ -452,7 +497,7 @@ func (x *Index) learn(w *worker, keys []uint64, busy bool) int64 {
 	if blocks <= 0 {
 		blocks = DefaultLearnedBlocks
 	}
-	return l.record(&x.blocks, uint64(1)<<w.slot, keys, prompts, blocks, busy)
+	return l.record(b, w.bit(), keys, prompts, blocks, busy)
 }
 
 // Finished reports the end of a request Predict recorded on a learned
@@ -470,9 +515,10 @@ func (x *Index) Finished(name string, keys []uint64, u Usage) {
 	w.mu.Lock()
 	bt := w.blockTokens
 	w.mu.Unlock()
-	x.blocks.mu.Lock()
-	defer x.blocks.mu.Unlock()
-	w.lrn.finish(&x.blocks, uint64(1)<<w.slot, keys, u, bt)
+	b := &w.grp.blocks
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	w.lrn.finish(b, w.bit(), keys, u, bt)
 }
 
 // Prefilled records that a request routed to the worker has been prefilled
@@ -517,46 +563,71 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 // for a write to the table, and the load and pending tokens it reports
 // then count the requests Predict recorded meanwhile (a burst's picks
 // queued behind one write would otherwise all see none). It does not
-// allocate, and costs about 10–20 ns per key plus 30 ns per worker.
+// allocate, and costs about 10–20 ns per key plus 30 ns per worker, for
+// each group (see MaxWorkers) among the workers; workers are taken
+// MaxWorkers at a time.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	now := x.cfg.Now().UnixNano()
 	out = out[:len(workers)]
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	// found keeps the first MaxWorkers workers as looked up by name (all
-	// of them, but for a longer list), for the second pass.
+	for lo := 0; lo < len(workers); lo += MaxWorkers {
+		hi := min(lo+MaxWorkers, len(workers))
+		x.lookup(keys, workers[lo:hi], out[lo:hi], now)
+	}
+}
+
+// lookup is Lookup of at most MaxWorkers workers. x.workers.mu is held.
+func (x *Index) lookup(keys []uint64, workers []string, out []Match, now int64) {
 	var found [MaxWorkers]*worker
-	var alive, redisOK uint64
+	// The groups among the workers, with their workers' bits.
+	var groups [MaxWorkers]struct {
+		g              *group
+		alive, redisOK uint64
+	}
+	ng := 0
 	for i, name := range workers {
-		if w := x.workers.find(name); w != nil {
-			if i < len(found) {
-				found[i] = w
+		w := x.workers.find(name)
+		if w == nil {
+			continue
+		}
+		found[i] = w
+		k := 0
+		for k < ng && groups[k].g != w.grp {
+			k++
+		}
+		if k == ng {
+			groups[k].g, ng = w.grp, ng+1
+		}
+		groups[k].alive |= w.bit()
+		if w.redisTier.Load() {
+			groups[k].redisOK |= w.bit()
+		}
+	}
+	var hits [MaxWorkers][3]int32
+	if len(keys) > 0 {
+		var cnt counts
+		for k := range ng {
+			gr := &groups[k]
+			if k > 0 {
+				cnt = counts{}
 			}
-			bit := uint64(1) << w.slot
-			alive |= bit
-			if w.redisTier.Load() {
-				redisOK |= bit
+			gr.g.blocks.walk(keys, gr.alive, gr.redisOK, now, &cnt)
+			for i, w := range found[:len(workers)] {
+				if w != nil && w.grp == gr.g {
+					hits[i] = cnt[w.slot]
+				}
 			}
 		}
 	}
-	var cnt counts
-	if alive != 0 && len(keys) > 0 {
-		x.blocks.walk(keys, alive, redisOK, now, &cnt)
-	}
-	for i, name := range workers {
+	for i, w := range found[:len(workers)] {
 		m := &out[i]
-		var w *worker
-		if i < len(found) {
-			w = found[i]
-		} else {
-			w = x.workers.get(name)
-		}
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
 		}
 		w.match(m, now, &x.cfg)
-		c := cnt[w.slot]
+		c := hits[i]
 		m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 	}
 }

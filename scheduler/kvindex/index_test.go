@@ -230,15 +230,15 @@ func TestRemoveWorker(t *testing.T) {
 
 func TestTooManyWorkers(t *testing.T) {
 	x := New(Config{})
-	for i := range MaxWorkers {
+	for i := range MaxTracked {
 		mustApply(t, x, fmt.Sprint("w", i), snapshot(nil))
 	}
 	if err := x.Apply("extra", snapshot(nil)); !errors.Is(err, ErrTooManyWorkers) {
-		t.Fatalf("Apply beyond MaxWorkers: %v, want ErrTooManyWorkers", err)
+		t.Fatalf("Apply beyond MaxTracked: %v, want ErrTooManyWorkers", err)
 	}
 	x.Predict("extra", keys(0, 3)) // ignored
 	if err := x.AddWorker("extra"); !errors.Is(err, ErrTooManyWorkers) {
-		t.Fatalf("AddWorker beyond MaxWorkers: %v, want ErrTooManyWorkers", err)
+		t.Fatalf("AddWorker beyond MaxTracked: %v, want ErrTooManyWorkers", err)
 	}
 	x.RemoveWorker("w0")
 	mustApply(t, x, "extra", snapshot(nil))

@@ -14,11 +14,12 @@ import (
 // a load report, a prediction's bookkeeping or a first token's correction
 // never waits for the block table nor holds it.
 
-// worker is one indexed worker. name and slot are fixed; mu guards the
-// fields after it, but correction, which is read without it.
+// worker is one indexed worker. name, grp and slot are fixed; mu guards
+// the fields after it, but correction, which is read without it.
 type worker struct {
 	name string
-	slot int
+	grp  *group
+	slot int // in grp
 
 	mu          sync.Mutex
 	synced      bool   // a snapshot was applied, and no gap seen since
@@ -48,9 +49,12 @@ type worker struct {
 // Index.Learn).
 func (w *worker) learning() bool { return w.isLearned.Load() }
 
-func newWorker(name string, slot int) *worker {
-	return &worker{name: name, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
+func newWorker(name string, g *group, slot int) *worker {
+	return &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
 }
+
+// bit is the worker's bit in its group's holder masks.
+func (w *worker) bit() uint64 { return uint64(1) << w.slot }
 
 // routedNow returns w.routed decayed to now. w.mu is held.
 func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
@@ -160,15 +164,29 @@ func (w *worker) observe(p, a float64, now int64) {
 	w.correction.Store(next)
 }
 
-// workers is the index's membership: which worker holds which of the
-// MaxWorkers slots, whose bit it is in the block table's holder masks.
+// group is MaxWorkers worker slots and the block table of their blocks,
+// whose holder masks have one bit per slot. A fleet larger than
+// MaxWorkers takes several groups: a block held by workers of several
+// groups has an entry in each group's table, and the groups' tables lock,
+// fill and evict apart, so that events of workers of different groups
+// never wait for one another.
+type group struct {
+	blocks blocks
+	slots  [MaxWorkers]*worker // guarded by workers.mu
+	n      int                 // slots in use; guarded by workers.mu
+}
+
+// workers is the index's membership: which worker holds which slot of
+// which group, whose bit it is in the group's block table's holder masks.
 // It changes when a worker joins or leaves, rarely; readers hold mu's read
 // lock for as long as they use a slot, so that a slot is not reused under
 // them.
 type workers struct {
-	mu     sync.RWMutex
-	byName map[string]*worker
-	slots  [MaxWorkers]*worker
+	mu        sync.RWMutex
+	byName    map[string]*worker
+	groups    []*group // never shrinks: a group's table outlives its workers
+	n         int      // workers tracked
+	maxBlocks int      // Config.MaxBlocks, shared out among the groups
 
 	// hints remembers the worker last found under a name's bytes, indexed
 	// by their address: callers pass the same strings request after
@@ -178,7 +196,18 @@ type workers struct {
 	hints [1 << hintBits]atomic.Pointer[worker]
 }
 
-const hintBits = 8
+const hintBits = 12
+
+// maxGroups bounds the groups, and so the workers tracked (MaxTracked).
+const maxGroups = MaxTracked / MaxWorkers
+
+// newGroup adds an empty group. ws.mu is held for writing.
+func (ws *workers) newGroup() *group {
+	g := &group{}
+	g.blocks.init(ws.maxBlocks)
+	ws.groups = append(ws.groups, g)
+	return g
+}
 
 // get returns name's state, nil if untracked. w.mu is held.
 func (ws *workers) get(name string) *worker { return ws.byName[name] }
@@ -188,7 +217,7 @@ func (ws *workers) get(name string) *worker { return ws.byName[name] }
 // returns what get would. ws.mu is held.
 func (ws *workers) find(name string) *worker {
 	h := &ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)]
-	if w := h.Load(); w != nil && ws.slots[w.slot] == w && w.name == name {
+	if w := h.Load(); w != nil && w.grp.slots[w.slot] == w && w.name == name {
 		return w
 	}
 	w := ws.byName[name]
@@ -198,25 +227,60 @@ func (ws *workers) find(name string) *worker {
 	return w
 }
 
-// add returns name's state, creating it in a free slot if needed. ws.mu
-// is held for writing.
+// add returns name's state, creating it in a free slot if needed: of the
+// first group with one, or of a new group. ws.mu is held for writing.
 func (ws *workers) add(name string) (*worker, error) {
 	if w := ws.byName[name]; w != nil {
 		return w, nil
 	}
-	for i, w := range ws.slots {
-		if w == nil {
-			w = newWorker(name, i)
-			ws.slots[i] = w
+	var g *group
+	for _, o := range ws.groups {
+		if o.n < MaxWorkers {
+			g = o
+			break
+		}
+	}
+	if g == nil {
+		if len(ws.groups) >= maxGroups {
+			return nil, fmt.Errorf("worker %s: %w (%d)", name, ErrTooManyWorkers, MaxTracked)
+		}
+		g = ws.newGroup()
+	}
+	for i, o := range g.slots {
+		if o == nil {
+			w := newWorker(name, g, i)
+			g.slots[i] = w
+			g.n++
 			ws.byName[name] = w
+			ws.n++
+			ws.share()
 			return w, nil
 		}
 	}
-	return nil, fmt.Errorf("worker %s: %w (%d)", name, ErrTooManyWorkers, MaxWorkers)
+	panic("kvindex: group with a free slot has none")
 }
 
 // remove frees w's slot. ws.mu is held for writing.
 func (ws *workers) remove(w *worker) {
 	delete(ws.byName, w.name)
-	ws.slots[w.slot] = nil
+	w.grp.slots[w.slot] = nil
+	w.grp.n--
+	ws.n--
+	ws.share()
+}
+
+// share gives each group its share of Config.MaxBlocks, in proportion to
+// its workers: one group takes it all. A group above its new share, as
+// when workers join other groups, forgets its least recently touched
+// blocks down to it. ws.mu is held for writing.
+func (ws *workers) share() {
+	if len(ws.groups) == 1 {
+		return // New's group keeps the whole cap
+	}
+	for _, g := range ws.groups {
+		g.blocks.mu.Lock()
+		g.blocks.setMax(max(1, ws.maxBlocks*g.n/max(ws.n, 1)))
+		g.blocks.trim()
+		g.blocks.mu.Unlock()
+	}
 }

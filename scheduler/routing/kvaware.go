@@ -207,10 +207,11 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	cands := c.Cands
 	req := c.Req
 	cached, seconds := c.Estimates()
-	// Candidates go to the index in batches of up to MaxWorkers (it tracks
-	// no more): one batch for fleets of up to 64. The batch's buffers are
-	// the pick's scratch, sized to it, rather than arrays of MaxWorkers on
-	// the stack, which zeroing would pull into a cold cache whole.
+	// Candidates go to the index in batches of up to MaxWorkers (a group
+	// of its workers): one batch for fleets of up to 64. The batch's
+	// buffers are the pick's scratch, sized to it, rather than arrays of
+	// MaxWorkers on the stack, which zeroing would pull into a cold cache
+	// whole.
 	idx, names, ms := c.sc.lookupBuffers(min(len(cands), kvindex.MaxWorkers))
 	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
 	var routed float64  // sum over the candidates

@@ -1,0 +1,228 @@
+package kvindex
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+)
+
+// scaleFleet is an index of about blocks blocks spread over workers
+// workers' GPU tiers as chains of 32, as the fleet's engines would hold
+// them; names are the workers', indexed how many the index took.
+type scaleFleet struct {
+	x       *Index
+	names   []string
+	seq     []uint64
+	chains  [][]uint64
+	indexed int
+}
+
+func newScaleFleet(tb testing.TB, workers, blocks int) *scaleFleet {
+	f := &scaleFleet{x: New(Config{MaxBlocks: 2 * blocks}), seq: make([]uint64, workers)}
+	rng := rand.New(rand.NewPCG(11, 12))
+	per := max(blocks/workers, 32)
+	for w := range workers {
+		name := fmt.Sprintf("w%04d", w)
+		f.names = append(f.names, name)
+		var evs []CacheEvent
+		for c := 0; c < per; c += 32 {
+			ks := make([]uint64, 32)
+			for i := range ks {
+				ks[i] = rng.Uint64()
+			}
+			evs = append(evs, stored(gpu, ks))
+			if c == 0 {
+				f.chains = append(f.chains, ks)
+			}
+		}
+		switch err := f.x.Apply(name, snapshot(nil, evs...)); {
+		case err == nil:
+			f.indexed++
+			f.seq[w] = 1
+		case errors.Is(err, ErrTooManyWorkers):
+		default:
+			tb.Fatal(err)
+		}
+	}
+	return f
+}
+
+// lookupAll looks keys up over every worker in batches of MaxWorkers, as
+// the router does, and returns the match of the last.
+func (f *scaleFleet) lookupAll(keys []uint64, out []Match) Match {
+	var last Match
+	for lo := 0; lo < len(f.names); lo += MaxWorkers {
+		hi := min(lo+MaxWorkers, len(f.names))
+		f.x.Lookup(keys, f.names[lo:hi], out)
+		last = out[hi-lo-1]
+	}
+	return last
+}
+
+var scaleWorkers = []int{8, 64, 256, 1000}
+
+// BenchmarkApplyEvent measures one cache event of 16 blocks on an index
+// of a million blocks: events store a chain on a worker, then remove it,
+// the workers taking turns.
+func BenchmarkApplyEvent(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			rng := rand.New(rand.NewPCG(13, 14))
+			ks := make([][]uint64, workers)
+			for w := range ks {
+				ks[w] = make([]uint64, 16)
+				for i := range ks[w] {
+					ks[w][i] = rng.Uint64()
+				}
+			}
+			var ce CacheEvent
+			// Once round first, so that the loop finds the table grown.
+			for w := range workers {
+				if f.seq[w] == 0 {
+					continue
+				}
+				for _, kind := range []CacheKind{Stored, Removed} {
+					ce.Kind, ce.Keys = kind, ks[w]
+					f.seq[w]++
+					if err := f.x.Apply(f.names[w], Event{Seq: f.seq[w], Cache: &ce}); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				w := (i / 2) % workers
+				if f.seq[w] == 0 {
+					w %= MaxWorkers // a worker the index took
+				}
+				ce.Kind, ce.Keys = Stored, ks[w]
+				if i%2 == 1 {
+					ce.Kind = Removed
+				}
+				f.seq[w]++
+				if err := f.x.Apply(f.names[w], Event{Seq: f.seq[w], Cache: &ce}); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+			b.ReportMetric(float64(f.indexed), "indexed")
+		})
+	}
+}
+
+// BenchmarkMatchQuery measures the match query of a request of 500 blocks
+// over every worker of the fleet: the first 300 held by the last worker,
+// the rest by none.
+func BenchmarkMatchQuery(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			last := f.names[workers-1]
+			held := keys(1<<30, 1<<30+300)
+			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+				f.seq[workers-1]++
+			}
+			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			out := make([]Match, MaxWorkers)
+			b.ReportAllocs()
+			var m Match
+			for b.Loop() {
+				m = f.lookupAll(ks, out)
+			}
+			b.ReportMetric(float64(m.GPU), "hit")
+			b.ReportMetric(float64(f.indexed), "indexed")
+		})
+	}
+}
+
+// A fleet of a thousand workers is indexed whole: each worker's blocks,
+// in every tier, count for it alone, whichever group it sits in, looked up
+// in one call or in the router's batches.
+func TestThousandWorkers(t *testing.T) {
+	const n = 1000
+	x := New(Config{})
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%04d", i)
+		// Worker i holds blocks 0..i%50 in GPU, then two more in CPU.
+		ks := keys(0, uint64(i%50+3))
+		mustApply(t, x, names[i], snapshot(nil, stored(gpu, ks[:i%50+1]), stored(cpu, ks[i%50+1:])))
+	}
+	prompt := keys(0, 60)
+	out := make([]Match, n)
+	x.Lookup(prompt, names, out)
+	for i, m := range out {
+		if want := (hit{i%50 + 1, 2, 0}); (hit{m.GPU, m.CPU, m.Redis}) != want || !m.Known {
+			t.Fatalf("%s: %+v (known %t), want %+v", names[i], hit{m.GPU, m.CPU, m.Redis}, m.Known, want)
+		}
+	}
+	// The router's batches: a batch spanning two groups.
+	batch := names[40:104]
+	x.Lookup(prompt, batch, out)
+	for i, m := range out[:len(batch)] {
+		if got, want := m.GPU, (40+i)%50+1; got != want {
+			t.Fatalf("%s in a batch: GPU %d, want %d", batch[i], got, want)
+		}
+	}
+	// Removal frees the slot of the last group's worker and only its.
+	x.RemoveWorker(names[999])
+	x.Lookup(prompt, names[990:], out)
+	if out[9].Known || out[9].GPU != 0 || out[8].GPU != 998%50+1 {
+		t.Errorf("after removing %s: %+v, %+v", names[999], out[9], out[8])
+	}
+	// Predictions on a worker of a later group.
+	x.Predict(names[700], keys(100, 110))
+	if got := lookup(x, keys(100, 110), names[700], names[701]); got[names[700]] != (hit{10, 0, 0}) || got[names[701]] != (hit{}) {
+		t.Errorf("predicted on %s: %+v", names[700], got)
+	}
+}
+
+// The shared Redis tier holds blocks for the fleet: a block one worker
+// reports stored there counts for the Redis-tier workers of every group.
+func TestRedisAcrossGroups(t *testing.T) {
+	x := New(Config{})
+	names := make([]string, 2*MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		mustApply(t, x, names[i], snapshot(nil))
+		if err := x.SetInfo(names[i], Info{RedisTier: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ks := keys(0, 8)
+	mustApply(t, x, names[0], event(2, stored(redis, ks)))
+	if got := lookup(x, ks, names[0], names[MaxWorkers+1]); got[names[MaxWorkers+1]] != (hit{0, 0, 8}) {
+		t.Errorf("Redis blocks seen from another group: %+v, want 8", got)
+	}
+	mustApply(t, x, names[0], event(3, cache(Removed, redis, ks)))
+	if got := lookup(x, ks, names[MaxWorkers+1])[names[MaxWorkers+1]]; got != (hit{}) {
+		t.Errorf("after Redis dropped them: %+v", got)
+	}
+}
+
+// The cap is shared among the groups in proportion to their workers: two
+// full groups hold about MaxBlocks between them, each forgetting its own
+// least recently touched blocks.
+func TestCapSharedAmongGroups(t *testing.T) {
+	const capBlocks = 4096
+	x := New(Config{MaxBlocks: capBlocks})
+	for i := range 2 * MaxWorkers {
+		name := fmt.Sprintf("w%03d", i)
+		mustApply(t, x, name, snapshot(nil, stored(gpu, keys(uint64(i)*1000, uint64(i)*1000+100))))
+	}
+	if got := x.Len(); got > capBlocks {
+		t.Errorf("Len = %d, want at most %d", got, capBlocks)
+	}
+	// The last worker's blocks, the most recent of its group, are kept.
+	last := fmt.Sprintf("w%03d", 2*MaxWorkers-1)
+	k := uint64(2*MaxWorkers-1) * 1000
+	if got := lookup(x, keys(k, k+100), last)[last]; got.GPU != 100 {
+		t.Errorf("%s holds %d of its 100 blocks", last, got.GPU)
+	}
+	if x.Evicted() == 0 {
+		t.Error("nothing evicted")
+	}
+}
