@@ -420,6 +420,9 @@ func (d drainStream) Recv() (engine.Event, error) {
 	case errors.Is(context.Cause(d.ctx), ErrDrained):
 		return ev, errInterrupted
 	case errors.Is(err, io.EOF) || errors.As(err, &e):
+	case d.ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
+		// The request's deadline or its client: the outcome says so
+		// (504, or nobody listening), not the worker.
 	default:
 		// The client's stream_interrupted event says what the engine
 		// said, not where it is.
