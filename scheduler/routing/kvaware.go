@@ -2,6 +2,7 @@ package routing
 
 import (
 	"errors"
+	"math"
 	"strconv"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
@@ -99,8 +100,8 @@ const (
 // first block of the prompt that no candidate holds (the prompt's home).
 // A prompt no candidate holds at all goes to its home, the first
 // candidate on the ring from its first block, unless the home is at the
-// threshold or estimated more than 10% slower than the best (Spill, Home
-// the home); so scheduler replicas that share nothing place a new prefix
+// threshold or estimated (before correction) more than 10% slower than
+// the fastest, which then takes it (Spill, Home the home); so scheduler replicas that share nothing place a new prefix
 // alike, and each finds it there after: no tie is broken by what one
 // replica counts alone (requests routed, in flight). When the best worker is at the threshold
 // (a hot prefix), the next best under it is chosen (Spill, Home the
@@ -187,6 +188,7 @@ func (*kvScorer) UsesKeys() bool { return true }
 type candidate struct {
 	i       int     // the worker's position among the candidates; -1: none
 	seconds float64 // estimated TTFT
+	raw     float64 // seconds before the worker's correction factor
 	score   float64 // seconds plus the compute the request costs the fleet
 	load    int     // in flight
 	routed  float64 // recently routed requests
@@ -272,6 +274,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	}
 	o := ringOrder{c: c, key: key}
 	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
+	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {
 		e := es[i]
 		if o.better(e, bestAny) {
@@ -283,6 +286,9 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		if e.idle && (idle.i < 0 || e.routed < idle.routed) {
 			idle = e
 		}
+		if e.load < s.threshold {
+			minRaw = min(minRaw, e.raw)
+		}
 	}
 	c.Home = cands[bestAny.i]
 	if best.i < 0 {
@@ -291,7 +297,9 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	if top == 0 {
 		// No candidate holds any of the prompt: its home on the ring,
 		// unless the home is at the threshold or estimated well slower
-		// than the best (the load its engine reports).
+		// than the fastest (the load its engine reports). The estimates
+		// are compared before correction: each replica learns its own
+		// factors, from the requests it happened to serve.
 		home := -1
 		if c.Snap.Ring != nil {
 			c.Home = nil
@@ -311,7 +319,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		}
 		if home >= 0 {
 			h := es[candidateOf(c, home)]
-			if h.load < s.threshold && h.seconds <= best.seconds*(1+homeTolerance) {
+			if h.load < s.threshold && h.raw <= minRaw*(1+homeTolerance) {
 				best = h
 			}
 		}
@@ -453,7 +461,7 @@ func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) can
 	// time to first token than the recomputation burns; for prompts no
 	// worker holds it adds the same everywhere.
 	compute := c.PrefillSeconds(tokens-cached, cached) * corr
-	return candidate{seconds: ttft, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
+	return candidate{seconds: ttft, raw: queue + copyCPU + cost + loadAdapter, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
 }
 
 // correctionDeadBand is how far a worker's correction factor may stray
