@@ -19,7 +19,9 @@ type Options struct {
 	// Strategies are the routing strategies to compare, by their built-in
 	// names, each on the identical request sequence.
 	Strategies []string
-	// Target is a running baton's base URL; empty starts an in-process
+	// Target is a running baton's base URL, or the comma-separated URLs
+	// of its replicas (request i goes to the i-th mod their number); empty
+	// starts an in-process
 	// fleet per strategy.
 	Target string
 	// Workers is the in-process fleet size (with Target: the fleet size

@@ -266,6 +266,23 @@ func gather(f *inProcess, target string) ([]*dto.MetricFamily, error) {
 	return out, nil
 }
 
+// gatherAll is gather of every target of bases (the replicas of one
+// baton), whose samples the readers sum; in process, of f's replicas.
+func gatherAll(f *inProcess, bases []string) ([]*dto.MetricFamily, error) {
+	if f != nil {
+		return gather(f, "")
+	}
+	var out []*dto.MetricFamily
+	for _, b := range bases {
+		mfs, err := gather(nil, b)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, mfs...)
+	}
+	return out, nil
+}
+
 // decisionHistogram sums baton_routing_decision_seconds over its label
 // sets: bucket bounds and cumulative counts.
 func decisionHistogram(mfs []*dto.MetricFamily) (bounds, cum []float64) {
@@ -473,7 +490,10 @@ func replicasColumn(o *Options, strategy string, shape Fleet, replicas int) stri
 // replicas schedulers, request i sent to replica i mod replicas.
 func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string, shape Fleet, replicas int) (*StrategyReport, error) {
 	var f *inProcess
-	bases := []string{strings.TrimSuffix(o.Target, "/")}
+	var bases []string
+	for _, t := range strings.Split(o.Target, ",") {
+		bases = append(bases, strings.TrimSuffix(strings.TrimSpace(t), "/"))
+	}
 	label := replicasColumn(o, strategy, shape, replicas)
 	if o.Target == "" {
 		var err error
@@ -486,8 +506,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 			bases = append(bases, r.URL())
 		}
 	}
-	base := bases[0]
-	before, _ := gather(f, base)
+	before, _ := gatherAll(f, bases)
 	var cpu *cpuWatch
 	if f != nil {
 		cpu = watchCPU(f.Workers)
@@ -596,7 +615,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		rep.Fleet = "target"
 	}
 	rep.CPUStretch = stretch
-	after, err := gather(f, base)
+	after, err := gatherAll(f, bases)
 	if err == nil {
 		b1, c1 := decisionHistogram(after)
 		_, c0 := decisionHistogram(before)

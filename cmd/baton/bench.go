@@ -26,7 +26,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	n := fs.Int("requests", 0, "requests to send (default: 1200 for synthetic workloads, 1000 trace records)")
 	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies, each run on the identical request sequence")
 	workers := fs.Int("workers", 7, "simulated workers per fleet (with -target: the fleet size for the ideal share)")
-	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
+	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet, or the comma-separated URLs of its replicas (request i to the i-th mod their number)")
 	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")
 	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
 	maxLoRAs := fs.Int("max-loras", 0, "LoRA adapter slots of each simulated worker, for workloads naming adapters (default 4)")
