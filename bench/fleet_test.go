@@ -119,6 +119,51 @@ func TestBenchDisaggregated(t *testing.T) {
 	}
 }
 
+// With --replicas 1,2 each strategy runs once per number of replicas, a
+// column each; with two, the requests are spread over both replicas
+// (each counts its half), and every request completes.
+func TestBenchReplicas(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts fleets")
+	}
+	w, err := workload.LongContext(workload.DefaultLongContext(3), 12, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7, Replicas: []int{1, 2}}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, o, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var labels []string
+	for _, s := range rep.Strategies {
+		labels = append(labels, s.Strategy)
+	}
+	if got := strings.Join(labels, ","); got != "kv_aware/replicas:1,kv_aware/replicas:2" {
+		t.Fatalf("columns %s", got)
+	}
+	for _, s := range rep.Strategies {
+		if s.OK != 12 || s.Errors != 0 {
+			t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
+		}
+		// Every replica's decisions are counted, one per request.
+		decisions := 0.0
+		for k, v := range s.Counters {
+			if strings.HasPrefix(k, "routing_decisions_total{") {
+				decisions += v
+			}
+		}
+		if decisions != 12 {
+			t.Errorf("%s: %v routing decisions counted over the replicas, want 12 (%v)", s.Strategy, decisions, s.Counters)
+		}
+	}
+	if f := rep.Strategies[1].Fleet; f != "2 colocated, 2 scheduler replicas" {
+		t.Errorf("fleet %q, want the replicas named", f)
+	}
+}
+
 // The in-process scheduler's random choices are seeded: two runs of random
 // on the same sequence send the same number of requests to each worker.
 func TestBenchSeededRandomRepeats(t *testing.T) {

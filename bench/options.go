@@ -19,7 +19,9 @@ type Options struct {
 	// Strategies are the routing strategies to compare, by their built-in
 	// names, each on the identical request sequence.
 	Strategies []string
-	// Target is a running baton's base URL; empty starts an in-process
+	// Target is a running baton's base URL, or the comma-separated URLs
+	// of its replicas (request i goes to the i-th mod their number); empty
+	// starts an in-process
 	// fleet per strategy.
 	Target string
 	// Workers is the in-process fleet size (with Target: the fleet size
@@ -66,6 +68,12 @@ type Options struct {
 	// SharedTierBytes bounds the shared tier (0: kvstore's default, 1 GiB
 	// of the simulator's scaled blocks).
 	SharedTierBytes int64
+	// Replicas are the numbers of scheduler replicas each strategy runs
+	// with on each in-process fleet, one column per number: N schedulers
+	// configured alike in front of the same workers, the clients' requests
+	// spread over them in turn (request i to replica i mod N), as a load
+	// balancer spreads them. 1–16 each; empty: one.
+	Replicas []int
 	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
 	// workloads naming adapters (lora), 0–1,024. 0: DefaultMaxLoRAs.
 	MaxLoRAs int
@@ -99,6 +107,19 @@ func (o Options) Validate() error {
 	case o.PrefixLength != 0 && (o.PrefixLength < frontend.MinPrefixLength || o.PrefixLength > frontend.MaxPrefixLength):
 		return fmt.Errorf("--prefix-length: must be %d–%d, got %d", frontend.MinPrefixLength, frontend.MaxPrefixLength, o.PrefixLength)
 	}
+	seenN := map[int]bool{}
+	for _, n := range o.Replicas {
+		if n < 1 || n > MaxReplicas {
+			return fmt.Errorf("--replicas: must be 1–%d each, got %d", MaxReplicas, n)
+		}
+		if seenN[n] {
+			return fmt.Errorf("--replicas: %d given twice (columns would share a label)", n)
+		}
+		seenN[n] = true
+	}
+	if o.Target != "" && (len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1) {
+		return errors.New("--replicas applies to in-process fleets, not --target (put the target's replicas behind one URL)")
+	}
 	var reg routing.Registry
 	routing.RegisterBuiltins(&reg)
 	known := reg.Names()
@@ -126,6 +147,10 @@ func (o Options) Validate() error {
 	}
 	return nil
 }
+
+// MaxReplicas bounds Options.Replicas: each replica follows every
+// worker's streams, on the one machine the bench runs on.
+const MaxReplicas = 16
 
 // valid reports whether f is a fleet ParseFleets could give.
 func (f Fleet) valid() bool {

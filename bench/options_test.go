@@ -73,6 +73,12 @@ func TestValidateRejects(t *testing.T) {
 		}, "--fleets and --shared-tier apply to in-process fleets, not --target"},
 		{"target with shared tier", func(o *Options) { o.Target = "http://127.0.0.1:8080"; o.SharedTier = true },
 			"--fleets and --shared-tier apply to in-process fleets, not --target"},
+		{"no replica", func(o *Options) { o.Replicas = []int{1, 0} }, "--replicas: must be 1–16 each, got 0"},
+		{"too many replicas", func(o *Options) { o.Replicas = []int{17} }, "--replicas: must be 1–16 each, got 17"},
+		{"replicas twice", func(o *Options) { o.Replicas = []int{2, 2} },
+			"--replicas: 2 given twice (columns would share a label)"},
+		{"target with replicas", func(o *Options) { o.Target = "http://127.0.0.1:8080"; o.Replicas = []int{1, 2} },
+			"--replicas applies to in-process fleets, not --target"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -170,7 +170,7 @@ const (
 	AdapterBytes = 80 << 20
 )
 
-func startFleet(o *Options, strategy string, shape Fleet, adapters []string) (*inProcess, error) {
+func startFleet(o *Options, strategy string, shape Fleet, replicas int, adapters []string) (*inProcess, error) {
 	f := &inProcess{}
 	if o.SharedTier {
 		f.store = kvstore.NewMemory(kvstore.MemoryConfig{Capacity: o.SharedTierBytes})
@@ -205,6 +205,7 @@ func startFleet(o *Options, strategy string, shape Fleet, adapters []string) (*i
 		},
 	}
 	spec.MaxLoRAs = lora.MaxLoRAs
+	spec.Replicas = replicas
 	if shape.Disaggregated() {
 		spec.Prefill, spec.Decode = shape.Prefill, shape.Decode
 	} else {
@@ -230,11 +231,20 @@ func (f *inProcess) close() {
 	}
 }
 
-// gather returns the metric families of the scheduler: in process from its
-// registry, else scraped from target's /metrics.
+// gather returns the metric families of the scheduler: in process from
+// its registry (every replica's, whose samples the readers sum), else
+// scraped from target's /metrics.
 func gather(f *inProcess, target string) ([]*dto.MetricFamily, error) {
 	if f != nil {
-		return f.Scheduler.Metrics.Registry.Gather()
+		var out []*dto.MetricFamily
+		for _, r := range f.Replicas {
+			mfs, err := r.Scheduler.Metrics.Registry.Gather()
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, mfs...)
+		}
+		return out, nil
 	}
 	resp, err := http.Get(strings.TrimSuffix(target, "/") + "/metrics")
 	if err != nil {
@@ -252,6 +262,23 @@ func gather(f *inProcess, target string) ([]*dto.MetricFamily, error) {
 	out := make([]*dto.MetricFamily, 0, len(m))
 	for _, mf := range m {
 		out = append(out, mf)
+	}
+	return out, nil
+}
+
+// gatherAll is gather of every target of bases (the replicas of one
+// baton), whose samples the readers sum; in process, of f's replicas.
+func gatherAll(f *inProcess, bases []string) ([]*dto.MetricFamily, error) {
+	if f != nil {
+		return gather(f, "")
+	}
+	var out []*dto.MetricFamily
+	for _, b := range bases {
+		mfs, err := gather(nil, b)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, mfs...)
 	}
 	return out, nil
 }
@@ -449,20 +476,37 @@ func Column(strategy string, shape Fleet) string {
 	return strategy
 }
 
-// runOne replays the workload against one strategy on one fleet.
-func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string, shape Fleet) (*StrategyReport, error) {
+// replicasColumn is Column with "/replicas:N" appended when the run
+// compares numbers of replicas (o.Replicas other than one alone).
+func replicasColumn(o *Options, strategy string, shape Fleet, replicas int) string {
+	l := Column(strategy, shape)
+	if len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1 {
+		l += fmt.Sprintf("/replicas:%d", replicas)
+	}
+	return l
+}
+
+// runOne replays the workload against one strategy on one fleet with
+// replicas schedulers, request i sent to replica i mod replicas.
+func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []float64, strategy string, shape Fleet, replicas int) (*StrategyReport, error) {
 	var f *inProcess
-	base := strings.TrimSuffix(o.Target, "/")
-	label := Column(strategy, shape)
+	var bases []string
+	for _, t := range strings.Split(o.Target, ",") {
+		bases = append(bases, strings.TrimSuffix(strings.TrimSpace(t), "/"))
+	}
+	label := replicasColumn(o, strategy, shape, replicas)
 	if o.Target == "" {
 		var err error
-		if f, err = startFleet(o, strategy, shape, w.Adapters); err != nil {
+		if f, err = startFleet(o, strategy, shape, replicas, w.Adapters); err != nil {
 			return nil, fmt.Errorf("%s: start fleet: %w", label, err)
 		}
 		defer f.close()
-		base = f.URL()
+		bases = bases[:0]
+		for _, r := range f.Replicas {
+			bases = append(bases, r.URL())
+		}
 	}
-	before, _ := gather(f, base)
+	before, _ := gatherAll(f, bases)
 	var cpu *cpuWatch
 	if f != nil {
 		cpu = watchCPU(f.Workers)
@@ -539,7 +583,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 			r := &results[i]
 			r.Index = i
 			r.Lag = max(lag.Seconds(), 0)
-			send(ctx, hc, base, o.Model, &w.Requests[i], r)
+			send(ctx, hc, bases[i%len(bases)], o.Model, &w.Requests[i], r)
 			r.Done = time.Since(start).Seconds()
 			inflight.Add(-1)
 			done.Add(1)
@@ -564,11 +608,14 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	}
 	rep := summarize(label, results[:sent.Load()], o, shape.generators(), wall)
 	rep.Fleet = shape.String()
+	if replicas > 1 {
+		rep.Fleet += fmt.Sprintf(", %d scheduler replicas", replicas)
+	}
 	if o.Target != "" {
 		rep.Fleet = "target"
 	}
 	rep.CPUStretch = stretch
-	after, err := gather(f, base)
+	after, err := gatherAll(f, bases)
 	if err == nil {
 		b1, c1 := decisionHistogram(after)
 		_, c0 := decisionHistogram(before)
@@ -626,13 +673,19 @@ func Run(ctx context.Context, o Options, w *workload.Workload) (*Report, error) 
 	if len(arrivals) > 1 && arrivals[len(arrivals)-1] > 0 {
 		rep.OfferedRate = float64(len(arrivals)-1) / arrivals[len(arrivals)-1]
 	}
+	replicas := o.Replicas
+	if len(replicas) == 0 {
+		replicas = []int{1}
+	}
 	for _, s := range o.Strategies {
 		for _, shape := range o.Fleets {
-			sr, err := runOne(ctx, &o, w, arrivals, s, shape)
-			if err != nil {
-				return nil, err
+			for _, n := range replicas {
+				sr, err := runOne(ctx, &o, w, arrivals, s, shape, n)
+				if err != nil {
+					return nil, err
+				}
+				rep.Strategies = append(rep.Strategies, *sr)
 			}
-			rep.Strategies = append(rep.Strategies, *sr)
 		}
 	}
 	return rep, nil

@@ -57,6 +57,10 @@ type Spec struct {
 	Log *slog.Logger
 	// Registry holds the strategies by name; nil: routing's built-ins.
 	Registry *routing.Registry
+	// Replicas is the number of schedulers started in front of the
+	// workers, each configured alike and serving on its own port, as
+	// replicas of baton serve behind a load balancer; 0 means 1.
+	Replicas int
 	// ReadyTimeout bounds Start's wait until /readyz answers 200 (at least
 	// one worker available); 0: DefaultReadyTimeout; negative: Start does
 	// not wait, for tests whose workers are down on purpose.
@@ -70,18 +74,30 @@ func DefaultName(role string, i int) string { return fmt.Sprintf("%s-%d", role, 
 // Fleet is a running fleet.
 type Fleet struct {
 	// Scheduler serves at Addr (host:port); both are empty after
-	// StartWorkers.
+	// StartWorkers. They are the first of Replicas.
 	Scheduler *scheduler.Scheduler
 	Addr      string
+	// Replicas are every scheduler of the fleet (Spec.Replicas), the
+	// first being Scheduler.
+	Replicas []Replica
 	// Workers are the simulated workers in start order, and Configs their
 	// entries in the scheduler's configuration: name, gRPC address, role.
 	Workers []*sim.Worker
 	Configs []scheduler.WorkerConfig
 
-	served    chan error // Serve's result
 	closeOnce sync.Once
 	closeErr  error
 }
+
+// Replica is one scheduler of a fleet, serving at Addr (host:port).
+type Replica struct {
+	Scheduler *scheduler.Scheduler
+	Addr      string
+	served    chan error // Serve's result
+}
+
+// URL is the replica's base URL.
+func (r Replica) URL() string { return "http://" + r.Addr }
 
 // URL is the scheduler's base URL.
 func (f *Fleet) URL() string { return "http://" + f.Addr }
@@ -98,9 +114,10 @@ func StartWorkers(spec Spec) (*Fleet, error) {
 	return f, nil
 }
 
-// Start starts spec's workers and a scheduler in front of them, serving on
-// a free loopback port, and returns once the scheduler is ready and knows
-// every worker (unless spec.ReadyTimeout is negative). On error everything started is closed.
+// Start starts spec's workers and a scheduler in front of them (or
+// Spec.Replicas of them), each serving on a free loopback port, and
+// returns once every scheduler is ready and knows every worker (unless
+// spec.ReadyTimeout is negative). On error everything started is closed.
 func Start(spec Spec) (*Fleet, error) {
 	f := &Fleet{}
 	if err := f.start(spec); err != nil {
@@ -124,18 +141,21 @@ func (f *Fleet) start(spec Spec) error {
 		reg = &routing.Registry{}
 		routing.RegisterBuiltins(reg)
 	}
-	s, err := scheduler.New(cfg, reg, spec.Log)
-	if err != nil {
-		return fmt.Errorf("scheduler: %w", err)
+	for range max(spec.Replicas, 1) {
+		s, err := scheduler.New(cfg, reg, spec.Log)
+		if err != nil {
+			return fmt.Errorf("scheduler: %w", err)
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			s.Close()
+			return fmt.Errorf("scheduler listener: %w", err)
+		}
+		r := Replica{Scheduler: s, Addr: l.Addr().String(), served: make(chan error, 1)}
+		go func() { r.served <- s.Serve(l) }()
+		f.Replicas = append(f.Replicas, r)
 	}
-	f.Scheduler = s
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fmt.Errorf("scheduler listener: %w", err)
-	}
-	f.Addr = l.Addr().String()
-	f.served = make(chan error, 1)
-	go func() { f.served <- s.Serve(l) }()
+	f.Scheduler, f.Addr = f.Replicas[0].Scheduler, f.Replicas[0].Addr
 	if spec.ReadyTimeout < 0 {
 		return nil
 	}
@@ -144,17 +164,19 @@ func (f *Fleet) start(spec Spec) error {
 		timeout = DefaultReadyTimeout
 	}
 	start := time.Now()
-	if err := waitReady(f.URL()+"/readyz", timeout); err != nil {
-		return err
-	}
-	// Ready means one worker serves; a fleet that is measured needs all of
-	// them (a Describe that timed out on a loaded machine is asked again at
-	// the next health check).
-	for p := s.Pending(); len(p) > 0; p = s.Pending() {
-		if time.Since(start) > timeout {
-			return fmt.Errorf("workers %v not described after %v", p, timeout)
+	for _, r := range f.Replicas {
+		if err := waitReady(r.URL()+"/readyz", timeout); err != nil {
+			return err
 		}
-		time.Sleep(20 * time.Millisecond)
+		// Ready means one worker serves; a fleet that is measured needs
+		// all of them (a Describe that timed out on a loaded machine is
+		// asked again at the next health check).
+		for p := r.Scheduler.Pending(); len(p) > 0; p = r.Scheduler.Pending() {
+			if time.Since(start) > timeout {
+				return fmt.Errorf("workers %v not described after %v", p, timeout)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
 	return nil
 }
@@ -231,14 +253,14 @@ func waitReady(url string, timeout time.Duration) error {
 	}
 }
 
-// Close closes the scheduler, then the workers. It returns the error the
-// scheduler's Serve returned, if any, and is idempotent.
+// Close closes the schedulers, then the workers. It returns the first
+// error a scheduler's Serve returned, if any, and is idempotent.
 func (f *Fleet) Close() error {
 	f.closeOnce.Do(func() {
-		if f.Scheduler != nil {
-			f.Scheduler.Close()
-			if f.served != nil {
-				f.closeErr = <-f.served
+		for _, r := range f.Replicas {
+			r.Scheduler.Close()
+			if err := <-r.served; err != nil && f.closeErr == nil {
+				f.closeErr = err
 			}
 		}
 		for _, w := range f.Workers {

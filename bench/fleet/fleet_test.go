@@ -87,6 +87,41 @@ func TestStartServes(t *testing.T) {
 	}
 }
 
+// Replicas are schedulers of their own in front of the same workers,
+// each ready and serving; Close closes them all.
+func TestStartReplicas(t *testing.T) {
+	f, err := Start(Spec{Workers: 2, Config: fast, Replicas: 3, Scheduler: scheduler.Config{Strategy: "kv_aware"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if len(f.Replicas) != 3 || f.Scheduler != f.Replicas[0].Scheduler || f.Addr != f.Replicas[0].Addr {
+		t.Fatalf("%d replicas, first %v at %s; want 3, the first being Scheduler at Addr", len(f.Replicas), f.Replicas[0].Scheduler, f.Replicas[0].Addr)
+	}
+	hc := &http.Client{Transport: &http.Transport{}}
+	defer hc.CloseIdleConnections()
+	body := `{"model":"llama-3.1-8b","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`
+	addrs := map[string]bool{}
+	for i, r := range f.Replicas {
+		addrs[r.Addr] = true
+		resp, err := hc.Post(r.URL()+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Baton-Worker") == "" {
+			t.Errorf("replica %d: status %d, worker %q: %s", i, resp.StatusCode, resp.Header.Get("X-Baton-Worker"), b)
+		}
+	}
+	if len(addrs) != 3 {
+		t.Errorf("replicas serve at %v, want 3 addresses", addrs)
+	}
+	if err := f.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+}
+
 func TestStartWorkersOnly(t *testing.T) {
 	f, err := StartWorkers(Spec{Workers: 1, Config: fast,
 		Listen: func(string, string) (string, string) { return "127.0.0.1:0", "127.0.0.1:0" }})

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	"strconv"
 	"strings"
 	"time"
 
@@ -25,7 +26,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	n := fs.Int("requests", 0, "requests to send (default: 1200 for synthetic workloads, 1000 trace records)")
 	strategiesFlag := fs.String("strategies", "random,least_outstanding,prefix_aware,kv_aware", "comma-separated strategies, each run on the identical request sequence")
 	workers := fs.Int("workers", 7, "simulated workers per fleet (with -target: the fleet size for the ideal share)")
-	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet")
+	target := fs.String("target", "", "base `URL` of a running baton to bench instead of an in-process fleet, or the comma-separated URLs of its replicas (request i to the i-th mod their number)")
 	rate := fs.Float64("rate", 0, "Poisson arrival rate, modelled requests/s (default: calibrated to -load for synthetic workloads; the trace's timestamps for traces)")
 	load := fs.Float64("load", 0.7, "target utilization the default rate is calibrated to (synthetic workloads)")
 	maxLoRAs := fs.Int("max-loras", 0, "LoRA adapter slots of each simulated worker, for workloads naming adapters (default 4)")
@@ -46,6 +47,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fleetsFlag := fs.String("fleets", "colocated", "comma-separated in-process fleets each strategy runs on, one column each: colocated (--workers role-both workers; columns labelled by the strategy), colocated:N (columns strategy/colocated:N), disagg:P:D (P prefill + D decode workers; columns strategy/disagg:P:D)")
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
+	replicasFlag := fs.String("replicas", "1", "comma-separated numbers of scheduler replicas each strategy runs with on each in-process fleet, one column each (e.g. 1,2,4): N schedulers configured alike in front of the same workers, request i sent to replica i mod N")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
 	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue (HTTP, hashing, gRPC, parsing, and the CPU they wait for), e.g. 5.1ms,16.4ms,77ns,0.51ms: simultaneous arrivals taken up spacing apart in a random order, per-token for each prompt token before the pick, then a log-normal draw per request (default: none)")
@@ -91,7 +93,18 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return fmt.Errorf("--fleets: %w", err)
 	}
-	o := bench.Options{Strategies: strats, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
+	var replicas []int
+	for _, v := range strings.Split(*replicasFlag, ",") {
+		if v = strings.TrimSpace(v); v == "" {
+			continue
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return fmt.Errorf("--replicas: %q is not a number of replicas", v)
+		}
+		replicas = append(replicas, n)
+	}
+	o := bench.Options{Strategies: strats, Replicas: replicas, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
 		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs}
@@ -116,8 +129,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if !*quiet {
 		o.Progress = stderr
 	}
-	if *virtual && (*target != "" || *conc != 0 || *sharedTier) {
-		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier; drop --target, --concurrency and --shared-tier")
+	if *virtual && (*target != "" || *conc != 0 || *sharedTier || len(replicas) != 1 || replicas[0] != 1) {
+		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, behind one scheduler; drop --target, --concurrency, --shared-tier and --replicas")
 	}
 	var disp vsim.Dispatch
 	if *dispatch != "" {

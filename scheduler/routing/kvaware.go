@@ -2,6 +2,7 @@ package routing
 
 import (
 	"errors"
+	"math"
 	"strconv"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
@@ -22,9 +23,13 @@ var errNoIndex = errors.New("needs the scheduler's KV index (Params.Index)")
 // are not finer than that.
 const tieTolerance = 0.03
 
-// routedTie is the difference in recently routed requests under which two
-// tied workers still tie, and the one with fewer requests in flight wins.
-const routedTie = 0.5
+// homeTolerance is how much slower than the best a prompt's home on the
+// ring may be estimated and still take a prompt no worker holds. Load
+// the engines report (queues, long decodes) moves estimates by more, and
+// every replica reads it alike; what one replica routed since the last
+// report moves them by less, and must not split a prefix between
+// replicas.
+const homeTolerance = 0.10
 
 // Replication of a hot prefix onto an idle worker (see NewKVAware): the
 // chosen worker is hot when it was routed at least hotRouted times the
@@ -91,11 +96,14 @@ const (
 // within 3% tie, and the worker expected to find more of the prompt cached
 // wins, since it computes less (a request queued behind its prefix's first
 // prefill waits about as long as recomputing it elsewhere, and costs the
-// fleet nothing); then the one routed fewer requests lately
-// (kvindex.Match.Routed, a minute's half-life), which places prompts no
-// worker holds where the traffic their prefixes attract later keeps the
-// fleet balanced; then the one with fewer requests in flight; then the
-// first met from a random start. When the best worker is at the threshold
+// fleet nothing); then the one met first walking the ring from the
+// first block of the prompt that no candidate holds (the prompt's home).
+// A prompt no candidate holds at all goes to its home, the first
+// candidate on the ring from its first block, unless the home is at the
+// threshold or estimated (before correction) more than 10% slower than
+// the fastest, which then takes it (Spill, Home the home); so scheduler replicas that share nothing place a new prefix
+// alike, and each finds it there after: no tie is broken by what one
+// replica counts alone (requests routed, in flight). When the best worker is at the threshold
 // (a hot prefix), the next best under it is chosen (Spill, Home the
 // best): it fetches the prefix from Redis when Redis holds it and that is
 // cheaper. When every worker is at the threshold, the best is chosen
@@ -180,14 +188,28 @@ func (*kvScorer) UsesKeys() bool { return true }
 type candidate struct {
 	i       int     // the worker's position among the candidates; -1: none
 	seconds float64 // estimated TTFT
+	raw     float64 // seconds before the worker's correction factor
 	score   float64 // seconds plus the compute the request costs the fleet
 	load    int     // in flight
 	routed  float64 // recently routed requests
 	cached  int     // tokens expected cached
+	idle    bool    // nothing in flight, queued or pending
 }
 
-// better reports whether a beats b (b.i < 0: none yet).
-func (a candidate) better(b candidate) bool {
+// ringOrder breaks kv_aware's ties by the candidates' ranks on the ring
+// from key (Cycle.RingRanks), computed at the first tie.
+type ringOrder struct {
+	c     *Cycle
+	key   uint64
+	ranks []int
+}
+
+// better reports whether a beats b (b.i < 0: none yet): a lower score,
+// beyond tieTolerance; then more of the prompt cached; then the earlier
+// on the ring. Nothing a replica counts alone (the requests it routed,
+// those it has in flight) breaks a tie, so that replicas that see the
+// same fleet choose alike.
+func (o *ringOrder) better(a, b candidate) bool {
 	if b.i < 0 {
 		return true
 	}
@@ -197,25 +219,26 @@ func (a candidate) better(b candidate) bool {
 	if a.cached != b.cached {
 		return a.cached > b.cached
 	}
-	if d := a.routed - b.routed; d < -routedTie || d > routedTie {
-		return d < 0
+	if o.ranks == nil {
+		o.ranks = o.c.RingRanks(o.key)
 	}
-	return a.load < b.load
+	return o.ranks[a.i] < o.ranks[b.i]
 }
 
 func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	cands := c.Cands
 	req := c.Req
 	cached, seconds := c.Estimates()
+	es := c.sc.kvCands[:len(cands)]
 	// Candidates go to the index in batches of up to MaxWorkers (a group
 	// of its workers): one batch for fleets of up to 64. The batch's
 	// buffers are the pick's scratch, sized to it, rather than arrays of
 	// MaxWorkers on the stack, which zeroing would pull into a cold cache
 	// whole.
 	idx, names, ms := c.sc.lookupBuffers(min(len(cands), kvindex.MaxWorkers))
-	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
 	var routed float64  // sum over the candidates
 	var top, second int // the most cached tokens of one candidate, of another
+	var known int       // the most leading blocks one candidate would find
 	first := int(c.Rand(uint64(len(cands))))
 	for k := 0; k < len(cands); {
 		n := 0
@@ -229,30 +252,90 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		}
 		s.idx.Lookup(req.Keys, names[:n], ms[:n])
 		for j, i := range idx[:n] {
-			e := estimate(&ms[j], req, cands[i].InFlight(), adapterLoadSeconds(cands[i], req, &ms[j].Cost))
+			m := &ms[j]
+			e := estimate(m, req, cands[i].InFlight(), adapterLoadSeconds(cands[i], req, &m.Cost))
 			e.i = i
+			e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
+			es[i] = e
 			cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
-			if e.better(bestAny) {
-				bestAny = e
-			}
-			if e.load < s.threshold && e.better(best) {
-				best = e
-			}
 			routed += e.routed
 			if e.cached > top {
 				top, second = e.cached, top
 			} else if e.cached > second {
 				second = e.cached
 			}
-			if m := &ms[j]; e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0 &&
-				(idle.i < 0 || e.routed < idle.routed) {
-				idle = e
-			}
+			known = max(known, m.GPU+m.CPU+m.Redis)
+		}
+	}
+	// Ties go to the earlier candidate on the ring from the first block
+	// past what any candidate holds: what every replica computes alike.
+	key := req.PrefixKey
+	if len(req.Keys) > 0 {
+		key = req.Keys[min(known, len(req.Keys)-1)]
+	}
+	o := ringOrder{c: c, key: key}
+	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
+	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
+	for i := range es {
+		e := es[i]
+		if o.better(e, bestAny) {
+			bestAny = e
+		}
+		if e.load < s.threshold && o.better(e, best) {
+			best = e
+		}
+		if e.idle && (idle.i < 0 || e.routed < idle.routed) {
+			idle = e
+		}
+		if e.load < s.threshold {
+			minRaw = min(minRaw, e.raw)
 		}
 	}
 	c.Home = cands[bestAny.i]
 	if best.i < 0 {
 		best = bestAny
+	}
+	if top == 0 {
+		// No candidate holds any of the prompt: its home on the ring,
+		// unless the home is at the threshold or estimated well slower
+		// than the fastest (the load its engine reports). The estimates
+		// are compared before correction: each replica learns its own
+		// factors, from the requests it happened to serve.
+		home := -1
+		if c.Snap.Ring != nil {
+			c.Home = nil
+			c.Snap.Ring.Walk(key, func(m int) bool {
+				if !c.passed[m] {
+					return true
+				}
+				if c.Home == nil {
+					c.Home = c.Snap.Workers[m]
+				}
+				if !c.in[m] {
+					return true // full: its successor takes it
+				}
+				home = m
+				return false
+			})
+		}
+		if home >= 0 {
+			h := es[candidateOf(c, home)]
+			if h.load < s.threshold && h.raw <= minRaw*(1+homeTolerance) {
+				best = h
+			}
+		}
+		for i, v := range scores {
+			r := 1.0
+			if v > 0 {
+				r = min(best.score/v, 1-1e-9)
+			}
+			if best.load < s.threshold && cands[i].InFlight() >= s.threshold {
+				r *= 1e-3
+			}
+			scores[i] = r
+		}
+		scores[best.i] = 1
+		return
 	}
 	// A prefix another candidate holds as well (second ≥ best.cached)
 	// binds no request to one worker: above the mean is hot enough.
@@ -306,6 +389,17 @@ func (s *kvScorer) Finish(req *Request, d Decision, info FinishInfo) {
 		OK: info.Usage, PromptTokens: info.PromptTokens, CachedTokens: info.CachedTokens,
 		PredictedTokens: d.PredictedCached,
 	})
+}
+
+// candidateOf returns the position among c's candidates of the
+// snapshot's m-th worker, a candidate.
+func candidateOf(c *Cycle, m int) int {
+	for i, j := range c.Index {
+		if j == m {
+			return i
+		}
+	}
+	return -1
 }
 
 // adapterLoadSeconds is the time w would take to load req's adapter
@@ -368,7 +462,7 @@ func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) can
 	// time to first token than the recomputation burns; for prompts no
 	// worker holds it adds the same everywhere.
 	compute := c.PrefillSeconds(tokens-cached, cached) * corr
-	return candidate{seconds: ttft, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
+	return candidate{seconds: ttft, raw: queue + copyCPU + cost + loadAdapter, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
 }
 
 // correctionDeadBand is how far a worker's correction factor may stray

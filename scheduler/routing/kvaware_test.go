@@ -138,10 +138,10 @@ func TestKVAwareChoosesByCache(t *testing.T) {
 		{"recompute over a slow Redis", func(f *kvFleet) {
 			f.info("w01", true, slow)
 			f.store("w00", workerpb.Tier_TIER_REDIS, ks)
-			f.load("w00", 1)
-			f.load("w01", 1)
-			f.load("w03", 1)
-		}, "w02", 0, false},
+			for _, w := range []string{"w00", "w01", "w03"} {
+				f.report(w, &workerpb.LoadReport{Running: 1, Waiting: 1, WaitingPrefillTokens: 8000})
+			}
+		}, "w02", 0, true},
 		{"queue wait outweighs the cache", func(f *kvFleet) {
 			f.store("w01", workerpb.Tier_TIER_GPU, ks)
 			f.report("w01", &workerpb.LoadReport{Running: 8, WaitingPrefillTokens: 200_000})
@@ -154,7 +154,7 @@ func TestKVAwareChoosesByCache(t *testing.T) {
 			f.store("w01", workerpb.Tier_TIER_GPU, ks)
 			f.store("w01", workerpb.Tier_TIER_REDIS, ks)
 			f.load("w01", 2)
-			f.load("w02", 1)
+			f.report("w02", &workerpb.LoadReport{Running: 1, Waiting: 1, WaitingPrefillTokens: 8000})
 		}, "w00", 500 * 16, true},
 	}
 	for _, tt := range tests {
@@ -286,10 +286,8 @@ func TestKVAwareBeyondMaxWorkers(t *testing.T) {
 	f := newKVFleet(t, kvindex.MaxWorkers+6)
 	ks := prompt(9)
 	f.store("w40", workerpb.Tier_TIER_GPU, ks)
-	for _, w := range f.snap().Workers {
-		if w.Name != "w66" {
-			f.load(w.Name, 1)
-		}
+	for _, w := range f.snap().Workers[:kvindex.MaxWorkers] {
+		f.report(w.Name, &workerpb.LoadReport{Running: 1, Waiting: 1, WaitingPrefillTokens: 8000})
 	}
 	s := f.strategy(Params{})
 	for i := range 20 {
@@ -302,13 +300,14 @@ func TestKVAwareBeyondMaxWorkers(t *testing.T) {
 			t.Fatalf("seed %d: Pick = %s, want w40, the holder", i, d.Worker.Name)
 		}
 	}
-	// A new prompt goes to the idle worker the index does not track.
+	// A new prompt goes to an idle worker the index does not track, not
+	// to one that reports a queue.
 	d, err := s.Pick(kvRequest(prompt(10)), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d.Worker.Name != "w66" {
-		t.Errorf("cold prompt: Pick = %s, want w66 (idle)", d.Worker.Name)
+	if d.Worker.Name < fmt.Sprintf("w%02d", kvindex.MaxWorkers) {
+		t.Errorf("cold prompt: Pick = %s, want one of the idle workers the index does not track", d.Worker.Name)
 	}
 }
 
@@ -503,35 +502,113 @@ func TestKVAwareSpreadsByDecodeLoad(t *testing.T) {
 	}
 }
 
-// Of workers whose estimates tie, a prompt no worker holds goes to the
-// one routed the fewest requests lately, whatever the random start.
-func TestKVAwareTiesGoToLeastRouted(t *testing.T) {
-	f := newKVFleet(t, 3)
-	for _, w := range f.snap().Workers {
-		f.info(w.Name, false, 0)
-	}
-	routed := map[string]int{"w00": 1, "w01": 2, "w02": 0}
-	f.idx.Predict("w00", prompt(50))
-	f.idx.Predict("w01", prompt(51))
-	f.idx.Predict("w01", prompt(52))
-	for seed := uint64(1); seed <= 12; seed++ {
-		// Reports clear the pending tokens of every prediction so far, so
-		// that the three estimates are equal again.
+// ringHome returns the worker first met walking f's ring from key, of
+// those that keep (all when keep is nil).
+func (f *kvFleet) ringHome(key uint64, keep func(name string) bool) string {
+	snap := f.snap()
+	home := ""
+	snap.Ring.Walk(key, func(m int) bool {
+		if keep == nil || keep(snap.Workers[m].Name) {
+			home = snap.Workers[m].Name
+			return false
+		}
+		return true
+	})
+	return home
+}
+
+// Of workers whose estimates tie, a prompt no worker holds goes to its
+// home on the ring from its first block, whatever the requests each
+// worker was routed, has in flight, the correction factors one replica
+// learned, and the random start: every replica
+// in front of the fleet, each with its own index and history, places it
+// alike.
+func TestKVAwareTiesGoToRingHome(t *testing.T) {
+	replicas := []*kvFleet{newKVFleet(t, 3), newKVFleet(t, 3)}
+	for _, f := range replicas {
 		for _, w := range f.snap().Workers {
-			f.report(w.Name, &workerpb.LoadReport{})
+			f.info(w.Name, false, 0)
 		}
-		st := f.strategy(Params{Rand: SeededRand(seed)})
+	}
+	// One replica routed a few prompts, and has requests in flight.
+	replicas[0].idx.Predict("w00", prompt(50))
+	replicas[0].idx.Predict("w01", prompt(51))
+	replicas[0].idx.Predict("w01", prompt(52))
+	replicas[0].load("w01", 1)
+	// It found every worker slower than estimated, by factors of its own.
+	for i, w := range replicas[0].snap().Workers {
+		for range 20 {
+			replicas[0].idx.ObserveTTFT(w.Name, 100*time.Millisecond, time.Duration(2+i)*100*time.Millisecond)
+		}
+	}
+	for seed := uint64(1); seed <= 12; seed++ {
 		req := kvRequest(prompt(200 + seed))
-		d, err := st.Pick(req, f.snap())
-		if err != nil {
-			t.Fatal(err)
+		want := replicas[0].ringHome(req.Keys[0], nil)
+		for r, f := range replicas {
+			for _, w := range f.snap().Workers {
+				f.report(w.Name, &workerpb.LoadReport{})
+			}
+			d, err := f.strategy(Params{Rand: SeededRand(seed)}).Pick(req, f.snap())
+			if err != nil {
+				t.Fatal(err)
+			}
+			home := ""
+			if d.Home != nil {
+				home = d.Home.Name
+			}
+			if d.Worker.Name != want || d.Spill || home != want {
+				t.Errorf("prompt %d, replica %d: Pick = %s (spill %t, home %q), want its ring home %s", seed, r, d.Worker.Name, d.Spill, home, want)
+			}
 		}
-		Commit(st, req, d)
-		least := min(routed["w00"], routed["w01"], routed["w02"])
-		if got := routed[d.Worker.Name]; got != least {
-			t.Fatalf("pick %d went to %s, routed %d before; want one routed %d (%v)", seed, d.Worker.Name, got, least, routed)
-		}
-		routed[d.Worker.Name]++
+	}
+}
+
+// A prompt no worker holds leaves its home on the ring when the home is
+// at the threshold or reports a queue (for the best estimate), and when
+// the home is full or down (for its successor on the ring).
+func TestKVAwareColdPromptLeavesBusyHome(t *testing.T) {
+	ks := prompt(60)
+	tests := []struct {
+		name string
+		// setup makes the home (named) busy; it returns the worker the
+		// request must go to, "" for any but the home.
+		setup func(f *kvFleet, home string, req *Request) string
+	}{
+		{"at the threshold", func(f *kvFleet, home string, _ *Request) string {
+			f.load(home, 2)
+			return ""
+		}},
+		{"reporting a queue", func(f *kvFleet, home string, _ *Request) string {
+			f.report(home, &workerpb.LoadReport{Running: 4, Waiting: 2, WaitingPrefillTokens: 16000})
+			return ""
+		}},
+		{"full", func(f *kvFleet, home string, req *Request) string {
+			f.load(home, 1)
+			req.MaxInFlight = 1
+			return f.ringHome(ks[0], func(n string) bool { return n != home })
+		}},
+		{"down", func(f *kvFleet, home string, _ *Request) string {
+			f.openBreaker(home)
+			return f.ringHome(ks[0], func(n string) bool { return n != home })
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newKVFleet(t, 4)
+			for _, w := range f.snap().Workers {
+				f.info(w.Name, false, 0)
+			}
+			home := f.ringHome(ks[0], nil)
+			req := kvRequest(ks)
+			want := tt.setup(f, home, req)
+			d, err := f.strategy(Params{ConcurrencyThreshold: 2}).Pick(req, f.snap())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Worker.Name == home || want != "" && d.Worker.Name != want {
+				t.Errorf("Pick = %s, home %s; want %q (\"\": any but the home)", d.Worker.Name, home, want)
+			}
+		})
 	}
 }
 

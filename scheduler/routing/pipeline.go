@@ -86,6 +86,31 @@ func (c *Cycle) Passed(i int) bool { return c.passed[i] }
 // profile's source.
 func (c *Cycle) Rand(n uint64) uint64 { return c.rand(n) }
 
+// RingRanks returns, by candidate, its rank on the snapshot's ring walked
+// from key: 0 for the first candidate met, 1 for the next… It is the
+// same on every scheduler replica that sees the same candidates, however
+// each has routed so far, which makes it the tie-break replicas agree on.
+func (c *Cycle) RingRanks(key uint64) []int {
+	n := len(c.Cands)
+	ranks, pos := c.sc.ranks[:n], c.sc.pos[:len(c.in)]
+	for i, j := range c.Index {
+		pos[j] = i
+		ranks[i] = n // a candidate the ring lacks ranks last
+	}
+	if c.Snap.Ring == nil {
+		return ranks
+	}
+	r := 0
+	c.Snap.Ring.Walk(key, func(m int) bool {
+		if c.in[m] {
+			ranks[pos[m]] = r
+			r++
+		}
+		return r < n
+	})
+	return ranks
+}
+
 // Estimates returns zeroed per-candidate Cached and Seconds slices, kept
 // in c for the decision.
 func (c *Cycle) Estimates() (cached []int, seconds []float64) {
@@ -112,6 +137,12 @@ type scratch struct {
 	lookupIndex []int
 	lookupNames []string
 	lookupOut   []kvindex.Match
+	// kv_aware's estimates by candidate, and the candidates' ranks on the
+	// ring (RingRanks) with the snapshot-to-candidate positions they are
+	// computed through.
+	kvCands []candidate
+	ranks   []int
+	pos     []int
 }
 
 // lookupBuffers returns s's buffers for a batch of n index lookups.
@@ -137,6 +168,9 @@ func getScratch(n int) *scratch {
 		s.scores = make([]float64, n)
 		s.cached = make([]int, n)
 		s.seconds = make([]float64, n)
+		s.kvCands = make([]candidate, n)
+		s.ranks = make([]int, n)
+		s.pos = make([]int, n)
 	}
 	return s
 }
