@@ -50,6 +50,13 @@ func llamaServers(t *testing.T, n int) []*llamatest.Server {
 // llamaFleet starts a scheduler with strategy over srvs as llamacpp
 // workers l0, l1…, and waits until it has read their slots.
 func llamaFleet(t *testing.T, strategy string, srvs []*llamatest.Server) (*scheduler.Scheduler, string) {
+	return llamaFleetWith(t, scheduler.Config{Strategy: strategy}, srvs)
+}
+
+// llamaFleetWith is llamaFleet with cfg's settings besides its workers
+// and pool.
+func llamaFleetWith(t *testing.T, cfg scheduler.Config, srvs []*llamatest.Server) (*scheduler.Scheduler, string) {
+	t.Helper()
 	var workers []scheduler.WorkerConfig
 	var names []string
 	for i, srv := range srvs {
@@ -58,7 +65,8 @@ func llamaFleet(t *testing.T, strategy string, srvs []*llamatest.Server) (*sched
 		workers = append(workers, scheduler.WorkerConfig{Name: name, Kind: scheduler.KindLlamaCPP, Address: srv.URL,
 			EngineConfig: scheduler.EngineConfig{MetricsInterval: 20 * time.Millisecond}})
 	}
-	s, addr := startScheduler(t, scheduler.Config{Strategy: strategy, Workers: workers, Pool: fastPool()})
+	cfg.Workers, cfg.Pool = workers, fastPool()
+	s, addr := startScheduler(t, cfg)
 	eventually(t, 10*time.Second, func() error {
 		ms := make([]kvindex.Match, len(names))
 		s.Index.Lookup(nil, names, ms)

@@ -6,38 +6,17 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/scheduler"
-	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/transfer/kvstore"
 	"github.com/batonllm/baton/transfer/kvstore/redistest"
 	"github.com/batonllm/baton/workers/llamacpp/llamatest"
 )
 
-// sharingReplica starts a kv_aware scheduler over srvs (llamacpp workers
-// l0, l1…) that shares with the other replicas through the Redis at
-// redisAddr, and waits until it has read the servers' slots.
+// sharingReplica starts a kv_aware scheduler over srvs that shares with
+// the other replicas through the Redis at redisAddr.
 func sharingReplica(t *testing.T, srvs []*llamatest.Server, redisAddr string) (*scheduler.Scheduler, string) {
 	t.Helper()
-	var workers []scheduler.WorkerConfig
-	var names []string
-	for i, srv := range srvs {
-		name := fmt.Sprintf("l%d", i)
-		names = append(names, name)
-		workers = append(workers, scheduler.WorkerConfig{Name: name, Kind: scheduler.KindLlamaCPP, Address: srv.URL,
-			EngineConfig: scheduler.EngineConfig{MetricsInterval: 20 * time.Millisecond}})
-	}
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Workers: workers, Pool: fastPool(),
-		Replicas: scheduler.ReplicasConfig{Redis: kvstore.RedisConfig{Addr: redisAddr}}})
-	eventually(t, 10*time.Second, func() error {
-		ms := make([]kvindex.Match, len(names))
-		s.Index.Lookup(nil, names, ms)
-		for i, m := range ms {
-			if m.Load.Slots != slots {
-				return fmt.Errorf("worker %s: index has %d slots, want %d", names[i], m.Load.Slots, slots)
-			}
-		}
-		return nil
-	})
-	return s, addr
+	return llamaFleetWith(t, scheduler.Config{Strategy: "kv_aware",
+		Replicas: scheduler.ReplicasConfig{Redis: kvstore.RedisConfig{Addr: redisAddr}}}, srvs)
 }
 
 // TestReplicasShareLearned: what one replica learns of engines that
