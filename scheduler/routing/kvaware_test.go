@@ -280,8 +280,9 @@ func TestKVAwareOnlyAvailableWorkers(t *testing.T) {
 	}
 }
 
-// TestKVAwareBeyondMaxWorkers: fleets larger than the index's slots are
-// looked up in batches; workers it cannot track count as cold.
+// TestKVAwareBeyondMaxWorkers: fleets larger than one of the index's
+// groups of workers (MaxWorkers) are looked up in batches, and a holder
+// past the first group is found.
 func TestKVAwareBeyondMaxWorkers(t *testing.T) {
 	f := newKVFleet(t, kvindex.MaxWorkers+6)
 	ks := prompt(9)
@@ -300,14 +301,14 @@ func TestKVAwareBeyondMaxWorkers(t *testing.T) {
 			t.Fatalf("seed %d: Pick = %s, want w40, the holder", i, d.Worker.Name)
 		}
 	}
-	// A new prompt goes to an idle worker the index does not track, not
-	// to one that reports a queue.
+	// A new prompt goes to an idle worker of the second group, not to
+	// one that reports a queue.
 	d, err := s.Pick(kvRequest(prompt(10)), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if d.Worker.Name < fmt.Sprintf("w%02d", kvindex.MaxWorkers) {
-		t.Errorf("cold prompt: Pick = %s, want one of the idle workers the index does not track", d.Worker.Name)
+		t.Errorf("cold prompt: Pick = %s, want one of the idle workers past the first group", d.Worker.Name)
 	}
 }
 
