@@ -36,6 +36,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -108,6 +109,7 @@ func run() error {
 	engineURL := "http://" + w.HTTPAddr
 
 	urls := map[string]string{pathDirect: engineURL}
+	pids := map[string]int{} // the process of each path that runs in its own
 	var haproxyVersion string
 	if slices.Contains(paths, pathHAProxy) {
 		bin, err := findHAProxy(*haproxyBin)
@@ -120,6 +122,7 @@ func run() error {
 		}
 		defer hp.stop()
 		urls[pathHAProxy] = "http://" + hp.addr
+		pids[pathHAProxy] = hp.cmd.Process.Pid
 		haproxyVersion = hp.version
 	}
 	var bs *batonServe
@@ -129,6 +132,7 @@ func run() error {
 		}
 		defer bs.stop()
 		urls[pathBaton] = "http://" + bs.addr
+		pids[pathBaton] = bs.cmd.Process.Pid
 	}
 	if slices.Contains(paths, pathGoProxy) {
 		self, err := os.Executable()
@@ -151,6 +155,7 @@ func run() error {
 			return fmt.Errorf("go-proxy: %w", err)
 		}
 		urls[pathGoProxy] = "http://" + addr
+		pids[pathGoProxy] = gp.Process.Pid
 	}
 	if *batonB != "" {
 		b, err := startBatonServe(*batonB, engineURL, false)
@@ -159,6 +164,7 @@ func run() error {
 		}
 		defer b.stop()
 		urls[pathBatonB] = "http://" + b.addr
+		pids[pathBatonB] = b.cmd.Process.Pid
 	}
 	for _, p := range []struct{ path, kind, addr string }{
 		{pathBatonInproc, scheduler.KindHTTP, engineURL},
@@ -208,10 +214,16 @@ func run() error {
 
 	var profiled chan error
 	times := map[string][]timing{}
+	cpuAtStart := map[string]time.Duration{}
 	for round := -*warmup; round < *n; round++ {
 		if round == 0 && *batonProfile != "" && bs != nil {
 			profiled = make(chan error, 1)
 			go func() { profiled <- bs.profile(*batonProfile, *n) }()
+		}
+		if round == 0 {
+			for p, pid := range pids {
+				cpuAtStart[p], _ = processCPU(pid)
+			}
 		}
 		body := requestBody(round, *promptChars)
 		// Rotate which path goes first, so that none always follows
@@ -228,10 +240,17 @@ func run() error {
 			}
 		}
 	}
+	cpu := map[string]time.Duration{}
+	for p, pid := range pids {
+		if end, err := processCPU(pid); err == nil && cpuAtStart[p] > 0 {
+			cpu[p] = end - cpuAtStart[p]
+		}
+	}
 	fmt.Println("Time to the first byte of the body (the first event):")
 	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.first })
 	fmt.Println("\nTime to data: [DONE]:")
 	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.done })
+	reportCPU(os.Stdout, paths, cpu, *n)
 	if profiled != nil {
 		if err := <-profiled; err != nil {
 			return fmt.Errorf("baton serve's CPU profile: %w", err)
@@ -253,6 +272,49 @@ func run() error {
 		}
 	}
 	return nil
+}
+
+// processCPU is the CPU time (user and system, every thread's, the
+// exited ones' included) the process pid has used, from /proc (Linux).
+func processCPU(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// pid (comm) state ppid ...: comm may hold spaces; utime and stime
+	// are the 14th and 15th fields, the 12th and 13th after it.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+		}
+		ticks += v
+	}
+	const userHZ = 100 // the clock tick /proc counts in, on every Linux port Go runs on
+	return time.Duration(ticks) * time.Second / userHZ, nil
+}
+
+// reportCPU writes the CPU time each path's own process used per measured
+// request (10 ms resolution over the whole run).
+func reportCPU(w io.Writer, paths []string, cpu map[string]time.Duration, n int) {
+	if len(cpu) == 0 || n == 0 {
+		return
+	}
+	fmt.Fprintln(w, "\nCPU time of the proxy's process per request (user + system, all threads):")
+	for _, p := range paths {
+		if d, ok := cpu[p]; ok {
+			fmt.Fprintf(w, "%10s  %4d µs\n", p, d.Microseconds()/int64(n))
+		}
+	}
 }
 
 func orNone(s string) string {
