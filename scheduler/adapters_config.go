@@ -40,7 +40,11 @@ func (c Config) adapters() []engine.Adapter {
 // validateAdapters checks adapters: and the workers' max_loras.
 func (c Config) validateAdapters() error {
 	seen := map[string]bool{}
-	vllm := slices.ContainsFunc(c.Workers, func(w WorkerConfig) bool { return w.Kind == KindVLLM && w.MaxLoRAs > 0 })
+	// Workers that load adapters from their source, and the first's kind.
+	fromSource := ""
+	if i := slices.IndexFunc(c.Workers, func(w WorkerConfig) bool { k := kindOf(w.Kind); return k != nil && k.AdapterSource && w.MaxLoRAs > 0 }); i >= 0 {
+		fromSource = c.Workers[i].Kind
+	}
 	for i, a := range c.Adapters {
 		field := fmt.Sprintf("adapters[%d]", i)
 		switch {
@@ -54,8 +58,8 @@ func (c Config) validateAdapters() error {
 			return fmt.Errorf("%s.base_model: required", field)
 		case len(c.Models) > 0 && !slices.Contains(c.Models, a.BaseModel):
 			return fmt.Errorf("%s.base_model: %q is not one of models %v", field, a.BaseModel, c.Models)
-		case a.Source == "" && vllm:
-			return fmt.Errorf("%s.source: required: vllm workers load adapters from it", field)
+		case a.Source == "" && fromSource != "":
+			return fmt.Errorf("%s.source: required: %s workers load adapters from it", field, fromSource)
 		case a.Size < 0:
 			return fmt.Errorf("%s.size: must not be negative, got %d", field, a.Size)
 		}
@@ -65,8 +69,8 @@ func (c Config) validateAdapters() error {
 		switch {
 		case w.MaxLoRAs < 0 || w.MaxLoRAs > MaxMaxLoRAs:
 			return fmt.Errorf("workers[%d].max_loras: must be 0–%d, got %d", i, MaxMaxLoRAs, w.MaxLoRAs)
-		case w.MaxLoRAs > 0 && w.Kind != KindGRPC && w.Kind != KindVLLM:
-			return fmt.Errorf("workers[%d].max_loras: only grpc and vllm workers load adapters (kind is %s)", i, w.Kind)
+		case w.MaxLoRAs > 0 && !kindOfWorker(w).LoadsAdapters:
+			return fmt.Errorf("workers[%d].max_loras: only %s workers load adapters (kind is %s)", i, kindList("and", loadsAdapters), w.Kind)
 		}
 	}
 	return nil

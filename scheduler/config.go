@@ -18,6 +18,7 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/tlsconf"
+	"github.com/batonllm/baton/workers/engine"
 )
 
 // Worker kinds: how the scheduler talks to a worker.
@@ -38,13 +39,6 @@ const (
 	// /props) and whose requests set cache_prompt.
 	KindLlamaCPP = "llamacpp"
 )
-
-// engineKind reports whether kind is vllm or sglang.
-func engineKind(kind string) bool { return kind == KindVLLM || kind == KindSGLang }
-
-// httpKind reports whether a worker of kind is served over the OpenAI
-// HTTP API.
-func httpKind(kind string) bool { return kind == KindHTTP || kind == KindLlamaCPP || engineKind(kind) }
 
 // WorkerConfig is one statically configured worker.
 type WorkerConfig struct {
@@ -492,19 +486,20 @@ func (c Config) Validate(strategies *routing.Registry) error {
 	seen := map[string]bool{}
 	for i, w := range workers {
 		field := fieldOf(i)
+		k := kindOf(w.Kind)
 		switch {
 		case w.Address == "":
 			return fmt.Errorf("%s.address: required", field)
-		case w.Kind != KindGRPC && !httpKind(w.Kind):
-			return fmt.Errorf("%s.kind: must be %s, %s, %s, %s or %s, got %q", field, KindGRPC, KindHTTP, KindVLLM, KindSGLang, KindLlamaCPP, w.Kind)
+		case k == nil:
+			return fmt.Errorf("%s.kind: must be %s, got %q", field, kindList("or", nil), w.Kind)
 		case seen[w.Name]:
 			return fmt.Errorf("%s.name: %q is used by another worker", field, w.Name)
 		case w.Role != "" && w.Role != RoleBoth && w.Role != RolePrefill && w.Role != RoleDecode:
 			return fmt.Errorf("%s.role: must be %s, %s or %s, got %q", field, RoleBoth, RolePrefill, RoleDecode, w.Role)
-		case (w.Kind == KindHTTP || w.Kind == KindLlamaCPP) && (w.Role == RolePrefill || w.Role == RoleDecode):
-			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only; vllm and sglang ones also prefill or decode, got %q", field, w.Kind, w.Role)
-		case w.Kind != KindSGLang && (w.BootstrapHost != "" || w.BootstrapPort != 0):
-			return fmt.Errorf("%s.bootstrap_port: only sglang workers have a bootstrap server (kind is %s)", field, w.Kind)
+		case !canPD(k) && (w.Role == RolePrefill || w.Role == RoleDecode):
+			return fmt.Errorf("%s.role: %s engines serve colocated (role both) only; %s ones also prefill or decode, got %q", field, w.Kind, kindList("and", canPD), w.Role)
+		case !k.Bootstrap && (w.BootstrapHost != "" || w.BootstrapPort != 0):
+			return fmt.Errorf("%s.bootstrap_port: only %s workers have a bootstrap server (kind is %s)", field, kindList("and", hasBootstrap), w.Kind)
 		}
 		if err := validateRanks(w, field); err != nil {
 			return err
@@ -512,29 +507,19 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		switch {
 		case w.CachePrompts < 0:
 			return fmt.Errorf("%s.cache_prompts: must be 0 (what the engine says) or more, got %d", field, w.CachePrompts)
-		case w.CachePrompts > 0 && w.Kind == KindGRPC:
-			return fmt.Errorf("%s.cache_prompts: baton workers report their cache; only http, vllm, sglang and llamacpp workers have it", field)
-		case w.Cost != (CostConfig{}) && w.Kind == KindGRPC:
-			return fmt.Errorf("%s.cost: baton workers report their own cost figures", field)
+		case w.CachePrompts > 0 && k.SelfReported:
+			return fmt.Errorf("%s.cache_prompts: %s workers report their cache; only %s workers have it", field, w.Kind, kindList("and", configuredCost))
+		case w.Cost != (CostConfig{}) && k.SelfReported:
+			return fmt.Errorf("%s.cost: %s workers report their own cost figures", field, w.Kind)
 		}
 		if err := w.Cost.validate(field + ".cost"); err != nil {
 			return err
 		}
-		if engineKind(w.Kind) || w.Kind == KindLlamaCPP {
-			if err := w.EngineConfig.validate(field); err != nil {
-				return err
-			}
-		}
-		if rest := w.EngineConfig; w.Kind == KindLlamaCPP {
-			rest.MetricsPath, rest.MetricsInterval, rest.MetricsTimeout = "", 0, 0
-			if rest != (EngineConfig{}) {
-				return fmt.Errorf("%s.%s: llamacpp workers have only metrics_path, metrics_interval and metrics_timeout", field, rest.firstSet())
-			}
-		} else if !engineKind(w.Kind) && w.EngineConfig != (EngineConfig{}) {
-			return fmt.Errorf("%s.%s: only vllm and sglang workers have it (kind is %s)", field, w.EngineConfig.firstSet(), w.Kind)
+		if err := w.EngineConfig.validateFor(k, field); err != nil {
+			return err
 		}
 		seen[w.Name] = true
-		if w.Kind == KindGRPC {
+		if !k.URL {
 			if _, _, err := net.SplitHostPort(w.Address); err != nil {
 				return fmt.Errorf("%s.address: %v", field, err)
 			}
@@ -543,8 +528,8 @@ func (c Config) Validate(strategies *routing.Registry) error {
 		}
 		if w.TLS != (tlsconf.Config{}) {
 			switch {
-			case w.Kind == KindGRPC:
-				return fmt.Errorf("%s.tls: grpc workers are reached with worker_tls", field)
+			case !k.URL:
+				return fmt.Errorf("%s.tls: %s workers are reached with worker_tls", field, w.Kind)
 			case !strings.HasPrefix(w.Address, "https://"):
 				return fmt.Errorf("%s.tls: set, but the address %q is not https://", field, w.Address)
 			}
@@ -579,9 +564,36 @@ func validatePairs(workers []WorkerConfig) error {
 			}
 			decoders++
 		}
-		if decoders == 0 && engineKind(p.Kind) {
+		if k := kindOf(p.Kind); decoders == 0 && k != nil && !k.DescribesRole {
 			return fmt.Errorf("workers[%d].role: a %s prefill worker needs %s workers with role decode", i, p.Kind, p.Kind)
 		}
+	}
+	return nil
+}
+
+// beyond returns what c sets that a worker of kind k does not have: the
+// metrics settings for a kind whose load is scraped, and the rest for a
+// kind that publishes KV events.
+func (c EngineConfig) beyond(k *engine.Kind) EngineConfig {
+	switch {
+	case k.Events:
+		return EngineConfig{}
+	case k.Scrape != nil:
+		c.MetricsPath, c.MetricsInterval, c.MetricsTimeout = "", 0, 0
+	}
+	return c
+}
+
+// validateFor checks c as the settings of a worker of kind k.
+func (c EngineConfig) validateFor(k *engine.Kind, field string) error {
+	if rest := c.beyond(k); rest != (EngineConfig{}) {
+		if k.Scrape != nil {
+			return fmt.Errorf("%s.%s: %s workers have only metrics_path, metrics_interval and metrics_timeout", field, rest.firstSet(), k.Name)
+		}
+		return fmt.Errorf("%s.%s: only %s workers have it (kind is %s)", field, rest.firstSet(), kindList("and", hasEvents), k.Name)
+	}
+	if k.Events || k.Scrape != nil {
+		return c.validate(field)
 	}
 	return nil
 }

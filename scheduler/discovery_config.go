@@ -102,7 +102,7 @@ func (c DiscoveryConfig) workersToValidate(workers []WorkerConfig) ([]WorkerConf
 		w.Kind = KindGRPC
 	}
 	w.Name, w.Address = "discovered", "127.0.0.1:1"
-	if httpKind(w.Kind) {
+	if k := kindOf(w.Kind); k != nil && k.URL {
 		w.Address = "http://127.0.0.1:1"
 		if w.TLS != (tlsconf.Config{}) {
 			w.Address = "https://127.0.0.1:1" // as members gives it

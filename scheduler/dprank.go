@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-
-	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // SGLang started with --dp-size N (and --enable-dp-attention, for each
@@ -53,12 +51,13 @@ const rankSuffix = "/dp"
 // so that any name an operator chooses is a valid one.
 func (wc WorkerConfig) dpRank() int { return wc.rank }
 
-// rankOptions are the engine client's options of a rank's worker.
-func (wc WorkerConfig) rankOptions() []httpengine.Option {
+// dpTarget returns the rank and the ranks of a rank's worker, as its
+// engine's client takes them (0, 0: an engine of one rank).
+func (wc WorkerConfig) dpTarget() (rank, size int) {
 	if wc.DataParallelSize <= 1 {
-		return nil
+		return 0, 0
 	}
-	return []httpengine.Option{httpengine.WithDataParallelRank(wc.dpRank())}
+	return wc.dpRank(), wc.DataParallelSize
 }
 
 // offsetPort returns a tcp:// endpoint with its port plus r, as vLLM's
@@ -88,12 +87,12 @@ func validateRanks(w WorkerConfig, field string) error {
 		return nil
 	case n < 0 || n > maxDataParallelSize:
 		return fmt.Errorf("%s.data_parallel_size: must be 1–%d, got %d", field, maxDataParallelSize, n)
-	case w.Kind != KindVLLM && w.Kind != KindSGLang:
-		return fmt.Errorf("%s.data_parallel_size: only vllm and sglang workers have it (kind is %s)", field, w.Kind)
-	case w.Kind == KindSGLang && w.Role != "" && w.Role != RoleBoth:
+	case !kindOfWorker(w).DataParallel:
+		return fmt.Errorf("%s.data_parallel_size: only %s workers have it (kind is %s)", field, kindList("and", dataParallel), w.Kind)
+	case kindOfWorker(w).DataParallelColocated && w.Role != "" && w.Role != RoleBoth:
 		// Its decode ranks would need the prefill rank's index
 		// (disagg_prefill_dp_rank), which baton does not send.
-		return fmt.Errorf("%s.data_parallel_size: sglang ranks serve colocated only (role is %s)", field, w.Role)
+		return fmt.Errorf("%s.data_parallel_size: %s ranks serve colocated only (role is %s)", field, w.Kind, w.Role)
 	}
 	for _, e := range []struct{ name, endpoint string }{{"events", w.Events}, {"events_replay", w.EventsReplay}} {
 		if _, err := offsetPort(e.endpoint, n-1); err != nil {

@@ -56,8 +56,8 @@ func TestRanks(t *testing.T) {
 	var got []string
 	for i, r := range wc.ranks() {
 		got = append(got, r.Name+" "+r.Events+" "+r.EventsReplay+" "+r.Address)
-		if len(r.rankOptions()) != 1 || r.dpRank() != i {
-			t.Errorf("%s: rank %d, %d options; want rank %d, its header", r.Name, r.dpRank(), len(r.rankOptions()), i)
+		if rank, size := r.dpTarget(); rank != i || size != 3 {
+			t.Errorf("%s: rank %d of %d; want rank %d of 3", r.Name, rank, size, i)
 		}
 	}
 	want := []string{
@@ -69,7 +69,7 @@ func TestRanks(t *testing.T) {
 		t.Errorf("ranks (-want +got):\n%s", diff)
 	}
 	wc.DataParallelSize = 0
-	if r := wc.ranks(); len(r) != 1 || r[0].Name != "v" || r[0].rankOptions() != nil {
+	if r := wc.ranks(); len(r) != 1 || r[0].Name != "v" || r[0].DataParallelSize > 1 {
 		t.Errorf("without data parallelism: %+v, want the worker itself", r)
 	}
 }

@@ -133,8 +133,9 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	if wc.Kind == "" {
 		wc.Kind = KindGRPC
 	}
+	k := kindOf(wc.Kind)
 	switch {
-	case wc.Kind != KindGRPC && !httpKind(wc.Kind):
+	case k == nil:
 		return wc, fmt.Errorf("%s %q: unknown kind", discovery.LabelKind, wc.Kind)
 	case wc.Role != "" && wc.Role != RoleBoth && wc.Role != RolePrefill && wc.Role != RoleDecode:
 		return wc, fmt.Errorf("%s %q: unknown role", discovery.LabelRole, wc.Role)
@@ -144,12 +145,8 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 			return wc, fmt.Errorf("%s %q, role %q: %w", discovery.LabelKind, wc.Kind, wc.Role, err)
 		}
 	}
-	rest := wc.EngineConfig
-	if wc.Kind == KindLlamaCPP {
-		rest.MetricsPath, rest.MetricsInterval, rest.MetricsTimeout = "", 0, 0
-	}
-	if !engineKind(wc.Kind) && rest != (EngineConfig{}) {
-		return wc, fmt.Errorf("%s %q: discovery.worker has settings of vllm and sglang workers only (%s)", discovery.LabelKind, wc.Kind, rest.firstSet())
+	if rest := wc.EngineConfig.beyond(k); rest != (EngineConfig{}) {
+		return wc, fmt.Errorf("%s %q: discovery.worker has settings of %s workers only (%s)", discovery.LabelKind, wc.Kind, kindList("and", hasEvents), rest.firstSet())
 	}
 	host, _, err := net.SplitHostPort(m.Address)
 	if err != nil {
@@ -158,7 +155,7 @@ func memberConfig(m discovery.Member, tmpl WorkerConfig) (WorkerConfig, error) {
 	if strings.Contains(host, ":") {
 		host = "[" + host + "]"
 	}
-	if httpKind(wc.Kind) {
+	if k.URL {
 		wc.Address = "http://" + m.Address
 		if wc.TLS != (tlsconf.Config{}) {
 			wc.Address = "https://" + m.Address
@@ -179,7 +176,7 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	s.placeMu.Lock()
 	s.roles[wc.Name] = wc.Role
 	s.placeMu.Unlock()
-	if s.engineTokens != nil && engineKind(wc.Kind) {
+	if s.engineTokens != nil && tokenizes(wc) {
 		tc, err := s.engineTLS(wc)
 		if err == nil {
 			err = s.engineTokens.add(wc, vllm.WithTLS(tc))
@@ -200,7 +197,7 @@ func (s *Scheduler) addWorker(wc WorkerConfig) error {
 	}
 	// Baton workers stream their cache events into the index; the
 	// blocks of engines that publish none are learned from routing.
-	if engineKind(wc.Kind) || wc.Kind == KindLlamaCPP {
+	if kindOfWorker(wc).Scrape != nil {
 		// Their load feeds kv_aware and kv_usage alike: always scraped.
 		err = s.watchEngine(wc, s.watchWorkers)
 	} else if src, ok := w.Client.(watch.Source); ok && s.watchWorkers {

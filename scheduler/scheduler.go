@@ -6,6 +6,7 @@ package scheduler
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -31,7 +32,6 @@ import (
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/grpcworker"
 	"github.com/batonllm/baton/workers/httpengine"
-	"github.com/batonllm/baton/workers/llamacpp"
 	"github.com/batonllm/baton/workers/vllm"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
@@ -192,7 +192,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 			return err
 		}
 	}
-	if w := cfg.Discovery.Worker; cfg.Discovery.discovered() && engineKind(w.Kind) && w.TokenizePath != TokenizeNone && watchWorkers {
+	if w := cfg.Discovery.Worker; cfg.Discovery.discovered() && tokenizes(w) && w.TokenizePath != TokenizeNone && watchWorkers {
 		s.engineTokens = newEngineTokens()
 	}
 	if err := s.discover(cfg); err != nil {
@@ -249,7 +249,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 // request would be keyed as for an adapter of no model, under keys that
 // none of the ranks' events match.
 func (s *Scheduler) tokenKeys(workers []WorkerConfig) (*frontend.TokenKeys, error) {
-	i := slices.IndexFunc(workers, func(wc WorkerConfig) bool { return engineKind(wc.Kind) })
+	i := slices.IndexFunc(workers, tokenizes)
 	if i < 0 || workers[i].TokenizePath == TokenizeNone {
 		return nil, nil
 	}
@@ -303,30 +303,13 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 	if err != nil {
 		return nil, nil, err
 	}
-	switch wc.Kind {
-	case KindHTTP, KindVLLM, KindSGLang:
-		c, err := httpengine.New(wc.Address, append(wc.rankOptions(), disaggProtocol(wc), httpengine.WithTLS(tc))...)
-		if err != nil {
-			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
-		}
-		w.Client = c
-		w.Discover = len(wc.Models) == 0
-	case KindLlamaCPP:
-		c, err := llamacpp.New(wc.Address, httpengine.WithTLS(tc))
-		if err != nil {
-			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
-		}
-		c.ServeAdapters(s.cfg.adapters())
-		w.Client = c
-		w.Discover = len(wc.Models) == 0
-	default:
-		c, err := grpcworker.Dial(wc.Address, s.workerDialOptions()...)
-		if err != nil {
-			return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
-		}
-		w.Client = c
-		w.Discover = len(wc.Models) == 0 || wc.Role == ""
+	k := kindOfWorker(wc)
+	c, err := k.Connect(s.target(wc, tc))
+	if err != nil {
+		return nil, nil, fmt.Errorf("worker %s: %w", wc.Name, err)
 	}
+	w.Client = c
+	w.Discover = len(wc.Models) == 0 || (k.DescribesRole && wc.Role == "")
 	s.mu.Lock()
 	s.clients = append(s.clients, w.Client)
 	s.mu.Unlock()
@@ -350,18 +333,19 @@ func (s *Scheduler) connect(wc WorkerConfig) (*pool.Worker, *engine.Description,
 	return w, desc, nil
 }
 
-// disaggProtocol is how a worker's engine hands KV blocks to another in
-// disaggregated serving: none unless it prefills or decodes.
-func disaggProtocol(wc WorkerConfig) httpengine.Option {
-	p := httpengine.Colocated
-	switch {
-	case wc.Role != RolePrefill && wc.Role != RoleDecode:
-	case wc.Kind == KindVLLM:
-		p = httpengine.NIXL
-	case wc.Kind == KindSGLang:
-		p = httpengine.Bootstrap
+// target is wc as its kind's functions see it, its engine reached with
+// tc when https.
+func (s *Scheduler) target(wc WorkerConfig, tc *tls.Config) engine.Target {
+	t := engine.Target{
+		Name: wc.Name, Address: wc.Address, Role: wc.Role, TLS: tc,
+		BootstrapHost: wc.BootstrapHost, BootstrapPort: wc.BootstrapPort,
+		MetricsPath: wc.MetricsPath, Adapters: s.cfg.adapters(),
 	}
-	return httpengine.WithProtocol(p, wc.BootstrapHost, wc.BootstrapPort)
+	if !kindOfWorker(wc).URL {
+		t.Credentials = s.tls.workerCreds
+	}
+	t.Rank, t.DPSize = wc.dpTarget()
+	return t
 }
 
 // watchEngine has the watcher follow a vllm, sglang or llamacpp worker:
@@ -383,7 +367,7 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 		Model:          func() string { return s.modelOf(wc) },
 		Logger:         s.log,
 	}
-	if wc.Kind == KindVLLM {
+	if kindOfWorker(wc).AdapterMetrics {
 		cfg.OnAdapters = func(held []string, slots int) { s.engineAdapters(wc.Name, held, slots) }
 	}
 	switch {
@@ -410,30 +394,15 @@ func (s *Scheduler) watchEngine(wc WorkerConfig, withEvents bool) error {
 // scraper returns the scraper of a vllm, sglang or llamacpp worker's
 // load, closed with the scheduler.
 func (s *Scheduler) scraper(wc WorkerConfig) (watch.MetricsSource, error) {
-	var sc interface {
-		watch.MetricsSource
-		io.Closer
-	}
 	tc, err := s.engineTLS(wc)
 	if err != nil {
 		return nil, err
 	}
-	switch wc.Kind {
-	case KindLlamaCPP:
-		sc, err = llamacpp.NewScraper(wc.Address, wc.MetricsPath, vllm.WithTLS(tc))
-	case KindSGLang:
-		if wc.DataParallelSize > 1 {
-			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.SGLang, wc.dpRank(), vllm.WithTLS(tc))
-			break
-		}
-		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.SGLang, vllm.WithTLS(tc))
-	default:
-		if wc.DataParallelSize > 1 {
-			sc, err = vllm.NewRankScraper(wc.Address, wc.MetricsPath, vllm.VLLM, wc.dpRank(), vllm.WithTLS(tc))
-			break
-		}
-		sc, err = vllm.NewScraper(wc.Address, wc.MetricsPath, vllm.VLLM, vllm.WithTLS(tc))
+	k := kindOfWorker(wc)
+	if k.Scrape == nil {
+		return nil, fmt.Errorf("worker %s: %s engines have no metrics baton reads", wc.Name, k.Name)
 	}
+	sc, err := k.Scrape(s.target(wc, tc))
 	if err != nil {
 		return nil, err
 	}

@@ -52,7 +52,7 @@ func (s *Scheduler) setupTLS(cfg Config) error {
 // loads, metrics and tokenizer alike. Nil without tls: an https engine is
 // then verified against the system roots.
 func (s *Scheduler) engineTLS(wc WorkerConfig) (*tls.Config, error) {
-	if wc.TLS == (tlsconf.Config{}) || wc.Kind == KindGRPC {
+	if wc.TLS == (tlsconf.Config{}) || !kindOfWorker(wc).URL {
 		return nil, nil
 	}
 	cfg, _, err := tlsconf.Client(wc.TLS, s.log)

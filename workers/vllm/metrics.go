@@ -12,6 +12,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/batonllm/baton/workers/engine"
 )
 
 // Engine names whose metrics to read.
@@ -42,60 +44,9 @@ func (e Engine) String() string {
 // 1). Parse's error wraps it, with the reason.
 var ErrGarbage = errors.New("unusable engine metrics")
 
-// Metrics is what baton reads of an engine's metrics. With data-parallel
-// engines (one series per engine label) counts and capacities are summed
-// and the usage averaged.
-type Metrics struct {
-	// Running and Waiting are the requests in the running batch and in the
-	// engine's queue (vLLM's num_requests_running and _waiting, SGLang's
-	// num_running_reqs and num_queue_reqs). HasLoad says both were read.
-	Running, Waiting int
-	HasLoad          bool
-	// KVUsage is the fraction of the GPU KV cache in use, 0–1 (vLLM's
-	// kv_cache_usage_perc, gpu_cache_usage_perc before v0.10; SGLang's
-	// token_usage); HasKVUsage says it was read.
-	KVUsage    float64
-	HasKVUsage bool
-	// BlockSize is the tokens of one KV block, 0 when unknown (vLLM's
-	// cache_config_info label block_size; SGLang does not say).
-	BlockSize int
-	// GPUBlocks is the KV cache's capacity in blocks (vLLM's
-	// cache_config_info label num_gpu_blocks), 0 when unknown.
-	GPUBlocks int64
-	// KVTokens is the KV cache's capacity in tokens (SGLang's
-	// max_total_num_tokens), 0 when unknown.
-	KVTokens int64
-	// Slots is the prompts the engine keeps cached at once when it keeps
-	// one per slot (llama-server's total_slots), 0 otherwise. Parse does
-	// not set it: workers/llamacpp reads it from the engine's /props.
-	Slots int
-	// Adapters are the LoRA adapters with requests running or waiting on
-	// the engine, sorted, and MaxLoRAs its adapter slots: vLLM's
-	// lora_requests_info labels running_lora_adapters,
-	// waiting_lora_adapters and max_lora, of the series set last (its
-	// value is the time it was set). HasLoRA says the gauge was read: an
-	// engine without --enable-lora has none.
-	Adapters []string
-	MaxLoRAs int
-	HasLoRA  bool
-}
-
-// Blocks returns the GPU KV blocks in use and in all, in blocks of
-// blockSize tokens; 0, 0 when the capacity is unknown.
-func (m Metrics) Blocks(blockSize int) (used, total int64) {
-	switch {
-	case m.GPUBlocks > 0:
-		total = m.GPUBlocks
-	case m.KVTokens > 0 && blockSize > 0:
-		total = m.KVTokens / int64(blockSize)
-	default:
-		return 0, 0
-	}
-	if m.HasKVUsage {
-		used = int64(math.Round(m.KVUsage * float64(total)))
-	}
-	return used, total
-}
+// Metrics is what baton reads of an engine's metrics: engine.Load, which
+// every kind of engine's scraper returns.
+type Metrics = engine.Load
 
 // names are the metric names of one engine.
 type names struct {
