@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/bench/workload"
+	"github.com/batonllm/baton/transfer/kvstore/redistest"
 )
 
 func TestParseFleets(t *testing.T) {
@@ -187,5 +188,37 @@ func TestBenchSeededRandomRepeats(t *testing.T) {
 	}
 	if !maps.Equal(a.Shares, b.Shares) {
 		t.Errorf("shares differ between runs with one seed: %v and %v", a.Shares, b.Shares)
+	}
+}
+
+// With --share-redis the replicas of a fleet share their decisions through
+// a real Redis: each receives what the other sent, and every request
+// completes.
+func TestBenchReplicasShare(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts fleets and redis-server")
+	}
+	srv := redistest.Start(t)
+	w, err := workload.LongContext(workload.DefaultLongContext(3), 12, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7, Replicas: []int{2}, ShareRedis: srv.Addr()}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := Run(ctx, o, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := rep.Strategies[0]
+	if s.OK != 12 || s.Errors != 0 {
+		t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
+	}
+	if !strings.Contains(s.Fleet, "2 scheduler replicas sharing through Redis") {
+		t.Errorf("fleet %q does not say its replicas share", s.Fleet)
+	}
+	sent, received := s.Counters["replica_sync_entries_total{direction=sent}"], s.Counters["replica_sync_entries_total{direction=received}"]
+	if sent == 0 || received == 0 {
+		t.Errorf("entries sent %v, received %v over the replicas; want both above 0 (%v)", sent, received, s.Counters)
 	}
 }

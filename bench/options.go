@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"slices"
 	"strings"
 
@@ -74,6 +75,11 @@ type Options struct {
 	// spread over them in turn (request i to replica i mod N), as a load
 	// balancer spreads them. 1–16 each; empty: one.
 	Replicas []int
+	// ShareRedis, when set, is the Redis server (host:port) through which
+	// the replicas of each in-process fleet share what they learn
+	// (scheduler.ReplicasConfig), each fleet on a stream of its own.
+	// Empty: each replica learns alone.
+	ShareRedis string
 	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
 	// workloads naming adapters (lora), 0–1,024. 0: DefaultMaxLoRAs.
 	MaxLoRAs int
@@ -116,6 +122,14 @@ func (o Options) Validate() error {
 			return fmt.Errorf("--replicas: %d given twice (columns would share a label)", n)
 		}
 		seenN[n] = true
+	}
+	if o.ShareRedis != "" {
+		if _, _, err := net.SplitHostPort(o.ShareRedis); err != nil {
+			return fmt.Errorf("--share-redis: want host:port: %v", err)
+		}
+		if o.Target != "" {
+			return errors.New("--share-redis applies to in-process fleets, not --target (configure the target's replicas: with replicas.redis)")
+		}
 	}
 	if o.Target != "" && (len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1) {
 		return errors.New("--replicas applies to in-process fleets, not --target (put the target's replicas behind one URL)")

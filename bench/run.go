@@ -12,6 +12,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -206,6 +207,14 @@ func startFleet(o *Options, strategy string, shape Fleet, replicas int, adapters
 	}
 	spec.MaxLoRAs = lora.MaxLoRAs
 	spec.Replicas = replicas
+	if o.ShareRedis != "" && replicas > 1 {
+		// A stream of this fleet's own: no replica replays another run's.
+		spec.Scheduler.Replicas = scheduler.ReplicasConfig{
+			Redis:  kvstore.RedisConfig{Addr: o.ShareRedis},
+			Stream: fmt.Sprintf("baton:bench:%d:%d:%s:%d", os.Getpid(), time.Now().UnixNano(), strategy, replicas),
+			Replay: -1,
+		}
+	}
 	if shape.Disaggregated() {
 		spec.Prefill, spec.Decode = shape.Prefill, shape.Decode
 	} else {
@@ -382,7 +391,9 @@ func partQuantiles(before, after []*dto.MetricFamily) map[string][2]float64 {
 var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total", "baton_transfer_failures_total",
 	"baton_breaker_transitions_total", "baton_queue_rejections_total", "baton_retries_total", "baton_cached_tokens_by_tier_total",
 	"baton_routing_decisions_total", "baton_prefix_copies_total",
-	"baton_adapter_loads_total", "baton_adapter_evictions_total", "baton_adapter_requests_total"}
+	"baton_adapter_loads_total", "baton_adapter_evictions_total", "baton_adapter_requests_total",
+	"baton_replica_sync_messages_total", "baton_replica_sync_entries_total", "baton_replica_sync_dropped_entries_total",
+	"baton_replica_sync_missed_messages_total"}
 
 // counters returns the explained counters of mfs by name{label=value,...}.
 func counters(mfs []*dto.MetricFamily) map[string]float64 {
@@ -610,6 +621,9 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	rep.Fleet = shape.String()
 	if replicas > 1 {
 		rep.Fleet += fmt.Sprintf(", %d scheduler replicas", replicas)
+		if o.ShareRedis != "" {
+			rep.Fleet += " sharing through Redis"
+		}
 	}
 	if o.Target != "" {
 		rep.Fleet = "target"

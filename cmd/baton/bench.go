@@ -47,6 +47,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fleetsFlag := fs.String("fleets", "colocated", "comma-separated in-process fleets each strategy runs on, one column each: colocated (--workers role-both workers; columns labelled by the strategy), colocated:N (columns strategy/colocated:N), disagg:P:D (P prefill + D decode workers; columns strategy/disagg:P:D)")
 	sharedTier := fs.Bool("shared-tier", false, "the workers of each in-process fleet share a fresh in-process KV tier (kvstore.NewMemory), the path kv_aware fetches prefixes from Redis by (off: GPU caches only, as in SageMaker's study)")
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
+	shareRedis := fs.String("share-redis", "", "Redis `host:port` the in-process replicas of --replicas share what they learn through (replicas.redis), each fleet on a stream of its own; empty: each replica learns alone")
 	replicasFlag := fs.String("replicas", "1", "comma-separated numbers of scheduler replicas each strategy runs with on each in-process fleet, one column each (e.g. 1,2,4): N schedulers configured alike in front of the same workers, request i sent to replica i mod N")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
@@ -107,7 +108,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	o := bench.Options{Strategies: strats, Replicas: replicas, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
-		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs}
+		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs, ShareRedis: *shareRedis}
 	if err := o.Validate(); err != nil {
 		return err
 	}
@@ -129,8 +130,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if !*quiet {
 		o.Progress = stderr
 	}
-	if *virtual && (*target != "" || *conc != 0 || *sharedTier || len(replicas) != 1 || replicas[0] != 1) {
-		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, behind one scheduler; drop --target, --concurrency, --shared-tier and --replicas")
+	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "" || len(replicas) != 1 || replicas[0] != 1) {
+		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, behind one scheduler; drop --target, --concurrency, --shared-tier, --replicas and --share-redis")
 	}
 	var disp vsim.Dispatch
 	if *dispatch != "" {
