@@ -81,3 +81,38 @@ func TestReplicasShareLearned(t *testing.T) {
 		return nil
 	})
 }
+
+// TestReplicaKilledNewOneCatchesUp: a replica killed while the others
+// share costs no request of theirs, and a replica that joins later
+// replays what the others learned before it serves anything.
+func TestReplicaKilledNewOneCatchesUp(t *testing.T) {
+	rs := redistest.Start(t)
+	srvs := llamaServers(t, 2)
+	a, aAddr := sharingReplica(t, srvs, rs.Addr())
+	b, bAddr := sharingReplica(t, srvs, rs.Addr())
+	home := askAll(t, oaClient(t, aAddr), srvs, 0)
+	eventually(t, 10*time.Second, func() error {
+		if na, nb := a.Index.Len(), b.Index.Len(); nb != na {
+			return fmt.Errorf("b's index holds %d blocks, a's %d", nb, na)
+		}
+		return nil
+	})
+	learned := a.Index.Len()
+
+	a.Close() // killed: b goes on alone
+	cb := oaClient(t, bAddr)
+	for d, s := range askAll(t, cb, srvs, 1) {
+		if s.worker != home[d].worker || !s.hit() {
+			t.Errorf("document %d: b sent question 1 to %s (cached %d of %d) after a died; a had sent question 0 to %s",
+				d, s.worker, s.cached, s.prompt, home[d].worker)
+		}
+	}
+
+	c, _ := sharingReplica(t, srvs, rs.Addr())
+	eventually(t, 10*time.Second, func() error {
+		if n := c.Index.Len(); n < learned {
+			return fmt.Errorf("the new replica's index holds %d blocks before serving, a had learned %d", n, learned)
+		}
+		return nil
+	})
+}
