@@ -34,10 +34,24 @@ func TestParseFleets(t *testing.T) {
 	if got := Column("random", fs[2]); got != "random/colocated:3" {
 		t.Errorf("column %q", got)
 	}
-	for _, bad := range []string{"", "disagg", "disagg:0:2", "disagg:2", "colocated:x", "gpu", "colocated,colocated", "disagg:1:1,disagg:1:1", "disagg:1:99", "colocated:03"} {
+	for _, bad := range []string{"", "disagg", "disagg:0:2", "disagg:2", "colocated:x", "gpu", "colocated,colocated", "disagg:1:1,disagg:1:1", "disagg:1:4097", "colocated:03"} {
 		if _, err := ParseFleets(bad, 7); err == nil {
 			t.Errorf("ParseFleets(%q): no error", bad)
 		}
+	}
+	// An in-process fleet holds up to 64 workers of a role, one on the
+	// virtual clock up to 4,096.
+	big, err := ParseFleets("disagg:1:99", 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Strategies: []string{"kv_aware"}, Workers: 7, Fleets: big}
+	if err := o.Validate(); err == nil || !strings.Contains(err.Error(), "1–64 decode workers") {
+		t.Errorf("99 decode workers in process: %v", err)
+	}
+	o.Virtual = true
+	if err := o.Validate(); err != nil {
+		t.Errorf("99 decode workers on the virtual clock: %v", err)
 	}
 }
 

@@ -85,6 +85,26 @@ type Options struct {
 	MaxLoRAs int
 	// Progress receives a progress line per second; nil: none.
 	Progress io.Writer
+	// Virtual says the fleets are replayed on the virtual clock
+	// (bench/vsim), which holds up to MaxVirtualWorkers workers where an
+	// in-process fleet holds MaxInProcessWorkers.
+	Virtual bool
+}
+
+// Fleet sizes: an in-process fleet runs a simulated engine, its gRPC
+// server and its scheduler connections per worker; the virtual clock
+// only the engines' state, up to what one index tracks.
+const (
+	MaxInProcessWorkers = 64
+	MaxVirtualWorkers   = 4096
+)
+
+// maxWorkers is the most workers a fleet of o may have.
+func (o Options) maxWorkers() int {
+	if o.Virtual {
+		return MaxVirtualWorkers
+	}
+	return MaxInProcessWorkers
 }
 
 // Validate checks each field's range, the strategies' names, the fleets'
@@ -92,8 +112,8 @@ type Options struct {
 // in-process fleet has.
 func (o Options) Validate() error {
 	switch {
-	case o.Workers < 1 || o.Workers > 64:
-		return fmt.Errorf("--workers: must be 1–64, got %d", o.Workers)
+	case o.Workers < 1 || o.Workers > o.maxWorkers():
+		return fmt.Errorf("--workers: must be 1–%d, got %d", o.maxWorkers(), o.Workers)
 	case !(o.Speedup >= 0):
 		return fmt.Errorf("--speedup: must be positive, got %v", o.Speedup)
 	case !(o.Rate >= 0):
@@ -147,8 +167,8 @@ func (o Options) Validate() error {
 	}
 	seen := map[string]bool{}
 	for _, f := range o.Fleets {
-		if !f.valid() {
-			return fmt.Errorf("--fleets: fleet %+v: want 1–64 colocated workers, or 1–64 prefill and 1–64 decode workers", f)
+		if n := o.maxWorkers(); !f.valid(n) {
+			return fmt.Errorf("--fleets: fleet %+v: want 1–%d colocated workers, or 1–%d prefill and 1–%d decode workers", f, n, n, n)
 		}
 		if seen[f.Label()] {
 			return fmt.Errorf("--fleets: fleet %s given twice (columns would share a label)", f)
@@ -166,9 +186,10 @@ func (o Options) Validate() error {
 // worker's streams, on the one machine the bench runs on.
 const MaxReplicas = 16
 
-// valid reports whether f is a fleet ParseFleets could give.
-func (f Fleet) valid() bool {
-	in := func(n int) bool { return n >= 1 && n <= 64 }
+// valid reports whether f is a fleet ParseFleets could give, of at most
+// max workers of each role.
+func (f Fleet) valid(max int) bool {
+	in := func(n int) bool { return n >= 1 && n <= max }
 	if f.Disaggregated() || f.Decode != 0 {
 		return in(f.Prefill) && in(f.Decode)
 	}

@@ -1,6 +1,8 @@
 package bench
 
 import (
+	"cmp"
+	"maps"
 	"path/filepath"
 	"slices"
 
@@ -9,6 +11,9 @@ import (
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 )
+
+// maxWorkerBars is the most workers the share plot draws a bar each for.
+const maxWorkerBars = 64
 
 // Plots writes ttft_cdf.png, worker_share.png and hit_rate.png into dir.
 func (rep *Report) Plots(dir string) ([]string, error) {
@@ -66,33 +71,66 @@ func (rep *Report) Plots(dir string) ([]string, error) {
 	p = plot.New()
 	p.Title.Text = "Share of requests per worker"
 	p.Y.Label.Text = "share (%)"
-	width := vg.Points(float64(min(60, 300/max(len(names), 1))) / float64(max(len(rep.Strategies), 1)))
-	for i, s := range rep.Strategies {
-		vals := make(plotter.Values, len(names))
-		for j, w := range names {
-			vals[j] = s.Shares[w] * 100
-		}
-		b, err := plotter.NewBarChart(vals, width)
-		if err != nil {
-			return files, err
-		}
-		b.Color = plotutil.Color(i)
-		b.LineStyle.Width = 0
-		b.Offset = vg.Length(float64(i)-float64(len(rep.Strategies)-1)/2) * width
-		p.Add(b)
-		p.Legend.Add(s.Strategy, b)
-	}
-	if len(rep.Strategies) > 0 && rep.Strategies[0].Ideal > 0 {
-		ideal := rep.Strategies[0].Ideal * 100
-		l, err := plotter.NewLine(plotter.XYs{{X: -0.5, Y: ideal}, {X: float64(len(names)) - 0.5, Y: ideal}})
-		if err == nil {
-			l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+	if len(names) > maxWorkerBars {
+		// Too many workers for a bar each: each strategy's shares from
+		// the largest down, a line.
+		p.X.Label.Text = "workers, from the busiest"
+		for i, s := range rep.Strategies {
+			shares := slices.Collect(maps.Values(s.Shares))
+			for len(shares) < rep.Workers { // those that served nothing
+				shares = append(shares, 0)
+			}
+			slices.SortFunc(shares, func(a, b float64) int { return cmp.Compare(b, a) })
+			xys := make(plotter.XYs, len(shares))
+			for j, v := range shares {
+				xys[j] = plotter.XY{X: float64(j), Y: v * 100}
+			}
+			l, err := plotter.NewLine(xys)
+			if err != nil {
+				return files, err
+			}
+			l.Color = plotutil.Color(i)
 			p.Add(l)
-			p.Legend.Add("ideal 1/N", l)
+			p.Legend.Add(s.Strategy, l)
 		}
+		if len(rep.Strategies) > 0 && rep.Strategies[0].Ideal > 0 {
+			ideal := rep.Strategies[0].Ideal * 100
+			if l, err := plotter.NewLine(plotter.XYs{{X: 0, Y: ideal}, {X: float64(max(len(names), rep.Workers) - 1), Y: ideal}}); err == nil {
+				l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+				p.Add(l)
+				p.Legend.Add("ideal 1/N", l)
+			}
+		}
+		p.Legend.Top = true
+	} else {
+		width := vg.Points(min(60, 300/float64(max(len(names), 1))) / float64(max(len(rep.Strategies), 1)))
+		for i, s := range rep.Strategies {
+			vals := make(plotter.Values, len(names))
+			for j, w := range names {
+				vals[j] = s.Shares[w] * 100
+			}
+			b, err := plotter.NewBarChart(vals, width)
+			if err != nil {
+				return files, err
+			}
+			b.Color = plotutil.Color(i)
+			b.LineStyle.Width = 0
+			b.Offset = vg.Length(float64(i)-float64(len(rep.Strategies)-1)/2) * width
+			p.Add(b)
+			p.Legend.Add(s.Strategy, b)
+		}
+		if len(rep.Strategies) > 0 && rep.Strategies[0].Ideal > 0 {
+			ideal := rep.Strategies[0].Ideal * 100
+			l, err := plotter.NewLine(plotter.XYs{{X: -0.5, Y: ideal}, {X: float64(len(names)) - 0.5, Y: ideal}})
+			if err == nil {
+				l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+				p.Add(l)
+				p.Legend.Add("ideal 1/N", l)
+			}
+		}
+		p.NominalX(names...)
+		p.Legend.Top = true
 	}
-	p.NominalX(names...)
-	p.Legend.Top = true
 	if err := save(p, "worker_share.png"); err != nil {
 		return files, err
 	}

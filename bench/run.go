@@ -115,8 +115,8 @@ func ParseFleets(spec string, workers int) ([]Fleet, error) {
 		parts := strings.Split(f, ":")
 		num := func(s string) (int, error) {
 			var n int
-			if _, err := fmt.Sscanf(s, "%d", &n); err != nil || fmt.Sprint(n) != s || n < 1 || n > 64 {
-				return 0, fmt.Errorf("fleet %q: %q is not a worker count 1–64", f, s)
+			if _, err := fmt.Sscanf(s, "%d", &n); err != nil || fmt.Sprint(n) != s || n < 1 || n > MaxVirtualWorkers {
+				return 0, fmt.Errorf("fleet %q: %q is not a worker count 1–%d", f, s, MaxVirtualWorkers)
 			}
 			return n, nil
 		}

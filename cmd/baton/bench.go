@@ -108,7 +108,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	o := bench.Options{Strategies: strats, Replicas: replicas, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
-		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs, ShareRedis: *shareRedis}
+		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs, ShareRedis: *shareRedis, Virtual: *virtual}
 	if err := o.Validate(); err != nil {
 		return err
 	}
