@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -54,6 +55,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue (HTTP, hashing, gRPC, parsing, and the CPU they wait for), e.g. 5.1ms,16.4ms,77ns,0.51ms: simultaneous arrivals taken up spacing apart in a random order, per-token for each prompt token before the pick, then a log-normal draw per request (default: none)")
 	perRequest := fs.Bool("per-request", false, "also write requests.jsonl to --out: each request's column, worker, X-Baton-Route (kv_aware's predicted hit), prompt and cached tokens, TTFT, end-to-end time and error, in modelled seconds for --virtual and wall seconds otherwise")
 	limitsOnly := fs.Bool("limits-only", false, "print the request sequence's hit-rate bounds (infinite cache, Belady's MIN over the fleet's capacity) and pooled-LRU reference, and run nothing")
+	memProfile := fs.String("memprofile", "", "write a heap profile (what the run holds at its end, and what it allocated) to `file`, for go tool pprof")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (scheduler and in-process fleet) to `file`, for go tool pprof")
 	if err := parseFlags(fs, args, stdout, stderr); err != nil {
 		return err
@@ -122,8 +124,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	limits := bench.ComputeLimits(w, *model, capacity)
 	if *limitsOnly {
+		limits := bench.ComputeLimits(w, *model, capacity)
 		fmt.Fprintln(stdout, limits.Sentence())
 		return nil
 	}
@@ -163,6 +165,15 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		defer pprof.StopCPUProfile()
 	}
+	// The virtual clock does not slow down when the bounds take the
+	// other core meanwhile; a fleet on the wall clock would.
+	limitsDone := make(chan bench.Limits, 1)
+	computeLimits := func() { limitsDone <- bench.ComputeLimits(w, *model, capacity) }
+	if *virtual {
+		go computeLimits()
+	} else {
+		computeLimits()
+	}
 	var rep *bench.Report
 	if *virtual {
 		rep, err = virtualBench(ctx, o, w, disp)
@@ -172,8 +183,14 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	if *memProfile != "" {
+		if err := writeHeapProfile(*memProfile); err != nil {
+			return fmt.Errorf("--memprofile: %w", err)
+		}
+	}
 	rep.Command = "baton bench " + strings.Join(args, " ")
 	rep.Calibration = calib
+	limits := <-limitsDone
 	rep.Limits = &limits
 	rep.PerRequest = *perRequest
 	rep.Markdown(stdout)
@@ -323,4 +340,18 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, di
 		}
 	}
 	return rep, nil
+}
+
+// writeHeapProfile writes the heap profile, after a collection, to file.
+func writeHeapProfile(file string) error {
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	runtime.GC()
+	if err := pprof.WriteHeapProfile(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
