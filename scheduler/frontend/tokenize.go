@@ -51,7 +51,7 @@ type TokenKeys struct {
 	// Required.
 	BlockSize func() int
 	// Model returns the model that salts the engine's keys, as the
-	// watcher's kvevents.Translator is configured. A request for another
+	// watcher's watch.Translator is configured. A request for another
 	// model is taken as for that LoRA adapter of it. Required.
 	Model func() string
 	// Timeout bounds one tokenization. Default 250ms; the cache makes a

@@ -97,14 +97,14 @@ type EngineStats struct {
 	// Translated count them.
 	HasEvents  bool
 	Events     kvevents.Stats
-	Translated kvevents.TranslatorStats
+	Translated TranslatorStats
 }
 
 // engineState is what EngineStats reads of a running engine.
 type engineState struct {
 	ok, failed, garbage atomic.Uint64
 	sub                 *kvevents.Subscriber
-	tr                  atomic.Pointer[kvevents.Translator]
+	tr                  atomic.Pointer[Translator]
 }
 
 func (s *engineState) stats(name string) EngineStats {
@@ -182,7 +182,7 @@ type engine struct {
 	load      kvindex.Load
 	metricsBS int // block size the metrics say, 0 unknown
 	blockSize int // block size given to the index
-	tr        *kvevents.Translator
+	tr        *Translator
 	lastErr   string // of the index, logged once per change
 }
 
@@ -292,7 +292,7 @@ func (e *engine) message(m kvevents.Message) {
 	model := e.cfg.Model()
 	switch {
 	case e.tr == nil:
-		e.tr = kvevents.NewTranslator(kvevents.TranslatorConfig{Model: model})
+		e.tr = NewTranslator(TranslatorConfig{Model: model})
 		e.st.tr.Store(e.tr)
 	case model != "" && model != e.tr.Model():
 		// The model was not known when the first events came (a worker

@@ -15,7 +15,7 @@ import (
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
 
-var encodings = []kveventstest.Encoding{kveventstest.ArrayLike, kveventstest.TaggedMaps, kveventstest.Maps}
+var encodings = kveventstest.Encodings
 
 // cmpHash compares hashes by value.
 var cmpHash = cmp.Comparer(func(a, b kvevents.Hash) bool { return a == b })

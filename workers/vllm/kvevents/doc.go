@@ -32,14 +32,14 @@
 // kv_cache_sender.go), which llm-d's own reader
 // (llm-d-kv-cache pkg/kvevents: vllm_adapter.go, pool.go) takes as "no
 // parent" too. Decode reads nil, 0, empty bytes and a missing field alike
-// as no parent (NoParent), and a Translator takes a block size of 0 as the
+// as no parent (NoParent), and the scheduler's translator (scheduler/watch.Translator) takes a block size of 0 as the
 // tokens a block. A parent that is none of these and that the Translator
 // never saw drops the event (TranslatorStats.UnknownParent): its token ids
 // follow a prefix the event does not carry, so they cannot be keyed as
 // baton keys them (each key covers every token before it), and keying them
 // as a sequence of their own would claim a prefix the engine does not hold.
 //
-// Keys are baton's own: a Translator recomputes chained block keys over
+// Keys are baton's own: the translator recomputes chained block keys over
 // each stored block's token ids (AppendKeys) and keeps a bounded map from
 // the engine's hash to baton's key for removals, so the engine's hash
 // algorithm and seed never matter.

@@ -131,7 +131,7 @@ type Message struct {
 	// Replayed: the batch came from the engine's replay socket.
 	Replayed bool
 	// Reset: batches were lost and could not be replayed, or the engine
-	// restarted. Drop every entry of the engine (Translator.Reset) before
+	// restarted. Drop every entry of the engine (the translator's Reset) before
 	// the batches that follow. A Reset message carries no batch.
 	Reset bool
 }

@@ -6,6 +6,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
@@ -52,10 +53,18 @@ func TestPublisherVariantsIndex(t *testing.T) {
 				if m.Err != nil {
 					t.Fatal(m.Err)
 				}
-				tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "m"})
+				tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 				got := tr.Translate(m.Batch)
 
-				want := requestKeys("m", "", "", tokens, 4)
+				// The keys of the request's tokens, and the events the
+				// translator makes of what was published.
+				keysOf := func(adapter string, toks []uint32) []uint64 {
+					return kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt("m", adapter, "")), toks, 4)
+				}
+				stored := func(seq uint64, kind kvindex.CacheKind, tier kvindex.Tier, keys ...uint64) kvindex.Event {
+					return kvindex.Event{Seq: seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
+				}
+				want := keysOf("", tokens)
 				adapter, cpuTier := "sql", kvindex.TierCPU
 				if v.StoredFields != 0 && v.StoredFields < kveventstest.FieldsLoRAName {
 					adapter = "lora-id:1" // no lora_name: the id salts
@@ -64,12 +73,12 @@ func TestPublisherVariantsIndex(t *testing.T) {
 					cpuTier = kvindex.TierGPU // no medium: the GPU
 				}
 				wantEvs := []kvindex.Event{
-					snapshot(1),
-					cacheEvent(2, kvindex.Stored, kvindex.TierGPU, want[0], want[1]),
-					cacheEvent(3, kvindex.Stored, kvindex.TierGPU, want[2]),
-					cacheEvent(4, kvindex.Stored, kvindex.TierGPU, requestKeys("m", adapter, "", loraTokens, 4)...),
-					cacheEvent(5, kvindex.Stored, cpuTier, kvevents.AppendKeys(nil, want[1], cpuTokens, 4)...),
-					cacheEvent(6, kvindex.Removed, kvindex.TierGPU, want[0]),
+					{Seq: 1, Snapshot: &kvindex.Snapshot{}},
+					stored(2, kvindex.Stored, kvindex.TierGPU, want[0], want[1]),
+					stored(3, kvindex.Stored, kvindex.TierGPU, want[2]),
+					stored(4, kvindex.Stored, kvindex.TierGPU, keysOf(adapter, loraTokens)...),
+					stored(5, kvindex.Stored, cpuTier, kvevents.AppendKeys(nil, want[1], cpuTokens, 4)...),
+					stored(6, kvindex.Removed, kvindex.TierGPU, want[0]),
 				}
 				if diff := cmp.Diff(wantEvs, got); diff != "" {
 					t.Errorf("index events (-want +got):\n%s", diff)
@@ -132,35 +141,6 @@ func TestDecodeNoParent(t *testing.T) {
 				if got != tc.want {
 					t.Errorf("%s: parent %v, want %v", enc, got, tc.want)
 				}
-			}
-		})
-	}
-}
-
-// TestTranslatorUnknownParentDrops: a stored event whose parent is not
-// "none" and was never seen is not indexed, though it carries its tokens
-// (keyed as a first block they would claim a prefix the engine does not
-// hold), and neither are its children; a first block with parent 0 is.
-func TestTranslatorUnknownParentDrops(t *testing.T) {
-	for name, hashes := range map[string][]kvevents.Hash{
-		"int hashes":   ints(21, 22, 23),
-		"bytes hashes": byteHashes("u", "v", "w"),
-	} {
-		t.Run(name, func(t *testing.T) {
-			tokens := seq(40, 12)
-			tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "m"})
-			got := tr.Translate(batch(
-				&kvevents.BlockStored{BlockHashes: hashes[:1], Parent: kvevents.IntHash(99), TokenIDs: tokens[:4], BlockSize: 4},
-				&kvevents.BlockStored{BlockHashes: hashes[1:2], Parent: hashes[0], TokenIDs: tokens[4:8], BlockSize: 4},
-				&kvevents.BlockStored{BlockHashes: hashes[2:], Parent: kvevents.IntHash(0), TokenIDs: tokens[8:], BlockSize: 4},
-			))
-			want := []kvindex.Event{snapshot(1),
-				cacheEvent(2, kvindex.Stored, kvindex.TierGPU, requestKeys("m", "", "", tokens[8:], 4)...)}
-			if diff := cmp.Diff(want, got); diff != "" {
-				t.Errorf("index events (-want +got):\n%s", diff)
-			}
-			if st := tr.Stats(); st.UnknownParent != 2 || st.Stored != 1 {
-				t.Errorf("stats %+v, want 2 unknown parents and 1 stored", st)
 			}
 		})
 	}

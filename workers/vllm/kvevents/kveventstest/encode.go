@@ -28,6 +28,9 @@ const (
 	Maps
 )
 
+// Encodings are every Encoding, for tests that try each.
+var Encodings = []Encoding{ArrayLike, TaggedMaps, Maps}
+
 func (e Encoding) String() string {
 	switch e {
 	case ArrayLike:

@@ -1,4 +1,4 @@
-package kvevents
+package watch
 
 import (
 	"container/list"
@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
 // DefaultMaxEntries bounds a Translator's map of engine hashes: a GPU of
@@ -17,12 +18,12 @@ const DefaultMaxEntries = 1 << 18
 // TranslatorConfig configures a Translator. The zero value is usable.
 type TranslatorConfig struct {
 	// Model salts every chain's first key, as requests' keys are salted:
-	// Salt(Model, adapter, tenant).
+	// kvevents.Salt(Model, adapter, tenant).
 	Model string
 	// Tenant returns the tenant that salts a chain whose first block ev
 	// stores. Nil means EventTenant. The request side must salt with the
 	// same tenant, so the engine must be sent it (vLLM's cache_salt).
-	Tenant func(ev *BlockStored) string
+	Tenant func(ev *kvevents.BlockStored) string
 	// Group is the KV cache group whose events are indexed (vLLM's
 	// group_idx, for hybrid models); events without a group always are.
 	// Default 0.
@@ -38,16 +39,16 @@ type TranslatorConfig struct {
 type TranslatorStats struct {
 	Stored  uint64 // blocks reported stored
 	Removed uint64 // blocks reported removed
-	Cleared uint64 // AllBlocksCleared events
-	// UnknownParent counts BlockStored events dropped because their parent
-	// hash (not 0 nor nil: see NoParent) was never seen (the translator
+	Cleared uint64 // kvevents.AllBlocksCleared events
+	// UnknownParent counts kvevents.BlockStored events dropped because their parent
+	// hash (not 0 nor nil: see kvevents.NoParent) was never seen (the translator
 	// started mid-sequence, or the parent was evicted from the map): their
 	// keys cannot be chained. Their blocks are not indexed, and neither are
 	// their children's, whose parents are then unknown too.
 	UnknownParent uint64
 	// UnknownRemoved counts removed hashes that were not mapped.
 	UnknownRemoved uint64
-	// BadStored counts BlockStored events whose token count is not blocks
+	// BadStored counts kvevents.BlockStored events whose token count is not blocks
 	// times block size (or, without a block size, not a multiple of the
 	// blocks).
 	BadStored uint64
@@ -71,7 +72,7 @@ type Translator struct {
 	cfg       TranslatorConfig
 	seq       uint64 // of the last event returned
 	synced    bool   // a snapshot was returned since the last reset
-	entries   map[Hash]*list.Element
+	entries   map[kvevents.Hash]*list.Element
 	lru       list.List // of *entry, most recently used first
 	blockSize atomic.Int64
 	pending   []uint64 // scratch for evictions' removals, by tier bit
@@ -83,7 +84,7 @@ type Translator struct {
 
 // entry is what the translator knows of one engine hash.
 type entry struct {
-	hash Hash
+	hash kvevents.Hash
 	key  uint64
 	bits uint8 // tierBits where the engine holds the block
 }
@@ -104,14 +105,14 @@ func NewTranslator(cfg TranslatorConfig) *Translator {
 	if cfg.Tenant == nil {
 		cfg.Tenant = EventTenant
 	}
-	return &Translator{cfg: cfg, entries: make(map[Hash]*list.Element)}
+	return &Translator{cfg: cfg, entries: make(map[kvevents.Hash]*list.Element)}
 }
 
 // EventTenant returns the tenant of a chain whose first block ev stores:
 // SGLang's cache_salt, or the last string of vLLM's extra keys of the first
 // block after the LoRA name (vLLM orders them LoRA name, multimodal ids,
 // cache salt; multimodal ids are tuples in current versions).
-func EventTenant(ev *BlockStored) string {
+func EventTenant(ev *kvevents.BlockStored) string {
 	if ev.CacheSalt != "" {
 		return ev.CacheSalt
 	}
@@ -130,7 +131,7 @@ func EventTenant(ev *BlockStored) string {
 
 // Adapter returns the LoRA adapter that salts ev's chain: its name, or
 // "lora-id:N" from engines that send only the id.
-func Adapter(ev *BlockStored) string {
+func Adapter(ev *kvevents.BlockStored) string {
 	switch {
 	case ev.LoRAName != "":
 		return ev.LoRAName
@@ -168,18 +169,18 @@ func bitOf(medium string) (uint8, kvindex.Tier, bool) {
 func (t *Translator) BlockSize() int { return int(t.blockSize.Load()) }
 
 // Translate returns the index events of a batch, in order.
-func (t *Translator) Translate(b Batch) []kvindex.Event {
+func (t *Translator) Translate(b kvevents.Batch) []kvindex.Event {
 	var out []kvindex.Event
 	if !t.synced {
 		out = append(out, t.snapshot())
 	}
 	for _, ev := range b.Events {
 		switch ev := ev.(type) {
-		case *BlockStored:
+		case *kvevents.BlockStored:
 			out = t.stored(out, ev)
-		case *BlockRemoved:
+		case *kvevents.BlockRemoved:
 			out = t.removed(out, ev)
-		case *AllBlocksCleared:
+		case *kvevents.AllBlocksCleared:
 			t.stats.cleared.Add(1)
 			out = append(out, t.Reset())
 		}
@@ -221,7 +222,7 @@ func (t *Translator) cache(kind kvindex.CacheKind, tier kvindex.Tier, keys []uin
 	return kvindex.Event{Seq: t.seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
 }
 
-func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Event {
+func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvindex.Event {
 	if ev.HasGroup && ev.Group != t.cfg.Group {
 		t.stats.otherGroup.Add(1)
 		return out
@@ -240,8 +241,8 @@ func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Even
 		return out
 	}
 	var prev uint64
-	if NoParent(ev.Parent) {
-		prev = Seed(Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
+	if kvevents.NoParent(ev.Parent) {
+		prev = kvevents.Seed(kvevents.Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
 	} else {
 		el := t.entries[ev.Parent]
 		if el == nil {
@@ -264,7 +265,7 @@ func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Even
 	}
 	t.pending = t.pending[:0]
 	for i, h := range ev.BlockHashes {
-		prev = NextKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
+		prev = kvevents.NextKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
 		t.put(h, prev, bit)
 		if tracked {
 			keys = append(keys, prev)
@@ -283,7 +284,7 @@ func (t *Translator) stored(out []kvindex.Event, ev *BlockStored) []kvindex.Even
 
 // put maps h to key in the tier of bit, queueing the removals its evictions
 // (or a changed key) call for in t.pending as (bit, key) pairs.
-func (t *Translator) put(h Hash, key uint64, bit uint8) {
+func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 	if el := t.entries[h]; el != nil {
 		e := el.Value.(*entry)
 		if e.key != key {
@@ -327,7 +328,7 @@ func (t *Translator) flushPending(out []kvindex.Event) []kvindex.Event {
 	return out
 }
 
-func (t *Translator) removed(out []kvindex.Event, ev *BlockRemoved) []kvindex.Event {
+func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []kvindex.Event {
 	if ev.HasGroup && ev.Group != t.cfg.Group {
 		t.stats.otherGroup.Add(1)
 		return out

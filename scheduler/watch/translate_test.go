@@ -1,4 +1,4 @@
-package kvevents_test
+package watch_test
 
 import (
 	"testing"
@@ -6,6 +6,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
@@ -34,7 +35,7 @@ func TestTranslatorKeysMatchRequests(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			tokens := seq(500, 12)
 			want := requestKeys("m", "", "", tokens, 4)
-			tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "m"})
+			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 			got := tr.Translate(batch(
 				&kvevents.BlockStored{BlockHashes: hashes[:2], TokenIDs: tokens[:8], BlockSize: 4},
 				&kvevents.BlockStored{BlockHashes: hashes[2:], Parent: hashes[1], TokenIDs: tokens[8:], BlockSize: 4, Medium: "GPU"},
@@ -64,7 +65,7 @@ func TestTranslatorFeedsTheIndex(t *testing.T) {
 		t.Fatal(err)
 	}
 	tokens := seq(0, 16)
-	tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "m"})
+	tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 	apply := func(b kvevents.Batch) {
 		t.Helper()
 		for _, ev := range tr.Translate(b) {
@@ -120,7 +121,7 @@ func TestTranslatorSalts(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			tt.ev.BlockHashes, tt.ev.TokenIDs, tt.ev.BlockSize = ints(1), tokens, 4
-			tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "m", Tenant: tt.tenantFromEvent})
+			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m", Tenant: tt.tenantFromEvent})
 			evs := tr.Translate(batch(tt.ev))
 			want := requestKeys("m", tt.lora, tt.tenant, tokens, 4)
 			if diff := cmp.Diff(want, evs[1].Cache.Keys); diff != "" {
@@ -135,22 +136,22 @@ func TestTranslatorEdges(t *testing.T) {
 	keys := requestKeys("", "", "", tokens, 4)
 	tests := []struct {
 		name  string
-		cfg   kvevents.TranslatorConfig
+		cfg   watch.TranslatorConfig
 		in    []kvevents.Event
 		want  []kvindex.Event // after the initial snapshot
-		stats kvevents.TranslatorStats
+		stats watch.TranslatorStats
 	}{{
 		name:  "unknown parent: dropped and counted",
 		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: ints(2), Parent: kvevents.IntHash(1), TokenIDs: tokens[4:], BlockSize: 4}},
-		stats: kvevents.TranslatorStats{UnknownParent: 1},
+		stats: watch.TranslatorStats{UnknownParent: 1},
 	}, {
 		name:  "unknown removal: counted",
 		in:    []kvevents.Event{&kvevents.BlockRemoved{BlockHashes: ints(9)}},
-		stats: kvevents.TranslatorStats{UnknownRemoved: 1},
+		stats: watch.TranslatorStats{UnknownRemoved: 1},
 	}, {
 		name:  "token count not blocks times size",
 		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: ints(1, 2), TokenIDs: tokens[:7], BlockSize: 4}},
-		stats: kvevents.TranslatorStats{BadStored: 1},
+		stats: watch.TranslatorStats{BadStored: 1},
 	}, {
 		name: "disk medium: mapped for chaining, not indexed",
 		in: []kvevents.Event{
@@ -159,16 +160,16 @@ func TestTranslatorEdges(t *testing.T) {
 			&kvevents.BlockRemoved{BlockHashes: ints(1), Medium: "DISK"},
 		},
 		want:  []kvindex.Event{cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[1])},
-		stats: kvevents.TranslatorStats{Stored: 1, OtherMedium: 2},
+		stats: watch.TranslatorStats{Stored: 1, OtherMedium: 2},
 	}, {
 		name: "another cache group: skipped",
-		cfg:  kvevents.TranslatorConfig{Group: 1},
+		cfg:  watch.TranslatorConfig{Group: 1},
 		in: []kvevents.Event{
 			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true},
 			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true, Group: 1},
 		},
 		want:  []kvindex.Event{cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0])},
-		stats: kvevents.TranslatorStats{Stored: 1, OtherGroup: 1},
+		stats: watch.TranslatorStats{Stored: 1, OtherGroup: 1},
 	}, {
 		name: "a CPU removal leaves the GPU copy",
 		in: []kvevents.Event{
@@ -184,10 +185,10 @@ func TestTranslatorEdges(t *testing.T) {
 			cacheEvent(4, kvindex.Removed, kvindex.TierCPU, keys[0]),
 			cacheEvent(5, kvindex.Removed, kvindex.TierGPU, keys[0]),
 		},
-		stats: kvevents.TranslatorStats{Stored: 2, Removed: 2, UnknownRemoved: 1},
+		stats: watch.TranslatorStats{Stored: 2, Removed: 2, UnknownRemoved: 1},
 	}, {
 		name: "a full map evicts its least recent entry and reports it removed",
-		cfg:  kvevents.TranslatorConfig{MaxEntries: 1},
+		cfg:  watch.TranslatorConfig{MaxEntries: 1},
 		in: []kvevents.Event{
 			&kvevents.BlockStored{BlockHashes: ints(1, 2), TokenIDs: tokens, BlockSize: 4},
 		},
@@ -195,7 +196,7 @@ func TestTranslatorEdges(t *testing.T) {
 			cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0], keys[1]),
 			cacheEvent(3, kvindex.Removed, kvindex.TierGPU, keys[0]),
 		},
-		stats: kvevents.TranslatorStats{Stored: 2, Removed: 1, Evicted: 1},
+		stats: watch.TranslatorStats{Stored: 2, Removed: 1, Evicted: 1},
 	}, {
 		name: "AllBlocksCleared: a snapshot of nothing",
 		in: []kvevents.Event{
@@ -207,11 +208,11 @@ func TestTranslatorEdges(t *testing.T) {
 			cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0]),
 			snapshot(3),
 		},
-		stats: kvevents.TranslatorStats{Stored: 1, Cleared: 1, UnknownRemoved: 1},
+		stats: watch.TranslatorStats{Stored: 1, Cleared: 1, UnknownRemoved: 1},
 	}}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tr := kvevents.NewTranslator(tt.cfg)
+			tr := watch.NewTranslator(tt.cfg)
 			got := tr.Translate(batch(tt.in...))
 			if diff := cmp.Diff(append([]kvindex.Event{snapshot(1)}, tt.want...), got); diff != "" {
 				t.Errorf("events (-want +got):\n%s", diff)
@@ -224,7 +225,7 @@ func TestTranslatorEdges(t *testing.T) {
 }
 
 func TestTranslatorReset(t *testing.T) {
-	tr := kvevents.NewTranslator(kvevents.TranslatorConfig{})
+	tr := watch.NewTranslator(watch.TranslatorConfig{})
 	tr.Translate(batch(&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: seq(0, 4), BlockSize: 4}))
 	if diff := cmp.Diff(snapshot(3), tr.Reset()); diff != "" {
 		t.Errorf("Reset (-want +got):\n%s", diff)
@@ -246,9 +247,62 @@ func BenchmarkTranslateStored(b *testing.B) {
 		hashes[i] = kvevents.IntHash(uint64(i))
 	}
 	ev := batch(&kvevents.BlockStored{BlockHashes: hashes, TokenIDs: tokens, BlockSize: 16})
-	tr := kvevents.NewTranslator(kvevents.TranslatorConfig{})
+	tr := watch.NewTranslator(watch.TranslatorConfig{})
 	b.ReportAllocs()
 	for b.Loop() {
 		tr.Translate(ev)
+	}
+}
+
+func ints(vs ...uint64) []kvevents.Hash {
+	hs := make([]kvevents.Hash, len(vs))
+	for i, v := range vs {
+		hs[i] = kvevents.IntHash(v)
+	}
+	return hs
+}
+
+func byteHashes(ss ...string) []kvevents.Hash {
+	hs := make([]kvevents.Hash, len(ss))
+	for i, s := range ss {
+		hs[i] = kvevents.BytesHash([]byte(s))
+	}
+	return hs
+}
+
+func seq(from, n int) []uint32 {
+	ts := make([]uint32, n)
+	for i := range ts {
+		ts[i] = uint32(from + i)
+	}
+	return ts
+}
+
+// TestTranslatorUnknownParentDrops: a stored event whose parent is not
+// "none" and was never seen is not indexed, though it carries its tokens
+// (keyed as a first block they would claim a prefix the engine does not
+// hold), and neither are its children; a first block with parent 0 is.
+func TestTranslatorUnknownParentDrops(t *testing.T) {
+	for name, hashes := range map[string][]kvevents.Hash{
+		"int hashes":   ints(21, 22, 23),
+		"bytes hashes": byteHashes("u", "v", "w"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			tokens := seq(40, 12)
+			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
+			got := tr.Translate(batch(
+				&kvevents.BlockStored{BlockHashes: hashes[:1], Parent: kvevents.IntHash(99), TokenIDs: tokens[:4], BlockSize: 4},
+				&kvevents.BlockStored{BlockHashes: hashes[1:2], Parent: hashes[0], TokenIDs: tokens[4:8], BlockSize: 4},
+				&kvevents.BlockStored{BlockHashes: hashes[2:], Parent: kvevents.IntHash(0), TokenIDs: tokens[8:], BlockSize: 4},
+			))
+			want := []kvindex.Event{snapshot(1),
+				cacheEvent(2, kvindex.Stored, kvindex.TierGPU, requestKeys("m", "", "", tokens[8:], 4)...)}
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("index events (-want +got):\n%s", diff)
+			}
+			if st := tr.Stats(); st.UnknownParent != 2 || st.Stored != 1 {
+				t.Errorf("stats %+v, want 2 unknown parents and 1 stored", st)
+			}
+		})
 	}
 }

@@ -1,14 +1,16 @@
-package kvevents_test
+package watch_test
 
 import (
 	"log"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
-// Example shows how a watcher feeds one engine's events to the index.
-func Example() {
+// ExampleTranslator shows how a watcher feeds one engine's events to the
+// index.
+func ExampleTranslator() {
 	ix := kvindex.New(kvindex.Config{})
 	sub, err := kvevents.New(kvevents.SubscriberConfig{
 		Endpoint:       "tcp://10.0.0.7:5557",
@@ -19,7 +21,7 @@ func Example() {
 		log.Fatal(err)
 	}
 	defer sub.Close()
-	tr := kvevents.NewTranslator(kvevents.TranslatorConfig{Model: "llama"})
+	tr := watch.NewTranslator(watch.TranslatorConfig{Model: "llama"})
 	for m := range sub.Messages() {
 		var evs []kvindex.Event
 		if m.Reset {
