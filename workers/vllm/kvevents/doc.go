@@ -32,9 +32,10 @@
 // kv_cache_sender.go), which llm-d's own reader
 // (llm-d-kv-cache pkg/kvevents: vllm_adapter.go, pool.go) takes as "no
 // parent" too. Decode reads nil, 0, empty bytes and a missing field alike
-// as no parent (NoParent), and the scheduler's translator (scheduler/watch.Translator) takes a block size of 0 as the
-// tokens a block. A parent that is none of these and that the Translator
-// never saw drops the event (TranslatorStats.UnknownParent): its token ids
+// as no parent (NoParent), and the scheduler's translator
+// (scheduler/watch.Translator) takes a block size of 0 as the tokens a
+// block. A parent that is none of these and that the translator never saw
+// drops the event (watch.TranslatorStats.UnknownParent): its token ids
 // follow a prefix the event does not carry, so they cannot be keyed as
 // baton keys them (each key covers every token before it), and keying them
 // as a sequence of their own would claim a prefix the engine does not hold.
