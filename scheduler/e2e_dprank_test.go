@@ -22,7 +22,7 @@ import (
 	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
-	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
@@ -138,13 +138,13 @@ func rankPool() pool.Config {
 func TestDataParallelPredictedHit(t *testing.T) {
 	s, addr, d := startFakeDP(t)
 	c := oaClient(t, addr)
-	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	rng := rand.New(rand.NewPCG(3, 4))
 	holder := map[int]string{0: "v0/dp1"}
 	served := map[string]int{}
 	warm := fakeVLLMPrompt(0, 100)
 	chat(t, oaClient(t, strings.TrimPrefix(d.Rank(1).URL, "http://")), chatParams(warm, 4))
-	warmKeys := kvevents.AppendKeys(nil, seed, engineTokens(warm), 16)
+	warmKeys := blockkey.AppendTokens(nil, seed, engineTokens(warm), 16)
 	eventually(t, 20*time.Second, func() error {
 		if m := lookup(s, "v0/dp1", warmKeys); m.GPU != len(warmKeys) {
 			return fmt.Errorf("index has %d of the %d blocks rank 1 served without the scheduler", m.GPU, len(warmKeys))
@@ -173,7 +173,7 @@ func TestDataParallelPredictedHit(t *testing.T) {
 		}
 		predicted += hit * float64(r.prompt)
 		achieved += float64(r.cached)
-		keys := kvevents.AppendKeys(nil, seed, engineTokens(fakeVLLMPrompt(doc, q)), 16)
+		keys := blockkey.AppendTokens(nil, seed, engineTokens(fakeVLLMPrompt(doc, q)), 16)
 		eventually(t, 20*time.Second, func() error {
 			if m := lookup(s, r.worker, keys); m.GPU != len(keys) {
 				return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, r.worker)
@@ -198,7 +198,7 @@ func TestDataParallelPredictedHit(t *testing.T) {
 func TestDataParallelAllBlocksCleared(t *testing.T) {
 	s, addr, d := startFakeDP(t)
 	c := oaClient(t, addr)
-	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	prompts := map[string][]uint64{}
 	// New documents go to their homes on the ring: ask until each rank
 	// holds one.
@@ -206,7 +206,7 @@ func TestDataParallelAllBlocksCleared(t *testing.T) {
 		p := fakeVLLMPrompt(doc, 0)
 		r := chat(t, c, chatParams(p, 4))
 		if prompts[r.worker] == nil {
-			prompts[r.worker] = kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+			prompts[r.worker] = blockkey.AppendTokens(nil, seed, engineTokens(p), 16)
 		}
 	}
 	if len(prompts) != 2 || prompts["v0/dp0"] == nil || prompts["v0/dp1"] == nil {
@@ -343,9 +343,9 @@ func TestSGLangDataParallelPredictedHit(t *testing.T) {
 		})
 	}
 
-	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	keysOf := func(prompt string) []uint64 {
-		return kvevents.AppendKeys(nil, seed, vllmtest.CompletionTokens(prompt, true), blockSize)
+		return blockkey.AppendTokens(nil, seed, vllmtest.CompletionTokens(prompt, true), blockSize)
 	}
 	complete := func(c openai.Client, prompt string) (worker, route string, promptTokens, cached int64) {
 		t.Helper()

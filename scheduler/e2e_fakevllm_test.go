@@ -12,7 +12,7 @@ import (
 	"github.com/openai/openai-go/v3"
 
 	"github.com/batonllm/baton/scheduler"
-	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
@@ -75,7 +75,7 @@ func engineTokens(prompt string) []uint32 {
 func TestFakeVLLMPredictedHit(t *testing.T) {
 	s, addr, engines := startFakeVLLMs(t, 3, "kv_aware")
 	c := oaClient(t, addr)
-	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	rng := rand.New(rand.NewPCG(1, 2))
 	holder := map[int]string{}
 	var predicted, achieved float64
@@ -101,7 +101,7 @@ func TestFakeVLLMPredictedHit(t *testing.T) {
 		// one are in the index: the test is of what the index predicts
 		// from them, not of how fast they arrive on a busy machine (a
 		// prediction made at commit lapses after PredictTTL).
-		keys := kvevents.AppendKeys(nil, seed, engineTokens(fakeVLLMPrompt(d, q)), 16)
+		keys := blockkey.AppendTokens(nil, seed, engineTokens(fakeVLLMPrompt(d, q)), 16)
 		eventually(t, 20*time.Second, func() error {
 			if m := lookup(s, r.worker, keys); m.GPU != len(keys) {
 				return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, r.worker)
@@ -133,12 +133,12 @@ func TestFakeVLLMPredictedHit(t *testing.T) {
 func TestFakeVLLMAllBlocksCleared(t *testing.T) {
 	s, addr, engines := startFakeVLLMs(t, 2, "kv_aware")
 	c := oaClient(t, addr)
-	seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	prompts := map[string][]uint64{}
 	for d := range 2 {
 		p := fakeVLLMPrompt(d, 0)
 		r := chat(t, c, chatParams(p, 4))
-		prompts[r.worker] = kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+		prompts[r.worker] = blockkey.AppendTokens(nil, seed, engineTokens(p), 16)
 	}
 	// kv_aware spreads two cold documents over two idle engines.
 	if len(prompts) != 2 {
@@ -232,7 +232,7 @@ func TestFakeVLLMEventVariants(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			s, addr, engines := startFakeVLLMsWith(t, 2, "kv_aware", cfg)
 			c := oaClient(t, addr)
-			seed := kvevents.Seed(kvevents.Salt(model, "", ""))
+			seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 			holder := map[int]string{}
 			for q := range 6 {
 				d := q % 2
@@ -243,7 +243,7 @@ func TestFakeVLLMEventVariants(t *testing.T) {
 				} else if !ok {
 					holder[d] = r.worker
 				}
-				keys := kvevents.AppendKeys(nil, seed, engineTokens(p), 16)
+				keys := blockkey.AppendTokens(nil, seed, engineTokens(p), 16)
 				eventually(t, 20*time.Second, func() error {
 					if m := lookup(s, r.worker, keys); m.GPU != len(keys) {
 						return fmt.Errorf("index has %d of the %d blocks of question %d on %s", m.GPU, len(keys), q, r.worker)

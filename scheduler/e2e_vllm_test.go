@@ -16,6 +16,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
@@ -78,7 +79,7 @@ func (f *fakeEngine) publish(tokens []uint32, salt string) error {
 	n := len(tokens) / fakeBlockSize * fakeBlockSize
 	var h uint64 = 7 + xxhash.Sum64String(salt) // the engine's seed, unlike baton's
 	for i := 0; i < n; i += fakeBlockSize {
-		h = kvevents.NextKey(h, tokens[i:i+fakeBlockSize])
+		h = blockkey.NextTokenKey(h, tokens[i:i+fakeBlockSize])
 		hashes = append(hashes, kvevents.IntHash(h))
 	}
 	if len(hashes) == 0 {
@@ -260,8 +261,8 @@ func TestVLLMWorker(t *testing.T) {
 		t.Fatal(err)
 	}
 	prompt := tokens(100, 48) // three blocks of 16
-	keys := kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt(model, "", "")), prompt, 16)
-	other := kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt("another-model", "", "")), prompt, 16)
+	keys := blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt(model, "", "")), prompt, 16)
+	other := blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt("another-model", "", "")), prompt, 16)
 	for _, b := range []kvevents.Batch{
 		{TS: 1, Events: []kvevents.Event{&kvevents.BlockStored{
 			BlockHashes: []kvevents.Hash{kvevents.IntHash(11), kvevents.IntHash(12)},

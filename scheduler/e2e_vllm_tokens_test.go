@@ -14,7 +14,7 @@ import (
 	"github.com/openai/openai-go/v3"
 
 	"github.com/batonllm/baton/scheduler"
-	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
 
@@ -89,7 +89,7 @@ func TestVLLMTokenKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
-	keys := kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt(model, "", "")), fakeTokens(first), fakeBlockSize)
+	keys := blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt(model, "", "")), fakeTokens(first), fakeBlockSize)
 	eventually(t, 10*time.Second, func() error {
 		if m := lookup(s, "v1", keys); m.GPU != len(keys) {
 			return fmt.Errorf("index has %d of v1's %d blocks", m.GPU, len(keys))

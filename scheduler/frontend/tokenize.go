@@ -16,8 +16,8 @@ import (
 
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
-	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
 // Tokenizer turns a request's prompt into the token ids its engine will
@@ -119,8 +119,8 @@ func (t *tokenizer) keys(ctx context.Context, req *engine.Request, rreq *routing
 	if req.Model != model {
 		lora = req.Model
 	}
-	seed := kvevents.Seed(kvevents.Salt(model, lora, cacheSalt(req.Body)))
-	rreq.Keys = kvevents.AppendKeys(make([]uint64, 0, len(toks)/max(bs, 1)), seed, toks, bs)
+	seed := blockkey.TokenSeed(blockkey.Salt(model, lora, cacheSalt(req.Body)))
+	rreq.Keys = blockkey.AppendTokens(make([]uint64, 0, len(toks)/max(bs, 1)), seed, toks, bs)
 	rreq.Tokens = len(toks)
 	return true
 }

@@ -18,11 +18,11 @@ import (
 
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/openai"
 	"github.com/batonllm/baton/workers/sim"
 	"github.com/batonllm/baton/workers/vllm"
-	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
 func TestTokenCacheEvictsLeastRecent(t *testing.T) {
@@ -66,9 +66,9 @@ func TestTokenKeysSalted(t *testing.T) {
 		name, model, body string
 		salt              string
 	}{
-		{"base model", "m", `{}`, kvevents.Salt("m", "", "")},
-		{"adapter", "lora-1", `{}`, kvevents.Salt("m", "lora-1", "")},
-		{"cache salt", "m", `{"cache_salt":"t1"}`, kvevents.Salt("m", "", "t1")},
+		{"base model", "m", `{}`, blockkey.Salt("m", "", "")},
+		{"adapter", "lora-1", `{}`, blockkey.Salt("m", "lora-1", "")},
+		{"cache salt", "m", `{"cache_salt":"t1"}`, blockkey.Salt("m", "", "t1")},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			tk := newTokenizer(TokenKeys{
@@ -78,7 +78,7 @@ func TestTokenKeysSalted(t *testing.T) {
 			if !tk.keys(context.Background(), &engine.Request{Model: c.model, Prompt: text, Body: []byte(c.body)}, &rreq) {
 				t.Fatal("no token keys")
 			}
-			want := kvevents.AppendKeys(nil, kvevents.Seed(c.salt), toks, 16)
+			want := blockkey.AppendTokens(nil, blockkey.TokenSeed(c.salt), toks, 16)
 			if !slices.Equal(rreq.Keys, want) || len(want) != 2 || rreq.Tokens != 40 {
 				t.Errorf("keys %x, tokens %d; want %x, 40", rreq.Keys, rreq.Tokens, want)
 			}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
@@ -101,7 +102,7 @@ func TestEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	toks := []uint32{1, 2, 3, 4, 5, 6, 7, 8}
-	keys := kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt("m", "", "")), toks, 4)
+	keys := blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt("m", "", "")), toks, 4)
 	if _, err := pub.Publish(kvevents.Batch{Events: []kvevents.Event{&kvevents.BlockStored{
 		BlockHashes: []kvevents.Hash{kvevents.IntHash(1), kvevents.IntHash(2)}, TokenIDs: toks, BlockSize: 4,
 	}}}); err != nil {
@@ -227,7 +228,7 @@ func TestEngineEventsFollowTheModel(t *testing.T) {
 		}
 	}
 	keys := func(m string, toks []uint32) []uint64 {
-		return kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt(m, "", "")), toks, 4)
+		return blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt(m, "", "")), toks, 4)
 	}
 	a, b := []uint32{1, 2, 3, 4, 5, 6, 7, 8}, []uint32{9, 10, 11, 12, 13, 14, 15, 16}
 	store(1, a)

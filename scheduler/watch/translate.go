@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
@@ -18,7 +19,7 @@ const DefaultMaxEntries = 1 << 18
 // TranslatorConfig configures a Translator. The zero value is usable.
 type TranslatorConfig struct {
 	// Model salts every chain's first key, as requests' keys are salted:
-	// kvevents.Salt(Model, adapter, tenant).
+	// blockkey.Salt(Model, adapter, tenant).
 	Model string
 	// Tenant returns the tenant that salts a chain whose first block ev
 	// stores. Nil means EventTenant. The request side must salt with the
@@ -242,7 +243,7 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 	}
 	var prev uint64
 	if kvevents.NoParent(ev.Parent) {
-		prev = kvevents.Seed(kvevents.Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
+		prev = blockkey.TokenSeed(blockkey.Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
 	} else {
 		el := t.entries[ev.Parent]
 		if el == nil {
@@ -265,7 +266,7 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 	}
 	t.pending = t.pending[:0]
 	for i, h := range ev.BlockHashes {
-		prev = kvevents.NextKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
+		prev = blockkey.NextTokenKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
 		t.put(h, prev, bit)
 		if tracked {
 			keys = append(keys, prev)

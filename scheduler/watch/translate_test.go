@@ -7,6 +7,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 )
 
@@ -14,7 +15,7 @@ func batch(evs ...kvevents.Event) kvevents.Batch { return kvevents.Batch{Events:
 
 // requestKeys are the keys the scheduler computes for a request's tokens.
 func requestKeys(model, lora, tenant string, tokens []uint32, bs int) []uint64 {
-	return kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt(model, lora, tenant)), tokens, bs)
+	return blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt(model, lora, tenant)), tokens, bs)
 }
 
 func cacheEvent(seq uint64, kind kvindex.CacheKind, tier kvindex.Tier, keys ...uint64) kvindex.Event {

@@ -7,6 +7,11 @@
 // xxHash64 of chunk i seeded with key i-1; key 0's seed is Seed(model,
 // tenant). Equal keys therefore mean equal model, tenant and text up to and
 // including that block.
+//
+// Engines that key their blocks by token ids (vLLM, SGLang) are keyed the
+// same way over token ids (AppendTokens, tokens.go): key 0's seed is
+// TokenSeed(Salt(model, adapter, tenant)), and each key the xxHash64 of a
+// block's ids as 32-bit little-endian values seeded with the key before it.
 package blockkey
 
 import (

@@ -41,7 +41,7 @@
 // as a sequence of their own would claim a prefix the engine does not hold.
 //
 // Keys are baton's own: the translator recomputes chained block keys over
-// each stored block's token ids (AppendKeys) and keeps a bounded map from
+// each stored block's token ids (blockkey.AppendTokens) and keeps a bounded map from
 // the engine's hash to baton's key for removals, so the engine's hash
 // algorithm and seed never matter.
 package kvevents

@@ -7,6 +7,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
@@ -59,7 +60,7 @@ func TestPublisherVariantsIndex(t *testing.T) {
 				// The keys of the request's tokens, and the events the
 				// translator makes of what was published.
 				keysOf := func(adapter string, toks []uint32) []uint64 {
-					return kvevents.AppendKeys(nil, kvevents.Seed(kvevents.Salt("m", adapter, "")), toks, 4)
+					return blockkey.AppendTokens(nil, blockkey.TokenSeed(blockkey.Salt("m", adapter, "")), toks, 4)
 				}
 				stored := func(seq uint64, kind kvindex.CacheKind, tier kvindex.Tier, keys ...uint64) kvindex.Event {
 					return kvindex.Event{Seq: seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
@@ -77,7 +78,7 @@ func TestPublisherVariantsIndex(t *testing.T) {
 					stored(2, kvindex.Stored, kvindex.TierGPU, want[0], want[1]),
 					stored(3, kvindex.Stored, kvindex.TierGPU, want[2]),
 					stored(4, kvindex.Stored, kvindex.TierGPU, keysOf(adapter, loraTokens)...),
-					stored(5, kvindex.Stored, cpuTier, kvevents.AppendKeys(nil, want[1], cpuTokens, 4)...),
+					stored(5, kvindex.Stored, cpuTier, blockkey.AppendTokens(nil, want[1], cpuTokens, 4)...),
 					stored(6, kvindex.Removed, kvindex.TierGPU, want[0]),
 				}
 				if diff := cmp.Diff(wantEvs, got); diff != "" {

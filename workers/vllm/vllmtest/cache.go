@@ -5,7 +5,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
-	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/transfer/blockkey"
 )
 
 // block is one cached block of the prefix cache.
@@ -31,7 +31,7 @@ func newCache(blockSize, capacity int) *cache {
 }
 
 // seed is the engine's first parent hash for a cache salt: unlike baton's
-// kvevents.Seed, so that only the events' token ids can tie the engine's
+// blockkey.TokenSeed, so that only the events' token ids can tie the engine's
 // blocks to baton's keys.
 func seed(salt string) uint64 {
 	return xxhash.Sum64String("vllmtest\x00"+salt) ^ 0x5bd1e9955bd1e995
@@ -42,7 +42,7 @@ func (c *cache) hashes(tokens []uint32, salt string) []uint64 {
 	out := make([]uint64, 0, len(tokens)/c.blockSize)
 	prev := seed(salt)
 	for i := 0; i+c.blockSize <= len(tokens); i += c.blockSize {
-		prev = kvevents.NextKey(prev, tokens[i:i+c.blockSize])
+		prev = blockkey.NextTokenKey(prev, tokens[i:i+c.blockSize])
 		out = append(out, prev)
 	}
 	return out
