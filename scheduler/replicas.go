@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -57,10 +58,12 @@ func (c ReplicasConfig) validate() error {
 type sharing struct {
 	sharer *replica.Sharer
 	client *redis.Client
+	early  *earlyEntries
 }
 
 func (s *sharing) close() {
 	s.sharer.Close()
+	s.early.stop()
 	s.client.Close()
 }
 
@@ -72,17 +75,104 @@ func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registere
 		return nil, fmt.Errorf("replicas.redis.%w", err)
 	}
 	obs := newSyncMetrics(reg)
+	early := newEarlyEntries(idx, obs)
 	sh, err := replica.New(replica.Config{
 		Client: client, Stream: c.Stream, Replay: c.Replay,
-		Apply:  func(e replica.Entry) { idx.Shared(e.Worker, e.Keys) },
+		Apply: func(e replica.Entry) {
+			if !idx.Shared(e.Worker, e.Keys) {
+				early.keep(e)
+			}
+		},
 		Logger: log, Observer: obs,
 	})
 	if err != nil {
+		early.stop()
 		client.Close()
 		return nil, err
 	}
 	log.Info("sharing with the other scheduler replicas", "redis", c.Redis.Addr, "replica", sh.ID())
-	return &sharing{sharer: sh, client: client}, nil
+	return &sharing{sharer: sh, client: client, early: early}, nil
+}
+
+// Entries for workers the index does not know yet: a replica that starts
+// replays the others' decisions at once, while its engines join the index
+// as the watcher reaches them. Such entries are kept for a while, and
+// applied once their worker is known.
+const (
+	earlyFor   = 30 * time.Second
+	earlyEvery = 50 * time.Millisecond
+	earlyMax   = 10_000
+)
+
+// earlyEntries keeps the entries of workers not known yet, for earlyFor
+// after the replica started, and applies them once their worker is
+// known; what is left then is dropped (reason unknown_worker).
+type earlyEntries struct {
+	idx   *kvindex.Index
+	obs   *syncMetrics
+	mu    sync.Mutex
+	kept  []replica.Entry
+	until time.Time
+	done  chan struct{}
+	once  sync.Once
+	wg    sync.WaitGroup
+}
+
+func newEarlyEntries(idx *kvindex.Index, obs *syncMetrics) *earlyEntries {
+	e := &earlyEntries{idx: idx, obs: obs, until: time.Now().Add(earlyFor), done: make(chan struct{})}
+	e.wg.Go(e.run)
+	return e
+}
+
+// keep keeps an entry whose worker the index does not know, or drops it
+// once earlyFor has passed or earlyMax are kept.
+func (e *earlyEntries) keep(en replica.Entry) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.kept) >= earlyMax || time.Now().After(e.until) {
+		e.obs.Dropped("unknown_worker", 1)
+		return
+	}
+	e.kept = append(e.kept, en)
+}
+
+// run applies the kept entries whose worker has become known, every
+// earlyEvery, until earlyFor has passed.
+func (e *earlyEntries) run() {
+	t := time.NewTicker(earlyEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.done:
+			return
+		case now := <-t.C:
+			e.mu.Lock()
+			left := e.kept[:0]
+			for _, en := range e.kept {
+				if !e.idx.Shared(en.Worker, en.Keys) {
+					left = append(left, en)
+				}
+			}
+			clear(e.kept[len(left):])
+			e.kept = left
+			over := now.After(e.until)
+			if over {
+				if len(e.kept) > 0 {
+					e.obs.Dropped("unknown_worker", len(e.kept))
+				}
+				e.kept = nil
+			}
+			e.mu.Unlock()
+			if over {
+				return
+			}
+		}
+	}
+}
+
+func (e *earlyEntries) stop() {
+	e.once.Do(func() { close(e.done) })
+	e.wg.Wait()
 }
 
 // syncMetrics are the baton_replica_sync_* metrics.
@@ -119,7 +209,7 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 		m.sent[i] = vec.WithLabelValues("sent")
 		m.received[i] = vec.WithLabelValues("received")
 	}
-	for _, r := range []string{"queue_full", "redis_error"} {
+	for _, r := range []string{"queue_full", "redis_error", "unknown_worker"} {
 		m.dropped.WithLabelValues(r)
 	}
 	return m

@@ -452,26 +452,33 @@ func (x *Index) Predict(name string, keys []uint64) {
 
 // Shared records keys on the worker as another scheduler replica's
 // committed decision predicts them (see Config.OnPredict): as Predict
-// does, but without counting the request against the worker (its queue
-// is the other replica's to estimate, and the worker's load reports
-// count it) and, on a learned worker, without a request to finish. A
-// worker the index does not track is ignored.
-func (x *Index) Shared(name string, keys []uint64) {
+// does, the blocks the worker did not hold counting as its pending
+// prefill until its next load report (which counts every replica's
+// requests), but without counting the request in the worker's Routed
+// (this replica's own routing) and, on a learned worker, without a
+// request to finish. A worker the index does not track is ignored, and
+// Shared reports false; otherwise true.
+func (x *Index) Shared(name string, keys []uint64) bool {
 	if len(keys) == 0 {
-		return
+		return true
 	}
 	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	w := x.workers.get(name)
 	if w == nil {
-		return
+		return false
 	}
+	all := int64(len(keys))
+	gen := w.addPending(all, now, &x.cfg)
+	var added int64
 	if w.learning() {
-		x.learn(w, keys, false)
-		return
+		added = x.learn(w, keys, false)
+	} else {
+		added = w.grp.blocks.predict(keys, w.bit(), now, now+int64(x.cfg.PredictTTL))
 	}
-	w.grp.blocks.predict(keys, w.bit(), now, now+int64(x.cfg.PredictTTL))
+	w.held(all-added, gen)
+	return true
 }
 
 // learn records keys on the learned worker w, within its capacity, as a

@@ -43,10 +43,18 @@ func TestShared(t *testing.T) {
 	if bSaid != 0 {
 		t.Errorf("b heard %d predictions of its own; it made none", bSaid)
 	}
+	// a's request is prefilling e's 4 blocks, which b counts until e's
+	// next load report; it is no request b routed.
 	out := make([]Match, 1)
 	b.Lookup(keys(0, 4), []string{"e"}, out)
-	if out[0].PendingTokens != 0 || out[0].Routed != 0 {
-		t.Errorf("a's request weighs on b's view of e: pending %d, routed %g", out[0].PendingTokens, out[0].Routed)
+	if want := int64(4 * out[0].BlockTokens); out[0].PendingTokens != want || out[0].Routed != 0 {
+		t.Errorf("b's view of e: pending %d tokens, routed %g; want %d (a's prefill), 0", out[0].PendingTokens, out[0].Routed, want)
+	}
+	// Shared again, the blocks e already holds add nothing.
+	b.Shared("e", keys(0, 4))
+	b.Lookup(keys(0, 4), []string{"e"}, out)
+	if want := int64(4 * out[0].BlockTokens); out[0].PendingTokens != want {
+		t.Errorf("b's view of e after the same blocks shared again: pending %d tokens, want %d", out[0].PendingTokens, want)
 	}
 	// A shared chain is no request of b's: a request b routes to l for
 	// another document takes l's one slot.

@@ -94,12 +94,24 @@ func (w *worker) setLoad(l Load, now int64) {
 func (w *worker) predicted(blocks int64, now int64, cfg *Config) (gen uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.routed, w.routedAt = w.routedNow(now, cfg.RoutedHalfLife)+1, now
+	return w.addPendingLocked(blocks, now, cfg)
+}
+
+// addPending adds blocks' tokens to the worker's pending prefill, as
+// predicted does, without counting a request routed here.
+func (w *worker) addPending(blocks int64, now int64, cfg *Config) (gen uint64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.addPendingLocked(blocks, now, cfg)
+}
+
+func (w *worker) addPendingLocked(blocks int64, now int64, cfg *Config) (gen uint64) {
 	if now-w.pendingAt >= int64(cfg.PredictTTL) {
 		w.pending, w.pendingAt = 0, now
 		w.pendingGen++
 	}
 	w.pending += blocks * int64(w.blockTokens)
-	w.routed, w.routedAt = w.routedNow(now, cfg.RoutedHalfLife)+1, now
 	return w.pendingGen
 }
 
