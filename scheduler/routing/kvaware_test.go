@@ -781,6 +781,9 @@ func newHeldFleet(b *testing.B, n, blocks int, rng *rand.Rand) (*kvFleet, [][]ui
 	f := newKVFleet(b, n)
 	held := make([][]uint64, n)
 	for i, w := range f.snap().Workers {
+		if i >= kvindex.MaxWorkers { // newKVFleet snapshots the first group's
+			f.apply(w.Name, &workerpb.WatchEvent{Event: &workerpb.WatchEvent_Snapshot{Snapshot: &workerpb.Snapshot{}}})
+		}
 		ks := make([]uint64, blocks/n)
 		for j := range ks {
 			ks[j] = rng.Uint64()
@@ -826,7 +829,7 @@ func heldBench(b *testing.B, n int) (s Strategy, snap *pool.Snapshot, reqs []*Re
 }
 
 func BenchmarkKVAware(b *testing.B) {
-	for _, n := range []int{8, 64} {
+	for _, n := range []int{8, 64, 1000} {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
 			s, snap, reqs, bytesPerBlock := heldBench(b, n)
 			b.ReportAllocs()
@@ -849,7 +852,7 @@ func BenchmarkKVAware(b *testing.B) {
 func BenchmarkKVAwareCold(b *testing.B) {
 	const coldBytes = 64 << 20
 	evict := make([]byte, coldBytes)
-	for _, n := range []int{8, 64} {
+	for _, n := range []int{8, 64, 1000} {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", n), func(b *testing.B) {
 			s, snap, reqs, _ := heldBench(b, n)
 			lat := make([]time.Duration, 0, 1<<16)
