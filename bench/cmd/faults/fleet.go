@@ -81,8 +81,10 @@ pool:
   breaker_open_timeout: 2s
 disaggregation:
   transfer_timeout: 2s
+replicas:
+  redis: {addr: %q}
 workers:
-`, maxInFlight, maxQueue)
+`, maxInFlight, maxQueue, f.redisPx.addr())
 	for i := range prefill + decode {
 		role, name := "prefill", fmt.Sprintf("p%d", i)
 		if i >= prefill {
