@@ -9,6 +9,7 @@ import (
 	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
 
 func batch(evs ...kvevents.Event) kvevents.Batch { return kvevents.Batch{Events: evs} }
@@ -30,11 +31,11 @@ func snapshot(seq uint64) kvindex.Event {
 // of the blocks an engine reports are the keys of the request's tokens.
 func TestTranslatorKeysMatchRequests(t *testing.T) {
 	for name, hashes := range map[string][]kvevents.Hash{
-		"int hashes":   ints(101, 102, 103),
-		"bytes hashes": byteHashes("a", "b", "c"),
+		"int hashes":   kveventstest.IntHashes(101, 102, 103),
+		"bytes hashes": kveventstest.BytesHashes("a", "b", "c"),
 	} {
 		t.Run(name, func(t *testing.T) {
-			tokens := seq(500, 12)
+			tokens := kveventstest.TokenRun(500, 12)
 			want := requestKeys("m", "", "", tokens, 4)
 			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 			got := tr.Translate(batch(
@@ -65,7 +66,7 @@ func TestTranslatorFeedsTheIndex(t *testing.T) {
 	if err := ix.AddWorker("w"); err != nil {
 		t.Fatal(err)
 	}
-	tokens := seq(0, 16)
+	tokens := kveventstest.TokenRun(0, 16)
 	tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 	apply := func(b kvevents.Batch) {
 		t.Helper()
@@ -80,13 +81,13 @@ func TestTranslatorFeedsTheIndex(t *testing.T) {
 		ix.Lookup(requestKeys("m", "", "", tokens, 4), []string{"w"}, out)
 		return out[0]
 	}
-	apply(batch(&kvevents.BlockStored{BlockHashes: ints(1, 2, 3, 4), TokenIDs: tokens, BlockSize: 4}))
+	apply(batch(&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1, 2, 3, 4), TokenIDs: tokens, BlockSize: 4}))
 	if m := lookup(); m.GPU != 4 {
 		t.Fatalf("after store: %d GPU blocks found, want 4", m.GPU)
 	}
 	apply(batch(
-		&kvevents.BlockStored{BlockHashes: ints(3, 4), Parent: kvevents.IntHash(2), TokenIDs: tokens[8:], BlockSize: 4, Medium: "CPU"},
-		&kvevents.BlockRemoved{BlockHashes: ints(3, 4), Medium: "GPU"},
+		&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(3, 4), Parent: kvevents.IntHash(2), TokenIDs: tokens[8:], BlockSize: 4, Medium: "CPU"},
+		&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(3, 4), Medium: "GPU"},
 	))
 	if m := lookup(); m.GPU != 2 || m.CPU != 2 {
 		t.Fatalf("after offload: GPU %d, CPU %d; want 2, 2", m.GPU, m.CPU)
@@ -101,7 +102,7 @@ func TestTranslatorFeedsTheIndex(t *testing.T) {
 }
 
 func TestTranslatorSalts(t *testing.T) {
-	tokens := seq(0, 4)
+	tokens := kveventstest.TokenRun(0, 4)
 	tests := []struct {
 		name            string
 		ev              *kvevents.BlockStored
@@ -121,7 +122,7 @@ func TestTranslatorSalts(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.ev.BlockHashes, tt.ev.TokenIDs, tt.ev.BlockSize = ints(1), tokens, 4
+			tt.ev.BlockHashes, tt.ev.TokenIDs, tt.ev.BlockSize = kveventstest.IntHashes(1), tokens, 4
 			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m", Tenant: tt.tenantFromEvent})
 			evs := tr.Translate(batch(tt.ev))
 			want := requestKeys("m", tt.lora, tt.tenant, tokens, 4)
@@ -133,7 +134,7 @@ func TestTranslatorSalts(t *testing.T) {
 }
 
 func TestTranslatorEdges(t *testing.T) {
-	tokens := seq(0, 8)
+	tokens := kveventstest.TokenRun(0, 8)
 	keys := requestKeys("", "", "", tokens, 4)
 	tests := []struct {
 		name  string
@@ -143,22 +144,22 @@ func TestTranslatorEdges(t *testing.T) {
 		stats watch.TranslatorStats
 	}{{
 		name:  "unknown parent: dropped and counted",
-		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: ints(2), Parent: kvevents.IntHash(1), TokenIDs: tokens[4:], BlockSize: 4}},
+		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(2), Parent: kvevents.IntHash(1), TokenIDs: tokens[4:], BlockSize: 4}},
 		stats: watch.TranslatorStats{UnknownParent: 1},
 	}, {
 		name:  "unknown removal: counted",
-		in:    []kvevents.Event{&kvevents.BlockRemoved{BlockHashes: ints(9)}},
+		in:    []kvevents.Event{&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(9)}},
 		stats: watch.TranslatorStats{UnknownRemoved: 1},
 	}, {
 		name:  "token count not blocks times size",
-		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: ints(1, 2), TokenIDs: tokens[:7], BlockSize: 4}},
+		in:    []kvevents.Event{&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1, 2), TokenIDs: tokens[:7], BlockSize: 4}},
 		stats: watch.TranslatorStats{BadStored: 1},
 	}, {
 		name: "disk medium: mapped for chaining, not indexed",
 		in: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, Medium: "DISK"},
-			&kvevents.BlockStored{BlockHashes: ints(2), Parent: kvevents.IntHash(1), TokenIDs: tokens[4:], BlockSize: 4},
-			&kvevents.BlockRemoved{BlockHashes: ints(1), Medium: "DISK"},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4, Medium: "DISK"},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(2), Parent: kvevents.IntHash(1), TokenIDs: tokens[4:], BlockSize: 4},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1), Medium: "DISK"},
 		},
 		want:  []kvindex.Event{cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[1])},
 		stats: watch.TranslatorStats{Stored: 1, OtherMedium: 2},
@@ -166,19 +167,19 @@ func TestTranslatorEdges(t *testing.T) {
 		name: "another cache group: skipped",
 		cfg:  watch.TranslatorConfig{Group: 1},
 		in: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true},
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true, Group: 1},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4, HasGroup: true, Group: 1},
 		},
 		want:  []kvindex.Event{cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0])},
 		stats: watch.TranslatorStats{Stored: 1, OtherGroup: 1},
 	}, {
 		name: "a CPU removal leaves the GPU copy",
 		in: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4},
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4, Medium: "cpu"},
-			&kvevents.BlockRemoved{BlockHashes: ints(1), Medium: "CPU"},
-			&kvevents.BlockRemoved{BlockHashes: ints(1), Medium: "CPU"},
-			&kvevents.BlockRemoved{BlockHashes: ints(1)},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4, Medium: "cpu"},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1), Medium: "CPU"},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1), Medium: "CPU"},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1)},
 		},
 		want: []kvindex.Event{
 			cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0]),
@@ -191,7 +192,7 @@ func TestTranslatorEdges(t *testing.T) {
 		name: "a full map evicts its least recent entry and reports it removed",
 		cfg:  watch.TranslatorConfig{MaxEntries: 1},
 		in: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1, 2), TokenIDs: tokens, BlockSize: 4},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1, 2), TokenIDs: tokens, BlockSize: 4},
 		},
 		want: []kvindex.Event{
 			cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0], keys[1]),
@@ -201,9 +202,9 @@ func TestTranslatorEdges(t *testing.T) {
 	}, {
 		name: "AllBlocksCleared: a snapshot of nothing",
 		in: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: tokens[:4], BlockSize: 4},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: tokens[:4], BlockSize: 4},
 			&kvevents.AllBlocksCleared{},
-			&kvevents.BlockRemoved{BlockHashes: ints(1)},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1)},
 		},
 		want: []kvindex.Event{
 			cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0]),
@@ -227,7 +228,7 @@ func TestTranslatorEdges(t *testing.T) {
 
 func TestTranslatorReset(t *testing.T) {
 	tr := watch.NewTranslator(watch.TranslatorConfig{})
-	tr.Translate(batch(&kvevents.BlockStored{BlockHashes: ints(1), TokenIDs: seq(0, 4), BlockSize: 4}))
+	tr.Translate(batch(&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1), TokenIDs: kveventstest.TokenRun(0, 4), BlockSize: 4}))
 	if diff := cmp.Diff(snapshot(3), tr.Reset()); diff != "" {
 		t.Errorf("Reset (-want +got):\n%s", diff)
 	}
@@ -235,14 +236,14 @@ func TestTranslatorReset(t *testing.T) {
 		t.Errorf("after Reset the translator maps %d hashes", tr.Len())
 	}
 	// The next batch follows the reset's snapshot, without another.
-	got := tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: ints(1)}))
+	got := tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1)}))
 	if len(got) != 0 {
 		t.Errorf("a removal of a forgotten hash gave %v", got)
 	}
 }
 
 func BenchmarkTranslateStored(b *testing.B) {
-	tokens := seq(0, 16*32)
+	tokens := kveventstest.TokenRun(0, 16*32)
 	hashes := make([]kvevents.Hash, 32)
 	for i := range hashes {
 		hashes[i] = kvevents.IntHash(uint64(i))
@@ -255,41 +256,17 @@ func BenchmarkTranslateStored(b *testing.B) {
 	}
 }
 
-func ints(vs ...uint64) []kvevents.Hash {
-	hs := make([]kvevents.Hash, len(vs))
-	for i, v := range vs {
-		hs[i] = kvevents.IntHash(v)
-	}
-	return hs
-}
-
-func byteHashes(ss ...string) []kvevents.Hash {
-	hs := make([]kvevents.Hash, len(ss))
-	for i, s := range ss {
-		hs[i] = kvevents.BytesHash([]byte(s))
-	}
-	return hs
-}
-
-func seq(from, n int) []uint32 {
-	ts := make([]uint32, n)
-	for i := range ts {
-		ts[i] = uint32(from + i)
-	}
-	return ts
-}
-
 // TestTranslatorUnknownParentDrops: a stored event whose parent is not
 // "none" and was never seen is not indexed, though it carries its tokens
 // (keyed as a first block they would claim a prefix the engine does not
 // hold), and neither are its children; a first block with parent 0 is.
 func TestTranslatorUnknownParentDrops(t *testing.T) {
 	for name, hashes := range map[string][]kvevents.Hash{
-		"int hashes":   ints(21, 22, 23),
-		"bytes hashes": byteHashes("u", "v", "w"),
+		"int hashes":   kveventstest.IntHashes(21, 22, 23),
+		"bytes hashes": kveventstest.BytesHashes("u", "v", "w"),
 	} {
 		t.Run(name, func(t *testing.T) {
-			tokens := seq(40, 12)
+			tokens := kveventstest.TokenRun(40, 12)
 			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 			got := tr.Translate(batch(
 				&kvevents.BlockStored{BlockHashes: hashes[:1], Parent: kvevents.IntHash(99), TokenIDs: tokens[:4], BlockSize: 4},

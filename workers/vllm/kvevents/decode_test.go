@@ -20,52 +20,28 @@ var encodings = kveventstest.Encodings
 // cmpHash compares hashes by value.
 var cmpHash = cmp.Comparer(func(a, b kvevents.Hash) bool { return a == b })
 
-func ints(vs ...uint64) []kvevents.Hash {
-	hs := make([]kvevents.Hash, len(vs))
-	for i, v := range vs {
-		hs[i] = kvevents.IntHash(v)
-	}
-	return hs
-}
-
-func byteHashes(ss ...string) []kvevents.Hash {
-	hs := make([]kvevents.Hash, len(ss))
-	for i, s := range ss {
-		hs[i] = kvevents.BytesHash([]byte(s))
-	}
-	return hs
-}
-
-func seq(from, n int) []uint32 {
-	ts := make([]uint32, n)
-	for i := range ts {
-		ts[i] = uint32(from + i)
-	}
-	return ts
-}
-
 // sampleBatches covers every field in both hash kinds.
 func sampleBatches() map[string]kvevents.Batch {
 	return map[string]kvevents.Batch{
 		"int hashes": {TS: 1.5, Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(1, 2), TokenIDs: seq(0, 8), BlockSize: 4, Medium: "GPU"},
-			&kvevents.BlockStored{BlockHashes: ints(3), Parent: kvevents.IntHash(2), TokenIDs: seq(8, 4), BlockSize: 4},
-			&kvevents.BlockRemoved{BlockHashes: ints(1), Medium: "GPU"},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(1, 2), TokenIDs: kveventstest.TokenRun(0, 8), BlockSize: 4, Medium: "GPU"},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(3), Parent: kvevents.IntHash(2), TokenIDs: kveventstest.TokenRun(8, 4), BlockSize: 4},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1), Medium: "GPU"},
 		}},
 		"bytes hashes and rank": {TS: 2, HasDPRank: true, DPRank: 3, Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: byteHashes("\x00\x01\x02", "0123456789abcdef0123456789abcdef"),
-				Parent: kvevents.BytesHash([]byte("p")), TokenIDs: seq(100, 4), BlockSize: 2},
-			&kvevents.BlockRemoved{BlockHashes: byteHashes("\x00\x01\x02")},
+			&kvevents.BlockStored{BlockHashes: kveventstest.BytesHashes("\x00\x01\x02", "0123456789abcdef0123456789abcdef"),
+				Parent: kvevents.BytesHash([]byte("p")), TokenIDs: kveventstest.TokenRun(100, 4), BlockSize: 2},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.BytesHashes("\x00\x01\x02")},
 			&kvevents.AllBlocksCleared{},
 		}},
 		"lora, extra keys, group": {TS: 3, Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(math.MaxUint64), TokenIDs: []uint32{math.MaxUint32, 0}, BlockSize: 2,
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(math.MaxUint64), TokenIDs: []uint32{math.MaxUint32, 0}, BlockSize: 2,
 				LoRAID: 7, HasLoRAID: true, LoRAName: "sql", Medium: "CPU",
 				ExtraKeys: [][]string{{"sql", "tenant-a"}}, Group: 1, HasGroup: true, CacheSpecKind: "full_attention"},
-			&kvevents.BlockRemoved{BlockHashes: ints(5), Medium: "CPU", Group: 1, HasGroup: true},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(5), Medium: "CPU", Group: 1, HasGroup: true},
 		}},
 		"sglang cache salt": {TS: 4, HasDPRank: true, Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(9), TokenIDs: seq(0, 1), BlockSize: 1, Medium: "CPU_PINNED", CacheSalt: "t1"},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(9), TokenIDs: kveventstest.TokenRun(0, 1), BlockSize: 1, Medium: "CPU_PINNED", CacheSalt: "t1"},
 		}},
 		"empty": {TS: 5, Events: []kvevents.Event{}},
 	}
@@ -99,7 +75,7 @@ func mustMarshal(t *testing.T, v any) []byte {
 // TestDecodeEngineLayouts decodes payloads laid out by hand as each engine
 // version writes them.
 func TestDecodeEngineLayouts(t *testing.T) {
-	stored := &kvevents.BlockStored{BlockHashes: ints(11), TokenIDs: []uint32{1, 2}, BlockSize: 2}
+	stored := &kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(11), TokenIDs: []uint32{1, 2}, BlockSize: 2}
 	tests := []struct {
 		name    string
 		payload any
@@ -112,14 +88,14 @@ func TestDecodeEngineLayouts(t *testing.T) {
 			[]any{"AllBlocksCleared"},
 		}},
 		want: kvevents.Batch{TS: 1, Events: []kvevents.Event{stored,
-			&kvevents.BlockRemoved{BlockHashes: ints(11)}, &kvevents.AllBlocksCleared{}}},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(11)}, &kvevents.AllBlocksCleared{}}},
 	}, {
 		name: "sglang: attn_dp_rank, medium with omitted trailing fields",
 		payload: []any{1.0, []any{
 			[]any{"BlockStored", []any{11}, nil, []any{1, 2}, 2, nil, "GPU"},
 		}, 2},
 		want: kvevents.Batch{TS: 1, DPRank: 2, HasDPRank: true, Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: ints(11), TokenIDs: []uint32{1, 2}, BlockSize: 2, Medium: "GPU"}}},
+			&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(11), TokenIDs: []uint32{1, 2}, BlockSize: 2, Medium: "GPU"}}},
 	}, {
 		name: "python hash(): a negative integer hash keeps its bits",
 		payload: []any{1.0, []any{
@@ -142,14 +118,14 @@ func TestDecodeEngineLayouts(t *testing.T) {
 			[]any{"BlockRemoved", []any{11}, "GPU", 0, "later", []any{1, 2}},
 		}},
 		want: kvevents.Batch{TS: 1, Events: []kvevents.Event{
-			&kvevents.BlockRemoved{BlockHashes: ints(11), Medium: "GPU", HasGroup: true}}},
+			&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(11), Medium: "GPU", HasGroup: true}}},
 	}, {
 		name: "multimodal extra keys: tuples are dropped, strings kept",
 		payload: []any{1.0, []any{
 			[]any{"BlockStored", []any{11}, nil, []any{1, 2}, 2, nil, "GPU", nil,
 				[]any{[]any{[]any{"img-1", 0}, "salt", []byte{1}}}},
 		}},
-		want: kvevents.Batch{TS: 1, Events: []kvevents.Event{&kvevents.BlockStored{BlockHashes: ints(11),
+		want: kvevents.Batch{TS: 1, Events: []kvevents.Event{&kvevents.BlockStored{BlockHashes: kveventstest.IntHashes(11),
 			TokenIDs: []uint32{1, 2}, BlockSize: 2, Medium: "GPU", ExtraKeys: [][]string{{"salt"}}}}},
 	}}
 	for _, tt := range tests {
@@ -167,7 +143,7 @@ func TestDecodeEngineLayouts(t *testing.T) {
 
 func TestDecodeUnknownTagKeepsTheRest(t *testing.T) {
 	b := kvevents.Batch{TS: 1, Events: []kvevents.Event{
-		&kvevents.BlockRemoved{BlockHashes: ints(1)},
+		&kvevents.BlockRemoved{BlockHashes: kveventstest.IntHashes(1)},
 		kveventstest.Unknown{Name: "BlockTransferred"},
 		&kvevents.AllBlocksCleared{},
 	}}

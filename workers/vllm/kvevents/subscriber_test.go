@@ -76,7 +76,7 @@ func recv(t *testing.T, s *kvevents.Subscriber, n int) []kvevents.Message {
 	return got
 }
 
-// summary renders messages as "seq", "seq(replayed)", "reset@seq".
+// summary renders messages as "seq", "kveventstest.TokenRun(replayed)", "reset@seq".
 func summary(ms []kvevents.Message) string {
 	var parts []string
 	for _, m := range ms {
@@ -95,7 +95,7 @@ func summary(ms []kvevents.Message) string {
 // stampBatch is a batch told apart by its timestamp.
 func stampBatch(i int, hashes []kvevents.Hash) kvevents.Batch {
 	return kvevents.Batch{TS: float64(i), HasDPRank: true, Events: []kvevents.Event{
-		&kvevents.BlockStored{BlockHashes: hashes, TokenIDs: seq(i, 2*len(hashes)), BlockSize: 2, Medium: "GPU"},
+		&kvevents.BlockStored{BlockHashes: hashes, TokenIDs: kveventstest.TokenRun(i, 2*len(hashes)), BlockSize: 2, Medium: "GPU"},
 		&kvevents.BlockRemoved{BlockHashes: hashes[:1], Medium: "GPU"},
 	}}
 }
@@ -117,8 +117,8 @@ func drop(t *testing.T, p *kveventstest.Publisher, b kvevents.Batch) {
 func TestSubscriberDeliversInOrder(t *testing.T) {
 	for _, enc := range encodings {
 		for name, hashes := range map[string][]kvevents.Hash{
-			"int hashes":   ints(1, 2),
-			"bytes hashes": byteHashes("sha256-a", "sha256-b"),
+			"int hashes":   kveventstest.IntHashes(1, 2),
+			"bytes hashes": kveventstest.BytesHashes("sha256-a", "sha256-b"),
 		} {
 			t.Run(enc.String()+"/"+name, func(t *testing.T) {
 				p := newPublisher(t, kveventstest.PublisherConfig{Encoding: enc})
@@ -152,15 +152,15 @@ func TestSubscriberReplaysGaps(t *testing.T) {
 			p := newPublisher(t, kveventstest.PublisherConfig{Replay: true, ReplayTopic: topicFrame})
 			s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()})
 			waitSubscribed(t, p)
-			publish(t, p, stampBatch(0, ints(1)))
-			drop(t, p, stampBatch(1, ints(2)))
-			drop(t, p, stampBatch(2, ints(3)))
-			publish(t, p, stampBatch(3, ints(4)))
+			publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
+			drop(t, p, stampBatch(1, kveventstest.IntHashes(2)))
+			drop(t, p, stampBatch(2, kveventstest.IntHashes(3)))
+			publish(t, p, stampBatch(3, kveventstest.IntHashes(4)))
 			got := recv(t, s, 4)
 			if sum, want := summary(got), "0 1(replayed) 2(replayed) 3"; sum != want {
 				t.Errorf("messages %s, want %s", sum, want)
 			}
-			if diff := cmp.Diff(stampBatch(2, ints(3)), got[2].Batch, cmpHash); diff != "" {
+			if diff := cmp.Diff(stampBatch(2, kveventstest.IntHashes(3)), got[2].Batch, cmpHash); diff != "" {
 				t.Errorf("replayed batch (-want +got):\n%s", diff)
 			}
 			if st := s.Stats(); st.Gaps != 1 || st.Replays != 1 || st.Resets != 0 {
@@ -175,9 +175,9 @@ func TestSubscriberResetsUnreplayableGaps(t *testing.T) {
 		p := newPublisher(t, kveventstest.PublisherConfig{})
 		s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint()})
 		waitSubscribed(t, p)
-		publish(t, p, stampBatch(0, ints(1)))
-		drop(t, p, stampBatch(1, ints(2)))
-		publish(t, p, stampBatch(2, ints(3)))
+		publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
+		drop(t, p, stampBatch(1, kveventstest.IntHashes(2)))
+		publish(t, p, stampBatch(2, kveventstest.IntHashes(3)))
 		if sum, want := summary(recv(t, s, 3)), "0 reset@2 2"; sum != want {
 			t.Errorf("messages %s, want %s", sum, want)
 		}
@@ -189,11 +189,11 @@ func TestSubscriberResetsUnreplayableGaps(t *testing.T) {
 		p := newPublisher(t, kveventstest.PublisherConfig{Replay: true})
 		s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()})
 		waitSubscribed(t, p)
-		publish(t, p, stampBatch(0, ints(1)))
-		drop(t, p, stampBatch(1, ints(2)))
-		drop(t, p, stampBatch(2, ints(3)))
+		publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
+		drop(t, p, stampBatch(1, kveventstest.IntHashes(2)))
+		drop(t, p, stampBatch(2, kveventstest.IntHashes(3)))
 		p.ForgetBefore(2)
-		publish(t, p, stampBatch(3, ints(4)))
+		publish(t, p, stampBatch(3, kveventstest.IntHashes(4)))
 		if sum, want := summary(recv(t, s, 3)), "0 reset@3 3"; sum != want {
 			t.Errorf("messages %s, want %s", sum, want)
 		}
@@ -206,9 +206,9 @@ func TestSubscriberResetsUnreplayableGaps(t *testing.T) {
 		s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(),
 			ReplayEndpoint: "tcp://" + freeAddr(t), ReplayTimeout: 200 * time.Millisecond})
 		waitSubscribed(t, p)
-		publish(t, p, stampBatch(0, ints(1)))
-		drop(t, p, stampBatch(1, ints(2)))
-		publish(t, p, stampBatch(2, ints(3)))
+		publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
+		drop(t, p, stampBatch(1, kveventstest.IntHashes(2)))
+		publish(t, p, stampBatch(2, kveventstest.IntHashes(3)))
 		if sum, want := summary(recv(t, s, 3)), "0 reset@2 2"; sum != want {
 			t.Errorf("messages %s, want %s", sum, want)
 		}
@@ -218,12 +218,12 @@ func TestSubscriberResetsUnreplayableGaps(t *testing.T) {
 func TestSubscriberReplaysFromStart(t *testing.T) {
 	p := newPublisher(t, kveventstest.PublisherConfig{Replay: true})
 	// Published before anyone subscribed: only the replay buffer has them.
-	publish(t, p, stampBatch(0, ints(1)))
-	publish(t, p, stampBatch(1, ints(2)))
+	publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
+	publish(t, p, stampBatch(1, kveventstest.IntHashes(2)))
 	s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint(),
 		ReplayFromStart: true})
 	waitSubscribed(t, p)
-	publish(t, p, stampBatch(2, ints(3)))
+	publish(t, p, stampBatch(2, kveventstest.IntHashes(3)))
 	if sum, want := summary(recv(t, s, 3)), "0(replayed) 1(replayed) 2"; sum != want {
 		t.Errorf("messages %s, want %s", sum, want)
 	}
@@ -247,7 +247,7 @@ func TestSubscriberReconnects(t *testing.T) {
 	s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: addr})
 	waitSubscribed(t, p)
 	for i := range 3 {
-		publish(t, p, stampBatch(i, ints(1)))
+		publish(t, p, stampBatch(i, kveventstest.IntHashes(1)))
 	}
 	recv(t, s, 3)
 
@@ -255,7 +255,7 @@ func TestSubscriberReconnects(t *testing.T) {
 	p.Close()
 	p = newPublisher(t, kveventstest.PublisherConfig{Endpoint: addr, FirstSeq: 3})
 	waitSubscribed(t, p)
-	publish(t, p, stampBatch(3, ints(1)))
+	publish(t, p, stampBatch(3, kveventstest.IntHashes(1)))
 	if sum := summary(recv(t, s, 1)); sum != "3" {
 		t.Errorf("after reconnecting: %s, want 3", sum)
 	}
@@ -264,7 +264,7 @@ func TestSubscriberReconnects(t *testing.T) {
 	p.Close()
 	p = newPublisher(t, kveventstest.PublisherConfig{Endpoint: addr})
 	waitSubscribed(t, p)
-	publish(t, p, stampBatch(0, ints(1)))
+	publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
 	if sum, want := summary(recv(t, s, 2)), "reset@0 0"; sum != want {
 		t.Errorf("after a restart: %s, want %s", sum, want)
 	}
@@ -280,8 +280,8 @@ func TestSubscriberBinds(t *testing.T) {
 		// The engine connects out, goes away and connects again.
 		p := newPublisher(t, kveventstest.PublisherConfig{Endpoint: addr, Connect: true, FirstSeq: uint64(2 * round)})
 		waitSubscribed(t, p)
-		publish(t, p, stampBatch(2*round, ints(1)))
-		publish(t, p, stampBatch(2*round+1, ints(1)))
+		publish(t, p, stampBatch(2*round, kveventstest.IntHashes(1)))
+		publish(t, p, stampBatch(2*round+1, kveventstest.IntHashes(1)))
 		want := fmt.Sprintf("%d %d", 2*round, 2*round+1)
 		if sum := summary(recv(t, s, 2)); sum != want {
 			t.Errorf("round %d: %s, want %s", round, sum, want)
@@ -301,21 +301,21 @@ func TestSubscriberSurvivesBadInput(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	publish(t, p, stampBatch(0, ints(1)))
+	publish(t, p, stampBatch(0, kveventstest.IntHashes(1)))
 	sendFrames(topic, []byte{0, 0, 0, 0, 0, 0, 0, 9})                     // two frames
 	sendFrames(topic, []byte{0, 0, 1}, []byte{0x90})                      // short sequence number
 	sendFrames(topic, []byte{0, 0, 0, 0, 0, 0, 0, 9}, nil, nil)           // four frames
 	if _, err := p.PublishPayload([]byte{0xc1, 0xff}, true); err != nil { // seq 1: malformed msgpack
 		t.Fatal(err)
 	}
-	truncated := kveventstest.MustEncode(stampBatch(2, ints(1)), kveventstest.ArrayLike)
+	truncated := kveventstest.MustEncode(stampBatch(2, kveventstest.IntHashes(1)), kveventstest.ArrayLike)
 	if _, err := p.PublishPayload(truncated[:len(truncated)/2], true); err != nil { // seq 2
 		t.Fatal(err)
 	}
 	unknown := kvevents.Batch{TS: 3, Events: []kvevents.Event{kveventstest.Unknown{Name: "BlockTransferred"},
 		&kvevents.AllBlocksCleared{}}}
 	publish(t, p, unknown) // seq 3
-	publish(t, p, stampBatch(4, ints(1)))
+	publish(t, p, stampBatch(4, kveventstest.IntHashes(1)))
 
 	got := recv(t, s, 3)
 	if sum, want := summary(got), "0 3 4"; sum != want {
@@ -337,7 +337,7 @@ func TestSubscriberClose(t *testing.T) {
 	// Nobody reads: the subscriber blocks on its full channel, and Close
 	// must still stop it.
 	for i := range 20 {
-		publish(t, p, stampBatch(i, ints(1)))
+		publish(t, p, stampBatch(i, kveventstest.IntHashes(1)))
 	}
 	time.Sleep(50 * time.Millisecond)
 	done := make(chan struct{})
@@ -400,7 +400,7 @@ func TestSubscriberDropsOtherRanks(t *testing.T) {
 			s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint(), DPRank: 1, CheckDPRank: true})
 			waitSubscribed(t, p)
 			for i, rank := range []int64{1, 0, 2, -1, 1} {
-				b := stampBatch(i, ints(uint64(i+1)))
+				b := stampBatch(i, kveventstest.IntHashes(uint64(i+1)))
 				b.DPRank, b.HasDPRank = rank, rank >= 0
 				publish(t, p, b)
 			}

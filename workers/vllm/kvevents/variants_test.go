@@ -40,8 +40,8 @@ func TestPublisherVariantsIndex(t *testing.T) {
 				s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint()})
 				waitSubscribed(t, p)
 
-				tokens, loraTokens, cpuTokens := seq(100, 12), seq(900, 4), seq(700, 4)
-				h := ints(11, 12, 13, 14, 15)
+				tokens, loraTokens, cpuTokens := kveventstest.TokenRun(100, 12), kveventstest.TokenRun(900, 4), kveventstest.TokenRun(700, 4)
+				h := kveventstest.IntHashes(11, 12, 13, 14, 15)
 				publish(t, p, kvevents.Batch{TS: 1, HasDPRank: true, Events: []kvevents.Event{
 					&kvevents.BlockStored{BlockHashes: h[:2], TokenIDs: tokens[:8], BlockSize: 4, Medium: "GPU"},
 					&kvevents.BlockStored{BlockHashes: h[2:3], Parent: h[1], TokenIDs: tokens[8:], BlockSize: 4},
