@@ -81,15 +81,16 @@ func offsetPort(endpoint string, r int) (string, error) {
 // prefixed with field. w may be discovery's template: each endpoint
 // discovered is then an engine of that many ranks.
 func validateRanks(w WorkerConfig, field string) error {
+	kind := kindOfWorker(w)
 	n := w.DataParallelSize
 	switch {
 	case n == 0 || n == 1:
 		return nil
 	case n < 0 || n > maxDataParallelSize:
 		return fmt.Errorf("%s.data_parallel_size: must be 1–%d, got %d", field, maxDataParallelSize, n)
-	case !kindOfWorker(w).DataParallel:
+	case !kind.DataParallel:
 		return fmt.Errorf("%s.data_parallel_size: only %s workers have it (kind is %s)", field, kindList("and", dataParallel), w.Kind)
-	case kindOfWorker(w).DataParallelColocated && w.Role != "" && w.Role != RoleBoth:
+	case kind.DataParallelColocated && w.Role != "" && w.Role != RoleBoth:
 		// Its decode ranks would need the prefill rank's index
 		// (disagg_prefill_dp_rank), which baton does not send.
 		return fmt.Errorf("%s.data_parallel_size: %s ranks serve colocated only (role is %s)", field, w.Kind, w.Role)

@@ -98,10 +98,8 @@ func tokenizes(w WorkerConfig) bool {
 
 // Capabilities of kinds, for the configuration's checks and messages.
 func canPD(k *engine.Kind) bool          { return k.PD != engine.NoPD }
-func urlKind(k *engine.Kind) bool        { return k.URL }
 func hasBootstrap(k *engine.Kind) bool   { return k.Bootstrap }
 func dataParallel(k *engine.Kind) bool   { return k.DataParallel }
 func hasEvents(k *engine.Kind) bool      { return k.Events }
-func scraped(k *engine.Kind) bool        { return k.Scrape != nil }
 func loadsAdapters(k *engine.Kind) bool  { return k.LoadsAdapters }
 func configuredCost(k *engine.Kind) bool { return !k.SelfReported }

@@ -426,7 +426,6 @@ func (x *Index) RemoveWorker(name string) {
 // request ends.
 func (x *Index) Predict(name string, keys []uint64) {
 	now := x.cfg.Now().UnixNano()
-	until := now + int64(x.cfg.PredictTTL)
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	w := x.workers.get(name)
@@ -436,15 +435,7 @@ func (x *Index) Predict(name string, keys []uint64) {
 	// Requests routed while the blocks are written, which waits for the
 	// table's lock, see this one's prefill pending at once: every block
 	// counts until the write finds those the worker held.
-	all := int64(len(keys))
-	gen := w.predicted(all, now, &x.cfg)
-	var added int64
-	if w.learning() {
-		added = x.learn(w, keys, true)
-	} else {
-		added = w.grp.blocks.predict(keys, w.bit(), now, until)
-	}
-	w.held(all-added, gen)
+	x.place(w, keys, w.predicted(int64(len(keys)), now, &x.cfg), now, true)
 	if x.cfg.OnPredict != nil {
 		x.cfg.OnPredict(name, keys)
 	}
@@ -469,16 +460,23 @@ func (x *Index) Shared(name string, keys []uint64) bool {
 	if w == nil {
 		return false
 	}
+	x.place(w, keys, w.addPending(int64(len(keys)), now, &x.cfg), now, false)
+	return true
+}
+
+// place records keys as predicted on w (held, on a learned worker, as a
+// request in flight when busy), all of them counted in its pending
+// prefill (generation gen) and those it held taken off again.
+// x.workers.mu is held.
+func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) {
 	all := int64(len(keys))
-	gen := w.addPending(all, now, &x.cfg)
 	var added int64
 	if w.learning() {
-		added = x.learn(w, keys, false)
+		added = x.learn(w, keys, busy)
 	} else {
 		added = w.grp.blocks.predict(keys, w.bit(), now, now+int64(x.cfg.PredictTTL))
 	}
 	w.held(all-added, gen)
-	return true
 }
 
 // learn records keys on the learned worker w, within its capacity, as a
