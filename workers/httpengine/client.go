@@ -147,7 +147,7 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	if c.hc == nil {
 		tr := newTransport(c.headerTimeout)
 		tr.TLSClientConfig = c.tls
-		c.hc = &http.Client{Transport: tr}
+		c.hc = &http.Client{Transport: newH1Transport(c.headerTimeout, tr)}
 	}
 	return c, nil
 }
