@@ -6,14 +6,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"slices"
 	"strconv"
 	"time"
 
 	"github.com/batonllm/baton/scheduler/metrics"
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
-	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
 	"github.com/batonllm/baton/workers/httpengine"
 	"github.com/batonllm/baton/workers/openai"
@@ -23,21 +21,6 @@ import (
 // picking through the routing pipeline, the queue, attempts and retries,
 // disaggregated prefill (disagg.go), relaying the stream and reporting the
 // outcome, exactly one of them, to the client, the breakers and metrics.
-
-// released wakes requests waiting in the queue: a worker has one request
-// fewer in flight.
-func (s *Server) released() {
-	s.freedMu.Lock()
-	close(s.freed)
-	s.freed = make(chan struct{})
-	s.freedMu.Unlock()
-}
-
-func (s *Server) freedChan() <-chan struct{} {
-	s.freedMu.Lock()
-	defer s.freedMu.Unlock()
-	return s.freed
-}
 
 // exchange is one request's trip through routing and workers.
 type exchange struct {
@@ -63,12 +46,10 @@ type exchange struct {
 	// request arrived, else nil: the request is served colocated.
 	dz *Disagg
 	// ctx is the request's; adapter is how its LoRA adapter was found
-	// on the worker picked last (held or loaded), empty for a base model.
+	// on the generating worker picked last (held or loaded), empty for a
+	// base model.
 	ctx     context.Context
 	adapter string
-	// unpin ends the pin of the request's adapter on the worker of the
-	// last successful pick (loader.route), nil when there is none.
-	unpin func()
 	// prefillAdapter is how the adapter was found on the prefill worker
 	// picked last, when disaggregated (held or loaded).
 	prefillAdapter string
@@ -97,39 +78,15 @@ func (x *exchange) run(ctx context.Context) string {
 	s := x.s
 	var lastErr error
 	for attempt := 0; attempt <= s.cfg.Retries; attempt++ {
-		d, err := x.pick(true)
-		if errors.Is(err, routing.ErrFull) {
-			d, err = x.wait(ctx)
-		}
-		wk := d.Worker
+		att, err := x.decide(ctx)
 		if err != nil {
 			if lastErr != nil {
 				err = lastErr
 			}
 			return x.fail(ctx, err)
 		}
-		// The adapter is in use on wk until the attempt ends, pinned since
-		// the pick: never unloaded under it.
-		att, err := routing.Start(x.genStrategy(), x.rreq, d, routing.Hooks{Unpin: x.takePin(), Released: s.released})
-		if err != nil {
-			// The breaker refused between the pick and the call.
-			x.tried = append(x.tried, wk)
-			attempt--
-			if len(x.tried) > len(s.pool.Snapshot().Workers) {
-				return x.fail(ctx, routing.ErrNoWorker)
-			}
-			continue
-		}
-		x.att = att
-		x.worker = wk.Name
-		x.predicted = -1
-		s.metrics.Decisions.WithLabelValues(x.genStrategy().Name(), d.Reason.String()).Inc()
-		if x.dz == nil && s.usesKeys {
-			x.predicted = d.PredictedCached
-		}
-		if d.Spill && d.Home != nil {
-			s.metrics.Spills.WithLabelValues(x.strategy, d.Home.Name).Inc()
-		}
+		d := att.Decision()
+		wk := d.Worker
 		h := x.w.Header()
 		h.Set(HeaderWorker, wk.Name)
 		var p *plan
@@ -209,92 +166,6 @@ func (x *exchange) run(ctx context.Context) string {
 var errOverloaded = &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeOverloaded, Code: "overloaded",
 	Message: "every worker is at capacity and the scheduler's queue is full; retry later", RetryAfter: 1}
 
-// wait is called when every worker that could serve the request is at
-// capacity (MaxInFlight): the request waits in the scheduler's bounded
-// queue, running the pipeline again each time a worker frees up. A full
-// queue or a wait past QueueTimeout is a 429. Without a queue, the
-// least-loaded worker takes the request at once.
-func (x *exchange) wait(ctx context.Context) (routing.Decision, error) {
-	s := x.s
-	if s.queue == nil {
-		return x.pickWith(s.fallback, false)
-	}
-	select {
-	case s.queue <- struct{}{}:
-	default:
-		s.metrics.QueueRejections.WithLabelValues("full").Inc()
-		return routing.Decision{}, errOverloaded
-	}
-	defer func() { <-s.queue }()
-	s.metrics.QueueDepth.Inc()
-	defer s.metrics.QueueDepth.Dec()
-	timer := time.NewTimer(s.cfg.QueueTimeout)
-	defer timer.Stop()
-	for {
-		freed := s.freedChan()
-		d, err := x.pick(true)
-		if !errors.Is(err, routing.ErrFull) {
-			return d, err
-		}
-		select {
-		case <-freed:
-		case <-timer.C:
-			s.metrics.QueueRejections.WithLabelValues("timeout").Inc()
-			return d, errOverloaded
-		case <-ctx.Done():
-			return d, ctx.Err()
-		}
-	}
-}
-
-// pick runs the pipeline of the strategy that picks the generating
-// worker, skipping the workers this request already tried and, with
-// capacity, those at MaxInFlight (then routing.ErrFull when all are).
-func (x *exchange) pick(capacity bool) (routing.Decision, error) {
-	return x.pickWith(x.genStrategy(), capacity)
-}
-
-func (x *exchange) pickWith(strategy routing.Strategy, capacity bool) (routing.Decision, error) {
-	snap := x.s.pool.Snapshot()
-	x.rreq.Tried, x.rreq.MaxInFlight = x.tried, 0
-	if capacity {
-		x.rreq.MaxInFlight = x.s.cfg.MaxInFlight
-	}
-	obs := x.s.timersFor(strategy.Name())
-	cpu0, tid0, cpuOK := threadCPU()
-	t0 := time.Now()
-	var d routing.Decision
-	var err error
-	if avoid := x.pairOnly(snap); len(avoid) > 0 {
-		// A short prompt goes to a worker that serves it alone, while
-		// one is there to take it; else it pairs.
-		x.rreq.Tried = append(slices.Clip(x.tried), avoid...)
-		d, err = strategy.Pick(x.rreq, snap)
-		x.rreq.Tried = x.tried
-		if err != nil {
-			d, err = strategy.Pick(x.rreq, snap)
-		}
-	} else {
-		d, err = strategy.Pick(x.rreq, snap)
-	}
-	wall := time.Since(t0)
-	cpu1, tid1, ok := threadCPU()
-	obs.wall.Observe(wall.Seconds())
-	if cpuOK && ok && tid1 == tid0 {
-		obs.cpu.Observe((cpu1 - cpu0).Seconds())
-	}
-	if x.rreq.Adapter != "" && x.s.lora != nil {
-		x.takePin()() // a pick not served (none is)
-		d, x.adapter, x.unpin, err = x.s.lora.route(x.ctx, x.rreq, strategy, d, err)
-		if x.dz != nil && errors.Is(err, engine.ErrUnknownModel) && x.s.loraPrefill.servable(x.s.lora.byName[x.rreq.Adapter]) {
-			// Prefill workers could take it, but no decode worker can,
-			// and they do not decode.
-			err = fmt.Errorf("%w %s: no decode worker holds it or can load it, and prefill workers do not decode", errNoAdapterWorker, x.rreq.Adapter)
-		}
-	}
-	return d, err
-}
-
 // adapterRoute is what X-Baton-Route says of a disaggregated request's
 // adapter: how the decode worker had it and, when remote is true (a
 // prefill worker computed the prompt), how the prefill worker had it.
@@ -307,35 +178,6 @@ func (x *exchange) adapterRoute(remote bool) string {
 		r += "; prefill_adapter=" + x.prefillAdapter
 	}
 	return r
-}
-
-// takePin returns the end of the pin of the last pick's adapter, a no-op
-// when there is none, and leaves none in x.
-func (x *exchange) takePin() func() {
-	unpin := x.unpin
-	x.unpin = nil
-	if unpin == nil {
-		return func() {}
-	}
-	return unpin
-}
-
-// pairOnly returns, for a disaggregated request whose prompt is shorter
-// than MinRemoteTokens, the workers of snap that cannot serve it alone:
-// SGLang decode engines (--disaggregation-mode decode), which only ever
-// decode what a paired prefill engine sends them. vLLM decode engines and
-// baton workers prefill short prompts themselves.
-func (x *exchange) pairOnly(snap *pool.Snapshot) []*pool.Worker {
-	if x.dz == nil || blockkey.Tokens(blockkey.Chars(x.req.Prompt)) >= x.dz.MinRemoteTokens {
-		return nil
-	}
-	var out []*pool.Worker
-	for _, w := range snap.Workers {
-		if protocolOf(w) == httpengine.Bootstrap {
-			out = append(out, w)
-		}
-	}
-	return out
 }
 
 // serve runs the request on wk and reports whether anything reached the

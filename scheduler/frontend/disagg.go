@@ -113,7 +113,7 @@ func (x *exchange) prefillLoop(ctx context.Context, dw *pool.Worker, p pairing) 
 	var tried []*pool.Worker
 	var lastErr error
 	for i := 0; i <= dz.Retries; i++ {
-		pd, unpin, err := x.pickPrefill(tried)
+		att, err := x.startPrefill(&tried, p.speaks)
 		if err != nil {
 			if i == 0 {
 				reason := reasonNoPrefillWorker
@@ -125,17 +125,8 @@ func (x *exchange) prefillLoop(ctx context.Context, dw *pool.Worker, p pairing) 
 			}
 			break
 		}
-		pw := pd.Worker
+		pw := att.Worker()
 		tried = append(tried, pw)
-		if !p.speaks(pw) {
-			unpin()
-			continue
-		}
-		att, err := routing.Start(s.strategy, x.rreq, pd, routing.Hooks{Unpin: unpin})
-		if err != nil {
-			continue
-		}
-		m.Decisions.WithLabelValues(s.strategy.Name(), pd.Reason.String()).Inc()
 		info, err := p.try(ctx, pw, i)
 		if info.FirstToken > 0 {
 			att.FirstToken(info.FirstToken)
@@ -299,41 +290,6 @@ func (x *exchange) pushed(res *engine.PrefillResult) {
 		m.TransferFailures.WithLabelValues("corrupt").Inc()
 	}
 	m.TransferDuration.Observe(res.Transfer.Seconds())
-}
-
-// pickPrefill picks a prefill worker by the prefill strategy, skipping
-// those already tried. A request for a LoRA adapter is prefilled by a
-// worker holding it, as it is decoded by one: the adapter is loaded onto a
-// prefill worker when none holds it or all are busy (loader.route, one
-// load however many requests wait), and unpin, called once the prefill
-// ended, keeps it there meanwhile. A request no prefill worker can take
-// now (errPrefillAdapter) does not wait for one: its decode worker, which
-// holds the adapter, prefills it.
-func (x *exchange) pickPrefill(tried []*pool.Worker) (d routing.Decision, unpin func(), err error) {
-	strategy := x.s.strategy
-	x.rreq.Tried, x.rreq.MaxInFlight = tried, 0
-	obs := x.s.timersFor(strategy.Name())
-	t0 := time.Now()
-	d, err = strategy.Pick(x.rreq, x.dz.Pool.Snapshot())
-	obs.wall.Observe(time.Since(t0).Seconds())
-	unpin = func() {}
-	x.prefillAdapter = ""
-	if x.rreq.Adapter != "" && x.s.loraPrefill != nil {
-		var how string
-		var end func()
-		if d, how, end, err = x.s.loraPrefill.route(x.ctx, x.rreq, strategy, d, err); err != nil {
-			return d, unpin, fmt.Errorf("%w: %w", errPrefillAdapter, err)
-		}
-		unpin, x.prefillAdapter = end, how
-	}
-	if err != nil {
-		return d, unpin, err
-	}
-	if d.Spill && d.Home != nil {
-		x.s.metrics.Spills.WithLabelValues(strategy.Name(), d.Home.Name).Inc()
-	}
-	x.route = d.RouteHit(strategy.Name(), x.rreq.Tokens)
-	return d, unpin, nil
 }
 
 // failureReason labels a prefill failure.

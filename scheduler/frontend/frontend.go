@@ -58,6 +58,9 @@ type Server struct {
 	// loraPrefill loads adapters onto the disaggregation's prefill
 	// workers (nil: no adapters, or no disaggregation).
 	loraPrefill *loader
+	// gen picks the workers that generate; prefill the prefill workers
+	// (nil without disaggregation).
+	gen, prefill *picker
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
@@ -149,6 +152,10 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 			s.loraPrefill = &loader{cfg: s.lora.cfg, byName: s.lora.byName, metrics: s.lora.metrics, pool: s.disagg.Pool,
 				log: log, freed: s.released, loads: make(map[string]*adapterLoad)}
 		}
+	}
+	s.gen = &picker{s: s, pool: p, lora: s.lora, released: s.released}
+	if s.disagg != nil {
+		s.prefill = &picker{s: s, pool: s.disagg.Pool, lora: s.loraPrefill}
 	}
 	if s.cfg.MaxQueue > 0 {
 		s.queue = make(chan struct{}, s.cfg.MaxQueue)
@@ -307,7 +314,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	defer cancel()
 	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated(), ctx: ctx}
 	outcome := x.run(ctx)
-	x.takePin()() // none is left, but never leak one
 	if s.admission != nil {
 		s.admission.Done(r.Context(), x.used)
 	}
