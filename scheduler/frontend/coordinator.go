@@ -13,7 +13,6 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/engine"
-	"github.com/batonllm/baton/workers/httpengine"
 	"github.com/batonllm/baton/workers/openai"
 )
 
@@ -92,22 +91,7 @@ func (x *exchange) run(ctx context.Context) string {
 		var p *plan
 		if x.dz != nil {
 			h.Del(HeaderPrefillWorker)
-			switch proto := protocolOf(wk); {
-			case proto == httpengine.NIXL:
-				// Every attempt pairs anew: the prefill engine holds its
-				// blocks for its pair's decode request only.
-				p = x.prefillNIXL(ctx, wk, attempt)
-			case proto == httpengine.Bootstrap:
-				// Prefill and decode run at once (serveBootstrap).
-				p = &plan{protocol: proto}
-			case attempt == 0:
-				// Later attempts prefill on their decode worker: the
-				// transfer went to the one that failed.
-				p = x.prefill(ctx, wk)
-			default:
-				x.disagg = "local(decode_retry)"
-				s.metrics.Fallbacks.WithLabelValues("decode_retry").Inc()
-			}
+			p = handoffOf(wk).prepare(ctx, x, wk, attempt)
 			route := x.route // the prefill decision's
 			if p == nil {
 				route = s.name
@@ -191,39 +175,39 @@ func (x *exchange) serve(ctx context.Context, wk *pool.Worker, p *plan) (bool, e
 		x.lastTok = now
 		x.att.FirstToken(now.Sub(x.start))
 	}
-	if pr, ok := wk.Client.(engine.Proxier); ok {
-		var res engine.ProxyResult
-		var err error
-		switch {
-		case p != nil && p.protocol == httpengine.Bootstrap:
-			return x.serveBootstrap(ctx, wk, firstToken)
-		case p != nil && p.protocol == httpengine.NIXL && p.cached >= 0:
-			res, err = wk.Client.(engineDisaggregator).ProxyCached(ctx, p.decode, x.w, firstToken, p.cached)
-		case p != nil && p.protocol == httpengine.NIXL:
-			res, err = pr.Proxy(ctx, p.decode, x.w, firstToken)
-		default:
-			res, err = pr.Proxy(ctx, &x.req.Request, x.w, firstToken)
-		}
-		if res.Usage != nil {
-			x.usage(wk, res.Usage)
-		}
-		if err == nil && res.Status >= 400 {
-			return res.Written, pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
-		}
-		return res.Written, err
-	}
-	var stream engine.Stream
-	var err error
 	if p != nil {
-		stream, err = x.decode(ctx, wk, p)
-	} else {
-		stream, err = wk.Client.Generate(ctx, &x.req.Request)
+		return p.via.serve(ctx, x, wk, p, firstToken)
 	}
+	if pr, ok := wk.Client.(engine.Proxier); ok {
+		res, err := pr.Proxy(ctx, &x.req.Request, x.w, firstToken)
+		return x.proxied(wk, res, err)
+	}
+	stream, err := wk.Client.Generate(ctx, &x.req.Request)
 	if err != nil {
 		return false, err
 	}
+	return x.relay(ctx, wk, stream, firstToken)
+}
+
+// proxied is the outcome of a response an engine's client relayed
+// (engine.Proxier): its usage recorded, an error status the request's
+// fault.
+func (x *exchange) proxied(wk *pool.Worker, res engine.ProxyResult, err error) (bool, error) {
+	if res.Usage != nil {
+		x.usage(wk, res.Usage)
+	}
+	if err == nil && res.Status >= 400 {
+		return res.Written, pool.ClientError(fmt.Errorf("engine answered %d", res.Status))
+	}
+	return res.Written, err
+}
+
+// relay writes a worker's stream to the client in the OpenAI format and
+// reports whether anything reached it.
+func (x *exchange) relay(ctx context.Context, wk *pool.Worker, stream engine.Stream, firstToken func()) (bool, error) {
 	defer stream.Close()
 	stream = drainStream{stream, ctx}
+	m := x.s.metrics
 	inter := m.InterToken.WithLabelValues(x.strategy)
 	final, written, err := openai.Write(x.w, x.req, x.req.ID, stream, &openai.Observer{
 		FirstToken: firstToken,

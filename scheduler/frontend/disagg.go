@@ -11,7 +11,6 @@ import (
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
-	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // HeaderPrefillWorker names the prefill worker when one computed the
@@ -63,13 +62,12 @@ type plan struct {
 	transferID string
 	result     *engine.PrefillResult
 	worker     string // the prefill worker
-	// protocol is the engines' own protocol, when they hand blocks off
-	// by one (disagg_engine.go): decode is then the NIXL decode request,
-	// and cached the prompt tokens to report cached (-1: the decode
-	// engine's count).
-	protocol httpengine.Protocol
-	decode   *engine.Request
-	cached   int
+	// via is the handoff that made the plan and serves it.
+	via handoff
+	// decode is the NIXL decode request, and cached the prompt tokens to
+	// report cached (-1: the decode engine's count).
+	decode *engine.Request
+	cached int
 }
 
 // A pairing is one protocol's part in a remote prefill (prefillLoop): which
@@ -186,10 +184,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	var id string
 	var res *engine.PrefillResult
 	e := x.prefillLoop(ctx, dw, pairing{
-		speaks: func(pw *pool.Worker) bool {
-			_, ok := pw.Client.(engine.Disaggregator)
-			return ok
-		},
+		speaks: pushHandoff{}.speaks,
 		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
 			id = x.req.ID + "-" + strconv.Itoa(i)
 			called := time.Now()
@@ -219,7 +214,7 @@ func (x *exchange) prefill(ctx context.Context, dw *pool.Worker) *plan {
 	m.TTFTPhase.WithLabelValues("transfer").Observe(res.Transfer.Seconds())
 	x.w.Header().Set(HeaderPrefillWorker, e.worker.Name)
 	x.disagg = "remote"
-	return &plan{transferID: id, result: res, worker: e.worker.Name}
+	return &plan{via: pushHandoff{}, transferID: id, result: res, worker: e.worker.Name}
 }
 
 // prefillDone is the outcome of a remote prefill called at called for a
@@ -276,7 +271,7 @@ func (x *exchange) copyPrefix(ctx context.Context, holder, dw *pool.Worker) *pla
 	m.PrefixCopies.WithLabelValues("copied").Inc()
 	x.pushed(res)
 	x.w.Header().Set(HeaderPrefillWorker, holder.Name)
-	return &plan{transferID: id, result: res, worker: holder.Name}
+	return &plan{via: pushHandoff{}, transferID: id, result: res, worker: holder.Name}
 }
 
 // pushed records a prefill's push of KV blocks to another worker.

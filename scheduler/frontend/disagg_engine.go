@@ -49,14 +49,6 @@ type engineDisaggregator interface {
 	ProxyCachedFunc(ctx context.Context, req *engine.Request, w http.ResponseWriter, onFirstToken func(), cached func() (int, bool)) (engine.ProxyResult, error)
 }
 
-// protocolOf returns the disaggregation protocol of wk's engine.
-func protocolOf(wk *pool.Worker) httpengine.Protocol {
-	if d, ok := wk.Client.(engineDisaggregator); ok {
-		return d.Protocol()
-	}
-	return httpengine.Colocated
-}
-
 // newRoom returns a bootstrap room: SGLang's are random 63-bit integers.
 var newRoom = func() uint64 { return uint64(rand.Int64()) }
 
@@ -76,7 +68,7 @@ func (x *exchange) prefillNIXL(ctx context.Context, dw *pool.Worker, attempt int
 	var res *httpengine.NIXLResult
 	var called time.Time
 	e := x.prefillLoop(ctx, dw, pairing{
-		speaks: func(pw *pool.Worker) bool { return protocolOf(pw) == httpengine.NIXL },
+		speaks: nixlHandoff{}.speaks,
 		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
 			// Both requests of a pair carry its id (X-Request-Id): vLLM
 			// keys the blocks it holds for the decode engine by it.
@@ -111,7 +103,7 @@ func (x *exchange) prefillNIXL(ctx context.Context, dw *pool.Worker, attempt int
 	m.TTFTPhase.WithLabelValues("prefill").Observe(time.Since(called).Seconds())
 	x.w.Header().Set(HeaderPrefillWorker, e.worker.Name)
 	x.disagg = "remote"
-	return &plan{worker: e.worker.Name, protocol: httpengine.NIXL, decode: &req, cached: cached}
+	return &plan{via: nixlHandoff{}, worker: e.worker.Name, decode: &req, cached: cached}
 }
 
 // errPrefillFailed cancels a Bootstrap decode whose prefill failed.
@@ -133,7 +125,7 @@ func (x *exchange) serveBootstrap(ctx context.Context, dw *pool.Worker, firstTok
 	var written bool
 	var err error
 	e := x.prefillLoop(ctx, dw, pairing{
-		speaks: func(pw *pool.Worker) bool { return protocolOf(pw) == httpengine.Bootstrap },
+		speaks: bootstrapHandoff{}.speaks,
 		try: func(ctx context.Context, pw *pool.Worker, i int) (routing.DoneInfo, error) {
 			pc := pw.Client.(engineDisaggregator)
 			host, port := pc.Bootstrap()

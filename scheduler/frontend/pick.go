@@ -11,7 +11,6 @@ import (
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/transfer/blockkey"
 	"github.com/batonllm/baton/workers/engine"
-	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // Picking. Every worker the front end sends a request to is chosen here,
@@ -234,7 +233,7 @@ func (x *exchange) pairOnly(snap *pool.Snapshot) []*pool.Worker {
 	}
 	var out []*pool.Worker
 	for _, w := range snap.Workers {
-		if protocolOf(w) == httpengine.Bootstrap {
+		if !handoffOf(w).alone() {
 			out = append(out, w)
 		}
 	}
