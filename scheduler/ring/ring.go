@@ -3,13 +3,17 @@
 // members moves about 1/N of the keys, and only to or from that member.
 //
 // A Ring is immutable once built and safe for concurrent use. Lookups and
-// walks binary-search a sorted slice of points and do not allocate.
+// walks binary-search a sorted slice of points and do not allocate. Its
+// points are placed at its first lookup or walk, not by New: a pool that
+// adds a thousand workers one by one publishes a ring per addition, and
+// only the last is ever read.
 package ring
 
 import (
 	"cmp"
 	"encoding/binary"
 	"slices"
+	"sync"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -23,6 +27,8 @@ const DefaultVirtualNodes = 160
 // Ring maps 64-bit keys to members. Member i is members[i] as given to New.
 type Ring struct {
 	members []string
+	vnodes  int
+	once    sync.Once
 	points  []uint64 // sorted hashes of the virtual nodes
 	owners  []int32  // owners[j] is the member index of points[j]
 }
@@ -34,6 +40,17 @@ type Ring struct {
 func New(members []string, vnodes int) *Ring {
 	if vnodes <= 0 {
 		vnodes = DefaultVirtualNodes
+	}
+	return &Ring{members: slices.Clone(members), vnodes: vnodes}
+}
+
+// place computes the ring's points, once.
+func (r *Ring) place() { r.once.Do(r.build) }
+
+func (r *Ring) build() {
+	members, vnodes := r.members, r.vnodes
+	if vnodes == 0 {
+		return // placed by hand (tests)
 	}
 	type point struct {
 		hash  uint64
@@ -61,16 +78,12 @@ func New(members []string, vnodes int) *Ring {
 		}
 		return cmp.Compare(members[a.owner], members[b.owner])
 	})
-	r := &Ring{
-		members: slices.Clone(members),
-		points:  make([]uint64, len(pts)),
-		owners:  make([]int32, len(pts)),
-	}
+	r.points = make([]uint64, len(pts))
+	r.owners = make([]int32, len(pts))
 	for j, p := range pts {
 		r.points[j] = p.hash
 		r.owners[j] = p.owner
 	}
-	return r
 }
 
 // Len returns the number of members.
@@ -82,6 +95,7 @@ func (r *Ring) Member(i int) string { return r.members[i] }
 // Lookup returns the index of the member owning key: the owner of the first
 // point at or after key, wrapping around. It returns -1 if the ring is empty.
 func (r *Ring) Lookup(key uint64) int {
+	r.place()
 	if len(r.points) == 0 {
 		return -1
 	}
@@ -95,6 +109,7 @@ func (r *Ring) Lookup(key uint64) int {
 // members were absent. Walk does not allocate for rings of up to 1,024
 // members.
 func (r *Ring) Walk(key uint64, fn func(member int) bool) {
+	r.place()
 	if len(r.points) == 0 {
 		return
 	}

@@ -96,6 +96,10 @@ func TestNew(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(fmt.Sprintf("%v/%d", tt.members, tt.vnodes), func(t *testing.T) {
 			r := New(tt.members, tt.vnodes)
+			if len(r.points) != 0 {
+				t.Errorf("New placed %d points before any lookup", len(r.points))
+			}
+			r.place()
 			if got := len(r.points); got != tt.wantPoints {
 				t.Errorf("points = %d, want %d", got, tt.wantPoints)
 			}

@@ -1,6 +1,7 @@
 package vllm
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -8,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -93,10 +95,24 @@ func Parse(r io.Reader, e Engine) (Metrics, error) {
 // ParseEngine is Parse of the series of one data-parallel engine: those
 // labelled with its index (vLLM's engine="r", SGLang's dp_rank="r"), and
 // those of families that label none. "" reads every series.
+//
+// Only the lines of the families it reads reach the text parser: an
+// engine's page is tens of kilobytes (vLLM's request histograms, the HTTP
+// server's and the process's metrics) of which it reads a dozen lines, and
+// a scheduler in front of a thousand engines reads four thousand pages a
+// second. A syntax error in a family it does not read is not seen.
 func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, perr := p.TextToMetricFamilies(r)
 	n := engineNames[e]
+	buf := pageBuffers.Get().(*pageBuffer)
+	defer pageBuffers.Put(buf)
+	var rerr error
+	buf.page, rerr = readAll(r, buf.page[:0])
+	buf.kept = n.keep(buf.page, buf.kept[:0])
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, perr := p.TextToMetricFamilies(bytes.NewReader(buf.kept))
+	if perr == nil && rerr != nil {
+		perr = rerr
+	}
 	if engine != "" && n.rankLabel != "" {
 		for _, f := range fams {
 			f.Metric = engineSeries(f.Metric, n.rankLabel, engine)
@@ -303,4 +319,86 @@ func loraInfo(f *dto.MetricFamily, problems *[]string) (adapters []string, maxLo
 	}
 	slices.Sort(adapters)
 	return adapters, maxLoRAs, len(latest) > 0
+}
+
+// pageBuffer holds a page read and the lines of it kept for the parser.
+type pageBuffer struct{ page, kept []byte }
+
+var pageBuffers = sync.Pool{New: func() any { return new(pageBuffer) }}
+
+// readAll appends r's bytes to b.
+func readAll(r io.Reader, b []byte) ([]byte, error) {
+	for {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+	}
+}
+
+// keep appends to dst the lines of page that belong to the families n
+// reads: their samples and their HELP and TYPE comments. Other comments
+// and other families' lines are left out.
+func (n names) keep(page, dst []byte) []byte {
+	for len(page) > 0 {
+		line := page
+		if i := bytes.IndexByte(page, '\n'); i >= 0 {
+			line, page = page[:i+1], page[i+1:]
+		} else {
+			page = nil
+		}
+		if n.readsLine(line) {
+			dst = append(dst, line...)
+			if dst[len(dst)-1] != '\n' {
+				dst = append(dst, '\n')
+			}
+		}
+	}
+	return dst
+}
+
+// readsLine reports whether a line of the text format is a sample of a
+// family n reads, or its HELP or TYPE comment.
+func (n names) readsLine(line []byte) bool {
+	line = bytes.TrimLeft(line, " \t")
+	if len(line) == 0 {
+		return false
+	}
+	if line[0] == '#' {
+		rest := bytes.TrimLeft(line[1:], " \t")
+		if !bytes.HasPrefix(rest, []byte("HELP")) && !bytes.HasPrefix(rest, []byte("TYPE")) {
+			return false
+		}
+		line = bytes.TrimLeft(rest[4:], " \t")
+	}
+	for _, f := range [...]string{n.running, n.waiting, n.cacheInfo, n.loraInfo, n.kvTokens} {
+		if named(line, f) {
+			return true
+		}
+	}
+	for _, f := range n.usage {
+		if named(line, f) {
+			return true
+		}
+	}
+	return false
+}
+
+// named reports whether line starts with the metric name f, whole.
+func named(line []byte, f string) bool {
+	if f == "" || len(line) <= len(f) || string(line[:len(f)]) != f {
+		return false
+	}
+	switch line[len(f)] {
+	case '{', ' ', '\t', '\r', '\n':
+		return true
+	}
+	return false
 }

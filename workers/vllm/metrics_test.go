@@ -1,9 +1,11 @@
 package vllm_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/batonllm/baton/workers/vllm"
+	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -93,7 +96,10 @@ vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="100"} 1
 		}},
 		{name: "vllm text read as sglang", engine: vllm.SGLang, text: vllmText,
 			garbage: "sglang:num_running_reqs missing; sglang:num_queue_reqs missing"},
-		{name: "not metrics", engine: vllm.VLLM, text: "<html>502 Bad Gateway</html>\n", garbage: "text format parsing error"},
+		{name: "not metrics", engine: vllm.VLLM, text: "<html>502 Bad Gateway</html>\n", garbage: "vllm:num_requests_running missing"},
+		{name: "garbage in a family not read", engine: vllm.VLLM,
+			text: "# HELP x broken\nhttp_requests_total{handler= 3\n# some comment\nvllm:num_requests_running 1\nvllm:num_requests_waiting 2",
+			want: vllm.Metrics{Running: 1, Waiting: 2, HasLoad: true}},
 		{name: "garbage after the load", engine: vllm.VLLM,
 			text:    "vllm:num_requests_running 1\nvllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc{ 0.5\n",
 			want:    vllm.Metrics{Running: 1, Waiting: 2, HasLoad: true},
@@ -228,6 +234,33 @@ sglang:max_total_num_tokens{dp_rank="1",engine_type="unified",model_name="m",pp_
 		}
 		if diff := cmp.Diff(tt.want, got); diff != "" {
 			t.Errorf("rank %q (-want +got):\n%s", tt.rank, diff)
+		}
+	}
+}
+
+// BenchmarkParsePage parses a whole /metrics page of the fake vLLM
+// (vllmtest: vLLM's request histograms, HTTP and process metrics, about
+// 47 KB), as a scraper does four times a second per engine.
+func BenchmarkParsePage(b *testing.B) {
+	s, err := vllmtest.New(vllmtest.Config{NoEvents: true, TimeScale: 1e6})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	resp, err := http.Get(s.URL + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	page, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(page)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if m, err := vllm.Parse(bytes.NewReader(page), vllm.VLLM); err != nil || !m.HasLoad {
+			b.Fatal(m, err)
 		}
 	}
 }
