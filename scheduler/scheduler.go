@@ -154,7 +154,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		reason := watch.ResyncReason(err)
 		s.Metrics.IndexResyncs.WithLabelValues(worker, reason).Inc()
 		s.log.Info("kv index resync", "worker", worker, "reason", reason, "err", err)
-	}, OnAdapters: s.workerAdapters})
+	}, OnAdapters: s.workerAdapters, ScrapesPerSecond: float64(cfg.ScrapesPerSecond)})
 	s.Metrics.CollectEngines(s.engineCounts)
 	d := cfg.Disaggregation.WithDefaults()
 	// Watching every worker costs the scheduler CPU on each of their cache
@@ -420,6 +420,8 @@ func (s *Scheduler) engineCounts() []metrics.EngineCounts {
 		c := metrics.EngineCounts{
 			Worker:  e.Worker,
 			Scrapes: map[string]uint64{"ok": e.Scrapes.OK, "failed": e.Scrapes.Failed, "garbage": e.Scrapes.Garbage},
+
+			ScrapeInterval: e.ScrapeInterval,
 		}
 		if e.HasEvents {
 			t, st := e.Translated, e.Events

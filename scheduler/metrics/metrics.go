@@ -5,6 +5,8 @@
 package metrics
 
 import (
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/sony/gobreaker/v2"
@@ -314,6 +316,9 @@ type EngineCounts struct {
 	// Stream counts what happened to its stream of event batches
 	// (batches, gaps, replays, resets, reconnects, ...).
 	Stream map[string]uint64
+	// ScrapeInterval is the interval between scrapes of its metrics in
+	// use, 0 when unknown.
+	ScrapeInterval time.Duration
 }
 
 var (
@@ -323,6 +328,9 @@ var (
 	kvEventsDesc = prometheus.NewDesc("baton_kv_events_total",
 		"KV cache events of vLLM and SGLang workers by outcome: blocks stored and removed in the index, AllBlocksCleared events (cleared), and the blocks or events dropped (unknown_parent, bad_stored, ...).",
 		[]string{"worker", "outcome"}, nil)
+	scrapeIntervalDesc = prometheus.NewDesc("baton_engine_scrape_interval_seconds",
+		"The interval between scrapes of vLLM and SGLang workers' metrics in use: the configured metrics_interval, or longer while the engines share scrapes_per_second.",
+		[]string{"worker"}, nil)
 	kvStreamDesc = prometheus.NewDesc("baton_kv_event_stream_total",
 		"What happened to vLLM and SGLang workers' streams of KV event batches: batches delivered, decode errors, gaps, replays, resets, reconnects, ...",
 		[]string{"worker", "event"}, nil)
@@ -339,10 +347,14 @@ func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- engineScrapesDesc
 	ch <- kvEventsDesc
 	ch <- kvStreamDesc
+	ch <- scrapeIntervalDesc
 }
 
 func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, e := range c() {
+		if e.ScrapeInterval > 0 {
+			ch <- prometheus.MustNewConstMetric(scrapeIntervalDesc, prometheus.GaugeValue, e.ScrapeInterval.Seconds(), e.Worker)
+		}
 		for _, d := range []struct {
 			desc   *prometheus.Desc
 			counts map[string]uint64

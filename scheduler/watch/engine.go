@@ -93,6 +93,10 @@ type EngineStats struct {
 	// 200) and Garbage (metrics that did not parse or held values baton
 	// cannot use; what was usable still counts).
 	Scrapes struct{ OK, Failed, Garbage uint64 }
+	// ScrapeInterval is the interval between scrapes in use: the
+	// configured one, or longer when the Watcher's engines share its
+	// Config.ScrapesPerSecond.
+	ScrapeInterval time.Duration
 	// HasEvents: the engine's KV events are subscribed to; Events and
 	// Translated count them.
 	HasEvents  bool
@@ -103,6 +107,7 @@ type EngineStats struct {
 // engineState is what EngineStats reads of a running engine.
 type engineState struct {
 	ok, failed, garbage atomic.Uint64
+	interval            atomic.Int64 // the scrape interval in use, in ns
 	sub                 *kvevents.Subscriber
 	tr                  atomic.Pointer[Translator]
 }
@@ -110,6 +115,7 @@ type engineState struct {
 func (s *engineState) stats(name string) EngineStats {
 	st := EngineStats{Worker: name}
 	st.Scrapes.OK, st.Scrapes.Failed, st.Scrapes.Garbage = s.ok.Load(), s.failed.Load(), s.garbage.Load()
+	st.ScrapeInterval = time.Duration(s.interval.Load())
 	if s.sub != nil {
 		st.HasEvents = true
 		st.Events = s.sub.Stats()
@@ -152,7 +158,7 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	wd := &watched{cancel: cancel, done: make(chan struct{}), stats: func() EngineStats { return st.stats(name) }}
 	w.workers[name] = wd
-	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st}
+	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st, w: w}
 	go e.run(ctx, wd.done)
 	return nil
 }
@@ -177,6 +183,7 @@ type engine struct {
 	name string
 	cfg  EngineConfig
 	st   *engineState
+	w    *Watcher
 
 	seq       uint64 // of the last event applied
 	load      kvindex.Load
@@ -226,8 +233,16 @@ func (e *engine) run(ctx context.Context, done chan<- struct{}) {
 
 // scrape scrapes the engine every ScrapeInterval until ctx ends, sending
 // the usable results on out.
+//
+// With more engines than the Watcher's ScrapesPerSecond allows at their
+// intervals, the interval stretches (Watcher.scrapeInterval): it is
+// computed anew after each scrape, so it follows the fleet's size.
 func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
-	t := time.NewTicker(e.cfg.ScrapeInterval)
+	e.w.scraping.Add(1)
+	defer e.w.scraping.Add(-1)
+	every := e.w.scrapeInterval(e.cfg.ScrapeInterval)
+	e.st.interval.Store(int64(every))
+	t := time.NewTicker(every)
 	defer t.Stop()
 	var last string // the problem last logged
 	for {
@@ -259,6 +274,11 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 			default:
 			}
 			out <- m // the only sender: room is left
+		}
+		if d := e.w.scrapeInterval(e.cfg.ScrapeInterval); d != every {
+			every = d
+			e.st.interval.Store(int64(every))
+			t.Reset(every)
 		}
 		select {
 		case <-ctx.Done():

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
@@ -250,5 +252,81 @@ func TestEngineEventsFollowTheModel(t *testing.T) {
 	})
 	if m := match(idx, keys("", a)); m.GPU != 0 {
 		t.Errorf("%d blocks keyed without the model still indexed, want none", m.GPU)
+	}
+}
+
+// countingMetrics counts its scrapes.
+type countingMetrics struct{ n atomic.Int64 }
+
+func (c *countingMetrics) Scrape(context.Context) (vllm.Metrics, error) {
+	c.n.Add(1)
+	return vllm.Metrics{HasLoad: true}, nil
+}
+
+// TestScrapesShareTheBudget: engines scrape at their interval while the
+// Watcher's ScrapesPerSecond allows; past it, their intervals stretch so
+// that together they stay within it, and shrink back as engines leave.
+func TestScrapesShareTheBudget(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		perSec   float64
+		engines  int
+		interval time.Duration
+		want     time.Duration // the interval in use
+	}{
+		{"within the budget", 400, 20, 100 * time.Millisecond, 100 * time.Millisecond},
+		{"past the budget", 40, 20, 100 * time.Millisecond, 500 * time.Millisecond},
+		{"no bound", -1, 20, 100 * time.Millisecond, 100 * time.Millisecond},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				w := watch.New(kvindex.New(kvindex.Config{}), watch.Config{ScrapesPerSecond: tt.perSec})
+				defer w.Close()
+				srcs := make([]*countingMetrics, tt.engines)
+				for i := range srcs {
+					srcs[i] = &countingMetrics{}
+					if err := w.AddEngine(fmt.Sprintf("e%d", i), watch.EngineConfig{Metrics: srcs[i], ScrapeInterval: tt.interval}); err != nil {
+						t.Fatal(err)
+					}
+				}
+				time.Sleep(time.Second) // every engine's loop has started and scraped
+				synctest.Wait()
+				var before int64
+				for _, s := range srcs {
+					before += s.n.Load()
+				}
+				const span = 10 * time.Second
+				time.Sleep(span)
+				synctest.Wait()
+				var n int64
+				for _, s := range srcs {
+					n += s.n.Load()
+				}
+				want := int64(tt.engines) * int64(span/tt.want)
+				if n-before < want-int64(tt.engines) || n-before > want+int64(tt.engines) {
+					t.Errorf("%d scrapes in %s, want %d ± %d", n-before, span, want, tt.engines)
+				}
+				for _, e := range w.Engines() {
+					if e.ScrapeInterval != tt.want {
+						t.Errorf("%s scrapes every %s, want %s", e.Worker, e.ScrapeInterval, tt.want)
+					}
+				}
+				if tt.want == tt.interval {
+					return
+				}
+				// Half the engines leave: the others scrape twice as often,
+				// down to their own interval.
+				for i := range tt.engines / 2 {
+					w.Remove(fmt.Sprintf("e%d", i))
+				}
+				time.Sleep(2 * tt.want)
+				synctest.Wait()
+				for _, e := range w.Engines() {
+					if want := max(tt.interval, tt.want/2); e.ScrapeInterval != want {
+						t.Errorf("after half left, %s scrapes every %s, want %s", e.Worker, e.ScrapeInterval, want)
+					}
+				}
+			})
+		})
 	}
 }
