@@ -39,6 +39,18 @@ type h1Transport struct {
 	idle map[string][]*h1Conn // by host:port, most recently used last
 }
 
+// PlainHTTP returns a round tripper that sends http:// requests as
+// h1Transport does, on the caller's goroutine over pooled keep-alive
+// connections (dialled with a 5s timeout), and everything else (https)
+// through next. Its CloseIdleConnections closes next's too. The vllm and
+// llamacpp packages' scrapers and tokenizers use it.
+func PlainHTTP(next *http.Transport) interface {
+	http.RoundTripper
+	CloseIdleConnections()
+} {
+	return newH1Transport(0, next)
+}
+
 func newH1Transport(headerTimeout time.Duration, next http.RoundTripper) *h1Transport {
 	return &h1Transport{
 		dial: (&net.Dialer{
@@ -187,6 +199,12 @@ func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Reques
 	return resp, nil
 }
 
+// peekAfter is how long a connection stays idle before it is looked at
+// (alive) as it is taken from the pool: engines' servers close idle
+// connections after seconds (uvicorn's keep-alive is 5s), and one closed
+// sooner fails its request before any of it is read, which is sent again.
+const peekAfter = time.Second
+
 // conn returns a pooled connection to addr or dials one; reused reports a
 // pooled one.
 func (t *h1Transport) conn(ctx context.Context, addr string, pooled bool) (pc *h1Conn, reused bool, err error) {
@@ -195,7 +213,8 @@ func (t *h1Transport) conn(ctx context.Context, addr string, pooled bool) (pc *h
 		if pc == nil {
 			break
 		}
-		if t.now().Sub(pc.idleAt) > t.idleTimeout || !alive(pc.nc) {
+		idle := t.now().Sub(pc.idleAt)
+		if idle > t.idleTimeout || idle > peekAfter && !alive(pc.nc) {
 			_ = pc.nc.Close()
 			continue
 		}

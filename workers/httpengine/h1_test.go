@@ -99,12 +99,16 @@ func TestH1ConcurrentRequests(t *testing.T) {
 	}
 }
 
-// An idle pooled connection the engine closed is not used again.
+// An idle pooled connection the engine closed is seen closed, past
+// peekAfter, and not used again.
 func TestH1SkipsConnectionClosedWhileIdle(t *testing.T) {
 	srv, conns := countingServer(t)
-	hc, _ := h1Client(t)
+	hc, tr := h1Client(t)
+	var skew atomic.Int64
+	tr.now = func() time.Time { return time.Now().Add(time.Duration(skew.Load())) }
 	h1Post(t, t.Context(), hc, srv.URL+"/x", "1")
 	srv.CloseClientConnections()
+	skew.Store(int64(2 * peekAfter))
 	if got := h1Post(t, t.Context(), hc, srv.URL+"/x", "2"); got != "data: 2\n\ndata: [DONE]\n\n" {
 		t.Fatalf("answer after the engine closed the idle connection = %q", got)
 	}

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/workers/vllm"
+
+	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // DefaultMetricsPath is where llama-server serves its metrics (with
@@ -36,7 +38,7 @@ const maxBody = 4 << 20
 type Scraper struct {
 	base, metrics string
 	hc            *http.Client
-	tr            *http.Transport
+	tr            interface{ CloseIdleConnections() }
 
 	// The scrape goroutine's own: the last /props read, and scrapes
 	// since.
@@ -73,7 +75,8 @@ func NewScraper(baseURL, metricsPath string, opts ...vllm.HTTPOption) (*Scraper,
 	for _, opt := range opts {
 		opt(tr)
 	}
-	return &Scraper{base: u.String(), metrics: u.String() + metricsPath, hc: &http.Client{Transport: tr}, tr: tr}, nil
+	rt := httpengine.PlainHTTP(tr)
+	return &Scraper{base: u.String(), metrics: u.String() + metricsPath, hc: &http.Client{Transport: rt}, tr: rt}, nil
 }
 
 // Scrape reads the server's load and capacity; ctx bounds it. The

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // DefaultMetricsPath is where vLLM and SGLang serve their metrics.
@@ -27,7 +29,7 @@ type Scraper struct {
 	engine Engine
 	rank   string // the data-parallel engine read, "" all
 	hc     *http.Client
-	tr     *http.Transport
+	tr     interface{ CloseIdleConnections() }
 }
 
 // HTTPOption configures the HTTP transport of a Scraper or a Tokenizer.
@@ -62,7 +64,8 @@ func NewScraper(baseURL, path string, e Engine, opts ...HTTPOption) (*Scraper, e
 	for _, opt := range opts {
 		opt(tr)
 	}
-	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: tr}, tr: tr}, nil
+	rt := httpengine.PlainHTTP(tr)
+	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: rt}, tr: rt}, nil
 }
 
 // NewRankScraper is NewScraper of one data-parallel rank of a vLLM or

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/workers/engine"
+
+	"github.com/batonllm/baton/workers/httpengine"
 )
 
 // DefaultTokenizePath is where vLLM (and SGLang) serve tokenization.
@@ -34,7 +36,7 @@ const chatPath = "/v1/chat/completions"
 type Tokenizer struct {
 	url string
 	hc  *http.Client
-	tr  *http.Transport
+	tr  interface{ CloseIdleConnections() }
 }
 
 // NewTokenizer returns a Tokenizer of the engine at baseURL (as
@@ -57,7 +59,8 @@ func NewTokenizer(baseURL, path string, opts ...HTTPOption) (*Tokenizer, error) 
 	for _, opt := range opts {
 		opt(tr)
 	}
-	return &Tokenizer{url: u.String(), hc: &http.Client{Transport: tr}, tr: tr}, nil
+	rt := httpengine.PlainHTTP(tr)
+	return &Tokenizer{url: u.String(), hc: &http.Client{Transport: rt}, tr: rt}, nil
 }
 
 // URL returns the endpoint asked.
