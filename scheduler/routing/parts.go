@@ -47,6 +47,9 @@ type prefixScorer struct{ threshold int }
 
 func (prefixScorer) Name() string { return "prefix" }
 
+// Homes: prefix places each request on its prefix's home (Homer).
+func (prefixScorer) Homes() bool { return true }
+
 func (s prefixScorer) Score(c *Cycle, scores []float64) {
 	home := -1
 	c.Snap.Ring.Walk(c.Req.PrefixKey, func(m int) bool {

@@ -73,18 +73,41 @@ func register[T any](m map[string]T, kind, name string, v T) {
 	m[name] = v
 }
 
-// pickers are the pickers a profile may name; they are part of the
-// pipeline itself.
-var pickers = []string{"max", "random", "round_robin"}
+// PickerFactory builds a new picker for a profile; a picker that keeps
+// state (round_robin's turn) gets its own per profile.
+type PickerFactory func() Picker
 
-func newPicker(name string) Picker {
-	switch name {
-	case "random":
-		return randomPicker{}
-	case "round_robin":
-		return roundRobinPicker{next: new(atomic.Uint64)}
+// RegisterPicker adds a picker factory under name, for profiles to name
+// (ProfileConfig.Picker). It panics on a taken or empty name, or a nil
+// factory.
+func (r *Registry) RegisterPicker(name string, f PickerFactory) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if f == nil {
+		panic(fmt.Sprintf("routing: picker %q with nil factory", name))
 	}
-	return maxPicker{}
+	if r.pickers == nil {
+		r.pickers = make(map[string]PickerFactory)
+	}
+	register(r.pickers, "picker", name, f)
+}
+
+// builtinPickers are the pickers RegisterBuiltins registers; max is also
+// a profile's picker when it names none.
+var builtinPickers = map[string]PickerFactory{
+	"max":         func() Picker { return maxPicker{} },
+	"random":      func() Picker { return randomPicker{} },
+	"round_robin": func() Picker { return roundRobinPicker{next: new(atomic.Uint64)} },
+}
+
+// A Homer is a Scorer that may place requests on a home worker
+// (Cycle.Home), as prefix does: a profile with one names its decisions
+// ReasonHome, ReasonSpill or ReasonAllFull by where the chosen worker
+// stands to the home and the threshold, where other profiles name them
+// ReasonScored (or ReasonAllFull).
+type Homer interface {
+	Scorer
+	Homes() bool
 }
 
 // MaxScorerWeight bounds a scorer's weight in a profile.
@@ -109,8 +132,8 @@ func (r *Registry) checkProfile(pc ProfileConfig) error {
 		return errors.New("name: required")
 	case r.factories[pc.Name] != nil:
 		return fmt.Errorf("name: %q is already a strategy", pc.Name)
-	case pc.Picker != "" && !slices.Contains(pickers, pc.Picker):
-		return fmt.Errorf("picker: unknown picker %q (known: %s)", pc.Picker, strings.Join(pickers, ", "))
+	case pc.Picker != "" && r.pickers[pc.Picker] == nil && builtinPickers[pc.Picker] == nil:
+		return fmt.Errorf("picker: unknown picker %q (known: %s)", pc.Picker, strings.Join(r.pickerNames(), ", "))
 	}
 	for i, f := range pc.Filters {
 		if r.filters[f] == nil {
@@ -136,7 +159,7 @@ func (r *Registry) checkProfile(pc ProfileConfig) error {
 func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	prof := &Profile{name: pc.Name, filters: defaultFilters, picker: newPicker(pc.Picker), rand: p.Rand,
+	prof := &Profile{name: pc.Name, filters: defaultFilters, picker: r.newPicker(pc.Picker), rand: p.Rand,
 		threshold: p.ConcurrencyThreshold, base: ReasonScored, rule: reasonThreshold}
 	if pc.Filters != nil {
 		prof.filters = make([]Filter, len(pc.Filters))
@@ -171,7 +194,7 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 		if k, ok := s.(KeyUser); ok && k.UsesKeys() {
 			prof.usesKeys = true
 		}
-		if _, ok := s.(prefixScorer); ok {
+		if h, ok := s.(Homer); ok && h.Homes() {
 			prof.rule = reasonHome
 		}
 	}
@@ -185,4 +208,28 @@ func sortedKeys[T any](m map[string]T) []string {
 	}
 	slices.Sort(keys)
 	return keys
+}
+
+// newPicker returns a new picker registered as name; max when name is
+// empty. r.mu is held.
+func (r *Registry) newPicker(name string) Picker {
+	if name == "" {
+		name = "max"
+	}
+	if f := r.pickers[name]; f != nil {
+		return f()
+	}
+	return builtinPickers[name]()
+}
+
+// pickerNames lists the pickers profiles may name. r.mu is held.
+func (r *Registry) pickerNames() []string {
+	names := sortedKeys(r.pickers)
+	for n := range builtinPickers {
+		if r.pickers[n] == nil {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	return names
 }

@@ -31,6 +31,7 @@ type Registry struct {
 	// The parts custom profiles are built from (RegisterProfile).
 	filters map[string]Filter
 	scorers map[string]ScorerFactory
+	pickers map[string]PickerFactory
 }
 
 // Register adds a factory under name. It panics if name is empty, f is nil
@@ -78,7 +79,7 @@ func (r *Registry) New(name string, params Params) (Strategy, error) {
 func (r *Registry) Clone() *Registry {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	c := &Registry{factories: maps.Clone(r.factories), filters: maps.Clone(r.filters), scorers: maps.Clone(r.scorers)}
+	c := &Registry{factories: maps.Clone(r.factories), filters: maps.Clone(r.filters), scorers: maps.Clone(r.scorers), pickers: maps.Clone(r.pickers)}
 	if c.factories == nil {
 		c.factories = make(map[string]Factory)
 	}

@@ -115,3 +115,57 @@ func TestRegisterPanics(t *testing.T) {
 		})
 	}
 }
+
+// lastPicker picks the last candidate.
+type lastPicker struct{}
+
+func (lastPicker) Name() string                   { return "last" }
+func (lastPicker) Pick(c *Cycle, _ []float64) int { return len(c.Cands) - 1 }
+
+// firstHome places every request on the first candidate and scores all
+// alike: a Homer.
+type firstHome struct{}
+
+func (firstHome) Name() string { return "first_home" }
+func (firstHome) Homes() bool  { return true }
+func (firstHome) Score(c *Cycle, scores []float64) {
+	c.Home = c.Cands[0]
+	for i := range scores {
+		scores[i] = 1
+	}
+}
+
+// Pickers and homing scorers registered by others build profiles like the
+// built-in ones: a profile names the picker, and a homing scorer's profile
+// explains its decisions by the home.
+func TestRegisteredPickerAndHomer(t *testing.T) {
+	f := newFleet(t, 0)
+	for _, name := range []string{"a", "b", "c"} {
+		f.add(name, "llama")
+	}
+	var reg Registry
+	RegisterBuiltins(&reg)
+	reg.RegisterPicker("last", func() Picker { return lastPicker{} })
+	reg.RegisterScorer("first_home", func(Params) (Scorer, error) { return firstHome{}, nil })
+	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: "nope", Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
+		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
+		t.Errorf("unknown picker: %v", err)
+	}
+	for _, tt := range []struct {
+		scorer string
+		want   Reason
+	}{{"load", ReasonScored}, {"first_home", ReasonSpill}} {
+		name := "last_" + tt.scorer
+		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: "last", Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
+			t.Fatal(err)
+		}
+		s, err := reg.New(name, Params{Rand: SeededRand(1)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := pick(t, s, &Request{Model: "llama", PrefixKey: 7}, f.snap())
+		if d.Worker.Name != "c" || d.Reason != tt.want {
+			t.Errorf("%s picked %s for %s, want c for %s", name, d.Worker.Name, d.Reason, tt.want)
+		}
+	}
+}
