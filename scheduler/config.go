@@ -11,8 +11,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/batonllm/baton/scheduler/auth"
 	"github.com/batonllm/baton/scheduler/frontend"
+	"github.com/batonllm/baton/scheduler/internal/auth"
 	"github.com/batonllm/baton/scheduler/internal/strictyaml"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"

@@ -18,7 +18,7 @@ import (
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/batonllm/baton/scheduler"
-	"github.com/batonllm/baton/scheduler/auth"
+	"github.com/batonllm/baton/scheduler/internal/auth"
 	"github.com/batonllm/baton/scheduler/routing"
 )
 

@@ -10,8 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/batonllm/baton/scheduler/internal/replica"
 	"github.com/batonllm/baton/scheduler/kvindex"
-	"github.com/batonllm/baton/scheduler/replica"
 	"github.com/batonllm/baton/transfer/kvstore"
 )
 

@@ -110,7 +110,7 @@ type Option func(*Server)
 func WithDisagg(d *Disagg) Option { return func(s *Server) { s.disagg = d } }
 
 // Admission vets generation requests by who sends them (the API keys of
-// scheduler/auth, which wraps the Server and leaves its caller in the
+// scheduler/internal/auth, which wraps the Server and leaves its caller in the
 // request's context).
 type Admission interface {
 	// Admit is called on the request's goroutine once its body is parsed

@@ -21,7 +21,7 @@ import (
 
 	"github.com/sony/gobreaker/v2"
 
-	"github.com/batonllm/baton/scheduler/ring"
+	"github.com/batonllm/baton/scheduler/internal/ring"
 	"github.com/batonllm/baton/workers/engine"
 )
 
