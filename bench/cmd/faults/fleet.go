@@ -32,7 +32,10 @@ type fleet struct {
 
 	scheds []*proc
 	bases  []string // http://host:port of each replica
-	config string   // the replicas' YAML
+	// sharePx are the replicas' own ways to Redis for what they share,
+	// each through the workers' proxy: cutting one partitions a replica
+	// from the others.
+	sharePx []*delayProxy
 }
 
 // Scheduler settings of the fleet: a worker's capacity and the queue are
@@ -82,9 +85,9 @@ pool:
 disaggregation:
   transfer_timeout: 2s
 replicas:
-  redis: {addr: %q}
+  redis: {addr: "SHARE_REDIS"}
 workers:
-`, maxInFlight, maxQueue, f.redisPx.addr())
+`, maxInFlight, maxQueue)
 	for i := range prefill + decode {
 		role, name := "prefill", fmt.Sprintf("p%d", i)
 		if i >= prefill {
@@ -114,19 +117,25 @@ workers:
 			return nil, err
 		}
 	}
-	f.config = filepath.Join(dir, "baton.yaml")
-	if err := os.WriteFile(f.config, []byte(yaml.String()), 0o644); err != nil {
-		f.close()
-		return nil, err
-	}
 	for i := range replicas {
+		px, err := newDelayProxy(f.redisPx.addr())
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		f.sharePx = append(f.sharePx, px)
+		config := filepath.Join(dir, fmt.Sprintf("baton-%d.yaml", i))
+		if err := os.WriteFile(config, []byte(strings.Replace(yaml.String(), "SHARE_REDIS", px.addr(), 1)), 0o644); err != nil {
+			f.close()
+			return nil, err
+		}
 		port, err := freePort()
 		if err != nil {
 			f.close()
 			return nil, err
 		}
 		addr := loopback(port)
-		p := newProc(dir, fmt.Sprintf("serve%d", i), bin, "serve", "--config", f.config, "--listen", addr)
+		p := newProc(dir, fmt.Sprintf("serve%d", i), bin, "serve", "--config", config, "--listen", addr)
 		f.scheds = append(f.scheds, p)
 		f.bases = append(f.bases, "http://"+addr)
 		if err := f.startScheduler(ctx, i); err != nil {
@@ -209,6 +218,9 @@ func (f *fleet) close() {
 	}
 	for _, l := range f.links {
 		l.close()
+	}
+	for _, px := range f.sharePx {
+		px.close()
 	}
 	if f.redisPx != nil {
 		f.redisPx.close()

@@ -92,6 +92,20 @@ func (p *proxyBase) close() {
 type delayProxy struct {
 	proxyBase
 	delay atomic.Int64 // nanoseconds
+	down  atomic.Bool  // cut: connections are closed as they come
+}
+
+// setDown cuts the proxy (every connection open is closed, and new ones
+// at once) or restores it.
+func (p *delayProxy) setDown(down bool) {
+	p.down.Store(down)
+	if down {
+		p.connMu.Lock()
+		for c := range p.conns {
+			c.Close()
+		}
+		p.connMu.Unlock()
+	}
 }
 
 func newDelayProxy(target string) (*delayProxy, error) {
@@ -105,6 +119,9 @@ func newDelayProxy(target string) (*delayProxy, error) {
 func (p *delayProxy) setDelay(d time.Duration) { p.delay.Store(int64(d)) }
 
 func (p *delayProxy) serve(c, u net.Conn) {
+	if p.down.Load() {
+		return
+	}
 	done := make(chan struct{}, 2)
 	go func() { p.pipe(u, c); done <- struct{}{} }()
 	go func() { p.pipe(c, u); done <- struct{}{} }()
