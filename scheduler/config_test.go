@@ -142,16 +142,17 @@ func TestLoadConfigRejectsUnknownFields(t *testing.T) {
 	}
 }
 
-// The README's example configuration must load and validate, field for
-// field, so the documentation cannot drift from the code.
+// The example configuration of docs/configuration.md must load and
+// validate, field for field, so the documentation cannot drift from the
+// code.
 func TestReadmeConfigLoads(t *testing.T) {
-	readme, err := os.ReadFile("../README.md")
+	doc, err := os.ReadFile("../docs/configuration.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := regexp.MustCompile("(?s)## Configuration file.*?```yaml\n(.*?)```").FindSubmatch(readme)
+	m := regexp.MustCompile("(?s)## Configuration file.*?```yaml\n(.*?)```").FindSubmatch(doc)
 	if m == nil {
-		t.Fatal("README has no yaml block under 'Configuration file'")
+		t.Fatal("docs/configuration.md has no yaml block under 'Configuration file'")
 	}
 	path := filepath.Join(t.TempDir(), "readme.yaml")
 	os.WriteFile(path, m[1], 0o600)
@@ -166,7 +167,7 @@ func TestReadmeConfigLoads(t *testing.T) {
 		cfg.RequestTimeout != 10*time.Minute || cfg.Pool.BreakerOpenTimeout != 10*time.Second || len(cfg.Workers) != 3 ||
 		cfg.Workers[0].Role != RolePrefill || cfg.Workers[2].Kind != KindHTTP ||
 		cfg.Disaggregation.MinRemotePrefillTokens != 512 || cfg.Disaggregation.TransferTimeout != 5*time.Second {
-		t.Errorf("README config decoded as %+v", cfg)
+		t.Errorf("docs/configuration.md config decoded as %+v", cfg)
 	}
 }
 
