@@ -40,7 +40,7 @@ var tlsFlags = map[string]string{"tls-cert-file": "tls.cert_file", "tls-key-file
 
 // register defines the flags on fs, with the command's own defaults.
 func (f *schedulerFlags) register(fs *flag.FlagSet, defaultListen, defaultStrategy string) {
-	fs.StringVar(&f.config, "config", "", "YAML configuration `file` (see README); set flags override it")
+	fs.StringVar(&f.config, "config", "", "YAML configuration `file` (see docs/configuration.md); set flags override it")
 	fs.StringVar(&f.listen, "listen", defaultListen, "HTTP listen `address`")
 	fs.StringVar(&f.strategy, "strategy", defaultStrategy, "routing strategy, by `name`: "+strings.Join(strategyNames(), ", "))
 	fs.IntVar(&f.threshold, "concurrency-threshold", 0, "in-flight requests at which prefix_aware and kv_aware spill to a less busy worker, 1–1024 (default 16)")

@@ -9,7 +9,7 @@
 // MLP), at peak FLOP/s × TP × MFU. Decode is memory-bound: a step reads the
 // weights and the running sequences' KV at HBM bandwidth × TP × efficiency,
 // unless its matmuls take longer. Tensor-parallel communication is not
-// modelled. README.md compares the presets with published figures.
+// modelled. docs/simulated-engine.md compares the presets with published figures.
 package cost
 
 import (
