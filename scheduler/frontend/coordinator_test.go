@@ -291,7 +291,10 @@ func TestCoordinatorQueue(t *testing.T) {
 	<-a.called // the first request holds the worker
 	second := make(chan *httptest.ResponseRecorder)
 	go func() { second <- f.do(t.Context(), chatBody) }()
-	<-f.strategy.full // the second request found the worker full: it queues
+	// The second request finds the worker full, takes the queue's one
+	// slot, and finds it full again before it waits.
+	<-f.strategy.full
+	<-f.strategy.full
 	if w := f.do(t.Context(), chatBody); w.Code != http.StatusTooManyRequests || w.Header().Get("Retry-After") == "" {
 		t.Fatalf("third request with the queue full: status %d, Retry-After %q: %s", w.Code, w.Header().Get("Retry-After"), w.Body)
 	}
