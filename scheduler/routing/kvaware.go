@@ -196,33 +196,54 @@ type candidate struct {
 	idle    bool    // nothing in flight, queued or pending
 }
 
-// ringOrder breaks kv_aware's ties by the candidates' ranks on the ring
-// from key (Cycle.RingRanks), computed at the first tie.
-type ringOrder struct {
-	c     *Cycle
-	key   uint64
-	ranks []int
-}
-
-// better reports whether a beats b (b.i < 0: none yet): a lower score,
-// beyond tieTolerance; then more of the prompt cached; then the earlier
-// on the ring. Nothing a replica counts alone (the requests it routed,
-// those it has in flight) breaks a tie, so that replicas that see the
-// same fleet choose alike.
-func (o *ringOrder) better(a, b candidate) bool {
-	if b.i < 0 {
+// choose returns the best of the candidates es that ok admits (i < 0:
+// none): the lowest score, then, among those within tieTolerance of it,
+// the most of the prompt cached, then the earliest on the ring walked
+// from key. Nothing a replica counts alone (the requests it routed, those
+// it has in flight) breaks a tie, so that replicas that see the same
+// fleet choose alike. The ring is walked only when candidates tie, and
+// only as far as the first of them.
+func choose(c *Cycle, es []candidate, key uint64, ok func(*candidate) bool) candidate {
+	best := candidate{i: -1}
+	for i := range es {
+		if e := &es[i]; ok(e) && (best.i < 0 || e.score < best.score) {
+			best = *e
+		}
+	}
+	if best.i < 0 {
+		return best
+	}
+	limit := best.score * (1 + tieTolerance)
+	tied := 0
+	for i := range es {
+		e := &es[i]
+		if !ok(e) || e.score > limit {
+			continue
+		}
+		switch {
+		case e.cached > best.cached:
+			best, tied = *e, 1
+		case e.cached == best.cached:
+			tied++
+		}
+	}
+	if tied <= 1 || c.Snap.Ring == nil {
+		return best
+	}
+	cached := best.cached
+	pos := c.positions()
+	c.Snap.Ring.Walk(key, func(m int) bool {
+		if !c.in[m] {
+			return true
+		}
+		e := &es[pos[m]]
+		if ok(e) && e.score <= limit && e.cached == cached {
+			best = *e
+			return false
+		}
 		return true
-	}
-	if d := a.score - b.score; d < -tieTolerance*b.score || d > tieTolerance*a.score {
-		return d < 0
-	}
-	if a.cached != b.cached {
-		return a.cached > b.cached
-	}
-	if o.ranks == nil {
-		o.ranks = o.c.RingRanks(o.key)
-	}
-	return o.ranks[a.i] < o.ranks[b.i]
+	})
+	return best
 }
 
 func (s *kvScorer) Score(c *Cycle, scores []float64) {
@@ -273,17 +294,12 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	if len(req.Keys) > 0 {
 		key = req.Keys[min(known, len(req.Keys)-1)]
 	}
-	o := ringOrder{c: c, key: key}
-	best, bestAny, idle := candidate{i: -1}, candidate{i: -1}, candidate{i: -1}
+	bestAny := choose(c, es, key, func(*candidate) bool { return true })
+	best := choose(c, es, key, func(e *candidate) bool { return e.load < s.threshold })
+	idle := candidate{i: -1}
 	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {
 		e := es[i]
-		if o.better(e, bestAny) {
-			bestAny = e
-		}
-		if e.load < s.threshold && o.better(e, best) {
-			best = e
-		}
 		if e.idle && (idle.i < 0 || e.routed < idle.routed) {
 			idle = e
 		}

@@ -111,6 +111,16 @@ func (c *Cycle) RingRanks(key uint64) []int {
 	return ranks
 }
 
+// positions returns, by snapshot position, the candidate's index in
+// Cands (only candidates' positions are set).
+func (c *Cycle) positions() []int {
+	pos := c.sc.pos[:len(c.in)]
+	for i, j := range c.Index {
+		pos[j] = i
+	}
+	return pos
+}
+
 // Estimates returns zeroed per-candidate Cached and Seconds slices, kept
 // in c for the decision.
 func (c *Cycle) Estimates() (cached []int, seconds []float64) {
