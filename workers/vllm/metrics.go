@@ -105,9 +105,9 @@ func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	n := engineNames[e]
 	buf := pageBuffers.Get().(*pageBuffer)
 	defer pageBuffers.Put(buf)
-	var rerr error
-	buf.page, rerr = readAll(r, buf.page[:0])
-	buf.kept = n.keep(buf.page, buf.kept[:0])
+	buf.page.Reset()
+	_, rerr := buf.page.ReadFrom(r)
+	buf.kept = n.keep(buf.page.Bytes(), buf.kept[:0])
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	fams, perr := p.TextToMetricFamilies(bytes.NewReader(buf.kept))
 	if perr == nil && rerr != nil {
@@ -322,26 +322,12 @@ func loraInfo(f *dto.MetricFamily, problems *[]string) (adapters []string, maxLo
 }
 
 // pageBuffer holds a page read and the lines of it kept for the parser.
-type pageBuffer struct{ page, kept []byte }
+type pageBuffer struct {
+	page bytes.Buffer
+	kept []byte
+}
 
 var pageBuffers = sync.Pool{New: func() any { return new(pageBuffer) }}
-
-// readAll appends r's bytes to b.
-func readAll(r io.Reader, b []byte) ([]byte, error) {
-	for {
-		if len(b) == cap(b) {
-			b = append(b, 0)[:len(b)]
-		}
-		n, err := r.Read(b[len(b):cap(b)])
-		b = b[:len(b)+n]
-		if err == io.EOF {
-			return b, nil
-		}
-		if err != nil {
-			return b, err
-		}
-	}
-}
 
 // keep appends to dst the lines of page that belong to the families n
 // reads: their samples and their HELP and TYPE comments. Other comments
