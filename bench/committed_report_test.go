@@ -77,8 +77,8 @@ func TestCommittedDefaultReport(t *testing.T) {
 	// Today's scheduler reports each decision's thread CPU time and each
 	// part of the routing profile.
 	for _, s := range rep.Strategies {
-		if s.DecisionCPUP50us == 0 || len(s.PartsUs) == 0 {
-			t.Errorf("%sreport.json: %s has no routing decision CPU time or routing parts (it predates them); %s", dir, s.Strategy, regenerate)
+		if s.DecisionCPUP50us == 0 || len(s.PartsUs) == 0 || s.TTFTMean == 0 {
+			t.Errorf("%sreport.json: %s has no routing decision CPU time, routing parts or mean TTFT (it predates them); %s", dir, s.Strategy, regenerate)
 		}
 	}
 

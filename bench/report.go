@@ -44,8 +44,10 @@ type StrategyReport struct {
 	ErrorSample string `json:"error_sample,omitempty"`
 
 	TTFT Quantiles `json:"ttft_s"`
-	ITL  Quantiles `json:"itl_s"`
-	E2E  Quantiles `json:"e2e_s"`
+	// TTFTMean is the mean TTFT of the successful requests, in seconds.
+	TTFTMean float64   `json:"ttft_mean_s"`
+	ITL      Quantiles `json:"itl_s"`
+	E2E      Quantiles `json:"e2e_s"`
 
 	// Duration is from the first arrival to the last completion.
 	Duration        float64 `json:"duration_s"`
@@ -178,6 +180,7 @@ func summarize(strategy string, rs []Result, o *Options, workers int, wall float
 	}
 	r.TTFT, r.ITL, r.E2E = quantiles(ttft), quantiles(itl), quantiles(e2e)
 	r.TTFTs = ttft
+	r.TTFTMean = mean(ttft)
 	if r.OK > 0 && last > first {
 		r.Duration = (last - first) * sc
 		r.RequestsPerSec = float64(r.OK) / r.Duration
@@ -260,6 +263,7 @@ var rows = []row{
 	{"TTFT p50 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P50 }, 1e3, 0, true},
 	{"TTFT p90 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P90 }, 1e3, 0, true},
 	{"TTFT p99 (ms)", func(r *StrategyReport) float64 { return r.TTFT.P99 }, 1e3, 0, true},
+	{"TTFT mean (ms)", func(r *StrategyReport) float64 { return r.TTFTMean }, 1e3, 0, true},
 	{"ITL p50 (ms)", func(r *StrategyReport) float64 { return r.ITL.P50 }, 1e3, 1, true},
 	{"ITL p90 (ms)", func(r *StrategyReport) float64 { return r.ITL.P90 }, 1e3, 1, true},
 	{"E2E p50 (s)", func(r *StrategyReport) float64 { return r.E2E.P50 }, 1, 2, true},
@@ -520,4 +524,16 @@ func (rep *Report) writeRequests(path string) error {
 		return err
 	}
 	return fh.Close()
+}
+
+// mean is xs's mean, NaN for none.
+func mean(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	var sum float64
+	for _, x := range xs {
+		sum += x
+	}
+	return sum / float64(len(xs))
 }
