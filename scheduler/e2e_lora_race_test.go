@@ -21,8 +21,9 @@ import (
 	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
 
-// Adapter loads that race for one worker's slots: the 503s of bench/RESULTS.md
-// §11 ("no worker is available for model lora-21"), reproduced step by step.
+// Adapter loads that race for one worker's slots: the 503s of
+// bench/RESULTS-archive.md §11 ("no worker is available for model
+// lora-21"), reproduced step by step.
 
 // gatedStrategy is least_outstanding whose first pick for adapter that
 // finds it held by some worker waits, once, until release is closed: the

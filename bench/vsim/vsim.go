@@ -93,7 +93,7 @@ type Config struct {
 // The decode call that follows a remote prefill is not delayed: a gRPC
 // call on a held connection for a request already parsed and routed, it
 // took 0.42 ms at the median and 0.87 ms at p90 where first calls took
-// 2–3 ms and 6–8 ms (bench/RESULTS.md, 9c).
+// 2–3 ms and 6–8 ms (bench/RESULTS-archive.md, 9c).
 type Dispatch struct {
 	Median, P90 time.Duration
 	PerToken    time.Duration
@@ -101,7 +101,7 @@ type Dispatch struct {
 	// arrive together. Their order is random (seeded by Config.Seed): the
 	// bench's client sends a burst's requests concurrently, and the front
 	// end takes them up in no order of the trace's or of their sizes
-	// (bench/RESULTS.md, 9d).
+	// (bench/RESULTS-archive.md, 9d).
 	Spacing time.Duration
 }
 
