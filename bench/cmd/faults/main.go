@@ -139,6 +139,7 @@ type window struct {
 	recovery           time.Duration
 	mBefore, mIn, mEnd metrics
 	wBefore, wEnd      map[string]metrics // the workers'
+	r1Before, r1End    metrics            // replica 1's, when there is one
 }
 
 func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (string, error) {
@@ -190,6 +191,9 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 		w.t0 = time.Now()
 		w.mBefore, _ = scrape(ctx, f.bases[0])
 		w.wBefore = f.scrapeWorkers(ctx)
+		if len(f.bases) > 1 {
+			w.r1Before, _ = scrape(ctx, f.bases[1])
+		}
 		sleep(ctx, o.before)
 		w.t1 = time.Now()
 		w.mIn, _ = scrape(ctx, f.bases[0])
@@ -216,6 +220,9 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 		w.t3 = time.Now()
 		w.mEnd, _ = scrape(ctx, f.bases[0])
 		w.wEnd = f.scrapeWorkers(ctx)
+		if len(f.bases) > 1 {
+			w.r1End, _ = scrape(ctx, f.bases[1])
+		}
 		if flt.check != nil && w.err == nil {
 			var note string
 			note, w.err = flt.check(ctx, h, w)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sort"
@@ -108,6 +109,9 @@ func matrixReport(o options, wins []*window, rec *recorder, idle0, idle1 metrics
 		if d := details(in, 4); d != "" {
 			notes = append(notes, fmt.Sprintf("- **%s**: %s", w.f.name, d))
 		}
+		if d := shareDetails(w); d != "" {
+			notes = append(notes, fmt.Sprintf("- **%s**: %s", w.f.name, d))
+		}
 		if w.err != nil {
 			notes = append(notes, fmt.Sprintf("- **%s**: the harness failed: %v", w.f.name, w.err))
 		}
@@ -143,5 +147,49 @@ func kv(m map[string]float64) string {
 		parts = append(parts, fmt.Sprintf("%s %.0f", k, v))
 	}
 	sort.Strings(parts)
+	return strings.Join(parts, ", ")
+}
+
+// shareDetails says what replica 1 shared over a window, when its sharing
+// lost anything or the fault was about Redis or the replicas: the entries
+// it received from the others, the messages it missed, the entries it
+// dropped. A replica restarted in the window counts from its start.
+func shareDetails(w *window) string {
+	if w.r1Before == nil || w.r1End == nil {
+		return ""
+	}
+	delta := func(name string) float64 {
+		after, before := w.r1End.sum(name, nil), w.r1Before.sum(name, nil)
+		if after < before {
+			return after // restarted: counted since
+		}
+		return after - before
+	}
+	received := w.r1End.sum("baton_replica_sync_entries_total", map[string]string{"direction": "received"}) -
+		w.r1Before.sum("baton_replica_sync_entries_total", map[string]string{"direction": "received"})
+	if received < 0 {
+		received = w.r1End.sum("baton_replica_sync_entries_total", map[string]string{"direction": "received"})
+	}
+	missed, dropped := delta("baton_replica_sync_missed_messages_total"), delta("baton_replica_sync_dropped_entries_total")
+	name := w.f.name
+	if missed == 0 && dropped == 0 && !strings.HasPrefix(name, "replica-") && !strings.HasPrefix(name, "redis-") {
+		return ""
+	}
+	return fmt.Sprintf("replica 1's sharing over the window: %.0f entries received from the others, %.0f messages missed, %.0f entries dropped (since its start, by reason: %s); sync up at the end: %.0f",
+		received, missed, dropped, formatByLabel(w.r1End.byLabels("baton_replica_sync_dropped_entries_total", "reason")),
+		w.r1End.sum("baton_replica_sync_up", nil))
+}
+
+// formatByLabel renders counts by label value, "none" when empty.
+func formatByLabel(m map[string]float64) string {
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		if m[k] > 0 {
+			parts = append(parts, fmt.Sprintf("%s %.0f", k, m[k]))
+		}
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
 	return strings.Join(parts, ", ")
 }
