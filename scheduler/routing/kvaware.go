@@ -65,73 +65,27 @@ const (
 )
 
 // NewKVAware returns the kv_aware profile over p.Index, which the watch
-// streams of every worker feed (scheduler/watch): its one scorer, kv,
+// streams of every worker feed (scheduler/watch). Its one scorer, kv,
 // estimates each available worker's time to first token for the request
-// (req.Keys, req.Tokens) from what idx knows of the worker, with the
-// worker's cost figures (kvindex.DefaultCost for workers that report none,
-// such as HTTP engines):
-//
-//	queue   = prefill of the tokens waiting on the worker (its last load
-//	          report's waiting_prefill_tokens plus those routed since), as
-//	          prompts as long as this one
-//	prefill = layers·(4·n·(n+c)·hidden + 22·n·hidden²)/flops for the n
-//	          tokens found in no tier over the c found in one
-//	steps   = the steps the queued and the n tokens take in the worker's
-//	          step budget (max_batched_tokens less one per running
-//	          sequence), each reading the weights and the KV of the
-//	          worker's sequences (gpu_blocks_used) from GPU memory: a
-//	          worker decoding many long sequences prefills more slowly,
-//	          which spreads prompts no worker has cached across the fleet
-//	copy    = kv_bytes_per_block / pcie_bytes_per_second per block found
-//	          in its CPU tier
-//	fetch   = redis_rtt + bytes / redis_bytes_per_second for the blocks
-//	          only Redis holds, or recomputing them if that is faster
-//
-// times the worker's correction factor (achieved over predicted TTFT,
-// observed; beyond a dead band, see deadBand). It ranks workers by that
-// estimate plus the prefill compute the request would cost there, so that
-// a prefix is recomputed next to a worker holding it only when that saves
-// more time to first token than the recomputation burns (for a prompt no
-// worker holds, the same compute everywhere). The lowest wins. Scores
-// within 3% tie, and the worker expected to find more of the prompt cached
-// wins, since it computes less (a request queued behind its prefix's first
-// prefill waits about as long as recomputing it elsewhere, and costs the
-// fleet nothing); then the one met first walking the ring from the
-// first block of the prompt that no candidate holds (the prompt's home).
-// A prompt no candidate holds at all goes to its home, the first
-// candidate on the ring from its first block, unless the home is at the
-// threshold or estimated (before correction) more than 10% slower than
-// the fastest, which then takes it (Spill, Home the home); so scheduler replicas that share nothing place a new prefix
-// alike, and each finds it there after: no tie is broken by what one
-// replica counts alone (requests routed, in flight). When the best worker is at the threshold
-// (a hot prefix), the next best under it is chosen (Spill, Home the
-// best): it fetches the prefix from Redis when Redis holds it and that is
-// cheaper. When every worker is at the threshold, the best is chosen
-// anyway (ReasonAllFull).
-//
-// Before the threshold, a hot prefix is replicated onto an idle worker
-// (ReasonReplicate): when the best worker holds part of the prompt and was
-// routed at least twice the candidates' mean of recent requests (or more
-// than the mean, if another worker holds as much of the prompt; and 8 at
-// least) while another worker has nothing in flight, queued or pending
-// and was routed at most a quarter of that mean, the idle worker takes
-// the request and recomputes the prefix. Estimates alone never do this: the holder's
-// time to first token stays below a recomputation's until its queue is
-// long, so a few popular prefixes (agents sharing a system prompt) would
-// keep most of the fleet idle. The recomputation costs this one request;
-// the prefix's later requests split between two holders, and the idle
-// worker's capacity, which nothing else would use, serves them.
+// (req.Keys, req.Tokens) from what the index knows of the worker and its
+// cost figures, corrected by what the worker achieved, and the lowest
+// estimate plus the compute the request costs there wins; ties go by the
+// prompt's home on the ring, never by what one replica counts alone. A
+// worker at the concurrency threshold is passed over (Spill, Home the
+// best) unless every one is (ReasonAllFull); a hot prefix may be copied
+// onto an idle worker (ReasonReplicate). The model, the tie rule and the
+// replication policy are in docs/strategies.md.
 //
 // Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
 // worker's events see them, and counts the request in its Routed; on a
-// worker that publishes no events (kvindex.Index.Learn) they stay, as
-// the index's only knowledge of it, and Finish corrects them with the
-// cached tokens the response reported. Done
-// feeds the worker's correction factor with the achieved time to first
-// token and takes the request's tokens off its pending prefill.
-// Decision.PredictedCached is the prompt tokens the worker is expected to
-// find in some tier, Decision.Estimate its estimated time to first token.
+// worker that publishes no events (kvindex.Index.Learn) they stay, as the
+// index's only knowledge of it, and Finish corrects them with the cached
+// tokens the response reported. Done feeds the worker's correction factor
+// with the achieved time to first token and takes the request's tokens off
+// its pending prefill. Decision.PredictedCached is the prompt tokens the
+// worker is expected to find in some tier, Decision.Estimate its estimated
+// time to first token.
 func NewKVAware(p Params) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
