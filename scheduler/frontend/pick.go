@@ -146,10 +146,11 @@ func (p *picker) start(x *exchange, strategy routing.Strategy, tried *[]*pool.Wo
 func (x *exchange) decide(ctx context.Context) (*routing.Attempt, error) {
 	s := x.s
 	strategy := x.genStrategy()
+	avoid := x.pairOnly(s.pool.Snapshot())
 	att, how, err := s.gen.start(x, strategy, &x.tried, startOpts{
-		avoid:    x.pairOnly(s.pool.Snapshot()),
+		avoid:    avoid,
 		capacity: true,
-		full:     func() (choice, error) { return x.wait(ctx, strategy) },
+		full:     func() (choice, error) { return x.wait(ctx, strategy, avoid) },
 	})
 	if err != nil {
 		if x.dz != nil && errors.Is(err, engine.ErrUnknownModel) && s.loraPrefill.servable(s.lora.byName[x.rreq.Adapter]) {
@@ -173,11 +174,12 @@ func (x *exchange) decide(ctx context.Context) (*routing.Attempt, error) {
 // capacity (MaxInFlight): the request waits in the scheduler's bounded
 // queue, picking again each time a worker frees up. A full queue or a
 // wait past QueueTimeout is a 429. Without a queue, the least-loaded
-// worker takes the request at once.
-func (x *exchange) wait(ctx context.Context, strategy routing.Strategy) (choice, error) {
+// worker takes the request at once. Its picks skip avoid first, as the
+// first pick did.
+func (x *exchange) wait(ctx context.Context, strategy routing.Strategy, avoid []*pool.Worker) (choice, error) {
 	s := x.s
 	if s.queue == nil {
-		return s.gen.pick(x, s.fallback, x.tried, nil, false)
+		return s.gen.pick(x, s.fallback, x.tried, avoid, false)
 	}
 	select {
 	case s.queue <- struct{}{}:
@@ -192,7 +194,7 @@ func (x *exchange) wait(ctx context.Context, strategy routing.Strategy) (choice,
 	defer timer.Stop()
 	for {
 		freed := s.freedChan()
-		c, err := s.gen.pick(x, strategy, x.tried, nil, true)
+		c, err := s.gen.pick(x, strategy, x.tried, avoid, true)
 		if !errors.Is(err, routing.ErrFull) {
 			return c, err
 		}

@@ -289,7 +289,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 			})
 		}
 		if home >= 0 {
-			h := es[candidateOf(c, home)]
+			h := es[c.positions()[home]]
 			if h.load < s.threshold && h.raw <= minRaw*(1+homeTolerance) {
 				best = h
 			}
@@ -359,17 +359,6 @@ func (s *kvScorer) Finish(req *Request, d Decision, info FinishInfo) {
 		OK: info.Usage, PromptTokens: info.PromptTokens, CachedTokens: info.CachedTokens,
 		PredictedTokens: d.PredictedCached,
 	})
-}
-
-// candidateOf returns the position among c's candidates of the
-// snapshot's m-th worker, a candidate.
-func candidateOf(c *Cycle, m int) int {
-	for i, j := range c.Index {
-		if j == m {
-			return i
-		}
-	}
-	return -1
 }
 
 // adapterLoadSeconds is the time w would take to load req's adapter

@@ -92,9 +92,8 @@ func (c *Cycle) Rand(n uint64) uint64 { return c.rand(n) }
 // each has routed so far, which makes it the tie-break replicas agree on.
 func (c *Cycle) RingRanks(key uint64) []int {
 	n := len(c.Cands)
-	ranks, pos := c.sc.ranks[:n], c.sc.pos[:len(c.in)]
-	for i, j := range c.Index {
-		pos[j] = i
+	ranks, pos := c.sc.ranks[:n], c.positions()
+	for i := range ranks {
 		ranks[i] = n // a candidate the ring lacks ranks last
 	}
 	if c.Snap.Ring == nil {
