@@ -11,6 +11,8 @@ import (
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+	"github.com/batonllm/baton/workers/vllm/vllmtest"
 )
 
 // TestConfigLoads: the configuration printed is one baton serve loads:
@@ -95,5 +97,73 @@ func TestConfigLoadsDataParallel(t *testing.T) {
 	}
 	if !strings.Contains(stderr.String(), "fake-vllm-0/dp1: 0 requests") {
 		t.Errorf("stderr %q, want each rank's counters", stderr.String())
+	}
+}
+
+// TestChurnPublishes: the churn loop's blocks reach a subscriber of the
+// engines' events, every one of them, on each engine in turn.
+func TestChurnPublishes(t *testing.T) {
+	var ranks []*vllmtest.Server
+	for range 2 {
+		s, err := vllmtest.New(vllmtest.Config{TimeScale: 1e6, GPUBlocks: 64, BlockSize: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Close)
+		ranks = append(ranks, s)
+	}
+	seen := make(chan int, 1024)
+	for _, s := range ranks {
+		sub, err := kvevents.New(kvevents.SubscriberConfig{Endpoint: s.EventsEndpoint(), Topic: s.Topic()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { sub.Close() })
+		wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err = s.WaitSubscribed(wctx)
+		wcancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for m := range sub.Messages() {
+				for _, ev := range m.Batch.Events {
+					if st, ok := ev.(*kvevents.BlockStored); ok {
+						seen <- len(st.BlockHashes)
+					}
+				}
+			}
+		}()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	stored := make(chan int64, 1)
+	go func() { stored <- churnLoop(ctx, ranks, 20000, 8, 4) }()
+	got := 0
+	timeout := time.After(10 * time.Second)
+	for got < 64 {
+		select {
+		case n := <-seen:
+			got += n
+		case <-timeout:
+			t.Fatalf("%d blocks seen in 10s", got)
+		}
+	}
+	cancel()
+	n := <-stored
+	for got < int(n) {
+		select {
+		case k := <-seen:
+			got += k
+		case <-timeout:
+			t.Fatalf("%d blocks seen of %d stored", got, n)
+		}
+	}
+	if got != int(n) || n%8 != 0 {
+		t.Errorf("stored %d blocks, seen %d; want equal, in prompts of 8", n, got)
+	}
+	for i, s := range ranks {
+		if st := s.Stats(); st.BlocksStored == 0 {
+			t.Errorf("engine %d stored nothing: the churn takes engines in turn", i)
+		}
 	}
 }

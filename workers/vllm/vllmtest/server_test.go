@@ -400,3 +400,37 @@ func BenchmarkTokenize8000(b *testing.B) {
 	slices.Sort(took)
 	b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
 }
+
+// TestChurn: Churn stores a prompt's blocks and publishes them as a
+// prefill would, and once the cache is full each new prompt evicts as many
+// blocks as it stores.
+func TestChurn(t *testing.T) {
+	s := start(t, vllmtest.Config{Encoding: kveventstest.TaggedMaps, GPUBlocks: 8, BlockSize: 4})
+	msgs := subscribe(t, s)
+	prompt := func(seed uint32) []uint32 {
+		p := make([]uint32, 16) // 4 blocks
+		for i := range p {
+			p[i] = seed*100 + uint32(i)
+		}
+		return p
+	}
+	stored, removed := 0, 0
+	for seed := range uint32(3) {
+		s.Churn(prompt(seed + 1))
+		b := next(t, msgs)
+		for _, ev := range b.Events {
+			switch ev := ev.(type) {
+			case *kvevents.BlockStored:
+				stored += len(ev.BlockHashes)
+				if len(ev.TokenIDs) != 16 {
+					t.Errorf("prompt %d: %d token ids, want 16", seed, len(ev.TokenIDs))
+				}
+			case *kvevents.BlockRemoved:
+				removed += len(ev.BlockHashes)
+			}
+		}
+	}
+	if stored != 12 || removed != 4 {
+		t.Errorf("three prompts of 4 blocks into 8: stored %d, removed %d; want 12 and 4", stored, removed)
+	}
+}
