@@ -346,24 +346,28 @@ func TestMetrics(t *testing.T) {
 			}
 		}()
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		m := read()
-		if m.Running == 1 && m.Waiting == 1 && m.KVUsage > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics %+v, want 1 running, 1 waiting, some KV usage", m)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitMetrics(t, read, "1 running, 1 waiting, some KV usage", func(m vllm.Metrics) bool {
+		return m.Running == 1 && m.Waiting == 1 && m.KVUsage > 0
+	})
 	cancel()
-	deadline = time.Now().Add(10 * time.Second)
-	for m := read(); m.Running != 0 || m.Waiting != 0; m = read() {
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics %+v after the clients left, want nothing running or waiting", m)
+	waitMetrics(t, read, "nothing running or waiting after the clients left", func(m vllm.Metrics) bool {
+		return m.Running == 0 && m.Waiting == 0
+	})
+}
+
+// waitMetrics reads the metrics every 10 ms until want holds, failing t
+// after 10 s: the requests reach the engine over HTTP.
+func waitMetrics(t *testing.T, read func() vllm.Metrics, what string, want func(vllm.Metrics) bool) {
+	t.Helper()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(10 * time.Second)
+	for m := read(); !want(m); m = read() {
+		select {
+		case <-tick.C:
+		case <-timeout:
+			t.Fatalf("metrics %+v, want %s", m, what)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
