@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,19 +22,11 @@ import (
 func TestConfigLoads(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "fleet.yaml")
 	ctx, cancel := context.WithCancel(context.Background())
-	var stdout, stderr bytes.Buffer
+	var stdout bytes.Buffer
+	stderr := newStderr()
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"-n", "2", "-time-scale", "100", "-config", path}, &stdout, &stderr) }()
-	var cfg scheduler.Config
-	var err error
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if cfg, err = scheduler.LoadConfig(path); err == nil || time.Now().After(deadline) {
-			break
-		}
-	}
-	if err != nil {
-		t.Fatalf("loading the configuration: %v\n%s", err, stderr.String())
-	}
+	go func() { done <- run(ctx, []string{"-n", "2", "-time-scale", "100", "-config", path}, &stdout, stderr) }()
+	cfg := waitServing(t, path, stderr, done)
 	reg := &routing.Registry{}
 	routing.RegisterBuiltins(reg)
 	if err := cfg.Validate(reg); err != nil {
@@ -68,21 +61,13 @@ func TestConfigLoads(t *testing.T) {
 func TestConfigLoadsDataParallel(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "fleet.yaml")
 	ctx, cancel := context.WithCancel(context.Background())
-	var stdout, stderr bytes.Buffer
+	var stdout bytes.Buffer
+	stderr := newStderr()
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, []string{"-n", "1", "-dp", "2", "-time-scale", "100", "-config", path}, &stdout, &stderr)
+		done <- run(ctx, []string{"-n", "1", "-dp", "2", "-time-scale", "100", "-config", path}, &stdout, stderr)
 	}()
-	var cfg scheduler.Config
-	var err error
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if cfg, err = scheduler.LoadConfig(path); err == nil || time.Now().After(deadline) {
-			break
-		}
-	}
-	if err != nil {
-		t.Fatalf("loading the configuration: %v\n%s", err, stderr.String())
-	}
+	cfg := waitServing(t, path, stderr, done)
 	reg := &routing.Registry{}
 	routing.RegisterBuiltins(reg)
 	if err := cfg.Validate(reg); err != nil {
@@ -166,4 +151,50 @@ func TestChurnPublishes(t *testing.T) {
 			t.Errorf("engine %d stored nothing: the churn takes engines in turn", i)
 		}
 	}
+}
+
+// runStderr is the run's standard error as the test reads it while the run
+// writes it; serving is closed once the run says its engines serve (it
+// has written the configuration by then).
+type runStderr struct {
+	mu      sync.Mutex
+	b       strings.Builder
+	serving chan struct{}
+}
+
+func newStderr() *runStderr { return &runStderr{serving: make(chan struct{})} }
+
+func (w *runStderr) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	was := strings.Contains(w.b.String(), "engines serving")
+	w.b.Write(p)
+	if !was && strings.Contains(w.b.String(), "engines serving") {
+		close(w.serving)
+	}
+	return len(p), nil
+}
+
+func (w *runStderr) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// waitServing waits until the run serves and returns the configuration it
+// wrote to path.
+func waitServing(t *testing.T, path string, stderr *runStderr, done <-chan error) scheduler.Config {
+	t.Helper()
+	select {
+	case <-stderr.serving:
+	case err := <-done:
+		t.Fatalf("the run ended before serving: %v\n%s", err, stderr.String())
+	case <-time.After(10 * time.Second):
+		t.Fatalf("not serving after 10s\n%s", stderr.String())
+	}
+	cfg, err := scheduler.LoadConfig(path)
+	if err != nil {
+		t.Fatalf("loading the configuration: %v\n%s", err, stderr.String())
+	}
+	return cfg
 }
