@@ -104,7 +104,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	// The other replicas hear each prediction once sharing has started,
 	// before the first request.
 	var share func(worker string, keys []uint64)
-	var icfg kvindex.Config
+	icfg := kvindex.Config{Now: cfg.IndexNow}
 	if cfg.Replicas.enabled() {
 		icfg.OnPredict = func(worker string, keys []uint64) { share(worker, keys) }
 	}
