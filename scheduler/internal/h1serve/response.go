@@ -165,6 +165,11 @@ func (w *response) sendHeader(final bool, more []byte) {
 	w.sent = true
 	h := w.header
 	delete(h, "Transfer-Encoding")
+	if !w.body.eof && (w.req.ContentLength > maxPostHandlerRead || w.req.ContentLength < 0) && !(w.body.cont && !w.body.continued) {
+		// More of the body is coming than is worth reading once the
+		// handler returns: say that the connection ends here.
+		w.closeAfter = true
+	}
 	if w.c.srv.shutdown.Load() || w.body.cont && !w.body.continued {
 		// Shutting down; or a client told to wait for 100 Continue, whose
 		// body is not coming: the connection ends with this response.

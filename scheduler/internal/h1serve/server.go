@@ -412,13 +412,22 @@ func (c *conn) reply(status int, msg string) {
 	}
 	io.WriteString(c.bw, "HTTP/1.1 "+statusLine(status)+"\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n\r\n"+msg)
 	c.bw.Flush()
-	if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
-		cw.CloseWrite()
-		// Let the client read the answer before the close (and any reset
-		// the bytes it still sends cause) reaches it.
-		c.nc.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
-		io.Copy(io.Discard, io.LimitReader(c.nc, 256<<10))
+	c.linger()
+}
+
+// linger ends a connection whose client may still be sending (a body the
+// handler did not read, a request refused before its end): it half-closes
+// it and reads what comes for up to half a second, so that the client
+// reads the answer before the close, rather than the reset that closing
+// over unread bytes makes the kernel send.
+func (c *conn) linger() {
+	cw, ok := c.nc.(interface{ CloseWrite() error })
+	if !ok {
+		return
 	}
+	cw.CloseWrite()
+	c.nc.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+	io.Copy(io.Discard, io.LimitReader(c.nc, 16<<20))
 }
 
 // handle serves req and reports whether the connection stays open.
@@ -456,7 +465,13 @@ func (c *conn) handle(req *http.Request) bool {
 		return false
 	}
 	w.finish()
-	if w.broken || w.closeAfter {
+	if w.broken {
+		return false
+	}
+	if w.closeAfter {
+		if !body.eof {
+			c.linger()
+		}
 		return false
 	}
 	// What the handler left of the body is read and dropped, up to a
@@ -466,8 +481,9 @@ func (c *conn) handle(req *http.Request) bool {
 		if body.cont && !body.continued {
 			return false
 		}
-		n, err := io.CopyN(io.Discard, body.rc, 256<<10+1)
-		if err != io.EOF || n > 256<<10 {
+		n, err := io.CopyN(io.Discard, body.rc, maxPostHandlerRead+1)
+		if err != io.EOF || n > maxPostHandlerRead {
+			c.linger()
 			return false
 		}
 	}
@@ -479,6 +495,10 @@ func (c *conn) handle(req *http.Request) bool {
 	}
 	return !c.srv.shutdown.Load()
 }
+
+// maxPostHandlerRead is how much of a body its handler left is read and
+// dropped to keep the connection; past it the connection closes.
+const maxPostHandlerRead = 256 << 10
 
 // keepAlive reports whether an HTTP/1.0 request asked to keep its
 // connection.
