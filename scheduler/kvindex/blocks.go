@@ -213,9 +213,10 @@ type counts [MaxWorkers][3]int32
 const walkStride = 8
 
 // walk counts, for the slots in alive, the request's leading blocks found
-// in each tier (see Match), Redis only for the slots in redisOK. It holds
-// the read lock and does not allocate.
-func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) {
+// in each tier (see Match), Redis only for the slots in redisOK, and
+// reports whether any of them holds the first. It holds the read lock and
+// does not allocate.
+func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
 	b.mu.RLock()
 	defer b.mu.RUnlock()
 	// holders returns the tiers' sets of the workers in alive holding key.
@@ -236,23 +237,23 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 	}
 	n := len(keys)
 	if n == 0 {
-		return
+		return false
 	}
 	// The run from block j has holders g, c, r; a worker that drops out
-	// of it never counts again (alive narrows). The first block is warmed
-	// with the first gallop's.
+	// of it never counts again (alive narrows). Most tables of a large
+	// fleet's hold none of the first block: one probe for those.
 	j := 0
-	if b.t.warmGallop(keys, 0, walkStride, true) == 0x5eed {
-		b.warmed.Add(1)
-	}
 	g, c, r := holders(keys[0], alive)
+	if g|c|r == 0 {
+		return false
+	}
 	for g|c|r != 0 {
 		alive = g | c | r
 		// lo: the last block known to have the run's holders; hi: the
 		// first known not to (n: none), whose holders are ng, nc, nr.
 		lo, hi := j, n
 		var ng, nc, nr uint64
-		if j > 0 && b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
+		if b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
 			b.warmed.Add(1)
 		}
 		for step := walkStride; lo < n-1; step *= 2 {
@@ -305,8 +306,9 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 			cnt[bits.TrailingZeros64(m)][2] += run
 		}
 		if hi >= n {
-			return
+			return true
 		}
 		j, g, c, r = hi, ng, nc, nr
 	}
+	return true
 }

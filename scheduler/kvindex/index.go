@@ -30,6 +30,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 	"time"
 )
 
@@ -563,76 +564,72 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
 // block keys are keys (see Match); out must be at least as long as
-// workers. It walks the keys under the block table's read lock, then
-// reads each worker's state under that worker's lock: the walk may wait
-// for a write to the table, and the load and pending tokens it reports
-// then count the requests Predict recorded meanwhile (a burst's picks
-// queued behind one write would otherwise all see none). It does not
-// allocate, and costs about 10–20 ns per key plus 30 ns per worker, for
-// each group (see MaxWorkers) among the workers; workers are taken
-// MaxWorkers at a time.
+// workers. It walks the keys under the read lock of each block table (see
+// MaxWorkers) in which some of the workers hold the first block (one
+// probe for the others), then reads each worker's state without the
+// worker's lock (see published): the walk may wait for a write to the
+// table, and the load and pending tokens it reports then count the
+// requests Predict recorded meanwhile (a burst's picks queued behind one
+// write would otherwise all see none). It does not allocate once warm,
+// and costs a few tens of ns per worker plus 10–20 ns per key walked, so
+// pass every worker in one call.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 	now := x.cfg.Now().UnixNano()
 	out = out[:len(workers)]
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	for lo := 0; lo < len(workers); lo += MaxWorkers {
-		hi := min(lo+MaxWorkers, len(workers))
-		x.lookup(keys, workers[lo:hi], out[lo:hi], now)
+	ls := lookupScratchPool.Get().(*lookupScratch)
+	defer lookupScratchPool.Put(ls)
+	if cap(ls.found) < len(workers) {
+		ls.found = make([]*worker, len(workers))
 	}
-}
-
-// lookup is Lookup of at most MaxWorkers workers. x.workers.mu is held.
-func (x *Index) lookup(keys []uint64, workers []string, out []Match, now int64) {
-	var found [MaxWorkers]*worker
-	// The groups among the workers, with their workers' bits.
-	var groups [MaxWorkers]struct {
-		g              *group
-		alive, redisOK uint64
-	}
-	ng := 0
+	found := ls.found[:len(workers)]
+	defer clear(found)
+	groups := ls.groups[:len(x.workers.groups)]
+	clear(groups)
 	for i, name := range workers {
 		w := x.workers.find(name)
+		found[i] = w
 		if w == nil {
 			continue
 		}
-		found[i] = w
-		k := 0
-		for k < ng && groups[k].g != w.grp {
-			k++
-		}
-		if k == ng {
-			groups[k].g, ng = w.grp, ng+1
-		}
-		groups[k].alive |= w.bit()
+		g := &groups[w.grp.id]
+		g.alive |= w.bit()
 		if w.redisTier.Load() {
-			groups[k].redisOK |= w.bit()
+			g.redisOK |= w.bit()
 		}
 	}
-	var hits [MaxWorkers][3]int32
 	if len(keys) > 0 {
-		var cnt counts
-		for k := range ng {
-			gr := &groups[k]
-			if k > 0 {
-				cnt = counts{}
-			}
-			gr.g.blocks.walk(keys, gr.alive, gr.redisOK, now, &cnt)
-			for i, w := range found[:len(workers)] {
-				if w != nil && w.grp == gr.g {
-					hits[i] = cnt[w.slot]
-				}
+		for k := range groups {
+			if g := &groups[k]; g.alive != 0 {
+				ls.cnt[k] = counts{}
+				g.walked = x.workers.groups[k].blocks.walk(keys, g.alive, g.redisOK, now, &ls.cnt[k])
 			}
 		}
 	}
-	for i, w := range found[:len(workers)] {
+	for i, w := range found {
 		m := &out[i]
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			continue
 		}
 		w.match(m, now, &x.cfg)
-		c := hits[i]
-		m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		if groups[w.grp.id].walked {
+			c := &ls.cnt[w.grp.id][w.slot]
+			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		}
 	}
 }
+
+// lookupScratch is Lookup's working memory: by group, its workers among
+// those looked up and their counts.
+type lookupScratch struct {
+	found  []*worker
+	groups [maxGroups]struct {
+		alive, redisOK uint64
+		walked         bool // some worker holds the first block
+	}
+	cnt [maxGroups]counts
+}
+
+var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

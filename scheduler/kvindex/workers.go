@@ -2,6 +2,7 @@ package kvindex
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -12,14 +13,19 @@ import (
 // it besides its blocks (its load, pending prefill, cost figures,
 // correction and recent traffic), each worker under its own lock, so that
 // a load report, a prediction's bookkeeping or a first token's correction
-// never waits for the block table nor holds it.
+// never waits for the block table nor holds it. What Lookup reads of it is
+// published to atomics besides (see published): a decision over a
+// thousand workers takes none of their locks.
 
 // worker is one indexed worker. name, grp and slot are fixed; mu guards
-// the fields after it, but correction, which is read without it.
+// the fields after it, but pub, correction and the atomics, which are
+// read without it.
 type worker struct {
 	name string
 	grp  *group
 	slot int // in grp
+
+	pub published // what Lookup reads; written under mu
 
 	mu          sync.Mutex
 	synced      bool   // a snapshot was applied, and no gap seen since
@@ -50,7 +56,85 @@ type worker struct {
 func (w *worker) learning() bool { return w.isLearned.Load() }
 
 func newWorker(name string, g *group, slot int) *worker {
-	return &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
+	w := &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
+	w.pub.info.Store(&defaultInfo)
+	return w
+}
+
+// published is the worker state Lookup reads, copied from the fields mu
+// guards whenever they change: a sequence lock, whose writers hold mu and
+// whose readers retry a read that overlapped a write (and, should a
+// writer stall mid-write, wait for mu). Every field is an atomic, so a
+// read never races with a write; the sequence makes the fields it
+// returns those of one moment.
+type published struct {
+	seq                atomic.Uint64 // odd while a write is under way
+	load               [loadFields]atomic.Int64
+	pending, pendingAt atomic.Int64
+	routed             atomic.Uint64 // float64 bits
+	routedAt           atomic.Int64
+	info               atomic.Pointer[workerInfo] // replaced, never changed
+}
+
+// workerInfo is what a worker's Info sets of its state.
+type workerInfo struct {
+	cost        Cost
+	hasCost     bool
+	blockTokens int
+}
+
+var defaultInfo = workerInfo{cost: DefaultCost, blockTokens: defaultBlockTokens}
+
+// loadFields is the number of Load's fields.
+const loadFields = 8
+
+// publish copies the state Lookup reads into w.pub. w.mu is held.
+func (w *worker) publish() {
+	p := &w.pub
+	p.seq.Add(1)
+	l := &w.load
+	for i, v := range [loadFields]int64{int64(l.Running), int64(l.Waiting), l.WaitingPrefillTokens,
+		l.GPUBlocksUsed, l.GPUBlocksTotal, l.CPUBlocksUsed, l.CPUBlocksTotal, int64(l.Slots)} {
+		p.load[i].Store(v)
+	}
+	p.pending.Store(w.pending)
+	p.pendingAt.Store(w.pendingAt)
+	p.routed.Store(math.Float64bits(w.routed))
+	p.routedAt.Store(w.routedAt)
+	p.seq.Add(1)
+}
+
+// state is one consistent read of w.pub.
+type state struct {
+	load                         Load
+	pending, pendingAt, routedAt int64
+	routed                       float64
+}
+
+// read returns w.pub's state, without w.mu unless a write stalls.
+func (w *worker) read(s *state) {
+	p := &w.pub
+	for range 4 {
+		seq := p.seq.Load()
+		if seq&1 != 0 {
+			continue
+		}
+		s.load = Load{
+			Running: int(p.load[0].Load()), Waiting: int(p.load[1].Load()), WaitingPrefillTokens: p.load[2].Load(),
+			GPUBlocksUsed: p.load[3].Load(), GPUBlocksTotal: p.load[4].Load(),
+			CPUBlocksUsed: p.load[5].Load(), CPUBlocksTotal: p.load[6].Load(), Slots: int(p.load[7].Load()),
+		}
+		s.pending, s.pendingAt = p.pending.Load(), p.pendingAt.Load()
+		s.routed, s.routedAt = math.Float64frombits(p.routed.Load()), p.routedAt.Load()
+		if p.seq.Load() == seq {
+			return
+		}
+	}
+	// A writer holds mu mid-write (descheduled, or writing again and
+	// again): read under it.
+	w.mu.Lock()
+	*s = state{load: w.load, pending: w.pending, pendingAt: w.pendingAt, routed: w.routed, routedAt: w.routedAt}
+	w.mu.Unlock()
 }
 
 // bit is the worker's bit in its group's holder masks.
@@ -76,6 +160,7 @@ func (w *worker) setInfo(info Info) {
 	if info.BlockTokens > 0 {
 		w.blockTokens = info.BlockTokens
 	}
+	w.pub.info.Store(&workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens})
 	w.redisTier.Store(info.RedisTier)
 }
 
@@ -86,6 +171,7 @@ func (w *worker) setLoad(l Load, now int64) {
 	// pending tokens of requests routed since are approximated as counted.
 	w.pending, w.pendingAt = 0, now
 	w.pendingGen++
+	w.publish()
 }
 
 // predicted counts a routed request whose prefill adds blocks new blocks
@@ -112,6 +198,7 @@ func (w *worker) addPendingLocked(blocks int64, now int64, cfg *Config) (gen uin
 		w.pendingGen++
 	}
 	w.pending += blocks * int64(w.blockTokens)
+	w.publish()
 	return w.pendingGen
 }
 
@@ -126,6 +213,7 @@ func (w *worker) held(blocks int64, gen uint64) {
 	defer w.mu.Unlock()
 	if w.pendingGen == gen {
 		w.pending = max(w.pending-blocks*int64(w.blockTokens), 0)
+		w.publish()
 	}
 }
 
@@ -134,26 +222,25 @@ func (w *worker) prefilled(tokens int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.pending = max(w.pending-int64(tokens), 0)
+	w.publish()
 }
 
-// match fills m with the worker's state at now (all but the block counts).
+// match fills m with the worker's state at now (all but the block
+// counts), without its lock.
 func (w *worker) match(m *Match, now int64, cfg *Config) {
-	w.mu.Lock()
-	pending := w.pending
-	if now-w.pendingAt >= int64(cfg.PredictTTL) {
-		pending = 0
+	var s state
+	w.read(&s)
+	info := w.pub.info.Load()
+	*m = Match{Known: true, Load: s.load, Cost: info.cost, HasCost: info.hasCost, BlockTokens: info.blockTokens, Correction: 1}
+	if now-s.pendingAt < int64(cfg.PredictTTL) {
+		m.PendingTokens = s.pending
 	}
-	*m = Match{
-		Known:         true,
-		Load:          w.load,
-		PendingTokens: pending,
-		Cost:          w.cost,
-		HasCost:       w.hasCost,
-		BlockTokens:   w.blockTokens,
-		Routed:        w.routedNow(now, cfg.RoutedHalfLife),
+	if s.routed != 0 {
+		m.Routed = s.routed * decay(s.routedAt, now, cfg.RoutedHalfLife)
 	}
-	w.mu.Unlock()
-	m.Correction = w.correction.Load().factor(now)
+	if c := w.correction.Load(); c != nil {
+		m.Correction = c.factor(now)
+	}
 }
 
 // observe feeds the correction factor with one request's predicted and
@@ -183,6 +270,7 @@ func (w *worker) observe(p, a float64, now int64) {
 // fill and evict apart, so that events of workers of different groups
 // never wait for one another.
 type group struct {
+	id     int // in workers.groups
 	blocks blocks
 	slots  [MaxWorkers]*worker // guarded by workers.mu
 	n      int                 // slots in use; guarded by workers.mu
@@ -215,7 +303,7 @@ const maxGroups = MaxTracked / MaxWorkers
 
 // newGroup adds an empty group. ws.mu is held for writing.
 func (ws *workers) newGroup() *group {
-	g := &group{}
+	g := &group{id: len(ws.groups)}
 	g.blocks.init(ws.maxBlocks)
 	ws.groups = append(ws.groups, g)
 	return g

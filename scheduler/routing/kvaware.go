@@ -205,42 +205,30 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	req := c.Req
 	cached, seconds := c.Estimates()
 	es := c.sc.kvCands[:len(cands)]
-	// Candidates go to the index in batches of up to MaxWorkers (a group
-	// of its workers): one batch for fleets of up to 64. The batch's
-	// buffers are the pick's scratch, sized to it, rather than arrays of
-	// MaxWorkers on the stack, which zeroing would pull into a cold cache
-	// whole.
-	idx, names, ms := c.sc.lookupBuffers(min(len(cands), kvindex.MaxWorkers))
+	// One lookup of every candidate: the index walks the prompt once per
+	// block table, whatever the candidates' order.
+	names, ms := c.sc.lookupBuffers(len(cands))
+	for i, w := range cands {
+		names[i] = w.Name
+	}
+	s.idx.Lookup(req.Keys, names, ms)
 	var routed float64  // sum over the candidates
 	var top, second int // the most cached tokens of one candidate, of another
 	var known int       // the most leading blocks one candidate would find
-	first := int(c.Rand(uint64(len(cands))))
-	for k := 0; k < len(cands); {
-		n := 0
-		for ; k < len(cands) && n < len(idx); k++ {
-			i := first + k
-			if i >= len(cands) {
-				i -= len(cands)
-			}
-			idx[n], names[n] = i, cands[i].Name
-			n++
+	for i, w := range cands {
+		m := &ms[i]
+		e := estimate(m, req, w.InFlight(), adapterLoadSeconds(w, req, &m.Cost))
+		e.i = i
+		e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
+		es[i] = e
+		cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
+		routed += e.routed
+		if e.cached > top {
+			top, second = e.cached, top
+		} else if e.cached > second {
+			second = e.cached
 		}
-		s.idx.Lookup(req.Keys, names[:n], ms[:n])
-		for j, i := range idx[:n] {
-			m := &ms[j]
-			e := estimate(m, req, cands[i].InFlight(), adapterLoadSeconds(cands[i], req, &m.Cost))
-			e.i = i
-			e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
-			es[i] = e
-			cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
-			routed += e.routed
-			if e.cached > top {
-				top, second = e.cached, top
-			} else if e.cached > second {
-				second = e.cached
-			}
-			known = max(known, m.GPU+m.CPU+m.Redis)
-		}
+		known = max(known, m.GPU+m.CPU+m.Redis)
 	}
 	// Ties go to the earlier candidate on the ring from the first block
 	// past what any candidate holds: what every replica computes alike.

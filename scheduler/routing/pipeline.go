@@ -142,8 +142,7 @@ type scratch struct {
 	scores  []float64
 	cached  []int
 	seconds []float64
-	// kv_aware's batch of index lookups (lookupBuffers).
-	lookupIndex []int
+	// kv_aware's index lookup (lookupBuffers).
 	lookupNames []string
 	lookupOut   []kvindex.Match
 	// kv_aware's estimates by candidate, and the candidates' ranks on the
@@ -154,14 +153,13 @@ type scratch struct {
 	pos     []int
 }
 
-// lookupBuffers returns s's buffers for a batch of n index lookups.
-func (s *scratch) lookupBuffers(n int) (index []int, names []string, out []kvindex.Match) {
-	if cap(s.lookupIndex) < n {
-		s.lookupIndex = make([]int, n)
+// lookupBuffers returns s's buffers for an index lookup of n workers.
+func (s *scratch) lookupBuffers(n int) (names []string, out []kvindex.Match) {
+	if cap(s.lookupNames) < n {
 		s.lookupNames = make([]string, n)
 		s.lookupOut = make([]kvindex.Match, n)
 	}
-	return s.lookupIndex[:n], s.lookupNames[:n], s.lookupOut[:n]
+	return s.lookupNames[:n], s.lookupOut[:n]
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
