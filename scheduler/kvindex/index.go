@@ -564,18 +564,37 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
 // block keys are keys (see Match); out must be at least as long as
-// workers. It walks the keys under the read lock of each block table (see
-// MaxWorkers) in which some of the workers hold the first block (one
-// probe for the others), then reads each worker's state without the
-// worker's lock (see published): the walk may wait for a write to the
-// table, and the load and pending tokens it reports then count the
-// requests Predict recorded meanwhile (a burst's picks queued behind one
-// write would otherwise all see none). It does not allocate once warm,
-// and costs a few tens of ns per worker plus 10–20 ns per key walked, so
-// pass every worker in one call.
+// workers. It is Visit, copying each match into out.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
+	x.visit(keys, workers, out[:len(workers)], nil)
+}
+
+// A MatchVisitor hears Visit's matches one worker at a time.
+type MatchVisitor interface {
+	// VisitMatch is called with the match of workers[i], for each i in
+	// order, from Visit's caller; m is valid during the call only. It
+	// must not call the Index.
+	VisitMatch(i int, m *Match)
+}
+
+// Visit hands v what each of workers would find of the request whose
+// block keys are keys (see Match). It walks the keys under the read lock
+// of each block table (see MaxWorkers) in which some of the workers hold
+// the first block (one probe for the others), then reads each worker's
+// state without the worker's lock (see published): the walk may wait for
+// a write to the table, and the load and pending tokens it reports then
+// count the requests Predict recorded meanwhile (a burst's picks queued
+// behind one write would otherwise all see none). It does not allocate
+// once warm, and costs a few ns per worker plus 10–20 ns per key walked;
+// pass every worker in one call. Unlike Lookup, it writes no array of
+// matches, which over a thousand workers would be most of its cost.
+func (x *Index) Visit(keys []uint64, workers []string, v MatchVisitor) {
+	x.visit(keys, workers, nil, v)
+}
+
+// visit is Lookup (into out) or Visit (to v).
+func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisitor) {
 	now := x.cfg.Now().UnixNano()
-	out = out[:len(workers)]
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	ls := lookupScratchPool.Get().(*lookupScratch)
@@ -608,15 +627,21 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 		}
 	}
 	for i, w := range found {
-		m := &out[i]
+		m := &ls.one
+		if v == nil {
+			m = &out[i]
+		}
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
-			continue
+		} else {
+			w.match(m, now, &x.cfg)
+			if groups[w.grp.id].walked {
+				c := &ls.cnt[w.grp.id][w.slot]
+				m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+			}
 		}
-		w.match(m, now, &x.cfg)
-		if groups[w.grp.id].walked {
-			c := &ls.cnt[w.grp.id][w.slot]
-			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		if v != nil {
+			v.VisitMatch(i, m)
 		}
 	}
 }
@@ -630,6 +655,7 @@ type lookupScratch struct {
 		walked         bool // some worker holds the first block
 	}
 	cnt [maxGroups]counts
+	one Match // Visit's
 }
 
 var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

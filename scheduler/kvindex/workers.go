@@ -21,11 +21,13 @@ import (
 // the fields after it, but pub, correction and the atomics, which are
 // read without it.
 type worker struct {
-	name string
-	grp  *group
-	slot int // in grp
-
-	pub published // what Lookup reads; written under mu
+	// What Lookup reads comes first, in as few cache lines as it takes.
+	name       string
+	grp        *group
+	slot       int                            // in grp
+	redisTier  atomic.Bool                    // set by setInfo
+	correction atomic.Pointer[correctionSums] // set by observe
+	pub        published                      // written under mu
 
 	mu          sync.Mutex
 	synced      bool   // a snapshot was applied, and no gap seen since
@@ -40,10 +42,7 @@ type worker struct {
 	routed      float64 // Match.Routed as of routedAt
 	routedAt    int64   // Unix nanoseconds
 
-	redisTier atomic.Bool // set by setInfo; read without mu by Lookup
-
-	corrMu     sync.Mutex                     // serializes ObserveTTFT's updates
-	correction atomic.Pointer[correctionSums] // read by Lookup
+	corrMu sync.Mutex // serializes ObserveTTFT's updates
 
 	// isLearned is set once, by Learn; lrn is guarded by the block
 	// table's lock.
@@ -231,15 +230,18 @@ func (w *worker) match(m *Match, now int64, cfg *Config) {
 	var s state
 	w.read(&s)
 	info := w.pub.info.Load()
-	*m = Match{Known: true, Load: s.load, Cost: info.cost, HasCost: info.hasCost, BlockTokens: info.blockTokens, Correction: 1}
+	m.Known, m.GPU, m.CPU, m.Redis = true, 0, 0, 0
+	m.Load, m.PendingTokens = s.load, 0
 	if now-s.pendingAt < int64(cfg.PredictTTL) {
 		m.PendingTokens = s.pending
 	}
-	if s.routed != 0 {
-		m.Routed = s.routed * decay(s.routedAt, now, cfg.RoutedHalfLife)
-	}
+	m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
+	m.Correction, m.Routed = 1, 0
 	if c := w.correction.Load(); c != nil {
 		m.Correction = c.factor(now)
+	}
+	if s.routed != 0 {
+		m.Routed = s.routed * decay(s.routedAt, now, cfg.RoutedHalfLife)
 	}
 }
 
