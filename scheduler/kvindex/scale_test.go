@@ -4,7 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
 )
 
 // scaleFleet is an index of about blocks blocks spread over workers
@@ -220,4 +225,81 @@ func TestCapSharedAmongGroups(t *testing.T) {
 	if x.Evicted() == 0 {
 		t.Error("nothing evicted")
 	}
+}
+
+// visits collects a Visit's matches.
+type visits []Match
+
+func (v *visits) VisitMatch(i int, m *Match) {
+	if i != len(*v) {
+		panic(fmt.Sprintf("visited %d after %d matches", i, len(*v)))
+	}
+	*v = append(*v, *m)
+}
+
+// Visit hands the visitor, worker by worker, what Lookup writes: over
+// several groups, with unknown workers, in the order of the names.
+func TestVisitIsLookup(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	names := make([]string, 3*MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		if i%7 == 3 {
+			continue // never indexed
+		}
+		ks := keys(0, uint64(i%40+3))
+		mustApply(t, x, names[i], snapshot(&Load{Running: i}, stored(gpu, ks[:i%40+1]), stored(cpu, ks[i%40+1:])))
+		if err := x.SetInfo(names[i], Info{BlockTokens: 16 + i%3, RedisTier: i%2 == 0}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustApply(t, x, names[0], event(2, stored(redis, keys(0, 50))))
+	x.Predict(names[100], keys(0, 45))
+	for _, prompt := range [][]uint64{nil, keys(0, 50), keys(1000, 1010)} {
+		order := slices.Clone(names)
+		rand.New(rand.NewPCG(1, 2)).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+		want := make([]Match, len(order))
+		x.Lookup(prompt, order, want)
+		var got visits
+		x.Visit(prompt, order, &got)
+		if d := cmp.Diff([]Match(want), []Match(got)); d != "" {
+			t.Errorf("prompt of %d keys: Visit differs from Lookup (-Lookup +Visit):\n%s", len(prompt), d)
+		}
+	}
+}
+
+// A worker's state is read without its lock, yet whole: each load report
+// below has every field equal, and no lookup may see two reports mixed.
+func TestWorkerStateReadWhole(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "w0", snapshot(nil))
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for seq := uint64(2); seq < 50000; seq++ {
+			v := int64(seq)
+			l := Load{Running: int(v), Waiting: int(v), WaitingPrefillTokens: v, GPUBlocksUsed: v, GPUBlocksTotal: v,
+				CPUBlocksUsed: v, CPUBlocksTotal: v, Slots: int(v)}
+			if err := x.Apply("w0", loadEvent(seq, l)); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	for range 2 {
+		wg.Go(func() {
+			out := make([]Match, 1)
+			for range 50000 {
+				x.Lookup(nil, []string{"w0"}, out)
+				l := out[0].Load
+				v := int64(l.Running)
+				if int64(l.Waiting) != v || l.WaitingPrefillTokens != v || l.GPUBlocksUsed != v || l.GPUBlocksTotal != v ||
+					l.CPUBlocksUsed != v || l.CPUBlocksTotal != v || int64(l.Slots) != v {
+					t.Errorf("torn load report: %+v", l)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
