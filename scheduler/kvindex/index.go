@@ -30,6 +30,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"sync"
 	"time"
 )
@@ -644,6 +645,48 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 			v.VisitMatch(i, m)
 		}
 	}
+}
+
+// Overlap is how much of a prompt one worker holds: its leading blocks
+// in the GPU and CPU tiers, counted as Match counts them (predicted
+// blocks as GPU).
+type Overlap struct {
+	Worker   string
+	GPU, CPU int
+}
+
+// Overlaps appends to out the overlap of each worker that holds the
+// prompt's first block in its GPU or CPU tier, or is predicted to, and
+// returns it. It is the sparse match a router that keeps the workers'
+// load apart needs (Dynamo's indexer answers such queries): one walk of
+// the prompt per block table in which some worker holds the first block,
+// one probe for the others, and no worker's state read. Blocks only the
+// shared Redis tier holds are not counted. It does not allocate when out
+// has room.
+func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
+	if len(keys) == 0 {
+		return out
+	}
+	now := x.cfg.Now().UnixNano()
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	ls := lookupScratchPool.Get().(*lookupScratch)
+	defer lookupScratchPool.Put(ls)
+	cnt := &ls.cnt[0]
+	*cnt = counts{} // and each group's counts are zeroed as they are read
+	for _, g := range x.workers.groups {
+		if g.used == 0 || !g.blocks.walk(keys, g.used, 0, now, cnt) {
+			continue
+		}
+		for m := g.used; m != 0; m &= m - 1 {
+			s := bits.TrailingZeros64(m)
+			if c := cnt[s]; c[0]+c[1] > 0 {
+				out = append(out, Overlap{Worker: g.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
+				cnt[s] = [3]int32{}
+			}
+		}
+	}
+	return out
 }
 
 // lookupScratch is Lookup's working memory: by group, its workers among

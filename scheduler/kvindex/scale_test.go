@@ -303,3 +303,116 @@ func TestWorkerStateReadWhole(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// Overlaps lists the workers holding a prompt's first block, in GPU or
+// CPU, with the counts Lookup gives them when no worker reads the Redis
+// tier, whatever their group; the Redis tier changes none of them.
+func TestOverlapsAreLookupsHolders(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	names := make([]string, 3*MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		switch {
+		case i%5 == 0: // holds blocks of another prompt
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, keys(500, 520))))
+		case i%5 == 1: // holds the prompt from its second block only
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, keys(1, 20))))
+		default:
+			ks := keys(0, uint64(i%30+3))
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, ks[:i%30+1]), stored(cpu, ks[i%30+1:])))
+		}
+	}
+	mustApply(t, x, names[0], event(2, stored(redis, keys(0, 40))))
+	x.Predict(names[5], keys(0, 12))
+	x.RemoveWorker(names[2])
+	prompt := keys(0, 40)
+	all := make([]Match, len(names))
+	x.Lookup(prompt, names, all)
+	want := map[string]Overlap{}
+	for i, m := range all {
+		if m.GPU+m.CPU > 0 {
+			want[names[i]] = Overlap{Worker: names[i], GPU: m.GPU, CPU: m.CPU}
+		}
+	}
+	overlaps := func() map[string]Overlap {
+		got := map[string]Overlap{}
+		for _, o := range x.Overlaps(prompt, nil) {
+			if _, dup := got[o.Worker]; dup {
+				t.Errorf("%s listed twice", o.Worker)
+			}
+			got[o.Worker] = o
+		}
+		return got
+	}
+	if d := cmp.Diff(want, overlaps()); d != "" {
+		t.Errorf("Overlaps (-Lookup's holders +Overlaps):\n%s", d)
+	}
+	if got := want[names[5]].GPU; got != 12 {
+		t.Errorf("predicted %s: %d GPU blocks, want 12", names[5], got)
+	}
+	for _, name := range names {
+		if name != names[2] {
+			if err := x.SetInfo(name, Info{RedisTier: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if d := cmp.Diff(want, overlaps()); d != "" {
+		t.Errorf("Overlaps with the Redis tier (-without +with):\n%s", d)
+	}
+	if o := x.Overlaps(keys(900, 910), nil); len(o) != 0 {
+		t.Errorf("a prompt no worker holds: %+v, want none", o)
+	}
+}
+
+// sink is a visitor that keeps what a match query's caller would read.
+type sink struct{ gpu int }
+
+func (s *sink) VisitMatch(_ int, m *Match) { s.gpu = max(s.gpu, m.GPU) }
+
+// BenchmarkVisitQuery is BenchmarkMatchQuery through Visit, as kv_aware
+// reads the index: no array of matches.
+func BenchmarkVisitQuery(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			last := f.names[workers-1]
+			held := keys(1<<30, 1<<30+300)
+			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+				f.seq[workers-1]++
+			}
+			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			var s sink
+			b.ReportAllocs()
+			for b.Loop() {
+				f.x.Visit(ks, f.names, &s)
+			}
+			b.ReportMetric(float64(s.gpu), "hit")
+		})
+	}
+}
+
+// BenchmarkOverlaps is BenchmarkMatchQuery's prompt as a sparse match:
+// the overlaps of the workers holding it, no worker's state.
+func BenchmarkOverlaps(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			last := f.names[workers-1]
+			held := keys(1<<30, 1<<30+300)
+			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+				f.seq[workers-1]++
+			}
+			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			out := make([]Overlap, 0, workers)
+			b.ReportAllocs()
+			for b.Loop() {
+				out = f.x.Overlaps(ks, out[:0])
+			}
+			if len(out) != 1 || out[0].GPU != 300 {
+				b.Fatalf("overlaps %+v, want %s's 300 blocks", out, last)
+			}
+		})
+	}
+}

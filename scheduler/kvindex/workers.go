@@ -276,6 +276,7 @@ type group struct {
 	blocks blocks
 	slots  [MaxWorkers]*worker // guarded by workers.mu
 	n      int                 // slots in use; guarded by workers.mu
+	used   uint64              // their bits; guarded by workers.mu
 }
 
 // workers is the index's membership: which worker holds which slot of
@@ -353,6 +354,7 @@ func (ws *workers) add(name string) (*worker, error) {
 			w := newWorker(name, g, i)
 			g.slots[i] = w
 			g.n++
+			g.used |= w.bit()
 			ws.byName[name] = w
 			ws.n++
 			ws.share()
@@ -367,6 +369,7 @@ func (ws *workers) remove(w *worker) {
 	delete(ws.byName, w.name)
 	w.grp.slots[w.slot] = nil
 	w.grp.n--
+	w.grp.used &^= w.bit()
 	ws.n--
 	ws.share()
 }
