@@ -194,6 +194,24 @@ func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int
 	return added
 }
 
+// holders returns the tiers' sets of the workers in alive holding key at
+// now (see Match), Redis only for those in redisOK. b.mu is held.
+func (b *blocks) holders(key, alive, redisOK uint64, now int64) (g, c, r uint64) {
+	if i := b.t.find(key); i != none {
+		e := b.t.at(i)
+		g = e.gpu
+		if now < e.predUntil {
+			g |= e.pred
+		}
+		g &= alive
+		c = e.cpu &^ g & alive
+		if e.flags&flagRedis != 0 {
+			r = alive &^ (g | c) & redisOK
+		}
+	}
+	return g, c, r
+}
+
 // counts are, per slot, the leading blocks found in GPU, CPU and Redis.
 type counts [MaxWorkers][3]int32
 
@@ -219,22 +237,7 @@ const walkStride = 8
 func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
 	b.mu.RLock()
 	defer b.mu.RUnlock()
-	// holders returns the tiers' sets of the workers in alive holding key.
-	holders := func(k, alive uint64) (g, c, r uint64) {
-		if i := b.t.find(k); i != none {
-			e := b.t.at(i)
-			g = e.gpu
-			if now < e.predUntil {
-				g |= e.pred
-			}
-			g &= alive
-			c = e.cpu &^ g & alive
-			if e.flags&flagRedis != 0 {
-				r = alive &^ (g | c) & redisOK
-			}
-		}
-		return g, c, r
-	}
+	holders := func(k, alive uint64) (g, c, r uint64) { return b.holders(k, alive, redisOK, now) }
 	n := len(keys)
 	if n == 0 {
 		return false

@@ -598,8 +598,7 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	ls := lookupScratchPool.Get().(*lookupScratch)
-	defer lookupScratchPool.Put(ls)
+	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
 	if cap(ls.found) < len(workers) {
 		ls.found = make([]*worker, len(workers))
 	}
@@ -620,11 +619,17 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 		}
 	}
 	if len(keys) > 0 {
+		gs := ls.walk[:0]
 		for k := range groups {
 			if g := &groups[k]; g.alive != 0 {
-				ls.cnt[k] = counts{}
-				g.walked = x.workers.groups[k].blocks.walk(keys, g.alive, g.redisOK, now, &ls.cnt[k])
+				g.walked = true
+				gs = append(gs, walkGroup{b: &x.workers.groups[k].blocks, alive: g.alive, redisOK: g.redisOK, cnt: &ls.cnt[k]})
 			}
+		}
+		if len(gs) == 1 {
+			gs[0].b.walk(keys, gs[0].alive, gs[0].redisOK, now, gs[0].cnt)
+		} else {
+			walkGroups(gs, keys, now)
 		}
 	}
 	for i, w := range found {
@@ -645,6 +650,14 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 			v.VisitMatch(i, m)
 		}
 	}
+	for k := range groups {
+		if g := &groups[k]; g.walked {
+			for m := g.alive; m != 0; m &= m - 1 {
+				ls.cnt[k][bits.TrailingZeros64(m)] = [3]int32{}
+			}
+		}
+	}
+	lookupScratchPool.Put(ls)
 }
 
 // Overlap is how much of a prompt one worker holds: its leading blocks
@@ -670,35 +683,49 @@ func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	ls := lookupScratchPool.Get().(*lookupScratch)
-	defer lookupScratchPool.Put(ls)
-	cnt := &ls.cnt[0]
-	*cnt = counts{} // and each group's counts are zeroed as they are read
+	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
+	gs := ls.walk[:0]
 	for _, g := range x.workers.groups {
-		if g.used == 0 || !g.blocks.walk(keys, g.used, 0, now, cnt) {
-			continue
-		}
-		for m := g.used; m != 0; m &= m - 1 {
-			s := bits.TrailingZeros64(m)
-			if c := cnt[s]; c[0]+c[1] > 0 {
-				out = append(out, Overlap{Worker: g.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
-				cnt[s] = [3]int32{}
-			}
+		if g.used != 0 {
+			gs = append(gs, walkGroup{grp: g, b: &g.blocks, alive: g.used, cnt: &ls.cnt[len(gs)]})
 		}
 	}
+	if len(gs) == 1 {
+		// One table (a fleet of MaxWorkers at most): its walk does not say
+		// whose counts it wrote.
+		if gs[0].b.walk(keys, gs[0].alive, 0, now, gs[0].cnt) {
+			gs[0].held = gs[0].alive
+		}
+	} else {
+		walkGroups(gs, keys, now)
+	}
+	for _, w := range gs {
+		for m := w.held; m != 0; m &= m - 1 {
+			s := bits.TrailingZeros64(m)
+			c := &w.cnt[s]
+			if c[0]+c[1] > 0 {
+				out = append(out, Overlap{Worker: w.grp.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
+			}
+			*c = [3]int32{}
+		}
+	}
+	lookupScratchPool.Put(ls)
 	return out
 }
 
 // lookupScratch is Lookup's working memory: by group, its workers among
-// those looked up and their counts.
+// those looked up and their counts. Its counts are all zero when it is not
+// in use: who reads a count zeroes it, and a lookup that panics (in a
+// visitor) does not put it back.
 type lookupScratch struct {
 	found  []*worker
 	groups [maxGroups]struct {
 		alive, redisOK uint64
 		walked         bool // some worker holds the first block
 	}
-	cnt [maxGroups]counts
-	one Match // Visit's
+	cnt  [maxGroups]counts
+	walk [maxGroups]walkGroup
+	one  Match // Visit's
 }
 
 var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

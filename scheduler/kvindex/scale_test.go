@@ -416,3 +416,75 @@ func BenchmarkOverlaps(b *testing.B) {
 		})
 	}
 }
+
+// A fleet's blocks in several groups are walked once for all of them, yet
+// each worker finds what it finds looked up alone (its group's walk):
+// chains of random lengths in each tier, shortened by removals, with
+// predictions and the Redis tier, prompts of every length. (Where a
+// cache has a hole in mid-chain, a walk that leaps over it counts past
+// it; the walk of several groups reads more blocks, and may not.)
+func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	rng := rand.New(rand.NewPCG(21, 22))
+	names := make([]string, 3*MaxWorkers+5)
+	const chain = 300
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		// Worker i holds the prompt's first g blocks in GPU, the next c in
+		// CPU, less a hole or two; some hold a prefix of another prompt.
+		g, c := rng.IntN(chain), rng.IntN(40)
+		ks := keys(0, uint64(min(g+c, chain)))
+		var evs []CacheEvent
+		if rng.IntN(8) == 0 {
+			evs = append(evs, stored(gpu, keys(10_000, 10_000+uint64(rng.IntN(50)))))
+		}
+		evs = append(evs, stored(gpu, ks[:min(g, len(ks))]), stored(cpu, ks[min(g, len(ks)):]))
+		mustApply(t, x, names[i], snapshot(nil, evs...))
+		seq := uint64(2)
+		if len(ks) > 0 && rng.IntN(4) == 0 {
+			cut := rng.IntN(len(ks))
+			tier := gpu
+			if cut >= g {
+				tier = cpu
+			}
+			mustApply(t, x, names[i], event(seq, cache(Removed, tier, ks[cut:])))
+			seq++
+		}
+		if rng.IntN(3) == 0 {
+			if err := x.SetInfo(names[i], Info{RedisTier: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i == 7 {
+			mustApply(t, x, names[i], event(seq, stored(redis, keys(0, 260))))
+		}
+		if rng.IntN(10) == 0 {
+			x.Predict(names[i], keys(0, uint64(rng.IntN(chain))))
+		}
+	}
+	all := make([]Match, len(names))
+	one := make([]Match, 1)
+	for _, n := range []int{1, 2, 7, 8, 9, 17, 100, 299, 300, 301} {
+		prompt := keys(0, uint64(n))
+		x.Lookup(prompt, names, all)
+		for i, name := range names {
+			x.Lookup(prompt, []string{name}, one)
+			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want {
+				t.Fatalf("prompt of %d keys, %s: %+v among all, %+v alone", n, name, got, want)
+			}
+		}
+		holders := map[string]Overlap{}
+		for _, o := range x.Overlaps(prompt, nil) {
+			holders[o.Worker] = o
+		}
+		for i, name := range names {
+			x.Lookup(prompt, []string{name}, one)
+			if one[0].Redis == 0 || all[i].GPU+all[i].CPU == 0 {
+				if o := holders[name]; o.GPU != all[i].GPU || o.CPU != all[i].CPU {
+					t.Fatalf("prompt of %d keys, %s: overlap %+v, Lookup %+v", n, name, o, hit{all[i].GPU, all[i].CPU, all[i].Redis})
+				}
+			}
+		}
+	}
+}
