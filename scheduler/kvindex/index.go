@@ -220,6 +220,7 @@ type Index struct {
 	cfg     Config
 	workers workers
 	blocks  *blocks // the first group's
+	infos   interned
 }
 
 // New returns an empty index.
@@ -312,7 +313,7 @@ func (x *Index) SetInfo(name string, info Info) error {
 	if err != nil {
 		return err
 	}
-	w.setInfo(info)
+	w.setInfo(info, &x.infos)
 	return nil
 }
 

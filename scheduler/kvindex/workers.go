@@ -84,6 +84,32 @@ type workerInfo struct {
 
 var defaultInfo = workerInfo{cost: DefaultCost, blockTokens: defaultBlockTokens}
 
+// interned keeps one copy of each workerInfo the workers told, so that a
+// fleet of alike workers (the usual one) shares one, which a decision
+// over all of them reads from one place rather than from each worker's.
+type interned struct {
+	mu sync.Mutex
+	m  map[workerInfo]*workerInfo
+}
+
+// maxInterned bounds interned: past it, it starts over (only sharing is
+// lost), so that workers whose figures keep changing do not grow it.
+const maxInterned = 4096
+
+func (in *interned) get(v workerInfo) *workerInfo {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if p := in.m[v]; p != nil {
+		return p
+	}
+	if in.m == nil || len(in.m) >= maxInterned {
+		in.m = make(map[workerInfo]*workerInfo)
+	}
+	p := &v
+	in.m[v] = p
+	return p
+}
+
 // loadFields is the number of Load's fields.
 const loadFields = 8
 
@@ -147,8 +173,9 @@ func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
 	return w.routed * decay(w.routedAt, now, halfLife)
 }
 
-// setInfo records what the worker told of itself.
-func (w *worker) setInfo(info Info) {
+// setInfo records what the worker told of itself; its published copy is
+// in's, shared with every worker that told the same.
+func (w *worker) setInfo(info Info, in *interned) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.cost, w.hasCost = DefaultCost, info.HasCost
@@ -159,7 +186,7 @@ func (w *worker) setInfo(info Info) {
 	if info.BlockTokens > 0 {
 		w.blockTokens = info.BlockTokens
 	}
-	w.pub.info.Store(&workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens})
+	w.pub.info.Store(in.get(workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens}))
 	w.redisTier.Store(info.RedisTier)
 }
 
