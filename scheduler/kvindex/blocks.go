@@ -237,6 +237,11 @@ const walkStride = 8
 func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
 	b.mu.RLock()
 	defer b.mu.RUnlock()
+	return b.walkLocked(keys, alive, redisOK, now, cnt)
+}
+
+// walkLocked is walk with the read lock held.
+func (b *blocks) walkLocked(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
 	holders := func(k, alive uint64) (g, c, r uint64) { return b.holders(k, alive, redisOK, now) }
 	n := len(keys)
 	if n == 0 {

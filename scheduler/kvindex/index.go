@@ -607,8 +607,14 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 	defer clear(found)
 	groups := ls.groups[:len(x.workers.groups)]
 	clear(groups)
+	// The hints, then the workers they name: each pass's loads are
+	// independent of one another, so that on a cold cache their misses
+	// overlap.
 	for i, name := range workers {
-		w := x.workers.find(name)
+		found[i] = x.workers.hint(name)
+	}
+	for i, name := range workers {
+		w := x.workers.check(found[i], name)
 		found[i] = w
 		if w == nil {
 			continue

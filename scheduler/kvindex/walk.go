@@ -80,6 +80,13 @@ func walkGroups(gs []walkGroup, keys []uint64, now int64) {
 	for _, k := range live {
 		gs[k].held = gs[k].alive
 	}
+	if len(live) == 1 {
+		// One table holds the prompt (a prefix few workers hold): its own
+		// walk, which warms the blocks it will read ahead of reading them.
+		w := &gs[live[0]]
+		w.b.walkLocked(keys, w.held, w.redisOK, now, w.cnt)
+		return
+	}
 	j := 0
 	for len(live) > 0 {
 		// lo: the last block known to have the run's holders; hi: the

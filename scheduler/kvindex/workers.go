@@ -345,14 +345,23 @@ func (ws *workers) get(name string) *worker { return ws.byName[name] }
 // find is get, trying name's hint first. A hint counts only if its worker
 // still holds its slot (RemoveWorker frees it) and has that name, so it
 // returns what get would. ws.mu is held.
-func (ws *workers) find(name string) *worker {
-	h := &ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)]
-	if w := h.Load(); w != nil && w.grp.slots[w.slot] == w && w.name == name {
-		return w
+func (ws *workers) find(name string) *worker { return ws.check(ws.hint(name), name) }
+
+// hint returns the worker last found under name's bytes, which may not
+// be name's (see check). ws.mu is held.
+func (ws *workers) hint(name string) *worker {
+	return ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Load()
+}
+
+// check returns h if it is name's worker, else name's worker from the map
+// (nil if untracked), which becomes name's hint. ws.mu is held.
+func (ws *workers) check(h *worker, name string) *worker {
+	if h != nil && h.grp.slots[h.slot] == h && h.name == name {
+		return h
 	}
 	w := ws.byName[name]
 	if w != nil {
-		h.Store(w)
+		ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Store(w)
 	}
 	return w
 }
