@@ -4,11 +4,15 @@
 // it; its per-worker state (workers.go) holds each worker's latest load,
 // pending prefill, cost figures and how its observed times compare with
 // predictions. Each has its own locks: load reports and feedback never
-// wait for the block table.
+// wait for the block table, and what a lookup reads of a worker is
+// published to atomics (a sequence lock), so that a decision over a
+// thousand workers takes none of their locks.
 //
 // Watch goroutines feed it with Apply (one stream per worker); request
-// goroutines read it with Lookup, which neither blocks for long nor
-// allocates, and record with Predict the blocks a routed request will
+// goroutines read it with Visit or Lookup (every worker's match: its
+// overlap with the prompt and its state) or Overlaps (the overlaps of the
+// workers holding the prompt alone), which neither block for long nor
+// allocate, and record with Predict the blocks a routed request will
 // create. Each scheduler replica keeps its own index, fed by its own watch
 // streams.
 //
@@ -23,7 +27,9 @@
 // each with its own block table and lock, and its share of the cap in
 // proportion to its workers (a block held in several groups takes an
 // entry in each, and a full group forgets its own least recently touched
-// block).
+// block). A lookup walks the prompt once whatever the groups: each block it
+// visits is read in every group's table that still holds the prompt, the
+// reads overlapping (walk.go).
 package kvindex
 
 import (
@@ -36,8 +42,7 @@ import (
 )
 
 // MaxWorkers is the number of workers of one group: the workers whose
-// blocks share a block table, one bit each in its holder masks. A Lookup
-// of at most MaxWorkers workers of one group walks the prompt once.
+// blocks share a block table, one bit each in its holder masks.
 const MaxWorkers = 64
 
 // MaxTracked is the number of workers an Index tracks at once. Blocks of
