@@ -585,16 +585,17 @@ type MatchVisitor interface {
 }
 
 // Visit hands v what each of workers would find of the request whose
-// block keys are keys (see Match). It walks the keys under the read lock
-// of each block table (see MaxWorkers) in which some of the workers hold
-// the first block (one probe for the others), then reads each worker's
-// state without the worker's lock (see published): the walk may wait for
-// a write to the table, and the load and pending tokens it reports then
-// count the requests Predict recorded meanwhile (a burst's picks queued
-// behind one write would otherwise all see none). It does not allocate
-// once warm, and costs a few ns per worker plus 10–20 ns per key walked;
-// pass every worker in one call. Unlike Lookup, it writes no array of
-// matches, which over a thousand workers would be most of its cost.
+// block keys are keys (see Match). It walks the keys once, under the read
+// locks of the block tables (see MaxWorkers) in which some of the workers
+// hold the first block (one probe for the others), then reads each
+// worker's state without the worker's lock (see published): the walk may
+// wait for a write to a table, and the load and pending tokens it reports
+// then count the requests Predict recorded meanwhile (a burst's picks
+// queued behind one write would otherwise all see none). It does not
+// allocate once warm, and costs about 25 ns per worker plus 10–20 ns per
+// block read; pass every worker in one call. Unlike Lookup, it writes no
+// array of matches, which over a thousand workers would be much of its
+// cost.
 func (x *Index) Visit(keys []uint64, workers []string, v MatchVisitor) {
 	x.visit(keys, workers, nil, v)
 }
@@ -644,23 +645,26 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 			walkGroups(gs, keys, now)
 		}
 	}
-	for i, w := range found {
-		m := &ls.one
-		if v == nil {
-			m = &out[i]
-		}
+	fill := func(m *Match, w *worker) {
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
-		} else {
-			w.match(m, now, &x.cfg)
-			if groups[w.grp.id].walked {
-				c := &ls.cnt[w.grp.id][w.slot]
-				m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
-			}
+			return
 		}
-		if v != nil {
-			v.VisitMatch(i, m)
+		w.match(m, now, &x.cfg)
+		if groups[w.grp.id].walked {
+			c := &ls.cnt[w.grp.id][w.slot]
+			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 		}
+	}
+	// out's matches never reach v, so that a caller's array of them does
+	// not escape to the heap.
+	for i, w := range found {
+		if v == nil {
+			fill(&out[i], w)
+			continue
+		}
+		fill(&ls.one, w)
+		v.VisitMatch(i, &ls.one)
 	}
 	for k := range groups {
 		if g := &groups[k]; g.walked {
@@ -684,8 +688,8 @@ type Overlap struct {
 // prompt's first block in its GPU or CPU tier, or is predicted to, and
 // returns it. It is the sparse match a router that keeps the workers'
 // load apart needs (Dynamo's indexer answers such queries): one walk of
-// the prompt per block table in which some worker holds the first block,
-// one probe for the others, and no worker's state read. Blocks only the
+// the prompt over the block tables in which some worker holds the first
+// block, one probe for the others, and no worker's state read. Blocks only the
 // shared Redis tier holds are not counted. It does not allocate when out
 // has room.
 func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
