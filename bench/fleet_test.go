@@ -206,8 +206,8 @@ func TestBenchSeededRandomRepeats(t *testing.T) {
 }
 
 // With --share-redis the replicas of a fleet share their decisions through
-// a real Redis: each receives what the other sent, and every request
-// completes.
+// a real Redis: each receives what the other sent, every request
+// completes, and the report gives how late the decisions arrived.
 func TestBenchReplicasShare(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts fleets and redis-server")
@@ -234,5 +234,13 @@ func TestBenchReplicasShare(t *testing.T) {
 	sent, received := s.Counters["replica_sync_entries_total{direction=sent}"], s.Counters["replica_sync_entries_total{direction=received}"]
 	if sent == 0 || received == 0 {
 		t.Errorf("entries sent %v, received %v over the replicas; want both above 0 (%v)", sent, received, s.Counters)
+	}
+	if s.SyncLagMs[1] <= 0 || s.SyncLagMs[0] > s.SyncLagMs[1] {
+		t.Errorf("sharing lag p50 / p99 %v ms; want both measured, p50 at most p99", s.SyncLagMs)
+	}
+	var md strings.Builder
+	rep.Markdown(&md)
+	if !strings.Contains(md.String(), "Replica sharing lag ("+s.Strategy+")") {
+		t.Errorf("the report does not give the sharing lag:\n%s", md.String())
 	}
 }

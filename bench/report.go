@@ -88,6 +88,11 @@ type StrategyReport struct {
 	// (baton_routing_part_seconds: its filters, each scorer, the picker),
 	// microseconds of wall time, by part.
 	PartsUs map[string][2]float64 `json:"routing_parts_us,omitempty"`
+	// SyncLagMs is the p50 and p99 of the time from one replica's commit
+	// of a decision to its application on another
+	// (baton_replica_sync_lag_seconds, interpolated within its buckets),
+	// wall milliseconds; zero when the replicas did not share.
+	SyncLagMs [2]float64 `json:"replica_sync_lag_ms,omitzero"`
 
 	// LagP99ms and LagMaxms are how late the load generator sent requests
 	// (wall milliseconds).
@@ -412,6 +417,12 @@ func (rep *Report) Markdown(w io.Writer) {
 			parts = append(parts, fmt.Sprintf("%s %.1f / %.1f", k, q[0], q[1]))
 		}
 		fmt.Fprintf(w, "\nRouting parts (%s), p50 / p99 µs: %s.\n", s.Strategy, strings.Join(parts, "; "))
+	}
+	for _, s := range rep.Strategies {
+		if s.SyncLagMs != [2]float64{} {
+			fmt.Fprintf(w, "\nReplica sharing lag (%s), from a decision's commit to its application on another replica, p50 / p99 ms: %.2f / %.2f.\n",
+				s.Strategy, s.SyncLagMs[0], s.SyncLagMs[1])
+		}
 	}
 	for _, s := range rep.Strategies {
 		for _, wr := range s.Warnings {

@@ -651,6 +651,9 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		rep.DecisionP99us = bucketQuantile(0.99, b1, c1) * 1e6
 		rep.DecisionCPUP50us, rep.DecisionCPUP99us = histogramQuantiles(before, after, "baton_routing_decision_cpu_seconds")
 		rep.PartsUs = partQuantiles(before, after)
+		if p50, p99 := histogramQuantiles(before, after, "baton_replica_sync_lag_seconds"); p99 > 0 {
+			rep.SyncLagMs = [2]float64{p50 / 1e3, p99 / 1e3}
+		}
 	}
 	rep.checkHealth(o)
 	return rep, nil

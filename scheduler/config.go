@@ -386,6 +386,11 @@ type Config struct {
 	// a request for one goes to a worker that holds it, or it is loaded
 	// onto one whose max_loras allows.
 	Adapters []AdapterConfig `yaml:"adapters"`
+
+	// IndexNow is the KV index's clock (kvindex.Config.Now), by which its
+	// predictions lapse and its records decay; nil means time.Now. Tests
+	// set it.
+	IndexNow func() time.Time `yaml:"-"`
 }
 
 // RegisterProfiles returns a copy of strategies with c's custom profiles

@@ -229,17 +229,10 @@ func TestAuth(t *testing.T) {
 		second.Close()
 		stream.Close()
 		// The slot is free once the first stream's request ends.
-		deadline := time.Now().Add(5 * time.Second)
-		for {
+		eventually(t, 5*time.Second, func() error {
 			_, err := c.Chat.Completions.New(ctxT(t, 10*time.Second), chatParams("Hello.", 4))
-			if err == nil {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("after the stream closed: %v", err)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+			return err
+		})
 	})
 
 	t.Run("tokens per minute", func(t *testing.T) {

@@ -95,15 +95,24 @@ func TestKVAwareCommitsTheServingWorker(t *testing.T) {
 	}
 	// Both workers are full: the next request waits in the queue until a
 	// stream ends.
+	picks := func() float64 {
+		v, _ := metric(scrape(t, hc, addr), "baton_routing_decision_seconds_count")
+		return v
+	}
+	before := picks()
 	done := make(chan string, 1)
 	go func() { w, _ := ask(" Queued question.", false); done <- w }()
+	// Its first pick finds both full; so does the queue's, after which
+	// it waits for a worker to free up.
 	eventually(t, 5*time.Second, func() error {
 		if v, _ := metric(scrape(t, hc, addr), "baton_queue_depth"); v != 1 {
 			return fmt.Errorf("queue depth %v, want 1", v)
 		}
+		if n := picks() - before; n < 2 {
+			return fmt.Errorf("%v picks of the queued request, want 2", n)
+		}
 		return nil
 	})
-	time.Sleep(100 * time.Millisecond) // wake-ups the queued request may see
 	stop1()
 	select {
 	case <-done:

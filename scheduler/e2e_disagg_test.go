@@ -190,8 +190,10 @@ func TestPrefillWorkerKilledMidPrefill(t *testing.T) {
 	// Kill whichever prefill worker takes the request, once it is busy.
 	killed := make(chan string, 1)
 	go func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for time.Now().Before(deadline) {
+		tick := time.NewTicker(2 * time.Millisecond)
+		defer tick.Stop()
+		timeout := time.After(5 * time.Second)
+		for {
 			for _, name := range []string{"p0", "p1"} {
 				if f.workers[name].Engine.Load().Running > 0 {
 					f.workers[name].Close()
@@ -199,9 +201,13 @@ func TestPrefillWorkerKilledMidPrefill(t *testing.T) {
 					return
 				}
 			}
-			time.Sleep(2 * time.Millisecond)
+			select {
+			case <-tick.C:
+			case <-timeout:
+				killed <- ""
+				return
+			}
 		}
-		killed <- ""
 	}()
 	got := chat(t, c, chatParams(prompt, 16))
 	victim := <-killed

@@ -266,3 +266,60 @@ func TestFakeVLLMEventVariants(t *testing.T) {
 		})
 	}
 }
+
+// TestFakeVLLMManyEngines: a scheduler follows the KV events of 128 fake
+// vLLM engines (two of the index's groups of workers): each engine stores
+// a document of its own, every one of them reaches the index, and
+// kv_aware sends a question on a document to the engine that holds it.
+func TestFakeVLLMManyEngines(t *testing.T) {
+	const n = 128
+	var engines []*vllmtest.Server
+	var workers []scheduler.WorkerConfig
+	for i := range n {
+		e, err := vllmtest.New(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Close)
+		engines = append(engines, e)
+		workers = append(workers, scheduler.WorkerConfig{
+			Name: fmt.Sprintf("v%d", i), Kind: scheduler.KindVLLM, Address: e.URL,
+			EngineConfig: scheduler.EngineConfig{
+				Events: e.EventsEndpoint(), EventsReplay: e.ReplayEndpoint(), EventsTopic: e.Topic(),
+				MetricsInterval: 5 * time.Second, // the test is of the events; scraping a fleet is measured in bench/
+			},
+		})
+	}
+	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: workers})
+	for _, e := range engines {
+		if err := e.WaitSubscribed(ctxT(t, 30*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
+	for i, e := range engines {
+		e.Churn(engineTokens(fakeVLLMPrompt(i, 0)))
+	}
+	for i := range engines {
+		keys := blockkey.AppendTokens(nil, seed, engineTokens(fakeVLLMPrompt(i, 0)), 16)
+		name := fmt.Sprintf("v%d", i)
+		eventually(t, 30*time.Second, func() error {
+			if m := lookup(s, name, keys); m.GPU != len(keys) {
+				return fmt.Errorf("the index has %d of the %d blocks %s stored", m.GPU, len(keys), name)
+			}
+			return nil
+		})
+	}
+	c := oaClient(t, addr)
+	for _, i := range []int{0, 1, 63, 64, 65, 100, 127} {
+		r, err := streamChat(t, c, chatParams(fakeVLLMPrompt(i, 0), 4))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := fmt.Sprintf("v%d", i); r.worker != want {
+			t.Errorf("document %d went to %s, held by %s", i, r.worker, want)
+		} else if r.cached == 0 {
+			t.Errorf("document %d on %s: no token cached", i, r.worker)
+		}
+	}
+}

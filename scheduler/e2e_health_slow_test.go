@@ -26,8 +26,8 @@ import (
 // while slow is set, get no answer before their deadline: what a host
 // starved of CPU does to the checks of every worker at once, which a real
 // worker cannot be made to do on demand. Its other calls are served as
-// usual.
-func startSlowCheckWorker(t *testing.T, slow *atomic.Bool) scheduler.WorkerConfig {
+// usual. Each check it holds so is signalled on held, if there is room.
+func startSlowCheckWorker(t *testing.T, slow *atomic.Bool, held chan<- struct{}) scheduler.WorkerConfig {
 	t.Helper()
 	var list []engine.Adapter
 	for _, a := range loraAdapters {
@@ -40,6 +40,10 @@ func startSlowCheckWorker(t *testing.T, slow *atomic.Bool) scheduler.WorkerConfi
 	t.Cleanup(func() { e.Close() })
 	g := grpc.NewServer(grpc.UnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 		if slow.Load() && info.FullMethod == healthpb.Health_Check_FullMethodName {
+			select {
+			case held <- struct{}{}:
+			default:
+			}
 			<-ctx.Done()
 			return nil, status.FromContextError(ctx.Err()).Err()
 		}
@@ -60,7 +64,8 @@ func startSlowCheckWorker(t *testing.T, slow *atomic.Bool) scheduler.WorkerConfi
 // nothing, the same checks mark it down and such a request is a 503.
 func TestHealthCheckTimeoutsWhileAnswering(t *testing.T) {
 	var slow atomic.Bool
-	wc := startSlowCheckWorker(t, &slow)
+	held := make(chan struct{}, 1)
+	wc := startSlowCheckWorker(t, &slow, held)
 	s, addr := startScheduler(t, scheduler.Config{
 		Pool:     pool.Config{HealthInterval: 250 * time.Millisecond, HealthTimeout: 200 * time.Millisecond, UnhealthyAfter: 2},
 		Workers:  []scheduler.WorkerConfig{wc},
@@ -84,9 +89,16 @@ func TestHealthCheckTimeoutsWhileAnswering(t *testing.T) {
 	w := s.Pool.Snapshot().Workers[0]
 
 	slow.Store(true)
-	for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+	// Rounds of checks never overlap: when a check is held, the one
+	// before it has timed out and been counted. Twice UnhealthyAfter.
+	for i := range 5 {
+		select {
+		case <-held:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("health check %d never came", i+1)
+		}
 		if !w.Healthy() {
-			t.Fatal("the worker was marked down by health checks that timed out while it streamed tokens")
+			t.Fatalf("the worker was marked down by %d health checks that timed out while it streamed tokens", i)
 		}
 	}
 	if _, err := c.Chat.Completions.New(ctxT(t, 30*time.Second), adapterChat("sql", "a question")); err != nil {

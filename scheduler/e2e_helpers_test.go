@@ -120,17 +120,12 @@ func startSchedulerLog(t testing.TB, cfg scheduler.Config, log *slog.Logger) (*s
 // test that counts where requests went.
 func waitDescribed(t testing.TB, s *scheduler.Scheduler) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		p := s.Pending()
-		if len(p) == 0 {
-			return
+	eventually(t, 20*time.Second, func() error {
+		if p := s.Pending(); len(p) > 0 {
+			return fmt.Errorf("workers %v still not described", p)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("workers %v still not described after 20s", p)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // startFleetSpec starts spec's fleet without waiting for it to be ready
@@ -457,19 +452,23 @@ func metric(text, name string, labels ...string) (float64, bool) {
 	return sum, found
 }
 
-// eventually calls cond every 20 ms until it returns nil, failing the test
-// with cond's last error if that takes longer than d.
+// eventually calls cond every 10 ms until it returns nil, failing the test
+// with cond's last error if that takes longer than d: for a state that
+// processes and sockets reach in their own time.
 func eventually(t testing.TB, d time.Duration, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(d)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(d)
 	for {
 		err := cond()
 		if err == nil {
 			return
 		}
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-timeout:
 			t.Fatalf("after %v: %v", d, err)
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -3,6 +3,7 @@ package scheduler_test
 import (
 	"fmt"
 	"math"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -116,7 +117,9 @@ func (s served) hit() bool { return s.cached >= s.prompt*9/10 }
 // miss once and hit again after.
 func TestLlamaCPPKVAwareDocuments(t *testing.T) {
 	srvs := llamaServers(t, 2)
-	_, addr := llamaFleet(t, "kv_aware", srvs)
+	var later atomic.Int64 // the index's clock runs this far ahead
+	_, addr := llamaFleetWith(t, scheduler.Config{Strategy: "kv_aware",
+		IndexNow: func() time.Time { return time.Now().Add(time.Duration(later.Load())) }}, srvs)
 	c := oaClient(t, addr)
 	home := map[int]string{}
 	perWorker := map[string]int{}
@@ -129,8 +132,9 @@ func TestLlamaCPPKVAwareDocuments(t *testing.T) {
 			t.Errorf("worker %s got the first question of %d documents; it holds %d", w, n, slots)
 		}
 	}
-	// Past the TTL of the predictions of engines that publish events.
-	time.Sleep(kvindex.DefaultPredictTTL + 200*time.Millisecond)
+	// Past the TTL of the predictions of engines that publish events, on
+	// the index's clock.
+	later.Add(int64(kvindex.DefaultPredictTTL + 200*time.Millisecond))
 	check := func(round string, got []served, wantHit func(d int) bool) {
 		t.Helper()
 		for d, s := range got {

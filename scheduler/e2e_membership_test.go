@@ -126,9 +126,9 @@ type outcome struct {
 }
 
 // load sends streaming chat completions of maxTokens through the
-// openai-go client from n goroutines until stop is closed, then returns
-// every outcome.
-func load(t *testing.T, addr string, n int, maxTokens int64, stop <-chan struct{}) func() []outcome {
+// openai-go client from n goroutines until stop is closed. results waits
+// for them and returns every outcome; sofar returns those known now.
+func load(t *testing.T, addr string, n int, maxTokens int64, stop <-chan struct{}) (results, sofar func() []outcome) {
 	c := oaClient(t, addr)
 	var (
 		mu  sync.Mutex
@@ -153,10 +153,16 @@ func load(t *testing.T, addr string, n int, maxTokens int64, stop <-chan struct{
 			}
 		})
 	}
-	return func() []outcome {
+	results = func() []outcome {
 		wg.Wait()
 		return out
 	}
+	sofar = func() []outcome {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(out)
+	}
+	return results, sofar
 }
 
 // ringOwners returns the owner of each key on p's ring.
@@ -208,7 +214,7 @@ func TestDNSDiscoveryRemovesAWorkerUnderLoad(t *testing.T) {
 	stop := make(chan struct{})
 	// Requests long enough that one in flight on the worker when its
 	// record goes is still running when the pool drops it.
-	results := load(t, f.Addr, 6, 160, stop)
+	results, sofar := load(t, f.Addr, 6, 160, stop)
 	gone := addr(ips[1])
 	eventually(t, 30*time.Second, func() error {
 		if w := s.Pool.Snapshot().Worker(gone); w == nil || w.InFlight() == 0 {
@@ -231,7 +237,20 @@ func TestDNSDiscoveryRemovesAWorkerUnderLoad(t *testing.T) {
 		}
 		return nil
 	})
-	time.Sleep(200 * time.Millisecond)
+	// Keep the load up until as many requests as there are clients have
+	// ended since, then stop.
+	eventually(t, 30*time.Second, func() error {
+		n := 0
+		for _, r := range sofar() {
+			if r.end.After(removedAt) && r.worker != gone {
+				n++
+			}
+		}
+		if n < 6 {
+			return fmt.Errorf("%d requests ended on the other workers since the removal, want 6", n)
+		}
+		return nil
+	})
 	close(stop)
 	out := results()
 
@@ -353,7 +372,7 @@ func TestKubernetesDiscovery(t *testing.T) {
 	poolIs(t, s.PrefillPool)
 
 	stop := make(chan struct{})
-	results := load(t, f.Addr, 4, 48, stop)
+	results, _ := load(t, f.Addr, 4, 48, stop)
 	ctx := context.Background()
 	esl := api.DiscoveryV1().EndpointSlices("baton")
 

@@ -149,7 +149,15 @@ func TestIndexResyncsOnceARestartedWorkerIsHealthy(t *testing.T) {
 		}
 		return nil
 	})
-	time.Sleep(3500 * time.Millisecond) // the watcher's waits grow past a second
+	// The watcher's waits grow: after its fifth failed attempt (at 3.1 s)
+	// it waits 3.2 s.
+	hc := httpClient(t)
+	eventually(t, 10*time.Second, func() error {
+		if v, _ := metric(scrape(t, hc, addr), "baton_kv_index_resyncs_total", `worker="w0"`, `reason="unreachable"`); v < 5 {
+			return fmt.Errorf("%v failed attempts to resubscribe, want 5", v)
+		}
+		return nil
+	})
 	w, err := sim.Start(sim.Config{Name: "w0", TimeScale: fastScale}, ws[0].GRPCAddr, "", nil)
 	if err != nil {
 		t.Fatalf("restart: %v", err)

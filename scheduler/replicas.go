@@ -200,8 +200,8 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 		up: prometheus.NewGauge(prometheus.GaugeOpts{Name: "baton_replica_sync_up",
 			Help: "1 while the replicas' Redis answers, else 0."}),
 		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
-			Help:    "Time from another replica's send of a message to its application here.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}),
+			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message): how long this replica routed without knowing of it.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}),
 	}
 	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.missed, m.up, m.lag)
 	m.up.Set(1)

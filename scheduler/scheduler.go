@@ -23,6 +23,7 @@ import (
 	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/frontend"
 	"github.com/batonllm/baton/scheduler/internal/auth"
+	"github.com/batonllm/baton/scheduler/internal/h1serve"
 	"github.com/batonllm/baton/scheduler/internal/replica"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/metrics"
@@ -82,7 +83,7 @@ type Scheduler struct {
 	clients  []engine.Client
 	scrapers map[string]io.Closer // by worker
 	tokenize *vllm.Tokenizer      // nil: requests keyed by text
-	srv      *http.Server
+	srv      httpServer
 	closed   bool
 
 	// base is every request's base context; a drain that times out
@@ -103,7 +104,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	// The other replicas hear each prediction once sharing has started,
 	// before the first request.
 	var share func(worker string, keys []uint64)
-	var icfg kvindex.Config
+	icfg := kvindex.Config{Now: cfg.IndexNow}
 	if cfg.Replicas.enabled() {
 		icfg.OnPredict = func(worker string, keys []uint64) { share(worker, keys) }
 	}
@@ -585,33 +586,56 @@ func (s *Scheduler) Serve(l net.Listener) error {
 	if s.Auth != nil {
 		h = s.Auth.Wrap(h)
 	}
-	s.srv = &http.Server{
-		Handler:           h,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
-		MaxHeaderBytes:    s.cfg.Config.WithDefaults().MaxHeaderBytes,
-		// No read or write timeout here: the front end sets them per
-		// request (the body; a non-streamed response), as streams last as
-		// long as generation does, bounded by the request timeout.
-		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
-		BaseContext: func(net.Listener) context.Context { return s.base },
-		TLSConfig:   s.tls.front, // its GetCertificate serves the files
-		ConnState:   s.connState,
+	if s.tls.front == nil {
+		// Plain HTTP/1.1: baton's own connection loop (h1serve), which
+		// answers a short request without net/http's per-request watch.
+		s.srv = &h1serve.Server{
+			Handler:           h,
+			ReadHeaderTimeout: 10 * time.Second,
+			IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
+			MaxHeaderBytes:    s.cfg.Config.WithDefaults().MaxHeaderBytes,
+			ErrorLog:          s.log,
+			BaseContext:       func(net.Listener) context.Context { return s.base },
+			ConnState:         s.connState,
+		}
+	} else {
+		s.srv = &tlsServer{&http.Server{
+			Handler:           h,
+			ReadHeaderTimeout: 10 * time.Second,
+			IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
+			MaxHeaderBytes:    s.cfg.Config.WithDefaults().MaxHeaderBytes,
+			// No read or write timeout here: the front end sets them per
+			// request (the body; a non-streamed response), as streams last as
+			// long as generation does, bounded by the request timeout.
+			ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+			BaseContext: func(net.Listener) context.Context { return s.base },
+			TLSConfig:   s.tls.front, // its GetCertificate serves the files
+			ConnState:   s.connState,
+		}}
 	}
 	srv := s.srv
 	s.mu.Unlock()
 	if n := s.cfg.Config.WithDefaults().MaxConnections; n > 0 {
 		l = newLimitListener(l, n)
 	}
-	serve := srv.Serve
-	if s.tls.front != nil {
-		serve = func(l net.Listener) error { return srv.ServeTLS(l, "", "") }
-	}
-	if err := serve(l); !errors.Is(err, http.ErrServerClosed) {
+	if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil
 }
+
+// httpServer is the front end's server: h1serve's for plain HTTP,
+// net/http's for TLS (and HTTP/2 over it).
+type httpServer interface {
+	Serve(net.Listener) error
+	Shutdown(context.Context) error
+	Close() error
+}
+
+// tlsServer serves TLS with the certificate of its TLSConfig.
+type tlsServer struct{ *http.Server }
+
+func (s tlsServer) Serve(l net.Listener) error { return s.ServeTLS(l, "", "") }
 
 // connState counts the front end's open connections.
 func (s *Scheduler) connState(_ net.Conn, st http.ConnState) {

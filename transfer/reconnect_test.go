@@ -61,17 +61,18 @@ func TestGRPCReconnectsSoonAfterTheReceiverReturns(t *testing.T) {
 	}
 	defer serve(l)()
 	back := time.Now()
-	for {
-		_, err := tr.Has(ctx, addr, keys)
-		if err == nil {
-			break
+	for st := cc.GetState(); st != connectivity.Ready; st = cc.GetState() {
+		if st == connectivity.Idle {
+			cc.Connect()
 		}
-		if ctx.Err() != nil {
-			t.Fatalf("Has still failing %s after the receiver came back: %v", time.Since(back), err)
+		if !cc.WaitForStateChange(ctx, st) {
+			t.Fatalf("the connection is still %s %s after the receiver came back", st, time.Since(back))
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	if took := time.Since(back); took > 500*time.Millisecond {
-		t.Errorf("calls failed for %s after the receiver came back, want under 500ms", took.Round(time.Millisecond))
+		t.Errorf("the connection was down for %s after the receiver came back, want under 500ms", took.Round(time.Millisecond))
+	}
+	if _, err := tr.Has(ctx, addr, keys); err != nil {
+		t.Errorf("Has once the connection is back: %v", err)
 	}
 }

@@ -36,6 +36,7 @@ type recorder struct {
 	accepted map[string][]uint64 // by transfer, in order
 	bad      []string            // blocks accepted with wrong contents
 	finished map[string][]finish
+	finish1  chan struct{}               // closed and replaced at each Finish
 	onAccept func(id string, key uint64) // called unlocked, if set
 }
 
@@ -44,6 +45,7 @@ func newRecorder() *recorder {
 		held:     make(map[uint64]bool),
 		accepted: make(map[string][]uint64),
 		finished: make(map[string][]finish),
+		finish1:  make(chan struct{}),
 	}
 }
 
@@ -76,21 +78,28 @@ func (r *recorder) Finish(id string, accepted, rejected int, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.finished[id] = append(r.finished[id], finish{accepted, rejected, err})
+	close(r.finish1)
+	r.finish1 = make(chan struct{})
 }
 
 // finishes returns the Finish calls of transfer id, waiting up to 5 s for
 // the first.
 func (r *recorder) finishes(t *testing.T, id string) []finish {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	timeout := time.After(5 * time.Second)
 	for {
 		r.mu.Lock()
 		f := append([]finish(nil), r.finished[id]...)
+		next := r.finish1
 		r.mu.Unlock()
-		if len(f) > 0 || time.Now().After(deadline) {
+		if len(f) > 0 {
 			return f
 		}
-		time.Sleep(5 * time.Millisecond)
+		select {
+		case <-next:
+		case <-timeout:
+			return nil
+		}
 	}
 }
 

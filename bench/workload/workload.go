@@ -38,7 +38,12 @@ type Request struct {
 // simulated engine do (`<|role|>\n` + content + `\n` per message), so the
 // cache limits computed over it use the keys the workers store.
 func (r *Request) RoutingText() string {
+	n := 0
+	for _, m := range r.Messages {
+		n += len("<|") + len(m.Role) + len("|>\n") + len(m.Content) + 1
+	}
 	var b strings.Builder
+	b.Grow(n)
 	for _, m := range r.Messages {
 		b.WriteString("<|")
 		b.WriteString(m.Role)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"io"
 	"net/http"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -31,18 +30,7 @@ func TestDemoOverHTTPS(t *testing.T) {
 			t.Errorf("demo ended with %v", err)
 		}
 	})
-	var base string
-	for deadline := time.Now().Add(20 * time.Second); base == "" && time.Now().Before(deadline); {
-		if m := regexp.MustCompile(`base URL (\S+) `).FindStringSubmatch(out.String()); m != nil {
-			base = m[1]
-		}
-		select {
-		case err := <-done:
-			done <- err
-			t.Fatalf("demo ended with %v", err)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
+	base := out.waitMatch(t, `base URL (\S+) `, done)[1]
 	if !strings.HasPrefix(base, "https://") {
 		t.Fatalf("demo printed base URL %q, want an https one:\n%s", base, out.String())
 	}

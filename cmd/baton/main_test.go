@@ -18,16 +18,51 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// syncBuffer is a bytes.Buffer safe for one writer and one reader.
+// syncBuffer is a bytes.Buffer safe for one writer and one reader, who
+// can wait for what the writer writes.
 type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
+	mu    sync.Mutex
+	b     bytes.Buffer
+	wrote chan struct{} // closed at the next Write; nil until waited on
 }
 
 func (s *syncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.wrote != nil {
+		close(s.wrote)
+		s.wrote = nil
+	}
 	return s.b.Write(p)
+}
+
+// waitMatch waits until the buffer holds a match of re and returns its
+// submatches. It fails t after 20 s, or when the command writing it ends
+// first (done receives its result, which waitMatch puts back).
+func (s *syncBuffer) waitMatch(t *testing.T, re string, done chan error) []string {
+	t.Helper()
+	rx := regexp.MustCompile(re)
+	timeout := time.After(20 * time.Second)
+	for {
+		s.mu.Lock()
+		m := rx.FindStringSubmatch(s.b.String())
+		if s.wrote == nil {
+			s.wrote = make(chan struct{})
+		}
+		wrote := s.wrote
+		s.mu.Unlock()
+		if m != nil {
+			return m
+		}
+		select {
+		case <-wrote:
+		case err := <-done:
+			done <- err
+			t.Fatalf("ended with %v before logging %s:\n%s", err, re, s.String())
+		case <-timeout:
+			t.Fatalf("no %s after 20s:\n%s", re, s.String())
+		}
+	}
 }
 
 func (s *syncBuffer) String() string {
@@ -89,17 +124,8 @@ func TestDemo(t *testing.T) {
 			t.Errorf("demo ended with %v", err)
 		}
 	})
-	var url, body string
-	deadline := time.Now().Add(10 * time.Second)
-	for url == "" && time.Now().Before(deadline) {
-		if m := regexp.MustCompile(`curl -sN (\S+) .*\\\n\s+-d '(.*)'`).FindStringSubmatch(out.String()); m != nil {
-			url, body = m[1], m[2]
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if url == "" {
-		t.Fatalf("demo printed no curl line:\n%s", out.String())
-	}
+	m := out.waitMatch(t, `curl -sN (\S+) .*\\\n\s+-d '(.*)'`, done)
+	url, body := m[1], m[2]
 	client := &http.Client{Transport: &http.Transport{}}
 	defer client.CloseIdleConnections()
 	resp, err := client.Post(url, "application/json", strings.NewReader(body))

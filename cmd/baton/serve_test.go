@@ -29,13 +29,7 @@ func TestServeDrainsOnSignal(t *testing.T) {
 	go func() {
 		done <- run(ctx, []string{"serve", "--listen", "127.0.0.1:0", "--worker", w.GRPCAddr, "--drain-timeout", "20s"}, io.Discard, &logs)
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(logs.String(), "scheduler listening") {
-		if time.Now().After(deadline) {
-			t.Fatalf("serve did not start:\n%s", logs.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	logs.waitMatch(t, "scheduler listening", done)
 	start := time.Now()
 	cancel()
 	select {
@@ -84,21 +78,7 @@ func TestServeReloadsKeysOnSIGHUP(t *testing.T) {
 			t.Errorf("serve ended with %v", err)
 		}
 	}()
-	waitLog := func(what string) string {
-		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			for _, line := range strings.Split(logs.String(), "\n") {
-				if strings.Contains(line, what) {
-					return line
-				}
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("no %q in serve's logs:\n%s", what, logs.String())
-			}
-		}
-	}
-	_, addr, _ := strings.Cut(waitLog("scheduler listening"), "addr=")
-	addr, _, _ = strings.Cut(addr, " ")
+	addr := logs.waitMatch(t, `scheduler listening.* addr=(\S+)`, done)[1]
 	status := func(key string) int {
 		t.Helper()
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/models", nil)
@@ -125,7 +105,7 @@ func TestServeReloadsKeysOnSIGHUP(t *testing.T) {
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitLog("API keys reloaded on SIGHUP")
+	logs.waitMatch(t, "API keys reloaded on SIGHUP", done)
 	if got := status(newKey); got != http.StatusOK {
 		t.Errorf("the new key after SIGHUP: HTTP %d, want 200", got)
 	}

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -58,20 +57,7 @@ func runCommand(t *testing.T, re string, args ...string) string {
 			t.Errorf("%s ended with %v", args[0], err)
 		}
 	})
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		if m := regexp.MustCompile(re).FindStringSubmatch(logs.String()); m != nil {
-			return m[1]
-		}
-		select {
-		case err := <-done:
-			done <- err
-			t.Fatalf("%s ended with %v:\n%s", args[0], err, logs.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-	t.Fatalf("%s logged no %s:\n%s", args[0], re, logs.String())
-	return ""
+	return logs.waitMatch(t, re, done)[1]
 }
 
 // TestServeAndWorkerOverMutualTLS: baton worker with its TLS flags, baton
@@ -107,6 +93,8 @@ func TestServeAndWorkerOverMutualTLS(t *testing.T) {
 	// available.
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
+	retry := time.NewTicker(50 * time.Millisecond)
+	defer retry.Stop()
 	for {
 		got, err := c.Chat.Completions.New(ctx, openai.ChatCompletionNewParams{
 			Model:     "llama-3.1-8b",
@@ -119,10 +107,11 @@ func TestServeAndWorkerOverMutualTLS(t *testing.T) {
 			}
 			return
 		}
-		if ctx.Err() != nil {
+		select {
+		case <-retry.C:
+		case <-ctx.Done():
 			t.Fatalf("no completion over mutual TLS: %v", err)
 		}
-		time.Sleep(50 * time.Millisecond)
 	}
 }
 

@@ -4,10 +4,8 @@ import (
 	"context"
 	"io"
 	"net/http"
-	"regexp"
 	"strings"
 	"testing"
-	"time"
 )
 
 func TestWorkerPprofMustBeLoopback(t *testing.T) {
@@ -34,17 +32,8 @@ func TestWorkerMetricsAndPprof(t *testing.T) {
 			t.Errorf("worker ended with %v", err)
 		}
 	})
-	var metricsAddr, pprofAddr string
-	deadline := time.Now().Add(10 * time.Second)
-	for metricsAddr == "" && time.Now().Before(deadline) {
-		if m := regexp.MustCompile(`metrics=(\S+) pprof=(\S+)`).FindStringSubmatch(logs.String()); m != nil {
-			metricsAddr, pprofAddr = m[1], m[2]
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if metricsAddr == "" {
-		t.Fatalf("no listener addresses logged:\n%s", logs.String())
-	}
+	m := logs.waitMatch(t, `metrics=(\S+) pprof=(\S+)`, done)
+	metricsAddr, pprofAddr := m[1], m[2]
 	get := func(url string) string {
 		t.Helper()
 		res, err := http.Get(url)
@@ -98,15 +87,7 @@ func TestServePprof(t *testing.T) {
 			t.Errorf("serve ended with %v", err)
 		}
 	})
-	var addr string
-	for deadline := time.Now().Add(10 * time.Second); addr == "" && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if m := regexp.MustCompile(`msg="pprof listening" addr=(\S+)`).FindStringSubmatch(logs.String()); m != nil {
-			addr = m[1]
-		}
-	}
-	if addr == "" {
-		t.Fatalf("no pprof address logged:\n%s", logs.String())
-	}
+	addr := logs.waitMatch(t, `msg="pprof listening" addr=(\S+)`, done)[1]
 	res, err := http.Get("http://" + addr + "/debug/pprof/")
 	if err != nil {
 		t.Fatal(err)

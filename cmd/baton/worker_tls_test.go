@@ -172,20 +172,11 @@ func TestWorkerReloadsCertificatesOnSIGHUP(t *testing.T) {
 			t.Errorf("worker ended with %v", err)
 		}
 	}()
-	waitLog := func(what string) {
-		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); !strings.Contains(logs.String(), what); {
-			if time.Now().After(deadline) {
-				t.Fatalf("no %q in the worker's logs:\n%s", what, logs.String())
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
-	waitLog("worker listening") // its SIGHUP handler is in place
+	logs.waitMatch(t, "worker listening", done) // its SIGHUP handler is in place
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitLog("TLS certificates reloaded on SIGHUP")
+	logs.waitMatch(t, "TLS certificates reloaded on SIGHUP", done)
 }
 
 // closedEarly reports whether err is a client's write or read on a

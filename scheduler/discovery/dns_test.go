@@ -20,6 +20,7 @@ type dnsServer struct {
 	srv     map[string][]dns.SRV
 	fail    bool // answer SERVFAIL
 	queries int
+	queried chan struct{} // closed and replaced at each query
 }
 
 func startDNS(t *testing.T) *dnsServer {
@@ -28,7 +29,8 @@ func startDNS(t *testing.T) *dnsServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &dnsServer{Addr: pc.LocalAddr().String(), a: map[string][]string{}, srv: map[string][]dns.SRV{}}
+	d := &dnsServer{Addr: pc.LocalAddr().String(), a: map[string][]string{}, srv: map[string][]dns.SRV{},
+		queried: make(chan struct{})}
 	s := &dns.Server{PacketConn: pc, Handler: d}
 	started := make(chan struct{})
 	s.NotifyStartedFunc = func() { close(started) }
@@ -61,6 +63,8 @@ func (d *dnsServer) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.queries++
+	close(d.queried)
+	d.queried = make(chan struct{})
 	m := new(dns.Msg)
 	m.SetReply(req)
 	m.Authoritative = true
@@ -176,15 +180,20 @@ func waitQueries(t *testing.T, srv *dnsServer, n int) {
 	srv.mu.Lock()
 	until := srv.queries + n
 	srv.mu.Unlock()
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	timeout := time.After(30 * time.Second)
+	for {
 		srv.mu.Lock()
-		q := srv.queries
+		q, queried := srv.queries, srv.queried
 		srv.mu.Unlock()
 		if q >= until {
 			return
 		}
+		select {
+		case <-queried:
+		case <-timeout:
+			t.Fatalf("server did not see %d more queries", n)
+		}
 	}
-	t.Fatalf("server did not see %d more queries", n)
 }
 
 func TestDNSSRV(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -54,6 +55,37 @@ func event(seq uint64, ce CacheEvent) Event {
 
 func loadEvent(seq uint64, l Load) Event {
 	return Event{Seq: seq, Load: &l}
+}
+
+// soon reports whether cond holds within 10 s, checking it every
+// millisecond: the tests wait so for a goroutine to reach a state they
+// can read.
+func soon(cond func() bool) bool {
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(10 * time.Second)
+	for !cond() {
+		select {
+		case <-tick.C:
+		case <-timeout:
+			return false
+		}
+	}
+	return true
+}
+
+// waitingForLock reports whether a goroutine is blocked in a call to fn
+// with the wait reason reason (a lock's, as the runtime names it).
+func waitingForLock(reason, fn string) bool {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(header, "["+reason) && strings.Contains(g, fn) {
+			return true
+		}
+	}
+	return false
 }
 
 func mustApply(t testing.TB, x *Index, name string, ev Event) {
@@ -652,14 +684,10 @@ func TestPredictCountsPendingBeforeBlocks(t *testing.T) {
 	x.blocks.mu.RLock() // a lookup walking the table
 	var wg sync.WaitGroup
 	wg.Go(func() { x.Predict("w0", keys(0, 10)) })
-	deadline := time.Now().Add(10 * time.Second)
-	for pending() != 10*16 {
-		if time.Now().After(deadline) {
-			x.blocks.mu.RUnlock()
-			wg.Wait()
-			t.Fatalf("pending %d while Predict waits for the table, want %d (all 10 blocks)", pending(), 10*16)
-		}
-		time.Sleep(time.Millisecond)
+	if !soon(func() bool { return pending() == 10*16 }) {
+		x.blocks.mu.RUnlock()
+		wg.Wait()
+		t.Fatalf("pending %d while Predict waits for the table, want %d (all 10 blocks)", pending(), 10*16)
 	}
 	x.blocks.mu.RUnlock()
 	wg.Wait()
@@ -677,12 +705,10 @@ func TestPredictCountsPendingBeforeBlocks(t *testing.T) {
 		return out[0].PendingTokens
 	}
 	await := func(want int64, what string) {
-		for deadline := time.Now().Add(10 * time.Second); w1() != want; time.Sleep(time.Millisecond) {
-			if time.Now().After(deadline) {
-				x.blocks.mu.RUnlock()
-				wg.Wait()
-				t.Fatalf("pending %d %s, want %d", w1(), what, want)
-			}
+		if !soon(func() bool { return w1() == want }) {
+			x.blocks.mu.RUnlock()
+			wg.Wait()
+			t.Fatalf("pending %d %s, want %d", w1(), what, want)
 		}
 	}
 	x.blocks.mu.RLock()
@@ -711,16 +737,17 @@ func TestLookupReadsWorkersAfterTheWalk(t *testing.T) {
 	var wg sync.WaitGroup
 	out := make([]Match, 1)
 	wg.Go(func() { x.Lookup(keys(100, 104), []string{"w0"}, out) })
-	time.Sleep(20 * time.Millisecond) // the Lookup waits for the table
+	if !soon(func() bool { return waitingForLock("sync.RWMutex.RLock", "kvindex.(*Index).Lookup") }) {
+		x.blocks.mu.Unlock()
+		wg.Wait()
+		t.Fatal("the Lookup never waited for the table")
+	}
 	wg.Go(func() { x.Predict("w0", keys(0, 10)) })
 	probe := make([]Match, 1)
-	for deadline := time.Now().Add(10 * time.Second); probe[0].PendingTokens == 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			x.blocks.mu.Unlock()
-			wg.Wait()
-			t.Fatal("Predict's pending tokens never showed while it waited for the table")
-		}
-		x.Lookup(nil, []string{"w0"}, probe)
+	if !soon(func() bool { x.Lookup(nil, []string{"w0"}, probe); return probe[0].PendingTokens != 0 }) {
+		x.blocks.mu.Unlock()
+		wg.Wait()
+		t.Fatal("Predict's pending tokens never showed while it waited for the table")
 	}
 	x.blocks.mu.Unlock()
 	wg.Wait()

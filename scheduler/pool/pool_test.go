@@ -506,38 +506,56 @@ func (*blockingClient) Check(ctx context.Context) error {
 	return ctx.Err()
 }
 
-func TestHealthLoop(t *testing.T) {
-	p := newPool(t, Config{HealthInterval: 5 * time.Millisecond, HealthTimeout: 5 * time.Millisecond, UnhealthyAfter: 2})
+// TestHealthLoop: on synctest's fake clock, the loop checks every
+// HealthInterval; a worker turns unhealthy at its UnhealthyAfter'th failed
+// round in a row and healthy again at the first good one.
+func TestHealthLoop(t *testing.T) { synctest.Test(t, testHealthLoop) }
+
+func testHealthLoop(t *testing.T) {
+	const interval = 10 * time.Millisecond
+	p := newPool(t, Config{HealthInterval: interval, HealthTimeout: interval, UnhealthyAfter: 2})
 	w := newWorker("a")
 	if err := p.Add(w); err != nil {
 		t.Fatal(err)
 	}
 	c := w.Client.(*fakeClient)
-	waitFor := func(what string, cond func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s", what)
-			}
-			time.Sleep(time.Millisecond)
+	c.setCheckErr(errors.New("down"))
+	// Half an interval off the ticks, so that each step sees whole rounds.
+	time.Sleep(interval / 2)
+	for i, want := range []bool{true, false, false} {
+		time.Sleep(interval)
+		synctest.Wait()
+		if got := w.Healthy(); got != want {
+			t.Fatalf("after %d failed rounds Healthy() = %v, want %v", i+1, got, want)
 		}
 	}
-	c.setCheckErr(errors.New("down"))
-	waitFor("worker to turn unhealthy", func() bool { return !w.Healthy() })
 	c.setCheckErr(nil)
-	waitFor("worker to turn healthy", w.Healthy)
+	time.Sleep(interval)
+	synctest.Wait()
+	if !w.Healthy() {
+		t.Error("after a good round Healthy() = false, want true")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.checks != 4 {
+		t.Errorf("%d checks in 4 intervals, want 4", c.checks)
+	}
 }
 
-func TestCloseIdempotent(t *testing.T) {
-	p, err := New(Config{HealthInterval: time.Millisecond, HealthTimeout: time.Millisecond})
+// TestCloseIdempotent: Close returns with a check in flight, and again.
+func TestCloseIdempotent(t *testing.T) { synctest.Test(t, testCloseIdempotent) }
+
+func testCloseIdempotent(t *testing.T) {
+	const interval = 10 * time.Millisecond
+	p, err := New(Config{HealthInterval: interval, HealthTimeout: interval})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Add(&Worker{Name: "slow", Client: &blockingClient{}}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(5 * time.Millisecond)
+	time.Sleep(interval + interval/2)
+	synctest.Wait() // the first round's check waits for its timeout
 	for range 3 {
 		if err := p.Close(); err != nil {
 			t.Fatalf("Close: %v", err)

@@ -40,18 +40,23 @@ func (f *fakeMetrics) set(m vllm.Metrics, err error) {
 	f.m, f.err = m, err
 }
 
+// waitUntil checks cond every few milliseconds until it returns nil, and
+// fails t with its error after 10 s: the events cross a real socket.
 func waitUntil(t *testing.T, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(10 * time.Second)
 	for {
 		err := cond()
 		if err == nil {
 			return
 		}
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-timeout:
 			t.Fatal(err)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

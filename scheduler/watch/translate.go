@@ -1,7 +1,6 @@
 package watch
 
 import (
-	"container/list"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -71,10 +70,10 @@ type TranslatorStats struct {
 // index in order.
 type Translator struct {
 	cfg       TranslatorConfig
-	seq       uint64 // of the last event returned
-	synced    bool   // a snapshot was returned since the last reset
-	entries   map[kvevents.Hash]*list.Element
-	lru       list.List // of *entry, most recently used first
+	seq       uint64           // of the last event returned
+	synced    bool             // a snapshot was returned since the last reset
+	entries   map[uint64]int32 // by the hash's Digest: index in lru's slab
+	lru       lru
 	blockSize atomic.Int64
 	pending   []uint64 // scratch for evictions' removals, by tier bit
 	stats     struct {
@@ -85,9 +84,82 @@ type Translator struct {
 
 // entry is what the translator knows of one engine hash.
 type entry struct {
-	hash kvevents.Hash
-	key  uint64
-	bits uint8 // tierBits where the engine holds the block
+	hash       kvevents.Hash
+	key        uint64
+	bits       uint8 // tierBits where the engine holds the block
+	prev, next int32 // in the LRU list; -1 none
+}
+
+// lru is the translator's entries in a slab, linked most recently used
+// first: no allocation per entry once the slab has grown.
+type lru struct {
+	slab       []entry
+	free       []int32
+	head, tail int32
+	n          int
+}
+
+func (l *lru) init() {
+	l.slab, l.free = l.slab[:0], l.free[:0]
+	l.head, l.tail, l.n = -1, -1, 0
+}
+
+func (l *lru) at(i int32) *entry { return &l.slab[i] }
+
+func (l *lru) pushFront(e entry) int32 {
+	var i int32
+	if k := len(l.free); k > 0 {
+		i = l.free[k-1]
+		l.free = l.free[:k-1]
+	} else {
+		i = int32(len(l.slab))
+		l.slab = append(l.slab, entry{})
+	}
+	e.prev, e.next = -1, l.head
+	l.slab[i] = e
+	if l.head >= 0 {
+		l.slab[l.head].prev = i
+	} else {
+		l.tail = i
+	}
+	l.head = i
+	l.n++
+	return i
+}
+
+func (l *lru) unlink(i int32) {
+	e := &l.slab[i]
+	if e.prev >= 0 {
+		l.slab[e.prev].next = e.next
+	} else {
+		l.head = e.next
+	}
+	if e.next >= 0 {
+		l.slab[e.next].prev = e.prev
+	} else {
+		l.tail = e.prev
+	}
+}
+
+func (l *lru) remove(i int32) {
+	l.unlink(i)
+	l.slab[i] = entry{}
+	l.free = append(l.free, i)
+	l.n--
+}
+
+func (l *lru) moveToFront(i int32) {
+	if l.head == i {
+		return
+	}
+	l.unlink(i)
+	e := &l.slab[i]
+	e.prev, e.next = -1, l.head
+	l.slab[l.head].prev = i
+	l.head = i
+	if l.tail < 0 {
+		l.tail = i
+	}
 }
 
 // Bits of entry.bits.
@@ -106,7 +178,9 @@ func NewTranslator(cfg TranslatorConfig) *Translator {
 	if cfg.Tenant == nil {
 		cfg.Tenant = EventTenant
 	}
-	return &Translator{cfg: cfg, entries: make(map[kvevents.Hash]*list.Element)}
+	t := &Translator{cfg: cfg, entries: make(map[uint64]int32)}
+	t.lru.init()
+	return t
 }
 
 // EventTenant returns the tenant of a chain whose first block ev stores:
@@ -195,7 +269,7 @@ func (t *Translator) Translate(b kvevents.Batch) []kvindex.Event {
 // the index: set its Load to the latest load report before applying it.
 func (t *Translator) Reset() kvindex.Event {
 	clear(t.entries)
-	t.lru.Init()
+	t.lru.init()
 	return t.snapshot()
 }
 
@@ -245,8 +319,8 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 	if kvevents.NoParent(ev.Parent) {
 		prev = blockkey.TokenSeed(blockkey.Salt(t.cfg.Model, Adapter(ev), t.cfg.Tenant(ev)))
 	} else {
-		el := t.entries[ev.Parent]
-		if el == nil {
+		el, ok := t.find(ev.Parent)
+		if !ok {
 			// Not keyed from the tokens as a chain of its own: a block's
 			// key covers every token before it, and these tokens follow a
 			// prefix the event does not carry. Keyed as a first block, they
@@ -255,8 +329,8 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 			t.stats.unknownParent.Add(1)
 			return out
 		}
-		t.lru.MoveToFront(el)
-		prev = el.Value.(*entry).key
+		t.lru.moveToFront(el)
+		prev = t.lru.at(el).key
 	}
 	t.blockSize.Store(int64(bs))
 	bit, tier, tracked := bitOf(ev.Medium)
@@ -286,26 +360,42 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 // put maps h to key in the tier of bit, queueing the removals its evictions
 // (or a changed key) call for in t.pending as (bit, key) pairs.
 func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
-	if el := t.entries[h]; el != nil {
-		e := el.Value.(*entry)
+	if el, ok := t.find(h); ok {
+		e := t.lru.at(el)
 		if e.key != key {
 			// The same engine hash on another chain: the old key goes.
 			t.queueRemoval(e)
 			e.key, e.bits = key, 0
 		}
 		e.bits |= bit
-		t.lru.MoveToFront(el)
+		t.lru.moveToFront(el)
 		return
 	}
-	t.entries[h] = t.lru.PushFront(&entry{hash: h, key: key, bits: bit})
-	for t.lru.Len() > t.cfg.MaxEntries {
-		el := t.lru.Back()
-		e := el.Value.(*entry)
-		t.lru.Remove(el)
-		delete(t.entries, e.hash)
-		t.queueRemoval(e)
+	d := h.Digest()
+	if el, ok := t.entries[d]; ok {
+		// Another hash of the same digest: it goes, as if evicted.
+		e := *t.lru.at(el)
+		t.lru.remove(el)
+		t.queueRemoval(&e)
+	}
+	t.entries[d] = t.lru.pushFront(entry{hash: h, key: key, bits: bit})
+	for t.lru.n > t.cfg.MaxEntries {
+		el := t.lru.tail
+		e := *t.lru.at(el)
+		t.lru.remove(el)
+		delete(t.entries, e.hash.Digest())
+		t.queueRemoval(&e)
 		t.stats.evicted.Add(1)
 	}
+}
+
+// find returns the slab index of h's entry.
+func (t *Translator) find(h kvevents.Hash) (int32, bool) {
+	el, ok := t.entries[h.Digest()]
+	if !ok || t.lru.at(el).hash != h {
+		return 0, false
+	}
+	return el, true
 }
 
 func (t *Translator) queueRemoval(e *entry) {
@@ -340,19 +430,19 @@ func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []k
 	}
 	var keys []uint64
 	for _, h := range ev.BlockHashes {
-		el := t.entries[h]
-		if el == nil || el.Value.(*entry).bits&bit == 0 {
+		el, ok := t.find(h)
+		if !ok || t.lru.at(el).bits&bit == 0 {
 			t.stats.unknownRemoved.Add(1)
 			continue
 		}
-		e := el.Value.(*entry)
+		e := t.lru.at(el)
 		e.bits &^= bit
 		if tracked {
 			keys = append(keys, e.key)
 		}
 		if e.bits == 0 {
-			t.lru.Remove(el)
-			delete(t.entries, h)
+			t.lru.remove(el)
+			delete(t.entries, h.Digest())
 		}
 	}
 	if len(keys) > 0 {

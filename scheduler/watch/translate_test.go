@@ -284,3 +284,30 @@ func TestTranslatorUnknownParentDrops(t *testing.T) {
 		})
 	}
 }
+
+// TestTranslatorDigestCollision: two engine hashes of one digest (an
+// integer hash equal to a bytes hash's digest) never stand for each other:
+// the later replaces the earlier, whose block leaves the index.
+func TestTranslatorDigestCollision(t *testing.T) {
+	b := kvevents.BytesHash([]byte("block"))
+	i := kvevents.IntHash(b.Digest())
+	tokens := kveventstest.TokenRun(7, 8)
+	tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
+	keys := requestKeys("m", "", "", tokens, 4)
+	got := tr.Translate(batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{i}, TokenIDs: tokens[:4], BlockSize: 4}))
+	got = append(got, tr.Translate(batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{b}, Parent: i, TokenIDs: tokens[4:], BlockSize: 4}))...)
+	got = append(got, tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{i}}))...)
+	got = append(got, tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{b}}))...)
+	want := []kvindex.Event{snapshot(1),
+		cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0]),
+		cacheEvent(3, kvindex.Stored, kvindex.TierGPU, keys[1]),
+		cacheEvent(4, kvindex.Removed, kvindex.TierGPU, keys[0]),
+		cacheEvent(5, kvindex.Removed, kvindex.TierGPU, keys[1]),
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("index events (-want +got):\n%s", diff)
+	}
+	if st := tr.Stats(); st.UnknownRemoved != 1 {
+		t.Errorf("stats %+v, want the integer hash's removal unknown once replaced", st)
+	}
+}

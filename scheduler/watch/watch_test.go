@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/goleak"
@@ -149,27 +150,23 @@ func indexed(idx *kvindex.Index, name string) []uint64 {
 	return ks
 }
 
-// eventually waits until the index shows what the worker holds.
+// eventually checks, once every goroutine of the test's bubble is
+// blocked, that the index shows what the worker holds.
 func eventually(t *testing.T, idx *kvindex.Index, name string, f *fakeWorker) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		got, want := indexed(idx, name), f.held()
-		if slices.Equal(got, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("index holds %v for %s, worker holds %v", got, name, want)
-		}
-		time.Sleep(time.Millisecond)
+	synctest.Wait()
+	if got, want := indexed(idx, name), f.held(); !slices.Equal(got, want) {
+		t.Fatalf("index holds %v for %s, worker holds %v", got, name, want)
 	}
 }
 
+// waitSubscribed waits until f is subscribed to again, a second at most
+// on the bubble's clock.
 func waitSubscribed(t *testing.T, f *fakeWorker) {
 	t.Helper()
 	select {
 	case <-f.subbed:
-	case <-time.After(5 * time.Second):
+	case <-time.After(time.Second):
 		t.Fatal("no subscription")
 	}
 }
@@ -191,6 +188,9 @@ func (r *resyncs) get() []error {
 	return slices.Clone(r.errs)
 }
 
+// newWatcher returns a watcher that backs off from 1 ms to 10 ms. The
+// tests run in synctest bubbles: backoffs take no time, and a test checks
+// what the watcher did once every goroutine is blocked.
 func newWatcher(t *testing.T, r *resyncs) (*Watcher, *kvindex.Index) {
 	idx := kvindex.New(kvindex.Config{})
 	cfg := Config{MinBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond}
@@ -203,6 +203,10 @@ func newWatcher(t *testing.T, r *resyncs) (*Watcher, *kvindex.Index) {
 }
 
 func TestWatchAppliesSnapshotAndEvents(t *testing.T) {
+	synctest.Test(t, testWatchAppliesSnapshotAndEvents)
+}
+
+func testWatchAppliesSnapshotAndEvents(t *testing.T) {
 	w, idx := newWatcher(t, nil)
 	f := newFakeWorker(1, 2, 3)
 	if err := w.Add("a", f); err != nil {
@@ -220,7 +224,9 @@ func TestWatchAppliesSnapshotAndEvents(t *testing.T) {
 	}
 }
 
-func TestWatchGapResyncs(t *testing.T) {
+func TestWatchGapResyncs(t *testing.T) { synctest.Test(t, testWatchGapResyncs) }
+
+func testWatchGapResyncs(t *testing.T) {
 	var r resyncs
 	w, idx := newWatcher(t, &r)
 	f := newFakeWorker(1, 2)
@@ -249,6 +255,10 @@ func TestWatchGapResyncs(t *testing.T) {
 }
 
 func TestWatchStreamErrorResubscribes(t *testing.T) {
+	synctest.Test(t, testWatchStreamErrorResubscribes)
+}
+
+func testWatchStreamErrorResubscribes(t *testing.T) {
 	var r resyncs
 	w, idx := newWatcher(t, &r)
 	f := newFakeWorker(1)
@@ -274,7 +284,9 @@ func TestWatchStreamErrorResubscribes(t *testing.T) {
 	}
 }
 
-func TestWatchInfoFailureBacksOff(t *testing.T) {
+func TestWatchInfoFailureBacksOff(t *testing.T) { synctest.Test(t, testWatchInfoFailureBacksOff) }
+
+func testWatchInfoFailureBacksOff(t *testing.T) {
 	var r resyncs
 	w, idx := newWatcher(t, &r)
 	f := newFakeWorker(1)
@@ -282,12 +294,15 @@ func TestWatchInfoFailureBacksOff(t *testing.T) {
 	if err := w.Add("a", f); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for len(r.get()) < 3 {
-		if time.Now().After(deadline) {
-			t.Fatal("no retries")
+	// Attempts at 0, 1, 3, 7, 15 and 25 ms: the wait doubles from
+	// MinBackoff to MaxBackoff. Each check falls between two attempts.
+	time.Sleep(time.Millisecond / 2)
+	for i, wait := range []time.Duration{0, 1, 2, 4, 8, 10} {
+		time.Sleep(wait * time.Millisecond)
+		synctest.Wait()
+		if got := len(r.get()); got != i+1 {
+			t.Fatalf("%d failed attempts, want %d", got, i+1)
 		}
-		time.Sleep(time.Millisecond)
 	}
 	f.mu.Lock()
 	f.infoErr = nil
@@ -301,10 +316,13 @@ func TestWatchInfoFailureBacksOff(t *testing.T) {
 			t.Errorf("ResyncReason(%v) = %q, want %q", err, got, ResyncUnreachable)
 		}
 	}
+	waitSubscribed(t, f) // at the next attempt
 	eventually(t, idx, "a", f)
 }
 
-func TestWatchRemoveAndReplace(t *testing.T) {
+func TestWatchRemoveAndReplace(t *testing.T) { synctest.Test(t, testWatchRemoveAndReplace) }
+
+func testWatchRemoveAndReplace(t *testing.T) {
 	w, idx := newWatcher(t, nil)
 	a, b := newFakeWorker(1, 2), newFakeWorker(5)
 	for name, f := range map[string]*fakeWorker{"a": a, "b": b} {
@@ -329,11 +347,12 @@ func TestWatchRemoveAndReplace(t *testing.T) {
 	waitSubscribed(t, b2)
 	eventually(t, idx, "b", b2)
 	b.store(9) // the old source's events go nowhere
-	time.Sleep(10 * time.Millisecond)
 	eventually(t, idx, "b", b2)
 }
 
-func TestWatchClose(t *testing.T) {
+func TestWatchClose(t *testing.T) { synctest.Test(t, testWatchClose) }
+
+func testWatchClose(t *testing.T) {
 	idx := kvindex.New(kvindex.Config{})
 	w := New(idx, Config{})
 	f := newFakeWorker(1)
@@ -361,7 +380,9 @@ var _ Source = (*grpcworker.Client)(nil)
 // scheduler calls it when the worker's health checks pass again) has the
 // watcher resubscribe at once, so the index does not route on what the
 // old process held for the rest of the backoff.
-func TestWatchRetryCutsBackoffShort(t *testing.T) {
+func TestWatchRetryCutsBackoffShort(t *testing.T) { synctest.Test(t, testWatchRetryCutsBackoffShort) }
+
+func testWatchRetryCutsBackoffShort(t *testing.T) {
 	var r resyncs
 	idx := kvindex.New(kvindex.Config{})
 	w := New(idx, Config{MinBackoff: 50 * time.Millisecond, MaxBackoff: 10 * time.Second, OnResync: r.record})
@@ -372,12 +393,10 @@ func TestWatchRetryCutsBackoffShort(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Six failures: 50+100+200+400+800 ms waited, the next wait 1.6 s.
-	deadline := time.Now().Add(10 * time.Second)
-	for len(r.get()) < 6 {
-		if time.Now().After(deadline) {
-			t.Fatal("no retries")
-		}
-		time.Sleep(time.Millisecond)
+	time.Sleep(1600 * time.Millisecond)
+	synctest.Wait()
+	if got := len(r.get()); got != 6 {
+		t.Fatalf("%d failed attempts, want 6", got)
 	}
 	f.mu.Lock()
 	f.infoErr = nil
@@ -385,12 +404,8 @@ func TestWatchRetryCutsBackoffShort(t *testing.T) {
 	start := time.Now()
 	w.Retry("a")
 	w.Retry("nobody") // not watched: nothing happens
-	select {
-	case <-f.subbed:
-	case <-time.After(5 * time.Second):
-		t.Fatal("no subscription")
-	}
-	if d := time.Since(start); d > 500*time.Millisecond {
+	waitSubscribed(t, f)
+	if d := time.Since(start); d != 0 {
 		t.Errorf("resubscribed %v after Retry, want at once", d)
 	}
 	eventually(t, idx, "a", f)

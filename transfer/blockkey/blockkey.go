@@ -92,6 +92,9 @@ func byteLen(s string, n int) int {
 		// Even all-ASCII, s is too short; multi-byte runes only shrink the count.
 		return -1
 	}
+	if isASCII(s[:n]) {
+		return n
+	}
 	i := 0
 	for c := 0; c < n; c++ {
 		if i >= len(s) {
@@ -105,6 +108,23 @@ func byteLen(s string, n int) int {
 		i += size
 	}
 	return i
+}
+
+// isASCII reports whether every byte of s is below utf8.RuneSelf, reading
+// eight at a time.
+func isASCII(s string) bool {
+	i := 0
+	for ; i+8 <= len(s); i += 8 {
+		if (s[i]|s[i+1]|s[i+2]|s[i+3]|s[i+4]|s[i+5]|s[i+6]|s[i+7])&0x80 != 0 {
+			return false
+		}
+	}
+	for ; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
 }
 
 // Chars returns the number of characters (runes) in s.

@@ -91,3 +91,35 @@ func BenchmarkPrefix4096(b *testing.B) {
 		Prefix(7, text, 4096)
 	}
 }
+
+// TestByteLenMatchesRunes: byteLen counts characters as ranging over the
+// string does, for ASCII, multi-byte and invalid UTF-8 at every position
+// of the word-at-a-time scan.
+func TestByteLenMatchesRunes(t *testing.T) {
+	want := func(s string, n int) int {
+		c := 0
+		for i := range s {
+			if c == n {
+				return i
+			}
+			c++
+		}
+		if c == n {
+			return len(s)
+		}
+		return -1
+	}
+	pieces := []string{"a", "b", "é", "語", "🙂", "\xff", "\xe8\x80"}
+	for size := range 24 {
+		for pos := range size + 1 {
+			for _, p := range pieces {
+				s := strings.Repeat("x", pos) + p + strings.Repeat("y", size-pos)
+				for n := 0; n <= len(s)+1; n++ {
+					if got, w := byteLen(s, n), want(s, n); got != w {
+						t.Fatalf("byteLen(%q, %d) = %d, want %d", s, n, got, w)
+					}
+				}
+			}
+		}
+	}
+}

@@ -154,7 +154,7 @@ func testHotExpiry(t *testing.T, open func(*testing.T, time.Duration) (transfer.
 	if got := hottest(t, h, model, 3); len(got) != 1 {
 		t.Fatalf("Hottest before the TTL: %v", got)
 	}
-	time.Sleep(1100 * time.Millisecond)
+	r.Expire(t, "baton:hotchain:"+model+":"+id)
 	if got := hottest(t, h, model, 3); len(got) != 0 {
 		t.Errorf("Hottest after the TTL: %v", got)
 	}

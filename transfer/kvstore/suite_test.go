@@ -25,6 +25,9 @@ type raw interface {
 	Value(t *testing.T, key string) []byte
 	// TTL returns key's remaining time to live: -1 for none, -2 if absent.
 	TTL(t *testing.T, key string) time.Duration
+	// Expire lets the keys' time to live run out: Memory's clock moves a
+	// TTL ahead, Redis expires them at once.
+	Expire(t *testing.T, keys ...string)
 }
 
 // backend opens a store of one implementation with the given TTL (0: the
@@ -67,7 +70,7 @@ func TestStores(t *testing.T) {
 func memoryBackend(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
 	m := kvstore.NewMemory(kvstore.MemoryConfig{TTL: ttl})
 	t.Cleanup(func() { m.Close() })
-	return m, memoryRaw{m}
+	return m, memoryRaw{m, ttl}
 }
 
 func redisBackend(t *testing.T, ttl time.Duration) (transfer.Store, raw) {
@@ -258,7 +261,7 @@ func testTTL(t *testing.T, open backend) {
 		if ok := mustExist(t, s, ns, []uint64{1}); !ok[0] {
 			t.Fatal("block missing before its TTL")
 		}
-		time.Sleep(1100 * time.Millisecond)
+		r.Expire(t, transfer.StoreKey(ns, 1))
 		if ok := mustExist(t, s, ns, []uint64{1}); ok[0] {
 			t.Error("Exists reports a block past its TTL")
 		}
@@ -401,11 +404,21 @@ func testCancelled(t *testing.T, open backend) {
 	}
 }
 
-type memoryRaw struct{ m *kvstore.Memory }
+type memoryRaw struct {
+	m   *kvstore.Memory
+	ttl time.Duration
+}
 
 func (r memoryRaw) Set(_ *testing.T, key string, value []byte) { r.m.SetRaw(key, value) }
 func (r memoryRaw) Value(_ *testing.T, key string) []byte      { return r.m.RawValue(key) }
 func (r memoryRaw) TTL(_ *testing.T, key string) time.Duration { return r.m.RawTTL(key) }
+
+func (r memoryRaw) Expire(t *testing.T, _ ...string) {
+	if r.ttl <= 0 {
+		t.Fatal("Expire on a store opened with the default TTL")
+	}
+	r.m.SetNow(func() time.Time { return time.Now().Add(r.ttl) })
+}
 
 type redisRaw struct{ c *redis.Client }
 
@@ -437,4 +450,15 @@ func (r redisRaw) TTL(t *testing.T, key string) time.Duration {
 		t.Fatalf("raw PTTL: %v", err)
 	}
 	return d
+}
+
+func (r redisRaw) Expire(t *testing.T, keys ...string) {
+	t.Helper()
+	for _, k := range keys {
+		// A time to live that is not positive deletes the key, as its
+		// expiry would.
+		if err := r.c.PExpire(context.Background(), k, 0).Err(); err != nil {
+			t.Fatalf("raw PEXPIRE: %v", err)
+		}
+	}
 }

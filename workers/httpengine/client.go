@@ -110,6 +110,7 @@ func WithAPIKey(key string) Option {
 type Client struct {
 	base          string // scheme://host[/prefix], no trailing slash
 	hc            *http.Client
+	rt            http.RoundTripper // hc's own transport, called directly: no redirects to follow
 	headerTimeout time.Duration
 	tls           *tls.Config
 	apiKey        string
@@ -147,7 +148,8 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	if c.hc == nil {
 		tr := newTransport(c.headerTimeout)
 		tr.TLSClientConfig = c.tls
-		c.hc = &http.Client{Transport: newH1Transport(c.headerTimeout, tr)}
+		c.rt = newH1Transport(c.headerTimeout, tr)
+		c.hc = &http.Client{Transport: c.rt}
 	}
 	return c, nil
 }
@@ -262,7 +264,7 @@ func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*htt
 		return nil, fmt.Errorf("%w: path %q", ErrInvalid, r.Path)
 	}
 	// A *bytes.Reader body also lets the transport replay it (GetBody) on a
-	// stale pooled connection or a 307/308 redirect.
+	// stale pooled connection.
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+r.Path, bytes.NewReader(body))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
@@ -275,7 +277,15 @@ func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*htt
 		req.Header.Set(HeaderDPRank, c.dpRank)
 	}
 	c.setAuth(req)
-	resp, err := c.hc.Do(req)
+	var resp *http.Response
+	if c.rt != nil {
+		// An engine's API answers where it is asked: its own transport
+		// is called without http.Client's copies of the request for
+		// redirects.
+		resp, err = c.rt.RoundTrip(req)
+	} else {
+		resp, err = c.hc.Do(req)
+	}
 	if err != nil {
 		return nil, transportError(ctx, err)
 	}

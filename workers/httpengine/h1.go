@@ -295,6 +295,15 @@ func (b *h1Body) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// Buffered is how many bytes of the response past its header have
+// arrived and wait to be read: a Read now does not block.
+func (b *h1Body) Buffered() int {
+	if b.done.Load() {
+		return 0
+	}
+	return b.pc.br.Buffered()
+}
+
 // Close closes the connection unless the body was read to its end. It may
 // be called from another goroutine to abort a blocked Read.
 func (b *h1Body) Close() error {

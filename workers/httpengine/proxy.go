@@ -238,12 +238,18 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 	dirty := true         // the headers are not flushed yet
 	firstPending := false // an unflushed event carries the first text
 	firstSeen := false    // the first text has been seen
-	stop := rw.flushAfter(holdHeaders)
-	lr.fill() // a read error comes again from next
-	if flushed, err := stop(); err != nil {
-		return err
-	} else if flushed {
-		dirty = false
+	if b, ok := body.(interface{ Buffered() int }); ok && b.Buffered() > 0 {
+		// The body came with the header (a short answer, a fast engine):
+		// no wait, so no timer to flush the header meanwhile.
+		lr.fill()
+	} else {
+		stop := rw.flushAfter(holdHeaders)
+		lr.fill() // a read error comes again from next
+		if flushed, err := stop(); err != nil {
+			return err
+		} else if flushed {
+			dirty = false
+		}
 	}
 	for {
 		if dirty && !lr.lineBuffered() {

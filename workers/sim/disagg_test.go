@@ -198,7 +198,12 @@ func TestDisaggDecodeFirst(t *testing.T) {
 		r, err := collect(t, st)
 		done <- out{r, err}
 	}()
-	time.Sleep(50 * time.Millisecond) // let Decode start waiting
+	waitFor(t, "Decode to wait for its transfer", func() bool {
+		x := &d.Engine.xfers
+		x.mu.Lock()
+		defer x.mu.Unlock()
+		return x.m["early"] != nil && x.m["early"].waiters == 1
+	})
 	if _, err := pc.Prefill(ctx, &engine.PrefillRequest{Request: req, TransferID: "early", DecodeAddr: d.GRPCAddr}); err != nil {
 		t.Fatalf("Prefill: %v", err)
 	}
@@ -506,14 +511,19 @@ func TestLinkDelay(t *testing.T) {
 	}
 }
 
+// waitFor checks cond every millisecond until it holds, failing t after
+// 5 s: for a state the engine's goroutines reach in their own time.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(5 * time.Second)
 	for !cond() {
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-timeout:
 			t.Fatalf("timed out waiting for %s", what)
 		}
-		time.Sleep(2 * time.Millisecond)
 	}
 }
 

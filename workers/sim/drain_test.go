@@ -38,9 +38,7 @@ func TestWorkerDrain(t *testing.T) {
 
 	drained := make(chan DrainResult, 1)
 	go func() { drained <- w.Drain(ctx) }()
-	for err := c.Check(ctx); err == nil; err = c.Check(ctx) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitFor(t, "the worker to stop serving", func() bool { return c.Check(ctx) != nil })
 	if err := c.Check(ctx); !errors.Is(err, engine.ErrUnavailable) || !strings.Contains(err.Error(), "NOT_SERVING") {
 		t.Errorf("health of a draining worker: %v, want NOT_SERVING", err)
 	}

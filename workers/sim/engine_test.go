@@ -369,17 +369,10 @@ func TestChunkedPrefill(t *testing.T) {
 // waitIdle waits until nothing runs and no block is in use.
 func waitIdle(t *testing.T, e *Engine) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	waitFor(t, "the engine to be idle", func() bool {
 		l := e.Load()
-		if l.Running == 0 && l.Waiting == 0 && l.BlocksUsed == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("engine not idle: %+v", l)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return l.Running == 0 && l.Waiting == 0 && l.BlocksUsed == 0
+	})
 }
 
 func TestCancelFreesBlocks(t *testing.T) {

@@ -198,16 +198,19 @@ func firstToken(t *testing.T, e *sim.Engine, prompt string) int {
 // counts a step after its tokens are out) and returns its stats.
 func waitSteps(t *testing.T, e *sim.Engine, steps uint64) sim.Stats {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(10 * time.Second)
 	for {
 		s := e.Stats()
 		if s.Steps >= steps {
 			return s
 		}
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-timeout:
 			t.Fatalf("engine at %d steps, want %d", s.Steps, steps)
 		}
-		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -114,10 +114,25 @@ func TestHotTouchScope(t *testing.T) {
 		t.Fatal(err)
 	}
 	generate(t, e, &engine.Request{Prompt: p, MaxTokens: 1})
-	waitFor(t, "one touch", func() bool { return e.Stats().HotTouches == 1 })
-	time.Sleep(20 * time.Millisecond)
-	if n := e.Stats().HotTouches; n != 1 {
-		t.Errorf("%d touches, want 1 (the transferred sequence is not reuse)", n)
+	// Another prefix reused after it: one goroutine records the touches
+	// in order, so once q's is in the store every earlier one is.
+	q := sevenBlocks('q')
+	generate(t, e, &engine.Request{Prompt: q, MaxTokens: 1})
+	generate(t, e, &engine.Request{Prompt: q, MaxTokens: 1})
+	scores := func() map[uint64]float64 {
+		hot, err := store.Hottest(context.Background(), testModel, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := map[uint64]float64{}
+		for _, h := range hot {
+			m[h.Keys[0]] = h.Score
+		}
+		return m
+	}
+	waitFor(t, "the second prefix's touch", func() bool { return scores()[keysOf("", q)[0]] == 1 })
+	if n := scores()[keysOf("", p)[0]]; n != 1 {
+		t.Errorf("%v touches of the first prefix, want 1 (the transferred sequence is not reuse)", n)
 	}
 
 	plain := kvstore.NewBreaker(&failStore{}, kvstore.BreakerConfig{})

@@ -143,11 +143,8 @@ func TestOneTokenStepOnTime(t *testing.T) {
 		generate(t, e, &engine.Request{Prompt: fmt.Sprintf("Request %d: one word.", i), MaxTokens: 1})
 		took := time.Since(start)
 		// The step's statistics are recorded after its events are sent.
-		var after Stats
-		deadline := time.Now().Add(5 * time.Second)
-		for after = e.Stats(); after.Steps == before.Steps && time.Now().Before(deadline); after = e.Stats() {
-			time.Sleep(time.Millisecond)
-		}
+		waitFor(t, "the step to be counted", func() bool { return e.Stats().Steps != before.Steps })
+		after := e.Stats()
 		if after.Steps != before.Steps+1 {
 			t.Fatalf("%d steps, want 1", after.Steps-before.Steps)
 		}

@@ -38,13 +38,8 @@ func timed(t *testing.T, e *Engine, req *engine.Request) (result, float64) {
 	req.MaxTokens = 1
 	before := e.Stats()
 	r := generate(t, e, req)
-	deadline := time.Now().Add(5 * time.Second)
-	for e.Stats().Steps == before.Steps { // stats follow the step's tokens
-		if time.Now().After(deadline) {
-			t.Fatal("step not counted")
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	// The stats follow the step's tokens.
+	waitFor(t, "the step to be counted", func() bool { return e.Stats().Steps != before.Steps })
 	after := e.Stats()
 	return r, after.ModelledSeconds - before.ModelledSeconds + after.StoreFetchSeconds - before.StoreFetchSeconds
 }
@@ -52,17 +47,10 @@ func timed(t *testing.T, e *Engine, req *engine.Request) (result, float64) {
 // waitStored waits until the store holds every key.
 func waitStored(t *testing.T, s transfer.Store, ns transfer.Namespace, keys []uint64) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	waitFor(t, "the store to hold every key", func() bool {
 		ok, err := s.Exists(context.Background(), ns, keys)
-		if err == nil && !slices.Contains(ok, false) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("store holds %v (err %v)", ok, err)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return err == nil && !slices.Contains(ok, false)
+	})
 }
 
 // drain returns the events already delivered to sub.
@@ -272,13 +260,7 @@ func TestStoreFailuresNeverFailRequests(t *testing.T) {
 					t.Errorf("request %d: %+v", i, r.final)
 				}
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for e.Stats().StoreWriteErrors == 0 {
-				if time.Now().After(deadline) {
-					t.Fatalf("no failed write counted: %+v", e.Stats())
-				}
-				time.Sleep(time.Millisecond)
-			}
+			waitFor(t, "a failed write to be counted", func() bool { return e.Stats().StoreWriteErrors != 0 })
 			if st := e.Stats(); st.StoreLookups != 4 || st.StoreErrors != 4 || st.StoreWrites != 0 {
 				t.Errorf("stats %+v, want 4 failed lookups and no write", st)
 			}
@@ -329,13 +311,7 @@ func TestWarm(t *testing.T) {
 		Keys: func(context.Context) ([]transfer.Namespace, [][]uint64, error) {
 			return []transfer.Namespace{nsOf("t"), nsOf("t")}, [][]uint64{keys, keysOf("t", sevenBlocks('x'))}, nil
 		}}})
-	deadline := time.Now().Add(5 * time.Second)
-	for c.Stats().WarmedBlocks != 7 {
-		if time.Now().After(deadline) {
-			t.Fatalf("warm-up: %+v", c.Stats())
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "7 blocks warmed", func() bool { return c.Stats().WarmedBlocks == 7 })
 }
 
 // Writes never block the step loop: when the queue is full, blocks are

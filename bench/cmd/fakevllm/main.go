@@ -26,6 +26,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/batonllm/baton/workers/engine/cost"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
@@ -65,11 +66,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	listen := fs.String("listen", "127.0.0.1:8080", "listen address written into the configuration for baton serve")
 	strategy := fs.String("strategy", "kv_aware", "strategy written into the configuration")
 	configPath := fs.String("config", "", "also write the configuration to `file`")
+	churn := fs.Float64("churn", 0, "besides requests, store this many new KV `blocks` a second over the fleet (each a fresh prompt of -churn-prompt-blocks, engines in turn), publishing their events and those of the blocks they evict")
+	churnPrompt := fs.Int("churn-prompt-blocks", 32, "blocks of each prompt -churn stores")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if *n < 1 {
 		return fmt.Errorf("-n: must be at least 1, got %d", *n)
+	}
+	if *churn < 0 {
+		return fmt.Errorf("-churn: must not be negative, got %g", *churn)
+	}
+	if *churnPrompt < 1 {
+		return fmt.Errorf("-churn-prompt-blocks: must be at least 1, got %d", *churnPrompt)
 	}
 	if *dp < 1 {
 		return fmt.Errorf("-dp: must be at least 1, got %d", *dp)
@@ -130,6 +139,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	fmt.Fprintf(stderr, "fakevllm: %d fake vLLM engines serving; interrupt to stop\n", len(engines))
+	if *churn > 0 {
+		var ranks []*vllmtest.Server
+		for _, e := range engines {
+			ranks = append(ranks, e.ranks...)
+		}
+		start := time.Now()
+		n := churnLoop(ctx, ranks, *churn, *churnPrompt, *blockSize)
+		d := time.Since(start)
+		fmt.Fprintf(stderr, "fakevllm: churn stored %d blocks in %s: %.0f a second of %g asked\n", n, d.Round(time.Millisecond), float64(n)/d.Seconds(), *churn)
+	}
 	<-ctx.Done()
 	for i, e := range engines {
 		for r, rk := range e.ranks {
@@ -147,6 +166,46 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// churnLoop stores rate blocks a second, in fresh prompts of promptBlocks
+// blocks, on the ranks in turn, every 10 ms what is due, until ctx ends.
+// It returns the blocks stored.
+func churnLoop(ctx context.Context, ranks []*vllmtest.Server, rate float64, promptBlocks, blockSize int) int64 {
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	start := time.Now()
+	prompt := make([]uint32, promptBlocks*blockSize)
+	var stored int64
+	var seq uint64
+	next := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return stored
+		case <-tick.C:
+		}
+		due := int64(rate*time.Since(start).Seconds()) - stored
+		for ; due >= int64(promptBlocks); due -= int64(promptBlocks) {
+			seq++
+			for i := range prompt {
+				// Tokens of no other prompt's: every block is new.
+				prompt[i] = uint32(mix(uint64(seq)<<32 | uint64(i)))
+			}
+			ranks[next].Churn(prompt)
+			next = (next + 1) % len(ranks)
+			stored += int64(promptBlocks)
+		}
+	}
+}
+
+// mix is splitmix64's finalizer.
+func mix(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // engine is one fake vLLM: its front URL and its data-parallel ranks (one

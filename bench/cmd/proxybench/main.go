@@ -43,6 +43,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
+	"github.com/batonllm/baton/workers/httpengine"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -57,9 +58,10 @@ const (
 	pathBatonGRPC   = "baton-grpc"   // the scheduler in this process, the same engine over gRPC
 	pathBatonB      = "baton-b"      // -baton-b: another build of baton serve, side by side
 	pathGoProxy     = "go-proxy"     // the least a Go net/http reverse proxy does, in its own process
+	pathGoRaw       = "go-raw"       // the least a Go proxy does without net/http's server or client, in its own process
 )
 
-var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathGoProxy, pathBatonInproc, pathBatonGRPC}
+var allPaths = []string{pathDirect, pathHAProxy, pathBaton, pathGoProxy, pathGoRaw, pathBatonInproc, pathBatonGRPC}
 
 func main() {
 	if err := run(); err != nil {
@@ -83,7 +85,11 @@ func run() error {
 	batonMemProfile := flag.String("baton-memprofile", "", "write an allocation profile of the baton serve process, at the end, to `file`")
 	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
 	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
+	raw := flag.Bool("minimal-proxy-raw", false, "internal: -minimal-proxy serves the go-raw path")
 	flag.Parse()
+	if *minimal != "" && *raw {
+		return serveRawProxy(*minimal, *minimalEngine)
+	}
 	if *minimal != "" {
 		return serveMinimalProxy(*minimal, *minimalEngine)
 	}
@@ -134,7 +140,10 @@ func run() error {
 		urls[pathBaton] = "http://" + bs.addr
 		pids[pathBaton] = bs.cmd.Process.Pid
 	}
-	if slices.Contains(paths, pathGoProxy) {
+	for _, p := range []string{pathGoProxy, pathGoRaw} {
+		if !slices.Contains(paths, p) {
+			continue
+		}
 		self, err := os.Executable()
 		if err != nil {
 			return err
@@ -143,19 +152,19 @@ func run() error {
 		if err != nil {
 			return err
 		}
-		gp := exec.Command(self, "-minimal-proxy", addr, "-minimal-proxy-engine", engineURL)
+		gp := exec.Command(self, "-minimal-proxy", addr, "-minimal-proxy-engine", engineURL, "-minimal-proxy-raw="+strconv.FormatBool(p == pathGoRaw))
 		gp.Stdout, gp.Stderr = os.Stderr, os.Stderr
 		if err := gp.Start(); err != nil {
-			return fmt.Errorf("starting go-proxy: %w", err)
+			return fmt.Errorf("starting %s: %w", p, err)
 		}
 		exited := make(chan struct{})
 		go func() { gp.Wait(); close(exited) }()
 		defer func() { gp.Process.Kill(); <-exited }()
 		if err := waitListening(addr, exited); err != nil {
-			return fmt.Errorf("go-proxy: %w", err)
+			return fmt.Errorf("%s: %w", p, err)
 		}
-		urls[pathGoProxy] = "http://" + addr
-		pids[pathGoProxy] = gp.Process.Pid
+		urls[p] = "http://" + addr
+		pids[p] = gp.Process.Pid
 	}
 	if *batonB != "" {
 		b, err := startBatonServe(*batonB, engineURL, false)
@@ -729,7 +738,7 @@ func report(out io.Writer, paths []string, timings map[string][]timing, of func(
 		return
 	}
 	fmt.Fprintln(out)
-	for _, p := range []string{pathBaton, pathBatonB, pathGoProxy, pathBatonInproc, pathBatonGRPC} {
+	for _, p := range []string{pathBaton, pathBatonB, pathGoProxy, pathGoRaw, pathBatonInproc, pathBatonGRPC} {
 		a, ok := adds[p]
 		if !ok {
 			continue
@@ -759,4 +768,72 @@ func ratio(a, b time.Duration) string {
 		return "n/a"
 	}
 	return fmt.Sprintf("%.2f×", float64(a)/float64(b))
+}
+
+// serveRawProxy serves the go-raw path: the go-proxy path's work on a
+// connection loop of its own (one goroutine a connection, requests parsed
+// by http.ReadRequest, the response written chunked straight to the
+// connection) and baton's engine client (httpengine.PlainHTTP): the floor
+// of a Go proxy without net/http's server or its Transport.
+func serveRawProxy(addr, engine string) error {
+	rt := httpengine.PlainHTTP(&http.Transport{})
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return err
+		}
+		go serveRawConn(c, rt, engine)
+	}
+}
+
+func serveRawConn(c net.Conn, rt http.RoundTripper, engine string) {
+	defer c.Close()
+	br := bufio.NewReaderSize(c, 4<<10)
+	bw := bufio.NewWriterSize(c, 4<<10)
+	buf := make([]byte, 32<<10)
+	for {
+		r, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		req, err := http.NewRequest(http.MethodPost, engine+r.URL.Path, bytes.NewReader(body))
+		if err != nil {
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := rt.RoundTrip(req)
+		if err != nil {
+			return
+		}
+		fmt.Fprintf(bw, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n",
+			resp.StatusCode, http.StatusText(resp.StatusCode), resp.Header.Get("Content-Type"))
+		for {
+			n, err := resp.Body.Read(buf)
+			if n > 0 {
+				bw.WriteString(strconv.FormatInt(int64(n), 16))
+				bw.WriteString("\r\n")
+				bw.Write(buf[:n])
+				bw.WriteString("\r\n")
+				if bw.Flush() != nil {
+					resp.Body.Close()
+					return
+				}
+			}
+			if err != nil {
+				break
+			}
+		}
+		resp.Body.Close()
+		if _, err := bw.WriteString("0\r\n\r\n"); err != nil || bw.Flush() != nil {
+			return
+		}
+	}
 }

@@ -34,7 +34,12 @@ func BenchmarkShare(b *testing.B) {
 			}
 			// The stream starts empty: the receiver follows it from its
 			// first message, whenever its first read comes.
-			mk("receiver", func(Entry) { got.Add(1) })
+			all := make(chan struct{}) // closed at the b.N'th entry
+			mk("receiver", func(Entry) {
+				if got.Add(1) == int64(b.N) {
+					close(all)
+				}
+			})
 			sender := mk("sender", func(Entry) {})
 			ks := make([]uint64, keys)
 			for i := range ks {
@@ -44,14 +49,12 @@ func BenchmarkShare(b *testing.B) {
 			for i := range b.N {
 				sender.Publish(Entry{Worker: fmt.Sprintf("worker-%02d", i%64), Keys: ks})
 			}
-			deadline := time.Now().Add(time.Minute)
-			for got.Load() < int64(b.N) && time.Now().Before(deadline) {
-				time.Sleep(time.Millisecond)
-			}
-			b.StopTimer()
-			if got.Load() < int64(b.N) {
+			select {
+			case <-all:
+			case <-time.After(time.Minute):
 				b.Fatalf("received %d of %d", got.Load(), b.N)
 			}
+			b.StopTimer()
 			b.ReportMetric(float64(bytes.Load())/float64(b.N), "bytes/decision")
 			b.ReportMetric(float64(sent.Load())/float64(b.N), "msgs/decision")
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")

@@ -46,14 +46,12 @@ type Config struct {
 	// Default: 16 random hex digits.
 	ID string
 	// MaxLen caps the stream (approximately, as XADD MAXLEN ~ does).
-	// Default 10,000 messages: at a message every 2 ms, 20 s of history.
+	// Default 10,000 messages: at a message a millisecond, 10 s of
+	// history.
 	MaxLen int64
 	// Replay is how many of the newest messages a replica applies when
 	// it starts. Default 1,000; negative: none.
 	Replay int64
-	// FlushInterval bounds how long a committed entry waits to be batched
-	// with others before it is sent. Default 2ms.
-	FlushInterval time.Duration
 	// MaxBatch is the most entries one message carries. Default 256.
 	MaxBatch int
 	// Queue is how many entries wait to be sent at most; Publish drops
@@ -77,7 +75,8 @@ type Observer interface {
 	// stream.
 	Sent(entries, bytes int)
 	// Received: a message of another replica's, of n entries and bytes,
-	// was applied lag after it was sent.
+	// was applied lag after the first of its entries was published: how
+	// long the others routed without knowing of that decision.
 	Received(entries, bytes int, lag time.Duration)
 	// Dropped: n entries were not shared, for reason "queue_full" or
 	// "redis_error".
@@ -90,12 +89,11 @@ type Observer interface {
 }
 
 const (
-	defaultStream        = "baton:replica:commits"
-	defaultMaxLen        = 10_000
-	defaultReplay        = 1_000
-	defaultFlushInterval = 2 * time.Millisecond
-	defaultMaxBatch      = 256
-	defaultQueue         = 8_192
+	defaultStream   = "baton:replica:commits"
+	defaultMaxLen   = 10_000
+	defaultReplay   = 1_000
+	defaultMaxBatch = 256
+	defaultQueue    = 8_192
 	// readBlock is how long one XREAD waits for a message; Close waits
 	// for it at most.
 	readBlock = 500 * time.Millisecond
@@ -124,9 +122,6 @@ func (c Config) withDefaults() Config {
 	if c.Replay == 0 {
 		c.Replay = defaultReplay
 	}
-	if c.FlushInterval <= 0 {
-		c.FlushInterval = defaultFlushInterval
-	}
 	if c.MaxBatch <= 0 {
 		c.MaxBatch = defaultMaxBatch
 	}
@@ -142,11 +137,18 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
+// queued is an entry waiting to be sent, published at (Unix
+// nanoseconds).
+type queued struct {
+	e  Entry
+	at int64
+}
+
 // Sharer publishes this replica's committed entries and applies the other
 // replicas'. New starts its two goroutines; Close stops them.
 type Sharer struct {
 	cfg    Config
-	queue  chan Entry
+	queue  chan queued
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -164,7 +166,7 @@ func New(cfg Config) (*Sharer, error) {
 		return nil, errors.New("replica: Apply is required")
 	}
 	cfg = cfg.withDefaults()
-	s := &Sharer{cfg: cfg, queue: make(chan Entry, cfg.Queue), up: true}
+	s := &Sharer{cfg: cfg, queue: make(chan queued, cfg.Queue), up: true}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(2)
 	go s.send()
@@ -183,7 +185,7 @@ func (s *Sharer) Publish(e Entry) {
 	}
 	e.Keys = append([]uint64(nil), e.Keys...)
 	select {
-	case s.queue <- e:
+	case s.queue <- queued{e, time.Now().UnixNano()}:
 	default:
 		s.cfg.Observer.Dropped("queue_full", 1)
 	}
@@ -213,25 +215,24 @@ func (s *Sharer) setUp(up bool, err error) {
 	}
 }
 
-// send batches queued entries into messages: one per MaxBatch entries, or
-// per FlushInterval after the first entry of a batch.
+// send sends each entry as soon as the message before it was added,
+// with every entry queued meanwhile (up to MaxBatch a message): batches
+// fill while Redis answers, never by waiting, so that in a burst of
+// decisions a fraction of a millisecond apart the others hear of each
+// one within an XADD and an XREAD.
 func (s *Sharer) send() {
 	defer s.wg.Done()
 	var seq uint64
 	batch := make([]Entry, 0, s.cfg.MaxBatch)
+	var first int64 // when the batch's first entry was published
 	var buf []byte
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
 	flush := func() {
-		if len(batch) == 0 {
-			return
-		}
 		seq++
 		buf = encode(buf[:0], batch)
 		ctx, cancel := context.WithTimeout(s.ctx, callTimeout)
 		err := s.cfg.Client.XAdd(ctx, &redis.XAddArgs{
 			Stream: s.cfg.Stream, MaxLen: s.cfg.MaxLen, Approx: true,
-			Values: []any{"r", s.cfg.ID, "s", seq, "t", time.Now().UnixNano(), "d", buf},
+			Values: []any{"r", s.cfg.ID, "s", seq, "t", first, "d", buf},
 		}).Err()
 		cancel()
 		switch {
@@ -244,25 +245,26 @@ func (s *Sharer) send() {
 			s.cfg.Observer.Dropped("redis_error", len(batch))
 			s.setUp(false, err)
 		}
+		clear(batch)
 		batch = batch[:0]
 	}
 	for {
 		select {
 		case <-s.ctx.Done():
-			timer.Stop()
 			return
-		case e := <-s.queue:
-			if len(batch) == 0 {
-				timer.Reset(s.cfg.FlushInterval)
-			}
-			batch = append(batch, e)
-			if len(batch) >= s.cfg.MaxBatch {
-				timer.Stop()
-				flush()
-			}
-		case <-timer.C:
-			flush()
+		case q := <-s.queue:
+			batch, first = append(batch, q.e), q.at
 		}
+	take:
+		for len(batch) < s.cfg.MaxBatch {
+			select {
+			case q := <-s.queue:
+				batch = append(batch, q.e)
+			default:
+				break take
+			}
+		}
+		flush()
 	}
 }
 
@@ -354,7 +356,7 @@ func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) 
 		return
 	}
 	seq, _ := strconv.ParseUint(str(m.Values["s"]), 10, 64)
-	sent, _ := strconv.ParseInt(str(m.Values["t"]), 10, 64)
+	published, _ := strconv.ParseInt(str(m.Values["t"]), 10, 64)
 	data := str(m.Values["d"])
 	now := time.Now()
 	o := origins[from]
@@ -378,7 +380,7 @@ func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) 
 		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", m.ID, "from", from, "err", err)
 		return
 	}
-	s.cfg.Observer.Received(n, len(data), now.Sub(time.Unix(0, sent)))
+	s.cfg.Observer.Received(n, len(data), now.Sub(time.Unix(0, published)))
 }
 
 func forgetOldest(origins map[string]*origin) {

@@ -95,6 +95,28 @@ func (p *peer) expect(t *testing.T, want ...Entry) {
 	}
 }
 
+// take waits for n entries on p, past the markers of earlier calls of
+// none, and splits them, in order, by whether they are in.
+func (p *peer) take(t *testing.T, n int, in func(Entry) bool) (yes, no []Entry) {
+	t.Helper()
+	for len(yes)+len(no) < n {
+		select {
+		case e := <-p.applied:
+			if e.Worker == "marker" {
+				continue
+			}
+			if in(e) {
+				yes = append(yes, e)
+			} else {
+				no = append(no, e)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: %d entries of %d never applied", p.ID(), n-len(yes)-len(no), n)
+		}
+	}
+	return yes, no
+}
+
 // none checks that p applied nothing more, once a marker sent after
 // everything else came through.
 func (p *peer) none(t *testing.T, from *peer) {
@@ -125,7 +147,15 @@ func TestShare(t *testing.T) {
 	a.Publish(Entry{Worker: "w3"}) // no keys: not shared
 	b.expect(t, e1, Entry{Worker: "w2", Keys: []uint64{7, 8}})
 	a.expect(t, e2)
-	c.expect(t, e1, Entry{Worker: "w2", Keys: []uint64{7, 8}}, e2)
+	// c hears each sender's entries in order; a's second may go after
+	// b's, in a message of its own.
+	fromA, fromB := c.take(t, 3, func(e Entry) bool { return e.Worker != "w1" })
+	if diff := cmp.Diff([]Entry{e1, {Worker: "w2", Keys: []uint64{7, 8}}}, fromA); diff != "" {
+		t.Errorf("c's entries from a (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff([]Entry{e2}, fromB); diff != "" {
+		t.Errorf("c's entries from b (-want +got):\n%s", diff)
+	}
 	a.none(t, b)
 	b.none(t, a)
 }
@@ -260,13 +290,18 @@ func FuzzDecode(f *testing.F) {
 	})
 }
 
+// waitFor checks cond every few milliseconds until it holds (what crosses
+// a real Redis), failing t after 20 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(20 * time.Second)
 	for !cond() {
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-timeout:
 			t.Fatalf("timed out waiting for %s", what)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -644,7 +645,22 @@ func (dc *decoder) tokens() ([]uint32, error) {
 		return nil, errNil
 	}
 	ts := make([]uint32, 0, dc.capFor(n))
-	for range n {
+	// The ids are read straight from the payload, as msgpack encodes
+	// integers; anything else is left to optInt, which says what it is.
+	pos := len(dc.buf) - dc.r.Len()
+	b := dc.buf[pos:]
+	for len(ts) < n {
+		v, k, ok := tokenAt(b)
+		if !ok {
+			break
+		}
+		ts = append(ts, v)
+		b = b[k:]
+	}
+	if _, err := dc.r.Seek(int64(len(dc.buf)-len(b)), io.SeekStart); err != nil {
+		return nil, err
+	}
+	for len(ts) < n {
 		v, ok, err := dc.optInt()
 		if err != nil {
 			return nil, err
@@ -655,6 +671,43 @@ func (dc *decoder) tokens() ([]uint32, error) {
 		ts = append(ts, uint32(v))
 	}
 	return ts, nil
+}
+
+// tokenAt decodes the msgpack integer b starts with, and its length, when
+// it is one a token id can be: 0 to 2³²−1, in any of msgpack's integer
+// encodings. ok is false for anything else, and for a truncated integer.
+func tokenAt(b []byte) (v uint32, n int, ok bool) {
+	if len(b) == 0 {
+		return 0, 0, false
+	}
+	c := b[0]
+	if c <= 0x7f { // positive fixint
+		return uint32(c), 1, true
+	}
+	var u uint64
+	switch c {
+	case msgpcode.Uint8, msgpcode.Int8:
+		n = 2
+	case msgpcode.Uint16, msgpcode.Int16:
+		n = 3
+	case msgpcode.Uint32, msgpcode.Int32:
+		n = 5
+	case msgpcode.Uint64, msgpcode.Int64:
+		n = 9
+	default:
+		return 0, 0, false
+	}
+	if len(b) < n {
+		return 0, 0, false
+	}
+	for _, x := range b[1:n] {
+		u = u<<8 | uint64(x)
+	}
+	signed := c == msgpcode.Int8 || c == msgpcode.Int16 || c == msgpcode.Int32 || c == msgpcode.Int64
+	if signed && b[1]&0x80 != 0 || u > math.MaxUint32 {
+		return 0, 0, false // negative or too large: optInt's error
+	}
+	return uint32(u), n, true
 }
 
 // extraKeys decodes vLLM's list of per-block tuples (or nils), keeping the

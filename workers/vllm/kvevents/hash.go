@@ -1,8 +1,8 @@
 package kvevents
 
 import (
-	"encoding/binary"
 	"encoding/hex"
+	"hash/maphash"
 	"strconv"
 )
 
@@ -10,21 +10,38 @@ import (
 // ExternalBlockHash), SGLang integers; Hash holds either as a comparable
 // value, so it can key a map. The zero Hash is no hash (a chain's first
 // block has no parent).
+//
+// An integer is held in place, so decoding one allocates nothing.
 type Hash struct {
-	b       string // the hash's bytes; for an integer, its 8 big-endian bytes
-	isBytes bool
+	n    uint64 // an integer hash
+	b    string // a bytes hash's bytes
+	kind uint8  // 0 none, intHash or bytesHash
 }
+
+const (
+	intHash uint8 = 1 + iota
+	bytesHash
+)
 
 // IntHash returns the Hash of an integer block hash. Negative integers are
 // taken as their two's complement bits.
-func IntHash(v uint64) Hash {
-	var b [8]byte
-	binary.BigEndian.PutUint64(b[:], v)
-	return Hash{b: string(b[:])}
-}
+func IntHash(v uint64) Hash { return Hash{n: v, kind: intHash} }
 
 // BytesHash returns the Hash of a bytes block hash.
-func BytesHash(b []byte) Hash { return Hash{b: string(b), isBytes: true} }
+func BytesHash(b []byte) Hash { return Hash{b: string(b), kind: bytesHash} }
+
+// Digest returns 64 bits of h for keying a map: an integer hash's value,
+// a bytes hash's bytes hashed (with this process's seed). Different hashes
+// may share a digest, bytes hashes with a chance of 2⁻⁶⁴: compare the
+// hashes themselves on a match.
+func (h Hash) Digest() uint64 {
+	if h.kind == bytesHash {
+		return maphash.String(digestSeed, h.b)
+	}
+	return h.n
+}
+
+var digestSeed = maphash.MakeSeed()
 
 // IsZero reports whether h is no hash.
 func (h Hash) IsZero() bool { return h == Hash{} }
@@ -42,20 +59,17 @@ func NoParent(h Hash) bool {
 	if v, ok := h.Uint64(); ok {
 		return v == 0
 	}
-	return h.isBytes && h.b == ""
+	return h.kind == bytesHash && h.b == ""
 }
 
 // Uint64 returns an integer hash's value; ok is false for bytes hashes.
 func (h Hash) Uint64() (v uint64, ok bool) {
-	if h.isBytes || len(h.b) != 8 {
-		return 0, false
-	}
-	return binary.BigEndian.Uint64([]byte(h.b)), true
+	return h.n, h.kind == intHash
 }
 
 // Bytes returns a bytes hash's bytes; ok is false for integer hashes.
 func (h Hash) Bytes() (b []byte, ok bool) {
-	if !h.isBytes {
+	if h.kind != bytesHash {
 		return nil, false
 	}
 	return []byte(h.b), true

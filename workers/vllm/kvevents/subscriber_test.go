@@ -339,7 +339,18 @@ func TestSubscriberClose(t *testing.T) {
 	for i := range 20 {
 		publish(t, p, stampBatch(i, kveventstest.IntHashes(1)))
 	}
-	time.Sleep(50 * time.Millisecond)
+	// The first batch fills the channel; the second, counted, waits to
+	// be sent.
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(waitFor)
+	for s.Stats().Batches < 2 {
+		select {
+		case <-tick.C:
+		case <-timeout:
+			t.Fatalf("%d batches received, want 2", s.Stats().Batches)
+		}
+	}
 	done := make(chan struct{})
 	go func() {
 		s.Close()

@@ -644,6 +644,24 @@ func (s *Server) admit(ctx context.Context, prompt []uint32, salt, lora string) 
 	s.loraWaiting[lora]--
 	s.loraRunning[lora]++
 	s.context += len(prompt)
+	return s.store(prompt, salt, lora), true
+}
+
+// Churn stores prompt's blocks as a request's prefill would, evicting the
+// least recently used blocks when the cache is full, and publishes the
+// events, without a request: a fleet's cache churn at a chosen rate, for
+// measuring what following the events costs. The blocks are free to be
+// evicted at once.
+func (s *Server) Churn(prompt []uint32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	a := s.store(prompt, "", "")
+	s.cache.release(a.held)
+}
+
+// store allocates prompt's blocks and publishes what changed; s.mu is
+// held.
+func (s *Server) store(prompt []uint32, salt, lora string) alloc {
 	// vLLM's block hashes take the LoRA name, then the cache salt, as
 	// extra keys: an adapter's blocks are never its base model's.
 	hashes := s.cache.hashes(prompt, loraSalt(lora, salt))
@@ -690,7 +708,7 @@ func (s *Server) admit(ctx context.Context, prompt []uint32, salt, lora string) 
 		s.stats.BlocksStored += int64(len(a.stored))
 	}
 	_ = s.publish(evs...) // a subscriber that misses it asks for a replay
-	return a, true
+	return a
 }
 
 // loraSalt is what seeds the block hashes of a request for the adapter

@@ -346,24 +346,28 @@ func TestMetrics(t *testing.T) {
 			}
 		}()
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		m := read()
-		if m.Running == 1 && m.Waiting == 1 && m.KVUsage > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics %+v, want 1 running, 1 waiting, some KV usage", m)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitMetrics(t, read, "1 running, 1 waiting, some KV usage", func(m vllm.Metrics) bool {
+		return m.Running == 1 && m.Waiting == 1 && m.KVUsage > 0
+	})
 	cancel()
-	deadline = time.Now().Add(10 * time.Second)
-	for m := read(); m.Running != 0 || m.Waiting != 0; m = read() {
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics %+v after the clients left, want nothing running or waiting", m)
+	waitMetrics(t, read, "nothing running or waiting after the clients left", func(m vllm.Metrics) bool {
+		return m.Running == 0 && m.Waiting == 0
+	})
+}
+
+// waitMetrics reads the metrics every 10 ms until want holds, failing t
+// after 10 s: the requests reach the engine over HTTP.
+func waitMetrics(t *testing.T, read func() vllm.Metrics, what string, want func(vllm.Metrics) bool) {
+	t.Helper()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.After(10 * time.Second)
+	for m := read(); !want(m); m = read() {
+		select {
+		case <-tick.C:
+		case <-timeout:
+			t.Fatalf("metrics %+v, want %s", m, what)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -399,4 +403,38 @@ func BenchmarkTokenize8000(b *testing.B) {
 	b.StopTimer()
 	slices.Sort(took)
 	b.ReportMetric(float64(took[len(took)*99/100]), "p99-ns")
+}
+
+// TestChurn: Churn stores a prompt's blocks and publishes them as a
+// prefill would, and once the cache is full each new prompt evicts as many
+// blocks as it stores.
+func TestChurn(t *testing.T) {
+	s := start(t, vllmtest.Config{Encoding: kveventstest.TaggedMaps, GPUBlocks: 8, BlockSize: 4})
+	msgs := subscribe(t, s)
+	prompt := func(seed uint32) []uint32 {
+		p := make([]uint32, 16) // 4 blocks
+		for i := range p {
+			p[i] = seed*100 + uint32(i)
+		}
+		return p
+	}
+	stored, removed := 0, 0
+	for seed := range uint32(3) {
+		s.Churn(prompt(seed + 1))
+		b := next(t, msgs)
+		for _, ev := range b.Events {
+			switch ev := ev.(type) {
+			case *kvevents.BlockStored:
+				stored += len(ev.BlockHashes)
+				if len(ev.TokenIDs) != 16 {
+					t.Errorf("prompt %d: %d token ids, want 16", seed, len(ev.TokenIDs))
+				}
+			case *kvevents.BlockRemoved:
+				removed += len(ev.BlockHashes)
+			}
+		}
+	}
+	if stored != 12 || removed != 4 {
+		t.Errorf("three prompts of 4 blocks into 8: stored %d, removed %d; want 12 and 4", stored, removed)
+	}
 }
