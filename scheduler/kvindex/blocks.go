@@ -194,6 +194,24 @@ func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int
 	return added
 }
 
+// holders returns the tiers' sets of the workers in alive holding key at
+// now (see Match), Redis only for those in redisOK. b.mu is held.
+func (b *blocks) holders(key, alive, redisOK uint64, now int64) (g, c, r uint64) {
+	if i := b.t.find(key); i != none {
+		e := b.t.at(i)
+		g = e.gpu
+		if now < e.predUntil {
+			g |= e.pred
+		}
+		g &= alive
+		c = e.cpu &^ g & alive
+		if e.flags&flagRedis != 0 {
+			r = alive &^ (g | c) & redisOK
+		}
+	}
+	return g, c, r
+}
+
 // counts are, per slot, the leading blocks found in GPU, CPU and Redis.
 type counts [MaxWorkers][3]int32
 
@@ -213,46 +231,37 @@ type counts [MaxWorkers][3]int32
 const walkStride = 8
 
 // walk counts, for the slots in alive, the request's leading blocks found
-// in each tier (see Match), Redis only for the slots in redisOK. It holds
-// the read lock and does not allocate.
-func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) {
+// in each tier (see Match), Redis only for the slots in redisOK, and
+// reports whether any of them holds the first. It holds the read lock and
+// does not allocate.
+func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
 	b.mu.RLock()
 	defer b.mu.RUnlock()
-	// holders returns the tiers' sets of the workers in alive holding key.
-	holders := func(k, alive uint64) (g, c, r uint64) {
-		if i := b.t.find(k); i != none {
-			e := b.t.at(i)
-			g = e.gpu
-			if now < e.predUntil {
-				g |= e.pred
-			}
-			g &= alive
-			c = e.cpu &^ g & alive
-			if e.flags&flagRedis != 0 {
-				r = alive &^ (g | c) & redisOK
-			}
-		}
-		return g, c, r
-	}
+	return b.walkLocked(keys, alive, redisOK, now, cnt)
+}
+
+// walkLocked is walk with the read lock held.
+func (b *blocks) walkLocked(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
+	holders := func(k, alive uint64) (g, c, r uint64) { return b.holders(k, alive, redisOK, now) }
 	n := len(keys)
 	if n == 0 {
-		return
+		return false
 	}
 	// The run from block j has holders g, c, r; a worker that drops out
-	// of it never counts again (alive narrows). The first block is warmed
-	// with the first gallop's.
+	// of it never counts again (alive narrows). Most tables of a large
+	// fleet's hold none of the first block: one probe for those.
 	j := 0
-	if b.t.warmGallop(keys, 0, walkStride, true) == 0x5eed {
-		b.warmed.Add(1)
-	}
 	g, c, r := holders(keys[0], alive)
+	if g|c|r == 0 {
+		return false
+	}
 	for g|c|r != 0 {
 		alive = g | c | r
 		// lo: the last block known to have the run's holders; hi: the
 		// first known not to (n: none), whose holders are ng, nc, nr.
 		lo, hi := j, n
 		var ng, nc, nr uint64
-		if j > 0 && b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
+		if b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
 			b.warmed.Add(1)
 		}
 		for step := walkStride; lo < n-1; step *= 2 {
@@ -305,8 +314,9 @@ func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *coun
 			cnt[bits.TrailingZeros64(m)][2] += run
 		}
 		if hi >= n {
-			return
+			return true
 		}
 		j, g, c, r = hi, ng, nc, nr
 	}
+	return true
 }

@@ -4,11 +4,15 @@
 // it; its per-worker state (workers.go) holds each worker's latest load,
 // pending prefill, cost figures and how its observed times compare with
 // predictions. Each has its own locks: load reports and feedback never
-// wait for the block table.
+// wait for the block table, and what a lookup reads of a worker is
+// published to atomics (a sequence lock), so that a decision over a
+// thousand workers takes none of their locks.
 //
 // Watch goroutines feed it with Apply (one stream per worker); request
-// goroutines read it with Lookup, which neither blocks for long nor
-// allocates, and record with Predict the blocks a routed request will
+// goroutines read it with Visit or Lookup (every worker's match: its
+// overlap with the prompt and its state) or Overlaps (the overlaps of the
+// workers holding the prompt alone), which neither block for long nor
+// allocate, and record with Predict the blocks a routed request will
 // create. Each scheduler replica keeps its own index, fed by its own watch
 // streams.
 //
@@ -23,19 +27,22 @@
 // each with its own block table and lock, and its share of the cap in
 // proportion to its workers (a block held in several groups takes an
 // entry in each, and a full group forgets its own least recently touched
-// block).
+// block). A lookup walks the prompt once whatever the groups: each block it
+// visits is read in every group's table that still holds the prompt, the
+// reads overlapping (walk.go).
 package kvindex
 
 import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
+	"sync"
 	"time"
 )
 
 // MaxWorkers is the number of workers of one group: the workers whose
-// blocks share a block table, one bit each in its holder masks. A Lookup
-// of at most MaxWorkers workers of one group walks the prompt once.
+// blocks share a block table, one bit each in its holder masks.
 const MaxWorkers = 64
 
 // MaxTracked is the number of workers an Index tracks at once. Blocks of
@@ -218,6 +225,7 @@ type Index struct {
 	cfg     Config
 	workers workers
 	blocks  *blocks // the first group's
+	infos   interned
 }
 
 // New returns an empty index.
@@ -310,7 +318,7 @@ func (x *Index) SetInfo(name string, info Info) error {
 	if err != nil {
 		return err
 	}
-	w.setInfo(info)
+	w.setInfo(info, &x.infos)
 	return nil
 }
 
@@ -563,76 +571,177 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 
 // Lookup fills out[i] with what workers[i] would find of the request whose
 // block keys are keys (see Match); out must be at least as long as
-// workers. It walks the keys under the block table's read lock, then
-// reads each worker's state under that worker's lock: the walk may wait
-// for a write to the table, and the load and pending tokens it reports
-// then count the requests Predict recorded meanwhile (a burst's picks
-// queued behind one write would otherwise all see none). It does not
-// allocate, and costs about 10–20 ns per key plus 30 ns per worker, for
-// each group (see MaxWorkers) among the workers; workers are taken
-// MaxWorkers at a time.
+// workers. It is Visit, copying each match into out.
 func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
-	now := x.cfg.Now().UnixNano()
-	out = out[:len(workers)]
-	x.workers.mu.RLock()
-	defer x.workers.mu.RUnlock()
-	for lo := 0; lo < len(workers); lo += MaxWorkers {
-		hi := min(lo+MaxWorkers, len(workers))
-		x.lookup(keys, workers[lo:hi], out[lo:hi], now)
-	}
+	x.visit(keys, workers, out[:len(workers)], nil)
 }
 
-// lookup is Lookup of at most MaxWorkers workers. x.workers.mu is held.
-func (x *Index) lookup(keys []uint64, workers []string, out []Match, now int64) {
-	var found [MaxWorkers]*worker
-	// The groups among the workers, with their workers' bits.
-	var groups [MaxWorkers]struct {
-		g              *group
-		alive, redisOK uint64
+// A MatchVisitor hears Visit's matches one worker at a time.
+type MatchVisitor interface {
+	// VisitMatch is called with the match of workers[i], for each i in
+	// order, from Visit's caller; m is valid during the call only. It
+	// must not call the Index.
+	VisitMatch(i int, m *Match)
+}
+
+// Visit hands v what each of workers would find of the request whose
+// block keys are keys (see Match). It walks the keys once, under the read
+// locks of the block tables (see MaxWorkers) in which some of the workers
+// hold the first block (one probe for the others), then reads each
+// worker's state without the worker's lock (see published): the walk may
+// wait for a write to a table, and the load and pending tokens it reports
+// then count the requests Predict recorded meanwhile (a burst's picks
+// queued behind one write would otherwise all see none). It does not
+// allocate once warm, and costs about 25 ns per worker plus 10–20 ns per
+// block read; pass every worker in one call. Unlike Lookup, it writes no
+// array of matches, which over a thousand workers would be much of its
+// cost.
+func (x *Index) Visit(keys []uint64, workers []string, v MatchVisitor) {
+	x.visit(keys, workers, nil, v)
+}
+
+// visit is Lookup (into out) or Visit (to v).
+func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisitor) {
+	now := x.cfg.Now().UnixNano()
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
+	if cap(ls.found) < len(workers) {
+		ls.found = make([]*worker, len(workers))
 	}
-	ng := 0
+	found := ls.found[:len(workers)]
+	defer clear(found)
+	groups := ls.groups[:len(x.workers.groups)]
+	clear(groups)
+	// The hints, then the workers they name: each pass's loads are
+	// independent of one another, so that on a cold cache their misses
+	// overlap.
 	for i, name := range workers {
-		w := x.workers.find(name)
+		found[i] = x.workers.hint(name)
+	}
+	for i, name := range workers {
+		w := x.workers.check(found[i], name)
+		found[i] = w
 		if w == nil {
 			continue
 		}
-		found[i] = w
-		k := 0
-		for k < ng && groups[k].g != w.grp {
-			k++
-		}
-		if k == ng {
-			groups[k].g, ng = w.grp, ng+1
-		}
-		groups[k].alive |= w.bit()
+		g := &groups[w.grp.id]
+		g.alive |= w.bit()
 		if w.redisTier.Load() {
-			groups[k].redisOK |= w.bit()
+			g.redisOK |= w.bit()
 		}
 	}
-	var hits [MaxWorkers][3]int32
 	if len(keys) > 0 {
-		var cnt counts
-		for k := range ng {
-			gr := &groups[k]
-			if k > 0 {
-				cnt = counts{}
-			}
-			gr.g.blocks.walk(keys, gr.alive, gr.redisOK, now, &cnt)
-			for i, w := range found[:len(workers)] {
-				if w != nil && w.grp == gr.g {
-					hits[i] = cnt[w.slot]
-				}
+		gs := ls.walk[:0]
+		for k := range groups {
+			if g := &groups[k]; g.alive != 0 {
+				g.walked = true
+				gs = append(gs, walkGroup{b: &x.workers.groups[k].blocks, alive: g.alive, redisOK: g.redisOK, cnt: &ls.cnt[k]})
 			}
 		}
+		if len(gs) == 1 {
+			gs[0].b.walk(keys, gs[0].alive, gs[0].redisOK, now, gs[0].cnt)
+		} else {
+			walkGroups(gs, keys, now)
+		}
 	}
-	for i, w := range found[:len(workers)] {
-		m := &out[i]
+	fill := func(m *Match, w *worker) {
 		if w == nil {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
-			continue
+			return
 		}
 		w.match(m, now, &x.cfg)
-		c := hits[i]
-		m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		if groups[w.grp.id].walked {
+			c := &ls.cnt[w.grp.id][w.slot]
+			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
+		}
 	}
+	// out's matches never reach v, so that a caller's array of them does
+	// not escape to the heap.
+	for i, w := range found {
+		if v == nil {
+			fill(&out[i], w)
+			continue
+		}
+		fill(&ls.one, w)
+		v.VisitMatch(i, &ls.one)
+	}
+	for k := range groups {
+		if g := &groups[k]; g.walked {
+			for m := g.alive; m != 0; m &= m - 1 {
+				ls.cnt[k][bits.TrailingZeros64(m)] = [3]int32{}
+			}
+		}
+	}
+	lookupScratchPool.Put(ls)
 }
+
+// Overlap is how much of a prompt one worker holds: its leading blocks
+// in the GPU and CPU tiers, counted as Match counts them (predicted
+// blocks as GPU).
+type Overlap struct {
+	Worker   string
+	GPU, CPU int
+}
+
+// Overlaps appends to out the overlap of each worker that holds the
+// prompt's first block in its GPU or CPU tier, or is predicted to, and
+// returns it. It is the sparse match a router that keeps the workers'
+// load apart needs (Dynamo's indexer answers such queries): one walk of
+// the prompt over the block tables in which some worker holds the first
+// block, one probe for the others, and no worker's state read. Blocks only the
+// shared Redis tier holds are not counted. It does not allocate when out
+// has room.
+func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
+	if len(keys) == 0 {
+		return out
+	}
+	now := x.cfg.Now().UnixNano()
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
+	gs := ls.walk[:0]
+	for _, g := range x.workers.groups {
+		if g.used != 0 {
+			gs = append(gs, walkGroup{grp: g, b: &g.blocks, alive: g.used, cnt: &ls.cnt[len(gs)]})
+		}
+	}
+	if len(gs) == 1 {
+		// One table (a fleet of MaxWorkers at most): its walk does not say
+		// whose counts it wrote.
+		if gs[0].b.walk(keys, gs[0].alive, 0, now, gs[0].cnt) {
+			gs[0].held = gs[0].alive
+		}
+	} else {
+		walkGroups(gs, keys, now)
+	}
+	for _, w := range gs {
+		for m := w.held; m != 0; m &= m - 1 {
+			s := bits.TrailingZeros64(m)
+			c := &w.cnt[s]
+			if c[0]+c[1] > 0 {
+				out = append(out, Overlap{Worker: w.grp.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
+			}
+			*c = [3]int32{}
+		}
+	}
+	lookupScratchPool.Put(ls)
+	return out
+}
+
+// lookupScratch is Lookup's working memory: by group, its workers among
+// those looked up and their counts. Its counts are all zero when it is not
+// in use: who reads a count zeroes it, and a lookup that panics (in a
+// visitor) does not put it back.
+type lookupScratch struct {
+	found  []*worker
+	groups [maxGroups]struct {
+		alive, redisOK uint64
+		walked         bool // some worker holds the first block
+	}
+	cnt  [maxGroups]counts
+	walk [maxGroups]walkGroup
+	one  Match // Visit's
+}
+
+var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

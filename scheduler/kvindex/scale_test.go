@@ -4,7 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
 )
 
 // scaleFleet is an index of about blocks blocks spread over workers
@@ -48,16 +53,11 @@ func newScaleFleet(tb testing.TB, workers, blocks int) *scaleFleet {
 	return f
 }
 
-// lookupAll looks keys up over every worker in batches of MaxWorkers, as
-// the router does, and returns the match of the last.
+// lookupAll looks keys up over every worker in one call, as the router
+// does, and returns the match of the last.
 func (f *scaleFleet) lookupAll(keys []uint64, out []Match) Match {
-	var last Match
-	for lo := 0; lo < len(f.names); lo += MaxWorkers {
-		hi := min(lo+MaxWorkers, len(f.names))
-		f.x.Lookup(keys, f.names[lo:hi], out)
-		last = out[hi-lo-1]
-	}
-	return last
+	f.x.Lookup(keys, f.names, out)
+	return out[len(f.names)-1]
 }
 
 var scaleWorkers = []int{8, 64, 256, 1000}
@@ -114,8 +114,8 @@ func BenchmarkApplyEvent(b *testing.B) {
 }
 
 // BenchmarkMatchQuery measures the match query of a request of 500 blocks
-// over every worker of the fleet: the first 300 held by the last worker,
-// the rest by none.
+// over every worker of the fleet, in one Lookup: the first 300 held by
+// the last worker, the rest by none.
 func BenchmarkMatchQuery(b *testing.B) {
 	for _, workers := range scaleWorkers {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
@@ -126,7 +126,7 @@ func BenchmarkMatchQuery(b *testing.B) {
 				f.seq[workers-1]++
 			}
 			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
-			out := make([]Match, MaxWorkers)
+			out := make([]Match, workers)
 			b.ReportAllocs()
 			var m Match
 			for b.Loop() {
@@ -224,5 +224,267 @@ func TestCapSharedAmongGroups(t *testing.T) {
 	}
 	if x.Evicted() == 0 {
 		t.Error("nothing evicted")
+	}
+}
+
+// visits collects a Visit's matches.
+type visits []Match
+
+func (v *visits) VisitMatch(i int, m *Match) {
+	if i != len(*v) {
+		panic(fmt.Sprintf("visited %d after %d matches", i, len(*v)))
+	}
+	*v = append(*v, *m)
+}
+
+// Visit hands the visitor, worker by worker, what Lookup writes: over
+// several groups, with unknown workers, in the order of the names.
+func TestVisitIsLookup(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	names := make([]string, 3*MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		if i%7 == 3 {
+			continue // never indexed
+		}
+		ks := keys(0, uint64(i%40+3))
+		mustApply(t, x, names[i], snapshot(&Load{Running: i}, stored(gpu, ks[:i%40+1]), stored(cpu, ks[i%40+1:])))
+		if err := x.SetInfo(names[i], Info{BlockTokens: 16 + i%3, RedisTier: i%2 == 0}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustApply(t, x, names[0], event(2, stored(redis, keys(0, 50))))
+	x.Predict(names[100], keys(0, 45))
+	for _, prompt := range [][]uint64{nil, keys(0, 50), keys(1000, 1010)} {
+		order := slices.Clone(names)
+		rand.New(rand.NewPCG(1, 2)).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+		want := make([]Match, len(order))
+		x.Lookup(prompt, order, want)
+		var got visits
+		x.Visit(prompt, order, &got)
+		if d := cmp.Diff([]Match(want), []Match(got)); d != "" {
+			t.Errorf("prompt of %d keys: Visit differs from Lookup (-Lookup +Visit):\n%s", len(prompt), d)
+		}
+	}
+}
+
+// A worker's state is read without its lock, yet whole: each load report
+// below has every field equal, and no lookup may see two reports mixed.
+func TestWorkerStateReadWhole(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "w0", snapshot(nil))
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for seq := uint64(2); seq < 50000; seq++ {
+			v := int64(seq)
+			l := Load{Running: int(v), Waiting: int(v), WaitingPrefillTokens: v, GPUBlocksUsed: v, GPUBlocksTotal: v,
+				CPUBlocksUsed: v, CPUBlocksTotal: v, Slots: int(v)}
+			if err := x.Apply("w0", loadEvent(seq, l)); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	for range 2 {
+		wg.Go(func() {
+			out := make([]Match, 1)
+			for range 50000 {
+				x.Lookup(nil, []string{"w0"}, out)
+				l := out[0].Load
+				v := int64(l.Running)
+				if int64(l.Waiting) != v || l.WaitingPrefillTokens != v || l.GPUBlocksUsed != v || l.GPUBlocksTotal != v ||
+					l.CPUBlocksUsed != v || l.CPUBlocksTotal != v || int64(l.Slots) != v {
+					t.Errorf("torn load report: %+v", l)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// Overlaps lists the workers holding a prompt's first block, in GPU or
+// CPU, with the counts Lookup gives them when no worker reads the Redis
+// tier, whatever their group; the Redis tier changes none of them.
+func TestOverlapsAreLookupsHolders(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	names := make([]string, 3*MaxWorkers)
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		switch {
+		case i%5 == 0: // holds blocks of another prompt
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, keys(500, 520))))
+		case i%5 == 1: // holds the prompt from its second block only
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, keys(1, 20))))
+		default:
+			ks := keys(0, uint64(i%30+3))
+			mustApply(t, x, names[i], snapshot(nil, stored(gpu, ks[:i%30+1]), stored(cpu, ks[i%30+1:])))
+		}
+	}
+	mustApply(t, x, names[0], event(2, stored(redis, keys(0, 40))))
+	x.Predict(names[5], keys(0, 12))
+	x.RemoveWorker(names[2])
+	prompt := keys(0, 40)
+	all := make([]Match, len(names))
+	x.Lookup(prompt, names, all)
+	want := map[string]Overlap{}
+	for i, m := range all {
+		if m.GPU+m.CPU > 0 {
+			want[names[i]] = Overlap{Worker: names[i], GPU: m.GPU, CPU: m.CPU}
+		}
+	}
+	overlaps := func() map[string]Overlap {
+		got := map[string]Overlap{}
+		for _, o := range x.Overlaps(prompt, nil) {
+			if _, dup := got[o.Worker]; dup {
+				t.Errorf("%s listed twice", o.Worker)
+			}
+			got[o.Worker] = o
+		}
+		return got
+	}
+	if d := cmp.Diff(want, overlaps()); d != "" {
+		t.Errorf("Overlaps (-Lookup's holders +Overlaps):\n%s", d)
+	}
+	if got := want[names[5]].GPU; got != 12 {
+		t.Errorf("predicted %s: %d GPU blocks, want 12", names[5], got)
+	}
+	for _, name := range names {
+		if name != names[2] {
+			if err := x.SetInfo(name, Info{RedisTier: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if d := cmp.Diff(want, overlaps()); d != "" {
+		t.Errorf("Overlaps with the Redis tier (-without +with):\n%s", d)
+	}
+	if o := x.Overlaps(keys(900, 910), nil); len(o) != 0 {
+		t.Errorf("a prompt no worker holds: %+v, want none", o)
+	}
+}
+
+// sink is a visitor that keeps what a match query's caller would read.
+type sink struct{ gpu int }
+
+func (s *sink) VisitMatch(_ int, m *Match) { s.gpu = max(s.gpu, m.GPU) }
+
+// BenchmarkVisitQuery is BenchmarkMatchQuery through Visit, as kv_aware
+// reads the index: no array of matches.
+func BenchmarkVisitQuery(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			last := f.names[workers-1]
+			held := keys(1<<30, 1<<30+300)
+			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+				f.seq[workers-1]++
+			}
+			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			var s sink
+			b.ReportAllocs()
+			for b.Loop() {
+				f.x.Visit(ks, f.names, &s)
+			}
+			b.ReportMetric(float64(s.gpu), "hit")
+		})
+	}
+}
+
+// BenchmarkOverlaps is BenchmarkMatchQuery's prompt as a sparse match:
+// the overlaps of the workers holding it, no worker's state.
+func BenchmarkOverlaps(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
+			f := newScaleFleet(b, workers, 1<<20)
+			last := f.names[workers-1]
+			held := keys(1<<30, 1<<30+300)
+			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+				f.seq[workers-1]++
+			}
+			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			out := make([]Overlap, 0, workers)
+			b.ReportAllocs()
+			for b.Loop() {
+				out = f.x.Overlaps(ks, out[:0])
+			}
+			if len(out) != 1 || out[0].GPU != 300 {
+				b.Fatalf("overlaps %+v, want %s's 300 blocks", out, last)
+			}
+		})
+	}
+}
+
+// A fleet's blocks in several groups are walked once for all of them, yet
+// each worker finds what it finds looked up alone (its group's walk):
+// chains of random lengths in each tier, shortened by removals, with
+// predictions and the Redis tier, prompts of every length. (Where a
+// cache has a hole in mid-chain, a walk that leaps over it counts past
+// it; the walk of several groups reads more blocks, and may not.)
+func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := New(Config{Now: func() time.Time { return now }})
+	rng := rand.New(rand.NewPCG(21, 22))
+	names := make([]string, 3*MaxWorkers+5)
+	const chain = 300
+	for i := range names {
+		names[i] = fmt.Sprintf("w%03d", i)
+		// Worker i holds the prompt's first g blocks in GPU, the next c in
+		// CPU, less a hole or two; some hold a prefix of another prompt.
+		g, c := rng.IntN(chain), rng.IntN(40)
+		ks := keys(0, uint64(min(g+c, chain)))
+		var evs []CacheEvent
+		if rng.IntN(8) == 0 {
+			evs = append(evs, stored(gpu, keys(10_000, 10_000+uint64(rng.IntN(50)))))
+		}
+		evs = append(evs, stored(gpu, ks[:min(g, len(ks))]), stored(cpu, ks[min(g, len(ks)):]))
+		mustApply(t, x, names[i], snapshot(nil, evs...))
+		seq := uint64(2)
+		if len(ks) > 0 && rng.IntN(4) == 0 {
+			cut := rng.IntN(len(ks))
+			tier := gpu
+			if cut >= g {
+				tier = cpu
+			}
+			mustApply(t, x, names[i], event(seq, cache(Removed, tier, ks[cut:])))
+			seq++
+		}
+		if rng.IntN(3) == 0 {
+			if err := x.SetInfo(names[i], Info{RedisTier: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i == 7 {
+			mustApply(t, x, names[i], event(seq, stored(redis, keys(0, 260))))
+		}
+		if rng.IntN(10) == 0 {
+			x.Predict(names[i], keys(0, uint64(rng.IntN(chain))))
+		}
+	}
+	all := make([]Match, len(names))
+	one := make([]Match, 1)
+	for _, n := range []int{1, 2, 7, 8, 9, 17, 100, 299, 300, 301} {
+		prompt := keys(0, uint64(n))
+		x.Lookup(prompt, names, all)
+		for i, name := range names {
+			x.Lookup(prompt, []string{name}, one)
+			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want {
+				t.Fatalf("prompt of %d keys, %s: %+v among all, %+v alone", n, name, got, want)
+			}
+		}
+		holders := map[string]Overlap{}
+		for _, o := range x.Overlaps(prompt, nil) {
+			holders[o.Worker] = o
+		}
+		for i, name := range names {
+			x.Lookup(prompt, []string{name}, one)
+			if one[0].Redis == 0 || all[i].GPU+all[i].CPU == 0 {
+				if o := holders[name]; o.GPU != all[i].GPU || o.CPU != all[i].CPU {
+					t.Fatalf("prompt of %d keys, %s: overlap %+v, Lookup %+v", n, name, o, hit{all[i].GPU, all[i].CPU, all[i].Redis})
+				}
+			}
+		}
 	}
 }

@@ -2,6 +2,7 @@ package kvindex
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -12,14 +13,21 @@ import (
 // it besides its blocks (its load, pending prefill, cost figures,
 // correction and recent traffic), each worker under its own lock, so that
 // a load report, a prediction's bookkeeping or a first token's correction
-// never waits for the block table nor holds it.
+// never waits for the block table nor holds it. What Lookup reads of it is
+// published to atomics besides (see published): a decision over a
+// thousand workers takes none of their locks.
 
 // worker is one indexed worker. name, grp and slot are fixed; mu guards
-// the fields after it, but correction, which is read without it.
+// the fields after it, but pub, correction and the atomics, which are
+// read without it.
 type worker struct {
-	name string
-	grp  *group
-	slot int // in grp
+	// What Lookup reads comes first, in as few cache lines as it takes.
+	name       string
+	grp        *group
+	slot       int                            // in grp
+	redisTier  atomic.Bool                    // set by setInfo
+	correction atomic.Pointer[correctionSums] // set by observe
+	pub        published                      // written under mu
 
 	mu          sync.Mutex
 	synced      bool   // a snapshot was applied, and no gap seen since
@@ -34,10 +42,7 @@ type worker struct {
 	routed      float64 // Match.Routed as of routedAt
 	routedAt    int64   // Unix nanoseconds
 
-	redisTier atomic.Bool // set by setInfo; read without mu by Lookup
-
-	corrMu     sync.Mutex                     // serializes ObserveTTFT's updates
-	correction atomic.Pointer[correctionSums] // read by Lookup
+	corrMu sync.Mutex // serializes ObserveTTFT's updates
 
 	// isLearned is set once, by Learn; lrn is guarded by the block
 	// table's lock.
@@ -50,7 +55,111 @@ type worker struct {
 func (w *worker) learning() bool { return w.isLearned.Load() }
 
 func newWorker(name string, g *group, slot int) *worker {
-	return &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
+	w := &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
+	w.pub.info.Store(&defaultInfo)
+	return w
+}
+
+// published is the worker state Lookup reads, copied from the fields mu
+// guards whenever they change: a sequence lock, whose writers hold mu and
+// whose readers retry a read that overlapped a write (and, should a
+// writer stall mid-write, wait for mu). Every field is an atomic, so a
+// read never races with a write; the sequence makes the fields it
+// returns those of one moment.
+type published struct {
+	seq                atomic.Uint64 // odd while a write is under way
+	load               [loadFields]atomic.Int64
+	pending, pendingAt atomic.Int64
+	routed             atomic.Uint64 // float64 bits
+	routedAt           atomic.Int64
+	info               atomic.Pointer[workerInfo] // replaced, never changed
+}
+
+// workerInfo is what a worker's Info sets of its state.
+type workerInfo struct {
+	cost        Cost
+	hasCost     bool
+	blockTokens int
+}
+
+var defaultInfo = workerInfo{cost: DefaultCost, blockTokens: defaultBlockTokens}
+
+// interned keeps one copy of each workerInfo the workers told, so that a
+// fleet of alike workers (the usual one) shares one, which a decision
+// over all of them reads from one place rather than from each worker's.
+type interned struct {
+	mu sync.Mutex
+	m  map[workerInfo]*workerInfo
+}
+
+// maxInterned bounds interned: past it, it starts over (only sharing is
+// lost), so that workers whose figures keep changing do not grow it.
+const maxInterned = 4096
+
+func (in *interned) get(v workerInfo) *workerInfo {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if p := in.m[v]; p != nil {
+		return p
+	}
+	if in.m == nil || len(in.m) >= maxInterned {
+		in.m = make(map[workerInfo]*workerInfo)
+	}
+	p := &v
+	in.m[v] = p
+	return p
+}
+
+// loadFields is the number of Load's fields.
+const loadFields = 8
+
+// publish copies the state Lookup reads into w.pub. w.mu is held.
+func (w *worker) publish() {
+	p := &w.pub
+	p.seq.Add(1)
+	l := &w.load
+	for i, v := range [loadFields]int64{int64(l.Running), int64(l.Waiting), l.WaitingPrefillTokens,
+		l.GPUBlocksUsed, l.GPUBlocksTotal, l.CPUBlocksUsed, l.CPUBlocksTotal, int64(l.Slots)} {
+		p.load[i].Store(v)
+	}
+	p.pending.Store(w.pending)
+	p.pendingAt.Store(w.pendingAt)
+	p.routed.Store(math.Float64bits(w.routed))
+	p.routedAt.Store(w.routedAt)
+	p.seq.Add(1)
+}
+
+// state is one consistent read of w.pub.
+type state struct {
+	load                         Load
+	pending, pendingAt, routedAt int64
+	routed                       float64
+}
+
+// read returns w.pub's state, without w.mu unless a write stalls.
+func (w *worker) read(s *state) {
+	p := &w.pub
+	for range 4 {
+		seq := p.seq.Load()
+		if seq&1 != 0 {
+			continue
+		}
+		s.load = Load{
+			Running: int(p.load[0].Load()), Waiting: int(p.load[1].Load()), WaitingPrefillTokens: p.load[2].Load(),
+			GPUBlocksUsed: p.load[3].Load(), GPUBlocksTotal: p.load[4].Load(),
+			CPUBlocksUsed: p.load[5].Load(), CPUBlocksTotal: p.load[6].Load(), Slots: int(p.load[7].Load()),
+		}
+		s.pending, s.pendingAt = p.pending.Load(), p.pendingAt.Load()
+		s.routed, s.routedAt = math.Float64frombits(p.routed.Load()), p.routedAt.Load()
+		if p.seq.Load() == seq {
+			return
+		}
+	}
+	// A writer holds mu mid-write (descheduled, or writing again and
+	// again): read under it.
+	w.mu.Lock()
+	*s = state{load: w.load, pending: w.pending, pendingAt: w.pendingAt, routed: w.routed, routedAt: w.routedAt}
+	w.mu.Unlock()
 }
 
 // bit is the worker's bit in its group's holder masks.
@@ -64,8 +173,9 @@ func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
 	return w.routed * decay(w.routedAt, now, halfLife)
 }
 
-// setInfo records what the worker told of itself.
-func (w *worker) setInfo(info Info) {
+// setInfo records what the worker told of itself; its published copy is
+// in's, shared with every worker that told the same.
+func (w *worker) setInfo(info Info, in *interned) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.cost, w.hasCost = DefaultCost, info.HasCost
@@ -76,6 +186,7 @@ func (w *worker) setInfo(info Info) {
 	if info.BlockTokens > 0 {
 		w.blockTokens = info.BlockTokens
 	}
+	w.pub.info.Store(in.get(workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens}))
 	w.redisTier.Store(info.RedisTier)
 }
 
@@ -86,6 +197,7 @@ func (w *worker) setLoad(l Load, now int64) {
 	// pending tokens of requests routed since are approximated as counted.
 	w.pending, w.pendingAt = 0, now
 	w.pendingGen++
+	w.publish()
 }
 
 // predicted counts a routed request whose prefill adds blocks new blocks
@@ -112,6 +224,7 @@ func (w *worker) addPendingLocked(blocks int64, now int64, cfg *Config) (gen uin
 		w.pendingGen++
 	}
 	w.pending += blocks * int64(w.blockTokens)
+	w.publish()
 	return w.pendingGen
 }
 
@@ -126,6 +239,7 @@ func (w *worker) held(blocks int64, gen uint64) {
 	defer w.mu.Unlock()
 	if w.pendingGen == gen {
 		w.pending = max(w.pending-blocks*int64(w.blockTokens), 0)
+		w.publish()
 	}
 }
 
@@ -134,26 +248,28 @@ func (w *worker) prefilled(tokens int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.pending = max(w.pending-int64(tokens), 0)
+	w.publish()
 }
 
-// match fills m with the worker's state at now (all but the block counts).
+// match fills m with the worker's state at now (all but the block
+// counts), without its lock.
 func (w *worker) match(m *Match, now int64, cfg *Config) {
-	w.mu.Lock()
-	pending := w.pending
-	if now-w.pendingAt >= int64(cfg.PredictTTL) {
-		pending = 0
+	var s state
+	w.read(&s)
+	info := w.pub.info.Load()
+	m.Known, m.GPU, m.CPU, m.Redis = true, 0, 0, 0
+	m.Load, m.PendingTokens = s.load, 0
+	if now-s.pendingAt < int64(cfg.PredictTTL) {
+		m.PendingTokens = s.pending
 	}
-	*m = Match{
-		Known:         true,
-		Load:          w.load,
-		PendingTokens: pending,
-		Cost:          w.cost,
-		HasCost:       w.hasCost,
-		BlockTokens:   w.blockTokens,
-		Routed:        w.routedNow(now, cfg.RoutedHalfLife),
+	m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
+	m.Correction, m.Routed = 1, 0
+	if c := w.correction.Load(); c != nil {
+		m.Correction = c.factor(now)
 	}
-	w.mu.Unlock()
-	m.Correction = w.correction.Load().factor(now)
+	if s.routed != 0 {
+		m.Routed = s.routed * decay(s.routedAt, now, cfg.RoutedHalfLife)
+	}
 }
 
 // observe feeds the correction factor with one request's predicted and
@@ -183,9 +299,11 @@ func (w *worker) observe(p, a float64, now int64) {
 // fill and evict apart, so that events of workers of different groups
 // never wait for one another.
 type group struct {
+	id     int // in workers.groups
 	blocks blocks
 	slots  [MaxWorkers]*worker // guarded by workers.mu
 	n      int                 // slots in use; guarded by workers.mu
+	used   uint64              // their bits; guarded by workers.mu
 }
 
 // workers is the index's membership: which worker holds which slot of
@@ -215,7 +333,7 @@ const maxGroups = MaxTracked / MaxWorkers
 
 // newGroup adds an empty group. ws.mu is held for writing.
 func (ws *workers) newGroup() *group {
-	g := &group{}
+	g := &group{id: len(ws.groups)}
 	g.blocks.init(ws.maxBlocks)
 	ws.groups = append(ws.groups, g)
 	return g
@@ -227,14 +345,23 @@ func (ws *workers) get(name string) *worker { return ws.byName[name] }
 // find is get, trying name's hint first. A hint counts only if its worker
 // still holds its slot (RemoveWorker frees it) and has that name, so it
 // returns what get would. ws.mu is held.
-func (ws *workers) find(name string) *worker {
-	h := &ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)]
-	if w := h.Load(); w != nil && w.grp.slots[w.slot] == w && w.name == name {
-		return w
+func (ws *workers) find(name string) *worker { return ws.check(ws.hint(name), name) }
+
+// hint returns the worker last found under name's bytes, which may not
+// be name's (see check). ws.mu is held.
+func (ws *workers) hint(name string) *worker {
+	return ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Load()
+}
+
+// check returns h if it is name's worker, else name's worker from the map
+// (nil if untracked), which becomes name's hint. ws.mu is held.
+func (ws *workers) check(h *worker, name string) *worker {
+	if h != nil && h.grp.slots[h.slot] == h && h.name == name {
+		return h
 	}
 	w := ws.byName[name]
 	if w != nil {
-		h.Store(w)
+		ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Store(w)
 	}
 	return w
 }
@@ -263,6 +390,7 @@ func (ws *workers) add(name string) (*worker, error) {
 			w := newWorker(name, g, i)
 			g.slots[i] = w
 			g.n++
+			g.used |= w.bit()
 			ws.byName[name] = w
 			ws.n++
 			ws.share()
@@ -277,6 +405,7 @@ func (ws *workers) remove(w *worker) {
 	delete(ws.byName, w.name)
 	w.grp.slots[w.slot] = nil
 	w.grp.n--
+	w.grp.used &^= w.bit()
 	ws.n--
 	ws.share()
 }

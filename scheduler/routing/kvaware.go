@@ -205,43 +205,17 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	req := c.Req
 	cached, seconds := c.Estimates()
 	es := c.sc.kvCands[:len(cands)]
-	// Candidates go to the index in batches of up to MaxWorkers (a group
-	// of its workers): one batch for fleets of up to 64. The batch's
-	// buffers are the pick's scratch, sized to it, rather than arrays of
-	// MaxWorkers on the stack, which zeroing would pull into a cold cache
-	// whole.
-	idx, names, ms := c.sc.lookupBuffers(min(len(cands), kvindex.MaxWorkers))
-	var routed float64  // sum over the candidates
-	var top, second int // the most cached tokens of one candidate, of another
-	var known int       // the most leading blocks one candidate would find
-	first := int(c.Rand(uint64(len(cands))))
-	for k := 0; k < len(cands); {
-		n := 0
-		for ; k < len(cands) && n < len(idx); k++ {
-			i := first + k
-			if i >= len(cands) {
-				i -= len(cands)
-			}
-			idx[n], names[n] = i, cands[i].Name
-			n++
-		}
-		s.idx.Lookup(req.Keys, names[:n], ms[:n])
-		for j, i := range idx[:n] {
-			m := &ms[j]
-			e := estimate(m, req, cands[i].InFlight(), adapterLoadSeconds(cands[i], req, &m.Cost))
-			e.i = i
-			e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
-			es[i] = e
-			cached[i], seconds[i], scores[i] = e.cached, e.seconds, e.score
-			routed += e.routed
-			if e.cached > top {
-				top, second = e.cached, top
-			} else if e.cached > second {
-				second = e.cached
-			}
-			known = max(known, m.GPU+m.CPU+m.Redis)
-		}
+	// One visit of every candidate: the index walks the prompt once per
+	// block table, and no array of matches is written.
+	names := c.sc.lookupNames(len(cands))
+	for i, w := range cands {
+		names[i] = w.Name
 	}
+	p := &c.sc.kv
+	*p = kvPass{req: req, cands: cands, es: es, cached: cached, seconds: seconds, scores: scores}
+	s.idx.Visit(req.Keys, names, p)
+	routed, top, second, known := p.routed, p.top, p.second, p.known
+	*p = kvPass{}
 	// Ties go to the earlier candidate on the ring from the first block
 	// past what any candidate holds: what every replica computes alike.
 	key := req.PrefixKey
@@ -328,6 +302,37 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		scores[i] = r
 	}
 	scores[best.i] = 1
+}
+
+// kvPass is one Score's visit of the index (kvindex.MatchVisitor): each
+// candidate's estimate, and what the choice needs of them all.
+type kvPass struct {
+	req     *Request
+	cands   []*pool.Worker
+	es      []candidate
+	cached  []int
+	seconds []float64
+	scores  []float64
+
+	routed      float64 // sum over the candidates
+	top, second int     // the most cached tokens of one candidate, of another
+	known       int     // the most leading blocks one candidate would find
+}
+
+func (p *kvPass) VisitMatch(i int, m *kvindex.Match) {
+	w := p.cands[i]
+	e := estimate(m, p.req, w.InFlight(), adapterLoadSeconds(w, p.req, &m.Cost))
+	e.i = i
+	e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
+	p.es[i] = e
+	p.cached[i], p.seconds[i], p.scores[i] = e.cached, e.seconds, e.score
+	p.routed += e.routed
+	if e.cached > p.top {
+		p.top, p.second = e.cached, p.top
+	} else if e.cached > p.second {
+		p.second = e.cached
+	}
+	p.known = max(p.known, m.GPU+m.CPU+m.Redis)
 }
 
 // Commit records req's blocks on the worker that serves it, as predicted.
@@ -475,8 +480,9 @@ func (d Decision) RouteHit(strategy string, tokens int) string {
 }
 
 var (
-	_ Scorer    = (*kvScorer)(nil)
-	_ Committer = (*kvScorer)(nil)
-	_ Doner     = (*kvScorer)(nil)
-	_ Finisher  = (*kvScorer)(nil)
+	_ kvindex.MatchVisitor = (*kvPass)(nil)
+	_ Scorer               = (*kvScorer)(nil)
+	_ Committer            = (*kvScorer)(nil)
+	_ Doner                = (*kvScorer)(nil)
+	_ Finisher             = (*kvScorer)(nil)
 )

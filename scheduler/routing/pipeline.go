@@ -5,7 +5,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
 )
 
@@ -142,10 +141,9 @@ type scratch struct {
 	scores  []float64
 	cached  []int
 	seconds []float64
-	// kv_aware's batch of index lookups (lookupBuffers).
-	lookupIndex []int
-	lookupNames []string
-	lookupOut   []kvindex.Match
+	// kv_aware's visit of the index: the candidates' names and its state.
+	names []string
+	kv    kvPass
 	// kv_aware's estimates by candidate, and the candidates' ranks on the
 	// ring (RingRanks) with the snapshot-to-candidate positions they are
 	// computed through.
@@ -154,14 +152,12 @@ type scratch struct {
 	pos     []int
 }
 
-// lookupBuffers returns s's buffers for a batch of n index lookups.
-func (s *scratch) lookupBuffers(n int) (index []int, names []string, out []kvindex.Match) {
-	if cap(s.lookupIndex) < n {
-		s.lookupIndex = make([]int, n)
-		s.lookupNames = make([]string, n)
-		s.lookupOut = make([]kvindex.Match, n)
+// lookupNames returns s's buffer for n workers' names.
+func (s *scratch) lookupNames(n int) []string {
+	if cap(s.names) < n {
+		s.names = make([]string, n)
 	}
-	return s.lookupIndex[:n], s.lookupNames[:n], s.lookupOut[:n]
+	return s.names[:n]
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -186,7 +182,7 @@ func getScratch(n int) *scratch {
 
 func putScratch(s *scratch) {
 	clear(s.cands[:cap(s.cands)]) // drop worker references
-	clear(s.lookupNames)
+	clear(s.names)
 	s.c = Cycle{}
 	scratchPool.Put(s)
 }

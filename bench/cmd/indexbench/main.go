@@ -8,9 +8,12 @@
 //	go run ./bench/cmd/indexbench -workers 8,64,256,1000 -blocks 1M,16M
 //
 // Each request of the trace (or of the synthetic fleet, -source
-// synthetic) goes to a worker drawn at random. It makes a match query
-// over every worker (Lookup, in batches of kvindex.MaxWorkers names as the
-// router makes them), then, with -kind events, the worker's BlockStored
+// synthetic) goes to a worker drawn at random. It makes a match query:
+// with -query visit, every worker's match as kv_aware reads it (Visit of
+// all W, each worker's load and cost besides its overlap); with -query
+// overlaps, the sparse match Dynamo's indexer answers (Overlaps: the
+// workers holding the prompt's first block and how much of it). Then,
+// with -kind events, the worker's BlockStored
 // event for the blocks it lacked and a BlockRemoved event for those its
 // cache of blocks/W blocks evicts (its oldest prompts'); with -kind
 // learned, the router's Predict of the request on the worker and its
@@ -43,6 +46,7 @@ import (
 
 type options struct {
 	kinds      []string
+	query      string
 	workers    []int
 	blocks     []int
 	source     string
@@ -74,6 +78,7 @@ func main() {
 func parseFlags(args []string) (options, error) {
 	fs := flag.NewFlagSet("indexbench", flag.ContinueOnError)
 	kinds := fs.String("kind", "events,learned", "index kinds: events (fed by cache events), learned (fed by Predict)")
+	query := fs.String("query", "visit", "match query: visit (every worker's match, as kv_aware reads it) or overlaps (the holders' overlap only)")
 	workers := fs.String("workers", "8,64,256,1000", "fleet sizes")
 	blocks := fs.String("blocks", "1M,16M", "blocks the fleet's caches hold together (K, M suffixes)")
 	src := fs.String("source", "mooncake", "mooncake (the trace, one copy per tenant) or synthetic")
@@ -91,7 +96,7 @@ func parseFlags(args []string) (options, error) {
 	if err := fs.Parse(args); err != nil {
 		return options{}, err
 	}
-	o := options{plotFrom: *from, cpuprofile: *prof, source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
+	o := options{query: *query, plotFrom: *from, cpuprofile: *prof, source: *src, trace: *trace, steps: *steps, maxOps: *maxOps, minStep: *minStep, out: *out, seed: *seed, procs: *procs, keepUpAt: *keep}
 	for _, k := range strings.Split(*kinds, ",") {
 		if k != "events" && k != "learned" {
 			return o, fmt.Errorf("-kind: %q is neither events nor learned", k)
@@ -111,6 +116,8 @@ func parseFlags(args []string) (options, error) {
 	}
 	o.start = float64(r[0])
 	switch {
+	case o.query != "visit" && o.query != "overlaps":
+		return o, fmt.Errorf("-query: %q is neither visit nor overlaps", o.query)
 	case o.source != "mooncake" && o.source != "synthetic":
 		return o, fmt.Errorf("-source: %q is neither mooncake nor synthetic", o.source)
 	case o.steps < 1:
@@ -208,8 +215,8 @@ func run(w io.Writer, o options) error {
 		}
 	}
 	load, _ := os.ReadFile("/proc/loadavg")
-	fmt.Fprintf(w, "indexbench: source %s, GOMAXPROCS %d, %s, load average %s\n",
-		o.source, o.procs, runtime.Version(), strings.Join(strings.Fields(string(load))[:min(3, len(strings.Fields(string(load))))], " "))
+	fmt.Fprintf(w, "indexbench: source %s, query %s, GOMAXPROCS %d, %s, load average %s\n",
+		o.source, o.query, o.procs, runtime.Version(), strings.Join(strings.Fields(string(load))[:min(3, len(strings.Fields(string(load))))], " "))
 	fmt.Fprintf(w, "%-7s %5s %6s %9s %9s %8s %8s %9s | %9s %9s %6s %8s %8s %8s %9s\n",
 		"kind", "W", "blocks", "indexed", "entries", "B/entry", "B/block", "heap MiB",
 		"offered", "achieved", "kept", "q p50µs", "q p99µs", "r p99µs", "per core")
@@ -259,6 +266,10 @@ type result struct {
 	steps           []step
 	saturation      float64 // the highest rate achieved
 	perCore         float64 // past saturation, ops per CPU second
+	// What the steps replayed: queries and writes (events, or Predict and
+	// Finished), and their keys.
+	queries, writes      int
+	queryKeys, writeKeys int
 }
 
 type step struct {
@@ -295,13 +306,20 @@ type bench struct {
 	rng     uint64
 	cap     int
 
-	ops  []op
-	keys []uint64
-	buf  []uint64
-	st   []uint64
-	rm   []uint64
-	out  []kvindex.Match
+	ops      []op
+	keys     []uint64
+	buf      []uint64
+	st       []uint64
+	rm       []uint64
+	overlaps bool // the query is Overlaps, not Visit
+	sink     sink
+	out      []kvindex.Overlap
 }
+
+// sink reads what a router would of each match.
+type sink struct{ gpu int }
+
+func (s *sink) VisitMatch(_ int, m *kvindex.Match) { s.gpu = max(s.gpu, m.GPU+m.CPU) }
 
 func (b *bench) rand(n int) int {
 	b.rng = b.rng*6364136223846793005 + 1442695040888963407
@@ -346,9 +364,10 @@ func (b *bench) exec(ce *kvindex.CacheEvent, o *op) error {
 	name := b.names[o.w]
 	switch o.kind {
 	case opQuery:
-		for lo := 0; lo < len(b.names); lo += kvindex.MaxWorkers {
-			hi := min(lo+kvindex.MaxWorkers, len(b.names))
-			b.x.Lookup(keys, b.names[lo:hi], b.out)
+		if b.overlaps {
+			b.out = b.x.Overlaps(keys, b.out[:0])
+		} else {
+			b.x.Visit(keys, b.names, &b.sink)
 		}
 	case opStored, opRemoved:
 		ce.Kind = kvindex.Stored
@@ -369,7 +388,7 @@ func (b *bench) exec(ce *kvindex.CacheEvent, o *op) error {
 
 func measure(w io.Writer, o options, kind string, nw, target int, src source) (result, error) {
 	res := result{kind: kind, workers: nw, target: target}
-	b := &bench{kind: kind, src: src, rng: o.seed, cap: max(1, target/nw), out: make([]kvindex.Match, kvindex.MaxWorkers)}
+	b := &bench{kind: kind, src: src, rng: o.seed, cap: max(1, target/nw), overlaps: o.query == "overlaps"}
 	b.x = kvindex.New(kvindex.Config{MaxBlocks: 2 * target})
 	for i := range nw {
 		name := fmt.Sprintf("w%04d", i)
@@ -423,6 +442,15 @@ func measure(w io.Writer, o options, kind string, nw, target int, src source) (r
 		s, err := b.step(&ce, rate, o)
 		if err != nil {
 			return res, err
+		}
+		for _, op := range b.ops {
+			if op.kind == opQuery {
+				res.queries++
+				res.queryKeys += int(op.n)
+			} else {
+				res.writes++
+				res.writeKeys += int(op.n)
+			}
 		}
 		res.steps = append(res.steps, s)
 		res.saturation = max(res.saturation, s.achieved)
@@ -555,7 +583,10 @@ func report(w io.Writer, r *result) {
 		fmt.Fprintf(w, "%s | %9s %9s %6s %8.1f %8.1f %8.1f %9s\n", head, si(s.offered), si(s.achieved), kept,
 			us(s.q50), us(s.q99), us(s.r99), perCore)
 	}
-	fmt.Fprintf(w, "%-7s %5d %6s saturation %s ops/s (%s per CPU second)\n", r.kind, r.workers, si(float64(r.target)), si(r.saturation), si(r.perCore))
+	fmt.Fprintf(w, "%-7s %5d %6s saturation %s ops/s (%s per CPU second); ops: %.0f%% queries of %.1f keys, writes of %.1f keys\n",
+		r.kind, r.workers, si(float64(r.target)), si(r.saturation), si(r.perCore),
+		100*float64(r.queries)/float64(max(1, r.queries+r.writes)), float64(r.queryKeys)/float64(max(1, r.queries)),
+		float64(r.writeKeys)/float64(max(1, r.writes)))
 }
 
 func us(d time.Duration) float64 { return float64(d) / 1e3 }
