@@ -29,6 +29,13 @@ func startFakeVLLMs(t *testing.T, n int, strategy string) (*scheduler.Scheduler,
 // time scale set).
 func startFakeVLLMsWith(t *testing.T, n int, strategy string, cfg vllmtest.Config) (*scheduler.Scheduler, string, []*vllmtest.Server) {
 	t.Helper()
+	return startFakeVLLMFleet(t, n, strategy, cfg, 50*time.Millisecond)
+}
+
+// startFakeVLLMFleet is startFakeVLLMsWith with each worker's metrics
+// scraped every metricsInterval.
+func startFakeVLLMFleet(t *testing.T, n int, strategy string, cfg vllmtest.Config, metricsInterval time.Duration) (*scheduler.Scheduler, string, []*vllmtest.Server) {
+	t.Helper()
 	cfg.Model, cfg.TimeScale = model, 1000
 	var engines []*vllmtest.Server
 	var workers []scheduler.WorkerConfig
@@ -43,13 +50,13 @@ func startFakeVLLMsWith(t *testing.T, n int, strategy string, cfg vllmtest.Confi
 			Name: fmt.Sprintf("v%d", i), Kind: scheduler.KindVLLM, Address: e.URL,
 			EngineConfig: scheduler.EngineConfig{
 				Events: e.EventsEndpoint(), EventsReplay: e.ReplayEndpoint(), EventsTopic: e.Topic(),
-				MetricsInterval: 50 * time.Millisecond,
+				MetricsInterval: metricsInterval,
 			},
 		})
 	}
 	s, addr := startScheduler(t, scheduler.Config{Strategy: strategy, Pool: fastPool(), Workers: workers})
 	for _, e := range engines {
-		if err := e.WaitSubscribed(ctxT(t, 10*time.Second)); err != nil {
+		if err := e.WaitSubscribed(ctxT(t, 30*time.Second)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -273,29 +280,8 @@ func TestFakeVLLMEventVariants(t *testing.T) {
 // kv_aware sends a question on a document to the engine that holds it.
 func TestFakeVLLMManyEngines(t *testing.T) {
 	const n = 128
-	var engines []*vllmtest.Server
-	var workers []scheduler.WorkerConfig
-	for i := range n {
-		e, err := vllmtest.New(vllmtest.Config{Model: model, TimeScale: 1000, Encoding: kveventstest.TaggedMaps})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Close)
-		engines = append(engines, e)
-		workers = append(workers, scheduler.WorkerConfig{
-			Name: fmt.Sprintf("v%d", i), Kind: scheduler.KindVLLM, Address: e.URL,
-			EngineConfig: scheduler.EngineConfig{
-				Events: e.EventsEndpoint(), EventsReplay: e.ReplayEndpoint(), EventsTopic: e.Topic(),
-				MetricsInterval: 5 * time.Second, // the test is of the events; scraping a fleet is measured in bench/
-			},
-		})
-	}
-	s, addr := startScheduler(t, scheduler.Config{Strategy: "kv_aware", Pool: fastPool(), Workers: workers})
-	for _, e := range engines {
-		if err := e.WaitSubscribed(ctxT(t, 30*time.Second)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	// The test is of the events; scraping a fleet is measured in bench/.
+	s, addr, engines := startFakeVLLMFleet(t, n, "kv_aware", vllmtest.Config{Encoding: kveventstest.TaggedMaps}, 5*time.Second)
 	seed := blockkey.TokenSeed(blockkey.Salt(model, "", ""))
 	for i, e := range engines {
 		e.Churn(engineTokens(fakeVLLMPrompt(i, 0)))
