@@ -101,7 +101,7 @@ func (s *Server) Serve(l net.Listener) error {
 			return err
 		}
 		backoff = 0
-		c := &conn{srv: s, nc: nc, base: ctx}
+		c := &conn{srv: s, nc: nc, base: ctx, created: time.Now()}
 		if !s.add(c) {
 			nc.Close()
 			return http.ErrServerClosed
@@ -160,7 +160,15 @@ func (s *Server) remove(c *conn) {
 	}
 }
 
-// Shutdown stops accepting connections, closes those idle, and waits until
+// newConnGrace is how long Shutdown waits for a new connection's first
+// request; shutdownPoll how often it looks again at its connections.
+const (
+	newConnGrace = 5 * time.Second
+	shutdownPoll = 500 * time.Millisecond
+)
+
+// Shutdown stops accepting connections, closes those idle (and new ones
+// that sent nothing for newConnGrace), and waits until
 // ctx is done for the others to finish their request (each is closed after
 // it). It returns ctx's error if they did not all finish. It can be called
 // again, to wait longer.
@@ -180,11 +188,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		if n == 0 {
 			return nil
 		}
+		t := time.NewTimer(shutdownPoll)
 		select {
 		case <-gone:
+		case <-t.C: // a new connection's grace may have run out
 		case <-ctx.Done():
+			t.Stop()
 			return ctx.Err()
 		}
+		t.Stop()
 	}
 }
 
@@ -222,6 +234,8 @@ type conn struct {
 	lr   limitReader // between nc and br: bounds a request's headers
 	buf  []byte      // a response's body before its header is sent
 
+	created time.Time
+
 	mu     sync.Mutex
 	state  http.ConnState
 	closed bool // by Shutdown, while idle
@@ -238,7 +252,9 @@ func (c *conn) closeIfIdle() bool {
 	if c.closed {
 		return true
 	}
-	if c.state == http.StateIdle || c.state == http.StateNew {
+	// A new connection's request may be on its way: as net/http, it has
+	// newConnGrace to send it.
+	if c.state == http.StateIdle || c.state == http.StateNew && time.Since(c.created) >= newConnGrace {
 		c.closed = true
 		c.nc.Close()
 		return true

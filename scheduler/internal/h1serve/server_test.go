@@ -314,7 +314,12 @@ func TestPipelinedWhileWatched(t *testing.T) {
 func TestShutdown(t *testing.T) {
 	started := make(chan struct{}, 1)
 	release := make(chan struct{})
-	s := &Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	accepted := make(chan struct{}, 8)
+	s := &Server{ConnState: func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			accepted <- struct{}{}
+		}
+	}, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/slow" {
 			started <- struct{}{}
 			<-release
@@ -329,6 +334,10 @@ func TestShutdown(t *testing.T) {
 	io.WriteString(busy, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
 	<-started
 
+	fresh, freshBR := rawConn(t, addr) // connected, nothing sent yet
+	for range 3 {
+		<-accepted
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := s.Shutdown(ctx); !errors.Is(err, context.Canceled) {
@@ -339,6 +348,12 @@ func TestShutdown(t *testing.T) {
 	}
 	if _, err := net.Dial("tcp", addr); err == nil {
 		t.Error("a new connection was accepted after Shutdown")
+	}
+	// A connection made just before Shutdown still has its request
+	// answered, and closes after it.
+	io.WriteString(fresh, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	if resp, body := readResponse(t, freshBR, "GET"); body != "done" || !resp.Close {
+		t.Errorf("a request on a connection made before Shutdown: body %q close %v, want done and close", body, resp.Close)
 	}
 	done := make(chan error, 1)
 	go func() { done <- s.Shutdown(context.Background()) }()
