@@ -463,6 +463,7 @@ func (c *conn) handle(req *http.Request) bool {
 				w.Header().Set("Connection", "close")
 				http.Error(w, "unsupported Expect header", http.StatusExpectationFailed)
 				w.finish()
+				c.linger() // its body may be on its way
 				return false
 			}
 			body.cont = true
