@@ -113,19 +113,25 @@ func BenchmarkApplyEvent(b *testing.B) {
 	}
 }
 
+// newMatchFleet is a fleet of workers over 1 Mi blocks and the prompt of
+// the match benchmarks: 500 blocks, the first 300 held by the last worker,
+// the rest by none.
+func newMatchFleet(b *testing.B, workers int) (*scaleFleet, []uint64) {
+	f := newScaleFleet(b, workers, 1<<20)
+	held := keys(1<<30, 1<<30+300)
+	if f.x.Apply(f.names[workers-1], event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
+		f.seq[workers-1]++
+	}
+	return f, append(append([]uint64(nil), held...), keys(0, 200)...)
+}
+
 // BenchmarkMatchQuery measures the match query of a request of 500 blocks
 // over every worker of the fleet, in one Lookup: the first 300 held by
 // the last worker, the rest by none.
 func BenchmarkMatchQuery(b *testing.B) {
 	for _, workers := range scaleWorkers {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
-			f := newScaleFleet(b, workers, 1<<20)
-			last := f.names[workers-1]
-			held := keys(1<<30, 1<<30+300)
-			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
-				f.seq[workers-1]++
-			}
-			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			f, ks := newMatchFleet(b, workers)
 			out := make([]Match, workers)
 			b.ReportAllocs()
 			var m Match
@@ -376,13 +382,7 @@ func (s *sink) VisitMatch(_ int, m *Match) { s.gpu = max(s.gpu, m.GPU) }
 func BenchmarkVisitQuery(b *testing.B) {
 	for _, workers := range scaleWorkers {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
-			f := newScaleFleet(b, workers, 1<<20)
-			last := f.names[workers-1]
-			held := keys(1<<30, 1<<30+300)
-			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
-				f.seq[workers-1]++
-			}
-			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			f, ks := newMatchFleet(b, workers)
 			var s sink
 			b.ReportAllocs()
 			for b.Loop() {
@@ -398,20 +398,14 @@ func BenchmarkVisitQuery(b *testing.B) {
 func BenchmarkOverlaps(b *testing.B) {
 	for _, workers := range scaleWorkers {
 		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
-			f := newScaleFleet(b, workers, 1<<20)
-			last := f.names[workers-1]
-			held := keys(1<<30, 1<<30+300)
-			if f.x.Apply(last, event(f.seq[workers-1]+1, stored(gpu, held))) == nil {
-				f.seq[workers-1]++
-			}
-			ks := append(append([]uint64(nil), held...), keys(0, 200)...)
+			f, ks := newMatchFleet(b, workers)
 			out := make([]Overlap, 0, workers)
 			b.ReportAllocs()
 			for b.Loop() {
 				out = f.x.Overlaps(ks, out[:0])
 			}
 			if len(out) != 1 || out[0].GPU != 300 {
-				b.Fatalf("overlaps %+v, want %s's 300 blocks", out, last)
+				b.Fatalf("overlaps %+v, want %s's 300 blocks", out, f.names[workers-1])
 			}
 		})
 	}

@@ -360,23 +360,23 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 // put maps h to key in the tier of bit, queueing the removals its evictions
 // (or a changed key) call for in t.pending as (bit, key) pairs.
 func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
-	if el, ok := t.find(h); ok {
-		e := t.lru.at(el)
-		if e.key != key {
-			// The same engine hash on another chain: the old key goes.
-			t.queueRemoval(e)
-			e.key, e.bits = key, 0
-		}
-		e.bits |= bit
-		t.lru.moveToFront(el)
-		return
-	}
 	d := h.Digest()
 	if el, ok := t.entries[d]; ok {
+		e := t.lru.at(el)
+		if e.hash == h {
+			if e.key != key {
+				// The same engine hash on another chain: the old key goes.
+				t.queueRemoval(e)
+				e.key, e.bits = key, 0
+			}
+			e.bits |= bit
+			t.lru.moveToFront(el)
+			return
+		}
 		// Another hash of the same digest: it goes, as if evicted.
-		e := *t.lru.at(el)
+		old := *e
 		t.lru.remove(el)
-		t.queueRemoval(&e)
+		t.queueRemoval(&old)
 	}
 	t.entries[d] = t.lru.pushFront(entry{hash: h, key: key, bits: bit})
 	for t.lru.n > t.cfg.MaxEntries {

@@ -177,7 +177,7 @@ func churnLoop(ctx context.Context, ranks []*vllmtest.Server, rate float64, prom
 	start := time.Now()
 	prompt := make([]uint32, promptBlocks*blockSize)
 	var stored int64
-	var seq uint64
+	var seq uint32
 	next := 0
 	for {
 		select {
@@ -188,24 +188,17 @@ func churnLoop(ctx context.Context, ranks []*vllmtest.Server, rate float64, prom
 		due := int64(rate*time.Since(start).Seconds()) - stored
 		for ; due >= int64(promptBlocks); due -= int64(promptBlocks) {
 			seq++
-			for i := range prompt {
-				// Tokens of no other prompt's: every block is new.
-				prompt[i] = uint32(mix(uint64(seq)<<32 | uint64(i)))
+			// A first block of no other prompt's: as a block's hash
+			// chains its parent's, every block is new.
+			prompt[0] = seq
+			for i := 1; i < len(prompt); i++ {
+				prompt[i] = uint32(i)
 			}
 			ranks[next].Churn(prompt)
 			next = (next + 1) % len(ranks)
 			stored += int64(promptBlocks)
 		}
 	}
-}
-
-// mix is splitmix64's finalizer.
-func mix(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	return x ^ x>>31
 }
 
 // engine is one fake vLLM: its front URL and its data-parallel ranks (one
