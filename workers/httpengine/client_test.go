@@ -808,3 +808,56 @@ func BenchmarkRelayEvents(b *testing.B) {
 		}
 	}
 }
+
+// bufferedBody is a response body that has all of itself buffered, as an
+// engine's short answer that arrived with its header: as net/http's
+// chunked reader, it tells its end with its last bytes.
+type bufferedBody struct{ *strings.Reader }
+
+func (b bufferedBody) Buffered() int { return b.Len() }
+
+func (b bufferedBody) Read(p []byte) (int, error) {
+	n, err := b.Reader.Read(p)
+	if err == nil && b.Len() == 0 {
+		err = io.EOF
+	}
+	return n, err
+}
+
+// endRecorder is a flushRecorder that can end its body early, as baton's
+// HTTP/1.1 server's ResponseWriter.
+type endRecorder struct {
+	*flushRecorder
+	ends []int
+}
+
+func (r *endRecorder) EndBody() error {
+	r.ends = append(r.ends, r.Body.Len())
+	return nil
+}
+
+// A stream that arrived whole is relayed in one write: its events and
+// the body's end together, the first token reported after it.
+func TestRelayEventsEndsBodyInOneWrite(t *testing.T) {
+	all := strings.Join(vllmChatEvents, "")
+	rec := &endRecorder{flushRecorder: newRecorder()}
+	var atFirst []int
+	rw := &relayWriter{w: rec, rc: http.NewResponseController(rec.flushRecorder)}
+	rw.onFirst = func() { atFirst = slices.Clone(rec.ends) }
+	var u usageTracker
+	if err := rw.relayEvents(bufferedBody{strings.NewReader(all)}, &u, true); err != nil {
+		t.Fatalf("relayEvents: %v", err)
+	}
+	if rec.Body.String() != all {
+		t.Errorf("relayed %q, want %q", rec.Body.String(), all)
+	}
+	if len(rec.flushes) != 0 {
+		t.Errorf("flushed at %v; want no flush before the body's end", rec.flushes)
+	}
+	if want := []int{len(all)}; !slices.Equal(rec.ends, want) {
+		t.Errorf("body ended at %v, want %v", rec.ends, want)
+	}
+	if want := []int{len(all)}; !slices.Equal(atFirst, want) {
+		t.Errorf("first token reported when the ends were %v, want %v (after the body left)", atFirst, want)
+	}
+}

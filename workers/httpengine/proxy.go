@@ -32,7 +32,8 @@ const maxUsageBody = 8 << 20
 // engine's other (or hop-by-hop) headers.
 //
 // An event stream (text/event-stream) is relayed line by line and flushed
-// after each event; onFirstToken is called once, after the first event
+// after each event (events that arrive together, together), the last with
+// the body's end when w can end it early (EndBody); onFirstToken is called once, after the first event
 // carrying generated text (choices[].delta.content, .text, reasoning or a
 // tool call) has been flushed. Other bodies are copied as they come, and
 // onFirstToken is called once the first bytes of a 2xx body are written.
@@ -190,6 +191,31 @@ func (rw *relayWriter) flush() error {
 	return nil
 }
 
+// end sends what was written and the end of the body, when the client's
+// ResponseWriter can end a body before its handler returns (EndBody, as
+// baton's HTTP/1.1 server's): the last events and the body's end leave in
+// one write. Other writers are flushed when dirty (something was written
+// since the last flush); their body ends with the handler.
+func (rw *relayWriter) end(dirty bool) error {
+	w := rw.w
+	for {
+		switch t := w.(type) {
+		case interface{ EndBody() error }:
+			if err := t.EndBody(); err != nil {
+				return fmt.Errorf("ending the response to the client: %w: %w", engine.ErrClientGone, err)
+			}
+			return nil
+		case interface{ Unwrap() http.ResponseWriter }:
+			w = t.Unwrap()
+			continue
+		}
+		if !dirty {
+			return nil
+		}
+		return rw.flush()
+	}
+}
+
 // flushAfter flushes what was written to the client after d, unless the
 // returned stop is called first. stop reports whether the flush happened,
 // and its error; once it returns, the timer no longer touches the client.
@@ -225,8 +251,10 @@ func (rw *relayWriter) firstToken() {
 
 // relayEvents copies an event stream line by line. It flushes before any
 // read that may block while something is unflushed (whatever was written
-// since the last flush): events that arrived together leave in one write,
-// as a plain proxy would relay them, and none waits for the next. The
+// since the last flush; a read of what the engine's connection holds
+// already does not block): events that arrived together leave in one
+// write, the stream's last with its end, as a plain proxy would relay
+// them, and none waits for the next. The
 // headers wait for the first bytes of the body, holdHeaders at most.
 // Data lines of a 2xx stream are inspected for the first generated text
 // and for usage; a chunk is only decoded while no text has been seen, or
@@ -238,7 +266,8 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 	dirty := true         // the headers are not flushed yet
 	firstPending := false // an unflushed event carries the first text
 	firstSeen := false    // the first text has been seen
-	if b, ok := body.(interface{ Buffered() int }); ok && b.Buffered() > 0 {
+	buffered, _ := body.(interface{ Buffered() int })
+	if buffered != nil && buffered.Buffered() > 0 {
 		// The body came with the header (a short answer, a fast engine):
 		// no wait, so no timer to flush the header meanwhile.
 		lr.fill()
@@ -252,7 +281,7 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 		}
 	}
 	for {
-		if dirty && !lr.lineBuffered() {
+		if dirty && !lr.lineBuffered() && !lr.ended() && (buffered == nil || buffered.Buffered() == 0) {
 			if err := rw.flush(); err != nil {
 				return err
 			}
@@ -289,10 +318,8 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 			}
 		}
 		if rerr == io.EOF {
-			if dirty {
-				if err := rw.flush(); err != nil {
-					return err
-				}
+			if err := rw.end(dirty); err != nil {
+				return err
 			}
 			if firstSeen {
 				rw.firstToken()
@@ -325,7 +352,7 @@ func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bo
 				return err
 			}
 			rw.firstToken()
-			return rw.flush()
+			return rw.end(true)
 		}
 		body = io.MultiReader(bytes.NewReader(b), body)
 		inspect = false
@@ -352,7 +379,7 @@ func (rw *relayWriter) relayBody(body io.Reader, usage *usageTracker, inspect bo
 			return fmt.Errorf("reading engine response: %w", rerr)
 		}
 	}
-	if err := rw.flush(); err != nil {
+	if err := rw.end(true); err != nil {
 		return err
 	}
 	if inspect {

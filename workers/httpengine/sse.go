@@ -27,11 +27,28 @@ var errLineTooLong = errors.New("event-stream line too long")
 // in a scratch slice reused from line to line.
 type lineReader struct {
 	r    *bufio.Reader
+	src  eofReader
 	long []byte
 }
 
+// eofReader notes when its reader has said the stream ended.
+type eofReader struct {
+	r   io.Reader
+	eof bool
+}
+
+func (e *eofReader) Read(p []byte) (int, error) {
+	n, err := e.r.Read(p)
+	if err == io.EOF {
+		e.eof = true
+	}
+	return n, err
+}
+
 func newLineReader(r io.Reader) *lineReader {
-	return &lineReader{r: bufio.NewReaderSize(r, readBufSize)}
+	lr := &lineReader{src: eofReader{r: r}}
+	lr.r = bufio.NewReaderSize(&lr.src, readBufSize)
+	return lr
 }
 
 // readers keeps the read buffers of finished relays: a fresh 64 KiB one
@@ -41,9 +58,9 @@ var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, readBu
 // pooledLineReader is newLineReader with a buffer from the pool; release
 // returns it once no line it returned is used any more.
 func pooledLineReader(r io.Reader) *lineReader {
-	br := readers.Get().(*bufio.Reader)
-	br.Reset(r)
-	return &lineReader{r: br}
+	lr := &lineReader{r: readers.Get().(*bufio.Reader), src: eofReader{r: r}}
+	lr.r.Reset(&lr.src)
+	return lr
 }
 
 func (lr *lineReader) release() {
@@ -65,6 +82,10 @@ func (lr *lineReader) lineBuffered() bool {
 	b, _ := lr.r.Peek(lr.r.Buffered())
 	return bytes.IndexByte(b, '\n') >= 0
 }
+
+// ended reports whether the stream's end has been read: what next
+// returns from now on is buffered, so that it will not block.
+func (lr *lineReader) ended() bool { return lr.src.eof }
 
 // next returns the next line, valid until the following call. At the end
 // of the stream it returns the last, unterminated bytes (if any) with io.EOF.

@@ -1,6 +1,7 @@
 package h1serve
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -26,6 +27,7 @@ type response struct {
 	chunked       bool
 	closeAfter    bool  // the connection closes after this response
 	broken        bool  // a write failed: the connection is done
+	ended         bool  // EndBody sent the body's end
 	err           error // the failed write's
 	contentLength int64 // declared or set; -1 none
 	written       int64
@@ -83,6 +85,9 @@ func (w *response) Write(p []byte) (int, error) {
 	if w.broken {
 		return 0, w.err
 	}
+	if w.ended {
+		return 0, ErrBodyEnded
+	}
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}
@@ -112,7 +117,7 @@ func (w *response) Write(p []byte) (int, error) {
 
 // FlushError sends what the handler wrote, the header first.
 func (w *response) FlushError() error {
-	if w.broken {
+	if w.broken || w.ended {
 		return w.err
 	}
 	if w.status == 0 {
@@ -139,11 +144,30 @@ func (w *response) SetWriteDeadline(t time.Time) error {
 	return w.c.nc.SetWriteDeadline(t)
 }
 
+// ErrBodyEnded is what Write answers after EndBody.
+var ErrBodyEnded = errors.New("h1serve: write after the body's end")
+
+// EndBody sends what the handler wrote and the end of the body now,
+// rather than once the handler returns: the last events of a stream and
+// its end leave in one write, and the client has its whole answer while
+// the handler still records it. Nothing can be written after it.
+func (w *response) EndBody() error {
+	if !w.broken && !w.ended {
+		w.end()
+	}
+	return w.err
+}
+
 // finish ends the response once the handler has returned.
 func (w *response) finish() {
-	if w.broken {
+	if w.broken || w.ended {
 		return
 	}
+	w.end()
+}
+
+func (w *response) end() {
+	w.ended = true
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}

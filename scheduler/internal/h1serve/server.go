@@ -6,10 +6,12 @@
 // the handler returns: a goroutine hand-off and a deadline change on both
 // ends of every request, which is most of what a proxy adds to a short
 // request's time to first byte. This server starts that watch only once a
-// request has run for WatchDelay (a millisecond by default) with its body
+// request has run for WatchDelay (10 ms by default) with its body
 // read, so a request answered sooner costs none of it, and one that runs
 // longer (a generation, a queued request) is cancelled when its client
-// goes, as under net/http, at most WatchDelay late.
+// goes, as under net/http, at most twice WatchDelay late. One goroutine a
+// server starts the watches (a timer a request would wake a thread of the
+// runtime's for every request).
 //
 // The parsing of requests is net/http's (http.ReadRequest, which also
 // frames request bodies); responses are framed here: a body the handler
@@ -34,8 +36,11 @@ import (
 	"time"
 )
 
-// DefaultWatchDelay is Server.WatchDelay's default.
-const DefaultWatchDelay = time.Millisecond
+// DefaultWatchDelay is Server.WatchDelay's default: a client that goes
+// away is noticed within 10–20 ms, a small part of a generation's time,
+// and the watcher's ticks cost a hundred wake-ups a second while requests
+// run, whatever their number.
+const DefaultWatchDelay = 10 * time.Millisecond
 
 // Server serves HTTP/1.1 on plain connections. Set its fields before
 // Serve; they are not changed after.
@@ -60,11 +65,13 @@ type Server struct {
 	// ErrorLog logs accept errors and handler panics; nil is slog.Default.
 	ErrorLog *slog.Logger
 	// WatchDelay is how long a request runs, its body read, before its
-	// connection is watched for the client going away; 0 is
+	// connection is watched for the client going away (up to twice as
+	// long: the watches start on a tick of this period); 0 is
 	// DefaultWatchDelay.
 	WatchDelay time.Duration
 
 	watchHook func() // tests: called as a watch starts reading
+	watcher   watchers
 	shutdown  atomic.Bool
 	mu        sync.Mutex
 	listeners map[*net.Listener]struct{}

@@ -422,3 +422,40 @@ func TestDeadlinesOfOneRequestEnd(t *testing.T) {
 }
 
 func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// TestEndBody: a handler that ends its body early (EndBody) has its
+// answer, the flushed part and the rest with the body's end, reach the
+// client before it returns, and cannot write after it.
+func TestEndBody(t *testing.T) {
+	for _, flushFirst := range []bool{true, false} {
+		answered := make(chan struct{})
+		after := make(chan error, 1)
+		addr := start(t, &Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, "data: one\n\n")
+			if flushFirst {
+				w.(http.Flusher).Flush()
+			}
+			io.WriteString(w, "data: two\n\n")
+			if err := w.(interface{ EndBody() error }).EndBody(); err != nil {
+				after <- err
+				return
+			}
+			<-answered // the client has the whole body while the handler runs
+			_, err := io.WriteString(w, "more")
+			after <- err
+		})})
+		c, br := rawConn(t, addr)
+		io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, body := readResponse(t, br, http.MethodGet)
+		close(answered)
+		if body != "data: one\n\ndata: two\n\n" {
+			t.Errorf("flushed first %v: body %q", flushFirst, body)
+		}
+		if chunked := len(resp.TransferEncoding) > 0; chunked != flushFirst {
+			t.Errorf("flushed first %v: chunked %v, want %v (a body ended unflushed has a Content-Length)", flushFirst, chunked, flushFirst)
+		}
+		if err := <-after; !errors.Is(err, ErrBodyEnded) {
+			t.Errorf("flushed first %v: a write after EndBody: %v, want ErrBodyEnded", flushFirst, err)
+		}
+	}
+}

@@ -11,16 +11,18 @@ import (
 var aLongTimeAgo = time.Unix(1, 0)
 
 // watch notices a client that goes away while its request runs. Armed
-// once the request's body is read, it reads the connection from a timer's
-// goroutine after WatchDelay: an end of the connection cancels the
-// request; a byte (the next request, pipelined) is kept for the
+// once the request's body is read, it is started by the server's watcher
+// (watchers) once armed for WatchDelay: it reads the connection from a
+// goroutine of its own, where an end of the connection cancels the
+// request and a byte (the next request, pipelined) is kept for the
 // connection's reader. stop ends it when the handler returns.
 type watch struct {
 	mu       sync.Mutex
-	timer    *time.Timer
 	armed    bool
+	armedAt  time.Time
+	listed   bool // in the server's watcher list; guarded by the watcher's mu
 	cancel   func()
-	running  bool // the timer's goroutine reads the connection
+	running  bool // the watch's goroutine reads the connection
 	aborting bool
 	done     chan struct{} // closed when the running read returned
 
@@ -31,36 +33,40 @@ type watch struct {
 }
 
 func (wt *watch) arm(c *conn, cancel func()) {
-	d := c.srv.WatchDelay
-	if d <= 0 {
-		d = DefaultWatchDelay
-	}
 	wt.mu.Lock()
-	defer wt.mu.Unlock()
 	if wt.hasAhead {
+		wt.mu.Unlock()
 		return // the client sent more already: it is there
 	}
-	wt.armed, wt.cancel = true, cancel
-	if wt.timer == nil {
-		wt.timer = time.AfterFunc(d, func() { wt.run(c) })
-	} else {
-		wt.timer.Reset(d)
-	}
+	wt.armed, wt.armedAt, wt.cancel = true, time.Now(), cancel
+	wt.mu.Unlock()
+	c.srv.watcher.add(c)
 }
 
-// run is the timer's: it reads the connection until the client sends or
-// goes, or stop ends the read.
-func (wt *watch) run(c *conn) {
+// due starts the watch if it has been armed for d by now, and reports
+// whether it is still to be looked at again (armed, not yet due).
+func (wt *watch) due(c *conn, now time.Time, d time.Duration) (pending bool) {
 	wt.mu.Lock()
 	if !wt.armed {
 		wt.mu.Unlock()
-		return
+		return false
+	}
+	if now.Sub(wt.armedAt) < d {
+		wt.mu.Unlock()
+		return true
 	}
 	wt.armed, wt.running = false, true
 	done := make(chan struct{})
 	wt.done = done
 	cancel := wt.cancel
 	wt.mu.Unlock()
+	go wt.run(c, cancel, done)
+	return false
+}
+
+// run reads the connection until the client sends or goes, or stop ends
+// the read.
+func (wt *watch) run(c *conn, cancel func(), done chan struct{}) {
 	if h := c.srv.watchHook; h != nil {
 		h()
 	}
@@ -82,9 +88,6 @@ func (wt *watch) run(c *conn) {
 func (wt *watch) stop(c *conn) {
 	wt.mu.Lock()
 	wt.armed = false
-	if wt.timer != nil {
-		wt.timer.Stop()
-	}
 	if !wt.running {
 		wt.mu.Unlock()
 		return
@@ -111,4 +114,70 @@ func (wt *watch) read(c *conn, p []byte) (int, error) {
 		return 1, nil
 	}
 	return c.nc.Read(p)
+}
+
+// watchers starts the watches of a server's connections. A timer a
+// request, set as its body is read, would wake one of the runtime's
+// threads for each request (a timer earlier than the poller's next
+// wake-up interrupts it); one goroutine looks at every armed watch each
+// WatchDelay instead, while any is armed and for watcherLinger ticks
+// after, so that a connection's watch starts between one and two
+// WatchDelays after it was armed.
+type watchers struct {
+	mu      sync.Mutex
+	list    []*conn // armed when listed; a disarmed one leaves at the next tick
+	running bool
+}
+
+// watcherLinger is how many ticks the watcher keeps ticking with nothing
+// armed before it ends, to be started again by the next arm: steady
+// traffic keeps one goroutine ticking rather than starting one a request.
+const watcherLinger = 100
+
+// minWatchTick bounds how often the watcher ticks.
+const minWatchTick = 50 * time.Microsecond
+
+func (ws *watchers) add(c *conn) {
+	ws.mu.Lock()
+	if !c.watch.listed {
+		c.watch.listed = true
+		ws.list = append(ws.list, c)
+	}
+	start := !ws.running
+	ws.running = true
+	ws.mu.Unlock()
+	if start {
+		go ws.run(c.srv)
+	}
+}
+
+func (ws *watchers) run(s *Server) {
+	d := s.WatchDelay
+	if d <= 0 {
+		d = DefaultWatchDelay
+	}
+	t := time.NewTicker(max(d, minWatchTick))
+	defer t.Stop()
+	idle := 0
+	for now := range t.C {
+		ws.mu.Lock()
+		keep := ws.list[:0]
+		for _, c := range ws.list {
+			if c.watch.due(c, now, d) {
+				keep = append(keep, c)
+			} else {
+				c.watch.listed = false
+			}
+		}
+		clear(ws.list[len(keep):])
+		ws.list = keep
+		if len(keep) > 0 {
+			idle = 0
+		} else if idle++; idle >= watcherLinger {
+			ws.running = false
+			ws.mu.Unlock()
+			return
+		}
+		ws.mu.Unlock()
+	}
 }
