@@ -193,6 +193,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		gone := s.gone
 		s.mu.Unlock()
 		if n == 0 {
+			s.watcher.close()
 			return nil
 		}
 		t := time.NewTimer(shutdownPoll)
@@ -216,6 +217,7 @@ func (s *Server) Close() error {
 		c.nc.Close()
 	}
 	s.mu.Unlock()
+	s.watcher.close()
 	return err
 }
 

@@ -127,6 +127,9 @@ type watchers struct {
 	mu      sync.Mutex
 	list    []*conn // armed when listed; a disarmed one leaves at the next tick
 	running bool
+	closed  bool          // the server closed: no watch starts any more
+	quit    chan struct{} // closed to end the running watcher
+	done    chan struct{} // closed as the last watcher ended
 }
 
 // watcherLinger is how many ticks the watcher keeps ticking with nothing
@@ -139,19 +142,39 @@ const minWatchTick = 50 * time.Microsecond
 
 func (ws *watchers) add(c *conn) {
 	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	if ws.closed {
+		return
+	}
 	if !c.watch.listed {
 		c.watch.listed = true
 		ws.list = append(ws.list, c)
 	}
-	start := !ws.running
-	ws.running = true
-	ws.mu.Unlock()
-	if start {
-		go ws.run(c.srv)
+	if !ws.running {
+		ws.running = true
+		ws.quit, ws.done = make(chan struct{}), make(chan struct{})
+		go ws.run(c.srv, ws.quit, ws.done)
 	}
 }
 
-func (ws *watchers) run(s *Server) {
+// close ends the watcher, once the server's connections are closed or
+// done, and waits for it to end.
+func (ws *watchers) close() {
+	ws.mu.Lock()
+	ws.closed = true
+	if ws.running {
+		ws.running = false
+		close(ws.quit)
+	}
+	done := ws.done
+	ws.mu.Unlock()
+	if done != nil {
+		<-done
+	}
+}
+
+func (ws *watchers) run(s *Server, quit, done chan struct{}) {
+	defer close(done)
 	d := s.WatchDelay
 	if d <= 0 {
 		d = DefaultWatchDelay
@@ -159,7 +182,13 @@ func (ws *watchers) run(s *Server) {
 	t := time.NewTicker(max(d, minWatchTick))
 	defer t.Stop()
 	idle := 0
-	for now := range t.C {
+	for {
+		var now time.Time
+		select {
+		case now = <-t.C:
+		case <-quit:
+			return
+		}
 		ws.mu.Lock()
 		keep := ws.list[:0]
 		for _, c := range ws.list {
