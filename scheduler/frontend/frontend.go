@@ -73,6 +73,9 @@ type Server struct {
 	inFlight atomic.Int64 // generation requests being served
 
 	timers sync.Map // a strategy's name → its decisionTimers
+	// cpuTicks counts decisions, one in cpuSampleEvery of which has its
+	// thread's CPU time read.
+	cpuTicks atomic.Uint64
 }
 
 // decisionTimers are a strategy's decision-time histograms
