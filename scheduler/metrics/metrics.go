@@ -144,7 +144,7 @@ func New(snapshots ...func() *pool.Snapshot) *Metrics {
 			Name: "baton_routing_decision_seconds", Help: "Time a strategy took to pick a worker.", Buckets: decisionBuckets,
 		}, []string{"strategy"}),
 		DecisionCPU: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "baton_routing_decision_cpu_seconds", Help: "CPU time of the thread that picked a worker, for the decisions it made without changing threads (Linux only); beside baton_routing_decision_seconds, the rest is time waiting for a CPU.", Buckets: decisionBuckets,
+			Name: "baton_routing_decision_cpu_seconds", Help: "CPU time of the thread that picked a worker, for one decision in eight, those made without changing threads (Linux only); beside baton_routing_decision_seconds, the rest is time waiting for a CPU.", Buckets: decisionBuckets,
 		}, []string{"strategy"}),
 		RoutingPart: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "baton_routing_part_seconds", Help: "Time each part of a routing profile (its filters, each scorer, the picker) took in one decision.", Buckets: decisionBuckets,
