@@ -11,10 +11,6 @@ import (
 	"strings"
 	"sync"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
 	"github.com/batonllm/baton/workers/engine"
 )
 
@@ -58,6 +54,8 @@ type names struct {
 	loraInfo         string   // vLLM's LoRA gauge (Metrics.Adapters)
 	kvTokens         string
 	rankLabel        string // the label naming a data-parallel rank's series
+
+	read map[string]struct{} // the names above, set by init
 }
 
 var engineNames = map[Engine]names{
@@ -108,14 +106,13 @@ func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	buf.page.Reset()
 	_, rerr := buf.page.ReadFrom(r)
 	buf.kept = n.keep(buf.page.Bytes(), buf.kept[:0])
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, perr := p.TextToMetricFamilies(bytes.NewReader(buf.kept))
+	fams, perr := parseText(buf.kept)
 	if perr == nil && rerr != nil {
 		perr = rerr
 	}
 	if engine != "" && n.rankLabel != "" {
 		for _, f := range fams {
-			f.Metric = engineSeries(f.Metric, n.rankLabel, engine)
+			f.samples = engineSeries(f.samples, n.rankLabel, engine)
 		}
 	}
 	var problems []string
@@ -154,53 +151,37 @@ func ParseEngine(r io.Reader, e Engine, engine string) (Metrics, error) {
 	return m, nil
 }
 
-// engineSeries returns the samples of ms whose label is engine, or ms
+// engineSeries returns the samples of ss whose label is engine, or ss
 // when none has the label.
-func engineSeries(ms []*dto.Metric, label, engine string) []*dto.Metric {
-	var out []*dto.Metric
+func engineSeries(ss []sample, label, engine string) []sample {
+	var out []sample
 	labelled := false
-	for _, m := range ms {
-		for _, l := range m.GetLabel() {
-			if l.GetName() == label {
-				labelled = true
-				if l.GetValue() == engine {
-					out = append(out, m)
-				}
-				break
+	for _, s := range ss {
+		if v, ok := s.label(label); ok {
+			labelled = true
+			if v == engine {
+				out = append(out, s)
 			}
 		}
 	}
 	if !labelled {
-		return ms
+		return ss
 	}
 	return out
-}
-
-// value returns a sample's value, whatever the family's type says.
-func value(s *dto.Metric) float64 {
-	switch {
-	case s.Gauge != nil:
-		return s.Gauge.GetValue()
-	case s.Counter != nil:
-		return s.Counter.GetValue()
-	case s.Untyped != nil:
-		return s.Untyped.GetValue()
-	}
-	return math.NaN()
 }
 
 // sum returns the sum of a family's samples, each finite and not
 // negative; ok is false (with a problem noted) otherwise, or when the
 // family is missing.
-func sum(fams map[string]*dto.MetricFamily, name string, problems *[]string) (float64, bool) {
+func sum(fams map[string]*family, name string, problems *[]string) (float64, bool) {
 	f := fams[name]
-	if f == nil || len(f.GetMetric()) == 0 {
+	if f == nil || len(f.samples) == 0 {
 		*problems = append(*problems, name+" missing")
 		return 0, false
 	}
 	var total float64
-	for _, s := range f.GetMetric() {
-		v := value(s)
+	for i := range f.samples {
+		v := f.val(&f.samples[i])
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || v > 1<<53 {
 			*problems = append(*problems, fmt.Sprintf("%s: %v is not a count", name, v))
 			return 0, false
@@ -211,7 +192,7 @@ func sum(fams map[string]*dto.MetricFamily, name string, problems *[]string) (fl
 }
 
 // count is sum, for a family that counts requests.
-func count(fams map[string]*dto.MetricFamily, name string, problems *[]string) (int, bool) {
+func count(fams map[string]*family, name string, problems *[]string) (int, bool) {
 	v, ok := sum(fams, name, problems)
 	if !ok {
 		return 0, false
@@ -224,50 +205,50 @@ func count(fams map[string]*dto.MetricFamily, name string, problems *[]string) (
 }
 
 // usage returns the mean of a family's samples, each a fraction 0–1.
-func usage(fams map[string]*dto.MetricFamily, name string, problems *[]string) (float64, bool) {
-	samples := fams[name].GetMetric()
-	if len(samples) == 0 {
+func usage(fams map[string]*family, name string, problems *[]string) (float64, bool) {
+	f := fams[name]
+	if f == nil || len(f.samples) == 0 {
 		return 0, false
 	}
 	var total float64
-	for _, s := range samples {
-		v := value(s)
+	for i := range f.samples {
+		v := f.val(&f.samples[i])
 		if !(v >= 0 && v <= 1) { // NaN too
 			*problems = append(*problems, fmt.Sprintf("%s: %v is not a fraction 0–1", name, v))
 			return 0, false
 		}
 		total += v
 	}
-	return total / float64(len(samples)), true
+	return total / float64(len(f.samples)), true
 }
 
 // cacheInfo reads vLLM's cache_config_info labels: the block size (of the
 // first sample) and the GPU blocks of every sample (one per data-parallel
 // engine). A missing family is no problem: not every version has it.
-func cacheInfo(fams map[string]*dto.MetricFamily, name string, problems *[]string) (blockSize int, gpuBlocks int64) {
+func cacheInfo(fams map[string]*family, name string, problems *[]string) (blockSize int, gpuBlocks int64) {
 	f := fams[name]
 	if f == nil {
 		return 0, 0
 	}
-	for _, s := range f.GetMetric() {
-		for _, l := range s.GetLabel() {
-			switch l.GetName() {
+	for _, s := range f.samples {
+		for _, l := range s.labels {
+			switch l.name {
 			case "block_size":
-				v, err := strconv.Atoi(l.GetValue())
+				v, err := strconv.Atoi(l.value)
 				if err != nil || v <= 0 || v > 1<<20 {
-					*problems = append(*problems, fmt.Sprintf("%s: block_size %q is not a block size", name, l.GetValue()))
+					*problems = append(*problems, fmt.Sprintf("%s: block_size %q is not a block size", name, l.value))
 					return 0, 0
 				}
 				if blockSize == 0 {
 					blockSize = v
 				}
 			case "num_gpu_blocks":
-				if l.GetValue() == "None" || l.GetValue() == "" {
+				if l.value == "None" || l.value == "" {
 					continue // before the engine profiled its memory
 				}
-				v, err := strconv.ParseInt(l.GetValue(), 10, 64)
+				v, err := strconv.ParseInt(l.value, 10, 64)
 				if err != nil || v < 0 || v > 1<<40 {
-					*problems = append(*problems, fmt.Sprintf("%s: num_gpu_blocks %q is not a count", name, l.GetValue()))
+					*problems = append(*problems, fmt.Sprintf("%s: num_gpu_blocks %q is not a count", name, l.value))
 					return 0, 0
 				}
 				gpuBlocks += v
@@ -281,35 +262,31 @@ func cacheInfo(fams map[string]*dto.MetricFamily, name string, problems *[]strin
 // engine, or one per engine label), the one set last, whose value is the
 // time it was set; the adapters its running_lora_adapters and
 // waiting_lora_adapters name, and its max_lora (summed over engines).
-func loraInfo(f *dto.MetricFamily, problems *[]string) (adapters []string, maxLoRAs int, ok bool) {
-	name := f.GetName()
-	latest := map[string]*dto.Metric{} // engine → its latest series
-	for _, s := range f.GetMetric() {
-		engine := ""
-		for _, l := range s.GetLabel() {
-			if l.GetName() == "engine" {
-				engine = l.GetValue()
-			}
-		}
-		if v := value(s); math.IsNaN(v) {
+func loraInfo(f *family, problems *[]string) (adapters []string, maxLoRAs int, ok bool) {
+	name := f.name
+	latest := map[string]*sample{} // engine → its latest series
+	for i := range f.samples {
+		s := &f.samples[i]
+		engine, _ := s.label("engine")
+		if v := f.val(s); math.IsNaN(v) {
 			*problems = append(*problems, fmt.Sprintf("%s: %v is not a time", name, v))
 			return nil, 0, false
-		} else if cur := latest[engine]; cur == nil || v > value(cur) {
+		} else if cur := latest[engine]; cur == nil || v > f.val(cur) {
 			latest[engine] = s
 		}
 	}
 	for _, s := range latest {
-		for _, l := range s.GetLabel() {
-			switch l.GetName() {
+		for _, l := range s.labels {
+			switch l.name {
 			case "max_lora":
-				v, err := strconv.Atoi(l.GetValue())
+				v, err := strconv.Atoi(l.value)
 				if err != nil || v < 0 || v > 1<<20 {
-					*problems = append(*problems, fmt.Sprintf("%s: max_lora %q is not a count", name, l.GetValue()))
+					*problems = append(*problems, fmt.Sprintf("%s: max_lora %q is not a count", name, l.value))
 					return nil, 0, false
 				}
 				maxLoRAs += v
 			case "running_lora_adapters", "waiting_lora_adapters":
-				for _, a := range strings.Split(l.GetValue(), ",") {
+				for _, a := range strings.Split(l.value, ",") {
 					if a = strings.TrimSpace(a); a != "" && !slices.Contains(adapters, a) {
 						adapters = append(adapters, a)
 					}
@@ -340,7 +317,7 @@ func (n names) keep(page, dst []byte) []byte {
 		} else {
 			page = nil
 		}
-		if n.readsLine(line) {
+		if _, ok := n.read[string(lineName(line))]; ok {
 			dst = append(dst, line...)
 			if dst[len(dst)-1] != '\n' {
 				dst = append(dst, '\n')
@@ -350,41 +327,40 @@ func (n names) keep(page, dst []byte) []byte {
 	return dst
 }
 
-// readsLine reports whether a line of the text format is a sample of a
-// family n reads, or its HELP or TYPE comment.
-func (n names) readsLine(line []byte) bool {
-	line = bytes.TrimLeft(line, " \t")
-	if len(line) == 0 {
-		return false
-	}
-	if line[0] == '#' {
-		rest := bytes.TrimLeft(line[1:], " \t")
-		if !bytes.HasPrefix(rest, []byte("HELP")) && !bytes.HasPrefix(rest, []byte("TYPE")) {
-			return false
+// lineName returns the metric name a line of the text format is a sample
+// of, or its HELP or TYPE comment is about; nil for other lines.
+func lineName(line []byte) []byte {
+	line = skipBlank(line)
+	if len(line) > 0 && line[0] == '#' {
+		kw, rest := field(skipBlank(line[1:]))
+		if string(kw) != "HELP" && string(kw) != "TYPE" {
+			return nil
 		}
-		line = bytes.TrimLeft(rest[4:], " \t")
+		line = skipBlank(rest)
 	}
-	for _, f := range [...]string{n.running, n.waiting, n.cacheInfo, n.loraInfo, n.kvTokens} {
-		if named(line, f) {
-			return true
-		}
+	i := 0
+	for i < len(line) && isNameByte(line[i]) {
+		i++
 	}
-	for _, f := range n.usage {
-		if named(line, f) {
-			return true
-		}
+	if i == len(line) {
+		return nil // a name must be followed by something
 	}
-	return false
+	switch line[i] {
+	case '{', ' ', '\t', '\r', '\n':
+		return line[:i]
+	}
+	return nil
 }
 
-// named reports whether line starts with the metric name f, whole.
-func named(line []byte, f string) bool {
-	if f == "" || len(line) <= len(f) || string(line[:len(f)]) != f {
-		return false
+// The names each engine's keep reads, as a set.
+func init() {
+	for e, n := range engineNames {
+		n.read = map[string]struct{}{}
+		for _, f := range append([]string{n.running, n.waiting, n.cacheInfo, n.loraInfo, n.kvTokens}, n.usage...) {
+			if f != "" {
+				n.read[f] = struct{}{}
+			}
+		}
+		engineNames[e] = n
 	}
-	switch line[len(f)] {
-	case '{', ' ', '\t', '\r', '\n':
-		return true
-	}
-	return false
 }
