@@ -3,7 +3,6 @@ package kvindex
 import (
 	"sync"
 	"sync/atomic"
-	"unsafe"
 )
 
 // blocks is the block index: for each block key, the workers that hold
@@ -23,7 +22,7 @@ type blocks struct {
 
 // holder is a worker in the holder sets: its group and its slot's bit.
 type holder struct {
-	grp uint16
+	grp uint8
 	bit uint64
 }
 
@@ -35,7 +34,7 @@ func (b *blocks) init(maxBlocks int) {
 // over reports whether the table holds more than the cap once extra more
 // blocks are added. The cap counts each entry as a block, and each two
 // parts of spilled arrays as one more (a part is 32 bytes, an entry 56
-// and its slots), so that the index's memory stays within MaxBlocks ×
+// and its slots 8 to 16), so that the index's memory stays within MaxBlocks ×
 // BytesPerBlock or so whatever the fleet's size.
 func (b *blocks) over(extra int) bool { return b.t.n+b.t.sp.used/2+extra > b.max }
 
@@ -97,86 +96,73 @@ func (b *blocks) applyChunked(h holder, ce *CacheEvent) {
 	}
 }
 
-// Masks of holderMasks.
-const (
-	maskGPU = iota
-	maskCPU
-	maskPred
-)
-
 // masks returns e's masks of group g for an update, adding them if absent
-// (spilling e, or moving it to a larger array), and whether they were
-// absent; nil if add is false and they are.
-func (b *blocks) masks(e *entry, g uint16, add bool) (m *[3]uint64, added bool) {
-	if e.flags&flagSpill == 0 {
-		if e.grp == g || e.gpu|e.cpu|e.pred == 0 {
-			if !add && e.grp != g {
-				return nil, false
-			}
-			e.grp = g
-			return (*[3]uint64)(unsafe.Pointer(&e.gpu)), false
-		}
-		if !add {
-			return nil, false
-		}
-		// A second group: the entry's masks and the new group's move to
-		// an array of two parts.
-		ref := b.t.sp.alloc(0)
-		ps := b.t.sp.parts(ref, 2)
-		ps[0] = part{gpu: e.gpu, cpu: e.cpu, pred: e.pred, grp: e.grp}
-		ps[1] = part{grp: g}
-		e.gpu, e.cpu, e.pred = ref, 2, 0
-		e.flags |= flagSpill
-		return (*[3]uint64)(unsafe.Pointer(&ps[1].gpu)), true
+// and add is set (spilling e, or moving its parts to a larger array); nil
+// if absent and not added. b.mu is held.
+func (b *blocks) masks(e *entry, g uint8, add bool) *masks {
+	if e.grp == g {
+		return &e.m
 	}
-	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	if e.m == (masks{}) && e.flags&flagSpill == 0 {
+		if !add {
+			return nil
+		}
+		e.grp = g
+		return &e.m
+	}
+	ps := b.t.extra(e)
 	for k := range ps {
 		if ps[k].grp == g {
-			return (*[3]uint64)(unsafe.Pointer(&ps[k].gpu)), false
+			return &ps[k].m
 		}
 	}
 	if !add {
-		return nil, false
+		return nil
 	}
-	if len(ps) == cap(ps) {
-		class := int(e.gpu>>32) + 1
-		ref := b.t.sp.alloc(class)
-		grown := b.t.sp.parts(ref, len(ps))
-		copy(grown, ps)
-		b.t.sp.release(e.gpu)
-		e.gpu, ps = ref, grown
+	switch {
+	case e.flags&flagSpill == 0:
+		e.ext = b.t.sp.alloc(0)
+		e.flags |= flagSpill
+	case len(ps) == cap(ps):
+		class := e.class() + 1
+		i := b.t.sp.alloc(class)
+		copy(b.t.sp.parts(class, i), ps)
+		b.t.sp.release(e.class(), e.ext)
+		e.ext, e.flags = i, e.flags&(1<<classShift-1)|uint8(class)<<classShift
 	}
-	ps = ps[:len(ps)+1]
-	ps[len(ps)-1] = part{grp: g}
-	e.cpu++
-	return (*[3]uint64)(unsafe.Pointer(&ps[len(ps)-1].gpu)), true
+	ps = b.t.sp.parts(e.class(), e.ext)[:len(ps)+1]
+	p := &ps[len(ps)-1]
+	p.grp = g
+	return &p.m
 }
 
-// compact drops the parts of a spilled e that hold no worker, and moves
-// the last group's masks back into e. b.mu is held.
+// compact drops the groups of e that hold nothing, moving a part into the
+// entry if its own masks hold nothing, and frees the parts' array once
+// empty. b.mu is held.
 func (b *blocks) compact(e *entry) {
 	if e.flags&flagSpill == 0 {
 		return
 	}
-	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	ps := b.t.extra(e)
 	n := 0
 	for _, p := range ps {
-		if p.gpu|p.cpu|p.pred != 0 {
+		if p.m != (masks{}) {
 			ps[n] = p
 			n++
 		}
 	}
-	e.cpu = uint64(n)
-	if n > 1 {
-		return
+	if e.m == (masks{}) && n > 0 {
+		n--
+		e.m, e.grp = ps[n].m, ps[n].grp
 	}
-	p := part{}
-	if n == 1 {
-		p = ps[0]
+	for k := n; k < len(ps); k++ {
+		ps[k] = part{grp: noGroup}
 	}
-	b.t.sp.release(e.gpu)
-	e.flags &^= flagSpill
-	e.gpu, e.cpu, e.pred, e.grp = p.gpu, p.cpu, p.pred, p.grp
+	if n == 0 {
+		b.t.sp.release(e.class(), e.ext)
+		e.flags &= flagUsed | flagRedis
+		e.ext = 0
+	}
 }
 
 // set records that h holds key in tier, confirming a prediction.
@@ -186,7 +172,7 @@ func (b *blocks) set(key uint64, h holder, tier Tier) {
 		e.flags |= flagRedis
 		return
 	}
-	m, _ := b.masks(e, h.grp, true)
+	m := b.masks(e, h.grp, true)
 	if tier == TierCPU {
 		m[maskCPU] |= h.bit
 	} else {
@@ -207,7 +193,7 @@ func (b *blocks) clear(key uint64, h holder, tier Tier) {
 	case TierRedis:
 		e.flags &^= flagRedis
 	default:
-		m, _ := b.masks(e, h.grp, false)
+		m := b.masks(e, h.grp, false)
 		if m == nil {
 			return
 		}
@@ -217,7 +203,7 @@ func (b *blocks) clear(key uint64, h holder, tier Tier) {
 			m[maskGPU] &^= h.bit
 			m[maskPred] &^= h.bit
 		}
-		if m[maskGPU]|m[maskCPU]|m[maskPred] == 0 {
+		if *m == (masks{}) {
 			b.compact(e)
 		}
 	}
@@ -238,9 +224,10 @@ func (b *blocks) upsert(key uint64) uint32 {
 	return b.t.insert(key)
 }
 
+// dropIfEmpty forgets entry i if nothing holds its block.
 func (b *blocks) dropIfEmpty(i uint32) {
 	e := b.t.at(i)
-	if e.flags&(flagSpill|flagRedis) == 0 && e.gpu|e.cpu|e.pred == 0 {
+	if e.flags&(flagSpill|flagRedis) == 0 && e.m == (masks{}) {
 		b.t.remove(i)
 	}
 }
@@ -255,7 +242,7 @@ func (b *blocks) clearSlot(h holder, pred bool) {
 		if e.flags&flagUsed == 0 {
 			continue
 		}
-		m, _ := b.masks(e, h.grp, false)
+		m := b.masks(e, h.grp, false)
 		if m == nil {
 			continue
 		}
@@ -264,7 +251,7 @@ func (b *blocks) clearSlot(h holder, pred bool) {
 		if pred {
 			m[maskPred] &= keep
 		}
-		if m[maskGPU]|m[maskCPU]|m[maskPred] == 0 {
+		if *m == (masks{}) {
 			b.compact(e)
 		}
 		b.dropIfEmpty(i)
@@ -276,26 +263,27 @@ func (b *blocks) clearSlot(h holder, pred bool) {
 // whole prompt's hundreds of blocks.
 const writeChunk = 64
 
-// predict marks keys as predicted on h until until, and returns how many
-// of them h held in no tier. It marks them from the first, writeChunk at
-// a time, so a lookup in between sees a leading part of the chain
-// predicted, which is a prefix like any other.
+// predict marks keys as predicted on h until until (Unix nanoseconds), and
+// returns how many of them h held in no tier. It marks them from the
+// first, writeChunk at a time, so a lookup in between sees a leading part
+// of the chain predicted, which is a prefix like any other.
 func (b *blocks) predict(keys []uint64, h holder, now, until int64) (added int64) {
+	nowMS, untilMS := millis(now), millisUp(until)
 	for len(keys) > 0 {
 		chunk := keys[:min(len(keys), writeChunk)]
 		keys = keys[len(chunk):]
 		b.mu.Lock()
 		for _, k := range chunk {
 			e := b.t.at(b.upsert(k))
-			if e.predUntil <= now {
+			if e.until() <= nowMS {
 				b.expire(e)
 			}
-			m, _ := b.masks(e, h.grp, true)
+			m := b.masks(e, h.grp, true)
 			if (m[maskGPU]|m[maskCPU]|m[maskPred])&h.bit == 0 {
 				added++
 			}
 			m[maskPred] |= h.bit
-			e.predUntil = until
+			e.setUntil(untilMS)
 		}
 		b.trim()
 		b.mu.Unlock()
@@ -303,15 +291,17 @@ func (b *blocks) predict(keys []uint64, h holder, now, until int64) (added int64
 	return added
 }
 
+// millis returns the Unix milliseconds of Unix nanoseconds ns, rounded
+// down; millisUp rounds up, so that a prediction lasts at least its TTL.
+func millis(ns int64) int64   { return max(ns, 0) / 1e6 }
+func millisUp(ns int64) int64 { return (max(ns, 0) + 1e6 - 1) / 1e6 }
+
 // expire drops e's predictions, which have expired. b.mu is held.
 func (b *blocks) expire(e *entry) {
-	if e.flags&flagSpill == 0 {
-		e.pred = 0
-		return
-	}
-	ps := b.t.sp.parts(e.gpu, int(e.cpu))
+	e.m[maskPred] = 0
+	ps := b.t.extra(e)
 	for k := range ps {
-		ps[k].pred = 0
+		ps[k].m[maskPred] = 0
 	}
 	b.compact(e)
 }

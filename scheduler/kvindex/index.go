@@ -26,8 +26,9 @@
 // in one group are 64-bit masks in its entry; the whole fleet shares one
 // table, so a lookup reads each block it visits once whatever the fleet's
 // size. A block held in several groups (a fleet of more than MaxWorkers)
-// keeps a 32-byte part per group in an array of a second pointer-free
-// slab, which the cap counts as half a block each (see blocks.over).
+// keeps a 32-byte part per further group in an array of a second
+// pointer-free slab, which the cap counts as half a block each (see
+// blocks.over).
 package kvindex
 
 import (
@@ -51,8 +52,8 @@ const MaxTracked = 4096
 // BytesPerBlock bounds the memory of one indexed block held in one group
 // once the index has grown to it: a 56-byte entry plus at most 16 bytes of
 // hash table (more only while the first slab chunk of 65,536 entries
-// fills). A block held in several groups adds 32 bytes per group, rounded
-// up to a power of two, which the cap counts.
+// fills). A block held in several groups adds 32 bytes per further group,
+// rounded up to a power of two, which the cap counts.
 const BytesPerBlock = entrySize + 16
 
 // Defaults of Config.

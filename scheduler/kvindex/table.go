@@ -16,92 +16,125 @@ import (
 // are predicted to hold it (and until when), and whether the shared Redis
 // tier holds it. Its holders of one group (the usual block, and every
 // block of a fleet of MaxWorkers at most) are masks of that group's slots
-// in the entry itself; a block held in several groups is spilled: its
-// masks, a part per group, move to an array of the part slab, which gpu
-// and cpu then locate.
+// in the entry itself; a block held in several groups is spilled: the
+// masks of its further groups, a part each, sit in an array of the part
+// slab that ext locates.
 type entry struct {
-	key       uint64
-	gpu, cpu  uint64 // bit i: slot i of group grp holds the block in that tier; spilled: the parts' ref and count
-	pred      uint64 // bit i: predicted on slot i, valid while now < predUntil; spilled: 0
-	predUntil int64  // Unix nanoseconds, for every group's predictions
-	prev      uint32 // LRU neighbours (towards the head: more recent)
-	next      uint32 // also the free-list link of a free entry
-	stamp     uint32 // table.tick when last moved to the head
-	grp       uint16 // the group of gpu, cpu and pred
-	flags     uint8
+	key     uint64
+	m       masks  // of group grp
+	prev    uint32 // LRU neighbours (towards the head: more recent)
+	next    uint32 // also the free-list link of a free entry
+	stamp   uint32 // table.tick when last moved to the head
+	ext     uint32 // spilled: the parts' array, of size class flags>>classShift
+	untilLo uint32 // the predictions' expiry (see until), for every group's
+	untilHi uint16
+	grp     uint8
+	flags   uint8
 }
 
+// masks are one group's holders of a block: bit i for slot i.
+type masks [3]uint64
+
+// Masks.
 const (
-	flagUsed  = 1 << iota // the entry holds a block (else it is free)
-	flagRedis             // the shared Redis tier holds the block
-	flagSpill             // the holders are parts (see entry)
+	maskGPU  = iota // holds the block in its GPU tier
+	maskCPU         // in its CPU tier
+	maskPred        // is predicted to hold it in GPU, while now < the entry's until
 )
 
-// part is a spilled block's holders in one group, as an entry holds them
-// inline.
+const (
+	flagUsed   = 1 << iota // the entry holds a block (else it is free)
+	flagRedis              // the shared Redis tier holds the block
+	flagSpill              // further groups' masks are in ext's parts
+	classShift = 4         // flags>>classShift: ext's size class
+)
+
+// until returns the predictions' expiry, in Unix milliseconds (48 bits:
+// an entry has no room for nanoseconds).
+func (e *entry) until() int64 { return int64(e.untilHi)<<32 | int64(e.untilLo) }
+
+func (e *entry) setUntil(ms int64) { e.untilHi, e.untilLo = uint16(ms>>32), uint32(ms) }
+
+// class returns the size class of ext.
+func (e *entry) class() int { return int(e.flags >> classShift) }
+
+// part is a spilled block's masks of one group beyond the entry's.
 type part struct {
-	gpu, cpu, pred uint64
-	grp            uint16
+	m   masks
+	grp uint8 // noGroup: unused, as are the parts after it
 }
+
+const noGroup = 0xff
 
 // partSize is the size of a part in the slab, in bytes.
 const partSize = 32
 
-// Spilled blocks' parts sit in arrays of 2, 4 … 64 parts (spillClasses
-// sizes: up to maxGroups parts), each size in its own chunked slab with
-// its own free list, so that an array never straddles a chunk and a freed
-// one is reused whole. A block gaining a group past its array's size moves
-// to the next size.
-const spillClasses = 6
+// Spilled blocks' parts sit in arrays of 1, 2, 4 … 64 parts (spillClasses
+// sizes), each size in its own chunked slab with its own free list, so
+// that an array never straddles a chunk and a freed one is reused whole.
+// A block gaining a group past its array's size moves to the next size.
+const spillClasses = 7
 
 // spill is the part slabs.
 type spill struct {
 	class [spillClasses]struct {
 		chunks [][]part
 		hi     uint32 // arrays ever allocated
-		free   uint32 // head of the free list (in the first part's gpu), or none
+		free   uint32 // head of the free list (in the first part's masks), or none
 	}
 	used int // parts in the arrays in use, whether holding a group or not
 }
 
-// partRef locates an array of parts: its size class and index.
-func partRef(class int, i uint32) uint64 { return uint64(class)<<32 | uint64(i) }
-
-// parts returns the n parts of the array ref.
-func (sp *spill) parts(ref uint64, n int) []part {
-	class, i := int(ref>>32), uint32(ref)
-	size := uint32(2) << class
-	off := i * size
+// parts returns the array i of class.
+func (sp *spill) parts(class int, i uint32) []part {
+	size := uint32(1) << class
+	off := i << class
 	c := sp.class[class].chunks[off>>chunkBits]
 	off &= chunkMask
-	return c[off : off+uint32(n) : off+size]
+	return c[off : off+size : off+size]
 }
 
-// alloc returns a free array of class's size.
-func (sp *spill) alloc(class int) uint64 {
+// alloc returns a free array of class's size, every part unused.
+func (sp *spill) alloc(class int) uint32 {
 	c := &sp.class[class]
-	size := uint32(2) << class
-	sp.used += int(size)
-	if i := c.free; i != none {
-		c.free = uint32(sp.parts(partRef(class, i), 1)[0].gpu)
-		return partRef(class, i)
+	sp.used += 1 << class
+	i := c.free
+	if i != none {
+		c.free = uint32(sp.parts(class, i)[0].m[0])
+	} else {
+		i = c.hi
+		if (i<<class)&chunkMask == 0 {
+			c.chunks = append(c.chunks, make([]part, 1<<chunkBits))
+		}
+		c.hi++
 	}
-	i := c.hi
-	if (i*size)&chunkMask == 0 {
-		c.chunks = append(c.chunks, make([]part, 1<<chunkBits))
+	ps := sp.parts(class, i)
+	for k := range ps {
+		ps[k] = part{grp: noGroup}
 	}
-	c.hi++
-	return partRef(class, i)
+	return i
 }
 
-// release frees the array ref.
-func (sp *spill) release(ref uint64) {
-	class := int(ref >> 32)
+// release frees the array i of class.
+func (sp *spill) release(class int, i uint32) {
 	c := &sp.class[class]
-	sp.used -= 2 << class
-	p := sp.parts(ref, 1)
-	p[0] = part{gpu: uint64(c.free)}
-	c.free = uint32(ref)
+	sp.used -= 1 << class
+	sp.parts(class, i)[0] = part{m: masks{uint64(c.free)}, grp: noGroup}
+	c.free = i
+}
+
+// extra returns e's parts in use (none unless spilled).
+func (t *table) extra(e *entry) []part {
+	if e.flags&flagSpill == 0 {
+		return nil
+	}
+	ps := t.sp.parts(e.class(), e.ext)
+	for k := range ps {
+		if ps[k].grp == noGroup {
+			return ps[:k]
+		}
+	}
+	return ps
 }
 
 // entrySize is the size of an entry in the slab, in bytes.
@@ -213,7 +246,7 @@ func (t *table) warmEntries(idx []uint32) uint64 {
 		}
 	}
 	for _, e := range spilled[:n] {
-		sink += t.sp.parts(e.gpu, 1)[0].gpu
+		sink += t.sp.parts(e.class(), e.ext)[0].m[0]
 	}
 	return sink
 }
@@ -352,7 +385,7 @@ shift:
 	}
 	t.unlink(i)
 	if e.flags&flagSpill != 0 {
-		t.sp.release(e.gpu)
+		t.sp.release(e.class(), e.ext)
 	}
 	*e = entry{next: t.free}
 	t.free = i

@@ -39,16 +39,16 @@ func TestSpilledHolders(t *testing.T) {
 	var b blocks
 	b.init(1 << 20)
 	type tiers struct{ gpu, cpu uint64 }
-	model := map[uint64]map[uint16]tiers{}
+	model := map[uint64]map[uint8]tiers{}
 	rng := rand.New(rand.NewPCG(3, 4))
 	const groups = 9
 	for i := range 100000 {
 		k := rng.Uint64N(64)
-		h := holder{grp: uint16(rng.IntN(groups)), bit: 1 << rng.IntN(3)}
+		h := holder{grp: uint8(rng.IntN(groups)), bit: 1 << rng.IntN(3)}
 		tier := Tier(rng.IntN(2))
 		m := model[k]
 		if m == nil {
-			m = map[uint16]tiers{}
+			m = map[uint8]tiers{}
 			model[k] = m
 		}
 		ts := m[h.grp]
@@ -102,11 +102,11 @@ func TestSpilledHolders(t *testing.T) {
 			if spilled := e.flags&flagSpill != 0; spilled != (held > 1) {
 				t.Fatalf("op %d: block %d held in %d groups, spilled %t", i, k, held, spilled)
 			} else if spilled {
-				parts += cap(b.t.sp.parts(e.gpu, int(e.cpu)))
+				parts += len(b.t.sp.parts(e.class(), e.ext))
 			}
-			for g := range uint16(groups) {
+			for g := range uint8(groups) {
 				var got tiers
-				if ms, _ := b.masks(e, g, false); ms != nil {
+				if ms := b.masks(e, g, false); ms != nil {
 					got = tiers{ms[maskGPU], ms[maskCPU]}
 				}
 				if want := m[g]; got != want {

@@ -17,10 +17,11 @@ type walkGroup struct {
 // walkState is a walk's working memory: by group, its workers and their
 // counts. Its counts are zero but for the held workers of a walk.
 type walkState struct {
-	g    [maxGroups]walkGroup
-	cnt  [maxGroups]counts
-	buf  [maxGroups]uint8
-	live []uint8 // the groups some of whose workers still hold the prompt
+	g     [maxGroups]walkGroup
+	cnt   [maxGroups]counts
+	buf   [maxGroups]uint8
+	live  []uint8 // the groups some of whose workers still hold the prompt
+	nowMS int64   // the walk's time, in Unix milliseconds (see entry.until)
 }
 
 // reset readies ws for a walk over the first n groups, whose workers the
@@ -43,20 +44,18 @@ func (ws *walkState) start(n int) {
 // probe reads key's holders among the live groups' workers into their
 // pg, pc, pr, and reports whether any group's differ from its run's (g,
 // c, r). b.mu is held.
-func (b *blocks) probe(ws *walkState, key uint64, now int64) (changed bool) {
+func (b *blocks) probe(ws *walkState, key uint64) (changed bool) {
 	for _, k := range ws.live {
 		w := &ws.g[k]
 		w.pg, w.pc, w.pr = 0, 0, 0
 	}
 	if i := b.t.find(key); i != none {
 		e := b.t.at(i)
-		predOK := now < e.predUntil
-		if e.flags&flagSpill == 0 {
-			ws.add(e.grp, e.gpu, e.cpu, e.pred, predOK)
-		} else {
-			for _, p := range b.t.sp.parts(e.gpu, int(e.cpu)) {
-				ws.add(p.grp, p.gpu, p.cpu, p.pred, predOK)
-			}
+		predOK := ws.nowMS < e.until()
+		ws.add(e.grp, &e.m, predOK)
+		ps := b.t.extra(e)
+		for k := range ps {
+			ws.add(ps[k].grp, &ps[k].m, predOK)
 		}
 		if e.flags&flagRedis != 0 {
 			for _, k := range ws.live {
@@ -73,16 +72,17 @@ func (b *blocks) probe(ws *walkState, key uint64, now int64) (changed bool) {
 }
 
 // add records holders of group grp for probe (see Match for the tiers).
-func (ws *walkState) add(grp uint16, gpu, cpu, pred uint64, predOK bool) {
+func (ws *walkState) add(grp uint8, m *masks, predOK bool) {
 	w := &ws.g[grp]
 	if w.alive == 0 {
 		return
 	}
+	g := m[maskGPU]
 	if predOK {
-		gpu |= pred
+		g |= m[maskPred]
 	}
-	w.pg = gpu & w.alive
-	w.pc = cpu &^ w.pg & w.alive
+	w.pg = g & w.alive
+	w.pc = m[maskCPU] &^ w.pg & w.alive
 }
 
 // narrow makes the probed holders of each live group its run's, the
@@ -122,6 +122,7 @@ const walkStride = 8
 // gives its holders in every group: a fleet of any size costs a walk of
 // one table. It holds the read lock and does not allocate.
 func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
+	ws.nowMS = millis(now)
 	b.mu.RLock()
 	defer b.mu.RUnlock()
 	n := len(keys)
@@ -131,7 +132,7 @@ func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
 	// The run from block j has holders g, c, r by group; a worker that
 	// drops out of it never counts again (alive narrows). Most prompts'
 	// first block is held by few workers or none: one probe for those.
-	b.probe(ws, keys[0], now)
+	b.probe(ws, keys[0])
 	ws.narrow()
 	for _, k := range ws.live {
 		ws.g[k].held = ws.g[k].alive
@@ -146,7 +147,7 @@ func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
 		}
 		for step := walkStride; lo < n-1; step *= 2 {
 			p := min(lo+step, n-1)
-			if b.probe(ws, keys[p], now) {
+			if b.probe(ws, keys[p]) {
 				hi = p
 				break
 			}
@@ -161,7 +162,7 @@ func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
 					break
 				}
 				mid := lo + (hi-lo)/2
-				if b.probe(ws, keys[mid], now) {
+				if b.probe(ws, keys[mid]) {
 					hi = mid
 				} else {
 					lo = mid
@@ -175,7 +176,7 @@ func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
 				b.warmed.Add(1)
 			}
 			for k := lo + 1; k < hi; k++ {
-				if b.probe(ws, keys[k], now) {
+				if b.probe(ws, keys[k]) {
 					hi = k
 					break
 				}
@@ -199,7 +200,7 @@ func (b *blocks) walk(ws *walkState, keys []uint64, now int64) {
 		}
 		// The holders of block hi, where the next run starts (a later
 		// probe may have read another block since).
-		b.probe(ws, keys[hi], now)
+		b.probe(ws, keys[hi])
 		j = hi
 		ws.narrow()
 	}

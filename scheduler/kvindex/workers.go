@@ -166,7 +166,7 @@ func (w *worker) read(s *state) {
 func (w *worker) bit() uint64 { return uint64(1) << w.slot }
 
 // holder is the worker in the block table's holder sets.
-func (w *worker) holder() holder { return holder{grp: uint16(w.grp.id), bit: w.bit()} }
+func (w *worker) holder() holder { return holder{grp: uint8(w.grp.id), bit: w.bit()} }
 
 // routedNow returns w.routed decayed to now. w.mu is held.
 func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
