@@ -66,8 +66,20 @@ func (b *blocks) apply(h holder, ce *CacheEvent) {
 				b.set(k, h, to)
 			}
 		case Removed:
-			for _, k := range batch {
-				b.clear(k, h, to)
+			// Their entries are warm: warm their LRU neighbours too, which
+			// removing an entry that no longer holds anything rewrites.
+			var idx [warmBatch]uint32
+			for j, k := range batch {
+				idx[j] = b.t.find(k)
+			}
+			if b.t.warmLinks(idx[:len(batch)]) == 0x5eed {
+				b.warmed.Add(1)
+			}
+			for j, k := range batch {
+				// A key twice in the batch: its entry may be gone.
+				if i := idx[j]; i != none && b.t.at(i).key == k && b.t.at(i).flags&flagUsed != 0 {
+					b.clearAt(i, h, to)
+				}
 			}
 		case Moved:
 			for _, k := range batch {
@@ -184,10 +196,13 @@ func (b *blocks) set(key uint64, h holder, tier Tier) {
 // clear records that h no longer holds key in tier; for Redis, that the
 // shared tier no longer holds it.
 func (b *blocks) clear(key uint64, h holder, tier Tier) {
-	i := b.t.find(key)
-	if i == none {
-		return
+	if i := b.t.find(key); i != none {
+		b.clearAt(i, h, tier)
 	}
+}
+
+// clearAt is clear of entry i.
+func (b *blocks) clearAt(i uint32, h holder, tier Tier) {
 	e := b.t.at(i)
 	switch tier {
 	case TierRedis:

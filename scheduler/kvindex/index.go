@@ -671,7 +671,7 @@ func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 			s := bits.TrailingZeros64(m)
 			c := &ws.cnt[k][s]
 			if c[0]+c[1] > 0 {
-				out = append(out, Overlap{Worker: g.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
+				out = append(out, Overlap{Worker: g.names[s], GPU: int(c[0]), CPU: int(c[1])})
 			}
 			*c = [3]int32{}
 		}

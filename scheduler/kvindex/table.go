@@ -251,6 +251,25 @@ func (t *table) warmEntries(idx []uint32) uint64 {
 	return sink
 }
 
+// warmLinks loads the LRU neighbours of the entries idx (none: absent),
+// as warm does their entries.
+func (t *table) warmLinks(idx []uint32) uint64 {
+	var sink uint64
+	for _, i := range idx {
+		if i == none {
+			continue
+		}
+		e := t.at(i)
+		if e.prev != none {
+			sink += uint64(t.at(e.prev).stamp)
+		}
+		if e.next != none {
+			sink += uint64(t.at(e.next).stamp)
+		}
+	}
+	return sink
+}
+
 // warmGallop is warm over the keys walk's gallop from lo reads first:
 // those at lo+stride, lo+3×stride, lo+7×stride… and the last; and lo's
 // own if self.

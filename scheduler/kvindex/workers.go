@@ -302,6 +302,7 @@ func (w *worker) observe(p, a float64, now int64) {
 type group struct {
 	id    int                 // in workers.groups
 	slots [MaxWorkers]*worker // guarded by workers.mu
+	names [MaxWorkers]string  // the slots' workers' names, which Overlaps reads; guarded by workers.mu
 	n     int                 // slots in use; guarded by workers.mu
 	used  uint64              // their bits; guarded by workers.mu
 }
@@ -386,7 +387,7 @@ func (ws *workers) add(name string) (*worker, error) {
 	for i, o := range g.slots {
 		if o == nil {
 			w := newWorker(name, g, i)
-			g.slots[i] = w
+			g.slots[i], g.names[i] = w, name
 			g.n++
 			g.used |= w.bit()
 			ws.byName[name] = w
@@ -400,7 +401,7 @@ func (ws *workers) add(name string) (*worker, error) {
 // remove frees w's slot. ws.mu is held for writing.
 func (ws *workers) remove(w *worker) {
 	delete(ws.byName, w.name)
-	w.grp.slots[w.slot] = nil
+	w.grp.slots[w.slot], w.grp.names[w.slot] = nil, ""
 	w.grp.n--
 	w.grp.used &^= w.bit()
 	ws.n--
