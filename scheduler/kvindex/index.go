@@ -336,8 +336,13 @@ func (x *Index) Apply(name string, ev Event) error {
 		if w.lrn != nil {
 			w.lrn.clear(b, h)
 		}
-		b.clearSlot(h, false)
+		if w.mayHold.Load() {
+			b.clearSlot(h, false)
+		}
 		for i := range snap.Blocks {
+			if len(snap.Blocks[i].Keys) > 0 {
+				w.mayHold.Store(true)
+			}
 			b.apply(h, &snap.Blocks[i])
 		}
 		b.mu.Unlock()
@@ -367,6 +372,9 @@ func (x *Index) Apply(name string, ev Event) error {
 	}
 	w.mu.Unlock()
 	if ev.Cache != nil {
+		if len(ev.Cache.Keys) > 0 {
+			w.mayHold.Store(true)
+		}
 		b.applyChunked(h, ev.Cache)
 	}
 	return nil
@@ -381,10 +389,12 @@ func (x *Index) RemoveWorker(name string) {
 	if w == nil {
 		return
 	}
-	b := &x.blocks
-	b.mu.Lock()
-	b.clearSlot(w.holder(), true)
-	b.mu.Unlock()
+	if w.mayHold.Load() {
+		b := &x.blocks
+		b.mu.Lock()
+		b.clearSlot(w.holder(), true)
+		b.mu.Unlock()
+	}
 	x.workers.remove(w)
 }
 
@@ -448,6 +458,9 @@ func (x *Index) Shared(name string, keys []uint64) bool {
 // x.workers.mu is held.
 func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) {
 	all := int64(len(keys))
+	if all > 0 {
+		w.mayHold.Store(true)
+	}
 	var added int64
 	if w.learning() {
 		added = x.learn(w, keys, busy)

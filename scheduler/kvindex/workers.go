@@ -44,6 +44,11 @@ type worker struct {
 
 	corrMu sync.Mutex // serializes ObserveTTFT's updates
 
+	// mayHold is set once the worker may hold a block in the table (an
+	// event or a prediction put it there): until then its snapshot need
+	// not scan the table for its bits.
+	mayHold atomic.Bool
+
 	// isLearned is set once, by Learn; lrn is guarded by the block
 	// table's lock.
 	isLearned atomic.Bool
