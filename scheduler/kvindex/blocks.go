@@ -122,11 +122,16 @@ func (b *blocks) masks(e *entry, g uint8, add bool) *masks {
 		e.grp = g
 		return &e.m
 	}
-	ps := b.t.extra(e)
-	for k := range ps {
-		if ps[k].grp == g {
-			return &ps[k].m
+	var ps []part
+	if e.flags&flagSpill != 0 {
+		all := b.t.sp.parts(e.class(), e.ext)
+		k := 0
+		for ; k < len(all) && all[k].grp != noGroup; k++ {
+			if all[k].grp == g {
+				return &all[k].m
+			}
 		}
+		ps = all[:k]
 	}
 	if !add {
 		return nil

@@ -488,3 +488,70 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 		}
 	}
 }
+
+// newSharedFleet is newScaleFleet's fleet with a prefix of 64 blocks every
+// worker holds besides (a system prompt), and the prompt of the shared
+// benchmarks: that prefix, then 200 blocks the last worker holds after it.
+func newSharedFleet(b *testing.B, workers int) (*scaleFleet, []uint64) {
+	f := newScaleFleet(b, workers, 1<<20)
+	shared := keys(1<<40, 1<<40+64)
+	own := keys(1<<41, 1<<41+200)
+	for w := range workers {
+		if f.seq[w] == 0 {
+			continue
+		}
+		ks := shared
+		if w == workers-1 {
+			ks = append(append([]uint64(nil), shared...), own...)
+		}
+		f.seq[w]++
+		if err := f.x.Apply(f.names[w], event(f.seq[w], stored(gpu, ks))); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return f, append(append([]uint64(nil), shared...), own...)
+}
+
+// BenchmarkSharedOverlaps is the sparse match of a prompt whose first 64
+// blocks every worker holds and whose next 200 one worker holds.
+func BenchmarkSharedOverlaps(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=264", workers), func(b *testing.B) {
+			f, ks := newSharedFleet(b, workers)
+			out := make([]Overlap, 0, workers)
+			b.ReportAllocs()
+			for b.Loop() {
+				out = f.x.Overlaps(ks, out[:0])
+			}
+			b.ReportMetric(float64(len(out)), "holders")
+		})
+	}
+}
+
+// BenchmarkSharedEvent stores and removes 16 blocks of the shared prefix
+// on the workers in turn: blocks every worker holds.
+func BenchmarkSharedEvent(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M", workers), func(b *testing.B) {
+			f, ks := newSharedFleet(b, workers)
+			ce := CacheEvent{Keys: ks[32:48]}
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				w := (i / 2) % workers
+				if f.seq[w] == 0 {
+					w %= MaxWorkers // a worker the index took
+				}
+				ce.Kind = Removed
+				if i%2 == 1 {
+					ce.Kind = Stored
+				}
+				f.seq[w]++
+				if err := f.x.Apply(f.names[w], Event{Seq: f.seq[w], Cache: &ce}); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+		})
+	}
+}

@@ -53,9 +53,11 @@ func (b *blocks) probe(ws *walkState, key uint64) (changed bool) {
 		e := b.t.at(i)
 		predOK := ws.nowMS < e.until()
 		ws.add(e.grp, &e.m, predOK)
-		ps := b.t.extra(e)
-		for k := range ps {
-			ws.add(ps[k].grp, &ps[k].m, predOK)
+		if e.flags&flagSpill != 0 {
+			ps := b.t.sp.parts(e.class(), e.ext)
+			for k := 0; k < len(ps) && ps[k].grp != noGroup; k++ {
+				ws.add(ps[k].grp, &ps[k].m, predOK)
+			}
 		}
 		if e.flags&flagRedis != 0 {
 			for _, k := range ws.live {
