@@ -209,9 +209,9 @@ func TestRedisAcrossGroups(t *testing.T) {
 	}
 }
 
-// The cap is shared among the groups in proportion to their workers: two
-// full groups hold about MaxBlocks between them, each forgetting its own
-// least recently touched blocks.
+// The cap bounds the blocks of the whole fleet, whatever the groups: two
+// full groups hold at most MaxBlocks between them, the least recently
+// touched forgotten first.
 func TestCapSharedAmongGroups(t *testing.T) {
 	const capBlocks = 4096
 	x := New(Config{MaxBlocks: capBlocks})
@@ -222,7 +222,7 @@ func TestCapSharedAmongGroups(t *testing.T) {
 	if got := x.Len(); got > capBlocks {
 		t.Errorf("Len = %d, want at most %d", got, capBlocks)
 	}
-	// The last worker's blocks, the most recent of its group, are kept.
+	// The last worker's blocks, the most recent, are kept.
 	last := fmt.Sprintf("w%03d", 2*MaxWorkers-1)
 	k := uint64(2*MaxWorkers-1) * 1000
 	if got := lookup(x, keys(k, k+100), last)[last]; got.GPU != 100 {
@@ -412,11 +412,11 @@ func BenchmarkOverlaps(b *testing.B) {
 }
 
 // A fleet's blocks in several groups are walked once for all of them, yet
-// each worker finds what it finds looked up alone (its group's walk):
-// chains of random lengths in each tier, shortened by removals, with
-// predictions and the Redis tier, prompts of every length. (Where a
-// cache has a hole in mid-chain, a walk that leaps over it counts past
-// it; the walk of several groups reads more blocks, and may not.)
+// each worker finds what it finds looked up alone: chains of random
+// lengths in each tier, shortened by removals, with predictions and the
+// Redis tier, prompts of every length. (Where a cache has a hole in
+// mid-chain, a walk that leaps over it counts past it; a walk for more
+// workers reads more blocks, and may not.)
 func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 	now := time.Unix(1000, 0)
 	x := New(Config{Now: func() time.Time { return now }})
