@@ -255,9 +255,34 @@ func (b *blocks) dropIfEmpty(i uint32) {
 // clearSlot clears h's GPU and CPU bits, and its predictions too if pred,
 // from every entry. It scans the slab: about a millisecond per million
 // blocks. b.mu is held.
-func (b *blocks) clearSlot(h holder, pred bool) {
+func (b *blocks) clearSlot(h holder, pred bool) { b.clearRange(h, pred, 0, b.t.hi) }
+
+// scanChunk is how many entries clearSlotChunked scans per taking of the
+// lock: a lookup waits a millisecond or less, not a scan of the whole
+// fleet's table.
+const scanChunk = 1 << 16
+
+// clearSlotChunked is clearSlot taking the lock scanChunk entries at a
+// time. Only h's own events may set its GPU and CPU bits meanwhile, and
+// the caller applies none.
+func (b *blocks) clearSlotChunked(h holder, pred bool) {
+	for from := uint32(0); ; from += scanChunk {
+		b.mu.Lock()
+		hi := b.t.hi
+		if from < hi {
+			b.clearRange(h, pred, from, min(from+scanChunk, hi))
+		}
+		b.mu.Unlock()
+		if from+scanChunk >= hi {
+			return
+		}
+	}
+}
+
+// clearRange is clearSlot of the entries from up to to. b.mu is held.
+func (b *blocks) clearRange(h holder, pred bool, from, to uint32) {
 	keep := ^h.bit
-	for i := uint32(0); i < b.t.hi; i++ {
+	for i := from; i < to; i++ {
 		e := b.t.at(i)
 		if e.flags&flagUsed == 0 {
 			continue

@@ -312,7 +312,8 @@ func (x *Index) SetInfo(name string, info Info) error {
 
 // Apply applies one event of the worker's watch stream. A snapshot
 // replaces every GPU and CPU block the index had for the worker (its
-// predictions stay). Other events must follow in sequence: an event
+// predictions stay); a lookup meanwhile may find some of the blocks it
+// replaces gone before its own are there. Other events must follow in sequence: an event
 // already applied (seq not above the last) is ignored, so Apply is
 // idempotent; one that skips ahead returns ErrGap, and events before the
 // first snapshot return ErrNoSnapshot. In both cases the caller should
@@ -332,12 +333,12 @@ func (x *Index) Apply(name string, ev Event) error {
 	}
 	h, b := w.holder(), &x.blocks
 	if snap := ev.Snapshot; snap != nil {
+		if w.mayHold.Load() {
+			b.clearSlotChunked(h, false)
+		}
 		b.mu.Lock()
 		if w.lrn != nil {
 			w.lrn.clear(b, h)
-		}
-		if w.mayHold.Load() {
-			b.clearSlot(h, false)
 		}
 		for i := range snap.Blocks {
 			if len(snap.Blocks[i].Keys) > 0 {

@@ -555,3 +555,23 @@ func BenchmarkSharedEvent(b *testing.B) {
 		})
 	}
 }
+
+// A snapshot replaces the worker's blocks across the whole table, which
+// it scans a chunk at a time.
+func TestSnapshotClearsEveryChunk(t *testing.T) {
+	x := New(Config{})
+	const n = scanChunk + scanChunk/2
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, n))))
+	mustApply(t, x, "b", snapshot(nil, stored(cpu, keys(n-10, n))))
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(2*n, 2*n+10))))
+	if got, want := x.Len(), 20; got != want {
+		t.Errorf("Len = %d after a's second snapshot, want %d", got, want)
+	}
+	got := lookup(x, keys(n-10, n), "a", "b")
+	if got["a"] != (hit{}) || got["b"] != (hit{0, 10, 0}) {
+		t.Errorf("a's old blocks, held by b in CPU: %+v", got)
+	}
+	if got := lookup(x, keys(2*n, 2*n+10), "a")["a"]; got != (hit{10, 0, 0}) {
+		t.Errorf("a's new blocks: %+v", got)
+	}
+}
