@@ -342,7 +342,7 @@ func (x *Index) Apply(name string, ev Event) error {
 		}
 		for i := range snap.Blocks {
 			if len(snap.Blocks[i].Keys) > 0 {
-				w.mayHold.Store(true)
+				w.mayHeld()
 			}
 			b.apply(h, &snap.Blocks[i])
 		}
@@ -374,7 +374,7 @@ func (x *Index) Apply(name string, ev Event) error {
 	w.mu.Unlock()
 	if ev.Cache != nil {
 		if len(ev.Cache.Keys) > 0 {
-			w.mayHold.Store(true)
+			w.mayHeld()
 		}
 		b.applyChunked(h, ev.Cache)
 	}
@@ -460,7 +460,7 @@ func (x *Index) Shared(name string, keys []uint64) bool {
 func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) {
 	all := int64(len(keys))
 	if all > 0 {
-		w.mayHold.Store(true)
+		w.mayHeld()
 	}
 	var added int64
 	if w.learning() {

@@ -55,6 +55,15 @@ type worker struct {
 	lrn       *learned
 }
 
+// mayHeld records that the worker may hold a block in the table (see
+// mayHold), writing the flag only the first time: lookups read the
+// worker's cache line.
+func (w *worker) mayHeld() {
+	if !w.mayHold.Load() {
+		w.mayHold.Store(true)
+	}
+}
+
 // learning reports whether the worker's blocks are learned (see
 // Index.Learn).
 func (w *worker) learning() bool { return w.isLearned.Load() }
