@@ -1,17 +1,17 @@
 package kvindex
 
 import (
-	"math/bits"
 	"sync"
 	"sync/atomic"
 )
 
-// blocks is the block index: for each block key, the worker slots that
-// hold it in their GPU and CPU tiers or are predicted to, and whether the
-// shared Redis tier holds it. Holders are slot bits (see workers); the
-// caller holds the membership's read lock while it uses a slot.
+// blocks is the block index: for each block key, the workers that hold
+// it in their GPU and CPU tiers or are predicted to, and whether the
+// shared Redis tier holds it. A worker is a holder: a slot bit of its
+// group (see workers); the caller holds the membership's read lock while
+// it uses one. The whole fleet shares the table, its lock and its cap.
 type blocks struct {
-	max int // blocks indexed at most
+	max int // blocks indexed at most (see over)
 
 	mu      sync.RWMutex
 	t       table
@@ -20,32 +20,39 @@ type blocks struct {
 	warmed atomic.Uint64
 }
 
+// holder is a worker in the holder sets: its group and its slot's bit.
+type holder struct {
+	grp uint8
+	bit uint64
+}
+
 func (b *blocks) init(maxBlocks int) {
 	b.max = maxBlocks
 	b.t.init(maxBlocks)
 }
 
+// over reports whether the table holds more than the cap once extra more
+// blocks are added. The cap counts each entry as a block, and each two
+// parts of spilled arrays as one more (a part is 32 bytes, an entry 56
+// and its slots 8 to 16), so that the index's memory stays within MaxBlocks ×
+// BytesPerBlock or so whatever the fleet's size.
+func (b *blocks) over(extra int) bool { return b.t.n+b.t.sp.used/2+extra > b.max }
+
 // trim forgets the least recently touched blocks while above the cap.
 // b.mu is held.
 func (b *blocks) trim() {
-	for b.t.n > b.max && b.t.tail != none {
+	for b.over(0) && b.t.tail != none {
 		b.t.remove(b.t.tail)
 		b.evicted++
 	}
 }
 
-// setMax changes the cap (see workers.share). b.mu is held.
-func (b *blocks) setMax(maxBlocks int) {
-	b.max = maxBlocks
-	b.t.fresh = uint32(min(maxBlocks/8, 1<<30))
-}
-
-// apply applies one cache event of the worker in slot bit. b.mu is held.
+// apply applies one cache event of the worker h. b.mu is held.
 // It takes the keys warmBatch at a time, warming each batch's slots and
 // entries first (see table.warm): the keys of an event are scattered over
 // the table, and on a table larger than the CPU's caches their misses then
 // overlap instead of coming one after the other.
-func (b *blocks) apply(bit uint64, ce *CacheEvent) {
+func (b *blocks) apply(h holder, ce *CacheEvent) {
 	to, from := ce.Tier, ce.From
 	for keys := ce.Keys; len(keys) > 0; {
 		batch := keys[:min(len(keys), warmBatch)]
@@ -56,109 +63,241 @@ func (b *blocks) apply(bit uint64, ce *CacheEvent) {
 		switch ce.Kind {
 		case Stored:
 			for _, k := range batch {
-				b.set(k, bit, to)
+				b.set(k, h, to)
 			}
 		case Removed:
-			for _, k := range batch {
-				b.clear(k, bit, to)
+			// Their entries are warm: warm their LRU neighbours too, which
+			// removing an entry that no longer holds anything rewrites.
+			var idx [warmBatch]uint32
+			for j, k := range batch {
+				idx[j] = b.t.find(k)
+			}
+			if b.t.warmLinks(idx[:len(batch)]) == 0x5eed {
+				b.warmed.Add(1)
+			}
+			for j, k := range batch {
+				// A key twice in the batch: its entry may be gone.
+				if i := idx[j]; i != none && b.t.at(i).key == k && b.t.at(i).flags&flagUsed != 0 {
+					b.clearAt(i, h, to)
+				}
 			}
 		case Moved:
 			for _, k := range batch {
 				if ce.HasFrom && from != to {
-					b.clear(k, bit, from)
+					b.clear(k, h, from)
 				}
-				b.set(k, bit, to)
+				b.set(k, h, to)
 			}
 		}
 	}
+	b.trim()
 }
 
 // applyChunked is apply taking the lock writeChunk keys at a time. A
 // lookup in between sees part of the event applied: a stored chain's
 // leading blocks (a prefix like any other), or a removal's first blocks
 // gone, which can only shorten the prefix it credits.
-func (b *blocks) applyChunked(bit uint64, ce *CacheEvent) {
+func (b *blocks) applyChunked(h holder, ce *CacheEvent) {
 	part := *ce
 	for keys := ce.Keys; len(keys) > 0; {
 		part.Keys = keys[:min(len(keys), writeChunk)]
 		keys = keys[len(part.Keys):]
 		b.mu.Lock()
-		b.apply(bit, &part)
+		b.apply(h, &part)
 		b.mu.Unlock()
 	}
 }
 
-// set records that the worker of bit holds key in tier, confirming a
-// prediction.
-func (b *blocks) set(key, bit uint64, tier Tier) {
-	e := b.t.at(b.upsert(key))
-	switch tier {
-	case TierRedis:
-		e.flags |= flagRedis
-	case TierCPU:
-		e.cpu |= bit
-		e.pred &^= bit
-	default:
-		e.gpu |= bit
-		e.pred &^= bit
+// masks returns e's masks of group g for an update, adding them if absent
+// and add is set (spilling e, or moving its parts to a larger array); nil
+// if absent and not added. b.mu is held.
+func (b *blocks) masks(e *entry, g uint8, add bool) *masks {
+	if e.grp == g {
+		return &e.m
+	}
+	if e.m == (masks{}) && e.flags&flagSpill == 0 {
+		if !add {
+			return nil
+		}
+		e.grp = g
+		return &e.m
+	}
+	var ps []part
+	if e.flags&flagSpill != 0 {
+		all := b.t.sp.parts(e.class(), e.ext)
+		k := 0
+		for ; k < len(all) && all[k].grp != noGroup; k++ {
+			if all[k].grp == g {
+				return &all[k].m
+			}
+		}
+		ps = all[:k]
+	}
+	if !add {
+		return nil
+	}
+	switch {
+	case e.flags&flagSpill == 0:
+		e.ext = b.t.sp.alloc(0)
+		e.flags |= flagSpill
+	case len(ps) == cap(ps):
+		class := e.class() + 1
+		i := b.t.sp.alloc(class)
+		copy(b.t.sp.parts(class, i), ps)
+		b.t.sp.release(e.class(), e.ext)
+		e.ext, e.flags = i, e.flags&(1<<classShift-1)|uint8(class)<<classShift
+	}
+	ps = b.t.sp.parts(e.class(), e.ext)[:len(ps)+1]
+	p := &ps[len(ps)-1]
+	p.grp = g
+	return &p.m
+}
+
+// compact drops the groups of e that hold nothing, moving a part into the
+// entry if its own masks hold nothing, and frees the parts' array once
+// empty. b.mu is held.
+func (b *blocks) compact(e *entry) {
+	if e.flags&flagSpill == 0 {
+		return
+	}
+	ps := b.t.extra(e)
+	n := 0
+	for _, p := range ps {
+		if p.m != (masks{}) {
+			ps[n] = p
+			n++
+		}
+	}
+	if e.m == (masks{}) && n > 0 {
+		n--
+		e.m, e.grp = ps[n].m, ps[n].grp
+	}
+	for k := n; k < len(ps); k++ {
+		ps[k] = part{grp: noGroup}
+	}
+	if n == 0 {
+		b.t.sp.release(e.class(), e.ext)
+		e.flags &= flagUsed | flagRedis
+		e.ext = 0
 	}
 }
 
-// clear records that the worker of bit no longer holds key in tier; for
-// Redis, that the shared tier no longer holds it.
-func (b *blocks) clear(key, bit uint64, tier Tier) {
-	i := b.t.find(key)
-	if i == none {
+// set records that h holds key in tier, confirming a prediction.
+func (b *blocks) set(key uint64, h holder, tier Tier) {
+	e := b.t.at(b.upsert(key))
+	if tier == TierRedis {
+		e.flags |= flagRedis
 		return
 	}
+	m := b.masks(e, h.grp, true)
+	if tier == TierCPU {
+		m[maskCPU] |= h.bit
+	} else {
+		m[maskGPU] |= h.bit
+	}
+	m[maskPred] &^= h.bit
+}
+
+// clear records that h no longer holds key in tier; for Redis, that the
+// shared tier no longer holds it.
+func (b *blocks) clear(key uint64, h holder, tier Tier) {
+	if i := b.t.find(key); i != none {
+		b.clearAt(i, h, tier)
+	}
+}
+
+// clearAt is clear of entry i.
+func (b *blocks) clearAt(i uint32, h holder, tier Tier) {
 	e := b.t.at(i)
 	switch tier {
 	case TierRedis:
 		e.flags &^= flagRedis
-	case TierCPU:
-		e.cpu &^= bit
 	default:
-		e.gpu &^= bit
-		e.pred &^= bit
+		m := b.masks(e, h.grp, false)
+		if m == nil {
+			return
+		}
+		if tier == TierCPU {
+			m[maskCPU] &^= h.bit
+		} else {
+			m[maskGPU] &^= h.bit
+			m[maskPred] &^= h.bit
+		}
+		if *m == (masks{}) {
+			b.compact(e)
+		}
 	}
 	b.dropIfEmpty(i)
 }
 
 // upsert returns key's entry, touched, inserting it (and evicting the
-// least recently touched entry if full) if absent.
+// least recently touched entries if full) if absent.
 func (b *blocks) upsert(key uint64) uint32 {
 	if i := b.t.find(key); i != none {
 		b.t.touch(i)
 		return i
 	}
-	for b.t.n >= b.max && b.t.tail != none {
+	for b.over(1) && b.t.tail != none {
 		b.t.remove(b.t.tail)
 		b.evicted++
 	}
 	return b.t.insert(key)
 }
 
+// dropIfEmpty forgets entry i if nothing holds its block.
 func (b *blocks) dropIfEmpty(i uint32) {
 	e := b.t.at(i)
-	if e.gpu|e.cpu|e.pred == 0 && e.flags&flagRedis == 0 {
+	if e.flags&(flagSpill|flagRedis) == 0 && e.m == (masks{}) {
 		b.t.remove(i)
 	}
 }
 
-// clearSlot clears slot's GPU and CPU bits, and its predictions too if
-// pred, from every entry. It scans the slab: about a millisecond per
-// million blocks. b.mu is held.
-func (b *blocks) clearSlot(slot int, pred bool) {
-	mask := ^(uint64(1) << slot)
-	for i := uint32(0); i < b.t.hi; i++ {
+// clearSlot clears h's GPU and CPU bits, and its predictions too if pred,
+// from every entry. It scans the slab: about a millisecond per million
+// blocks. b.mu is held.
+func (b *blocks) clearSlot(h holder, pred bool) { b.clearRange(h, pred, 0, b.t.hi) }
+
+// scanChunk is how many entries clearSlotChunked scans per taking of the
+// lock: a lookup waits a millisecond or less, not a scan of the whole
+// fleet's table.
+const scanChunk = 1 << 16
+
+// clearSlotChunked is clearSlot taking the lock scanChunk entries at a
+// time. Only h's own events may set its GPU and CPU bits meanwhile, and
+// the caller applies none.
+func (b *blocks) clearSlotChunked(h holder, pred bool) {
+	for from := uint32(0); ; from += scanChunk {
+		b.mu.Lock()
+		hi := b.t.hi
+		if from < hi {
+			b.clearRange(h, pred, from, min(from+scanChunk, hi))
+		}
+		b.mu.Unlock()
+		if from+scanChunk >= hi {
+			return
+		}
+	}
+}
+
+// clearRange is clearSlot of the entries from up to to. b.mu is held.
+func (b *blocks) clearRange(h holder, pred bool, from, to uint32) {
+	keep := ^h.bit
+	for i := from; i < to; i++ {
 		e := b.t.at(i)
 		if e.flags&flagUsed == 0 {
 			continue
 		}
-		e.gpu &= mask
-		e.cpu &= mask
+		m := b.masks(e, h.grp, false)
+		if m == nil {
+			continue
+		}
+		m[maskGPU] &= keep
+		m[maskCPU] &= keep
 		if pred {
-			e.pred &= mask
+			m[maskPred] &= keep
+		}
+		if *m == (masks{}) {
+			b.compact(e)
 		}
 		b.dropIfEmpty(i)
 	}
@@ -169,154 +308,45 @@ func (b *blocks) clearSlot(slot int, pred bool) {
 // whole prompt's hundreds of blocks.
 const writeChunk = 64
 
-// predict marks keys as predicted on the worker of bit until until, and
-// returns how many of them the worker held in no tier. It marks them from
-// the first, writeChunk at a time, so a lookup in between sees a leading
-// part of the chain predicted, which is a prefix like any other.
-func (b *blocks) predict(keys []uint64, bit uint64, now, until int64) (added int64) {
+// predict marks keys as predicted on h until until (Unix nanoseconds), and
+// returns how many of them h held in no tier. It marks them from the
+// first, writeChunk at a time, so a lookup in between sees a leading part
+// of the chain predicted, which is a prefix like any other.
+func (b *blocks) predict(keys []uint64, h holder, now, until int64) (added int64) {
+	nowMS, untilMS := millis(now), millisUp(until)
 	for len(keys) > 0 {
 		chunk := keys[:min(len(keys), writeChunk)]
 		keys = keys[len(chunk):]
 		b.mu.Lock()
 		for _, k := range chunk {
 			e := b.t.at(b.upsert(k))
-			if e.predUntil <= now {
-				e.pred = 0
+			if e.until() <= nowMS {
+				b.expire(e)
 			}
-			if (e.gpu|e.cpu|e.pred)&bit == 0 {
+			m := b.masks(e, h.grp, true)
+			if (m[maskGPU]|m[maskCPU]|m[maskPred])&h.bit == 0 {
 				added++
 			}
-			e.pred |= bit
-			e.predUntil = until
+			m[maskPred] |= h.bit
+			e.setUntil(untilMS)
 		}
+		b.trim()
 		b.mu.Unlock()
 	}
 	return added
 }
 
-// holders returns the tiers' sets of the workers in alive holding key at
-// now (see Match), Redis only for those in redisOK. b.mu is held.
-func (b *blocks) holders(key, alive, redisOK uint64, now int64) (g, c, r uint64) {
-	if i := b.t.find(key); i != none {
-		e := b.t.at(i)
-		g = e.gpu
-		if now < e.predUntil {
-			g |= e.pred
-		}
-		g &= alive
-		c = e.cpu &^ g & alive
-		if e.flags&flagRedis != 0 {
-			r = alive &^ (g | c) & redisOK
-		}
-	}
-	return g, c, r
-}
+// millis returns the Unix milliseconds of Unix nanoseconds ns, rounded
+// down; millisUp rounds up, so that a prediction lasts at least its TTL.
+func millis(ns int64) int64   { return max(ns, 0) / 1e6 }
+func millisUp(ns int64) int64 { return (max(ns, 0) + 1e6 - 1) / 1e6 }
 
-// counts are, per slot, the leading blocks found in GPU, CPU and Redis.
-type counts [MaxWorkers][3]int32
-
-// walkStride is walk's first leap along a prompt. A worker that holds a
-// block holds the blocks before it: engines match cached prefixes block by
-// block from the start, so a block past a missing one is of no use, and
-// their caches evict a chain from its end (its first blocks are touched
-// whenever a later one is). So the holders of a prompt's blocks, tier by
-// tier, change only a few times along it, and where the holders of two
-// blocks are the same, so are those of every block between. walk gallops:
-// from a block it reads the blocks walkStride, 3×walkStride, 7×walkStride…
-// ahead while their holders stay the same, then bisects the last leap down
-// to walkStride blocks and reads those one by one to find where they
-// change. On an index too large for the CPU's caches each
-// block read costs a cache miss or two; a prompt of 8,000 tokens has 500
-// blocks, and one whose holders do not change costs seven reads.
-const walkStride = 8
-
-// walk counts, for the slots in alive, the request's leading blocks found
-// in each tier (see Match), Redis only for the slots in redisOK, and
-// reports whether any of them holds the first. It holds the read lock and
-// does not allocate.
-func (b *blocks) walk(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
-	b.mu.RLock()
-	defer b.mu.RUnlock()
-	return b.walkLocked(keys, alive, redisOK, now, cnt)
-}
-
-// walkLocked is walk with the read lock held.
-func (b *blocks) walkLocked(keys []uint64, alive, redisOK uint64, now int64, cnt *counts) bool {
-	holders := func(k, alive uint64) (g, c, r uint64) { return b.holders(k, alive, redisOK, now) }
-	n := len(keys)
-	if n == 0 {
-		return false
+// expire drops e's predictions, which have expired. b.mu is held.
+func (b *blocks) expire(e *entry) {
+	e.m[maskPred] = 0
+	ps := b.t.extra(e)
+	for k := range ps {
+		ps[k].m[maskPred] = 0
 	}
-	// The run from block j has holders g, c, r; a worker that drops out
-	// of it never counts again (alive narrows). Most tables of a large
-	// fleet's hold none of the first block: one probe for those.
-	j := 0
-	g, c, r := holders(keys[0], alive)
-	if g|c|r == 0 {
-		return false
-	}
-	for g|c|r != 0 {
-		alive = g | c | r
-		// lo: the last block known to have the run's holders; hi: the
-		// first known not to (n: none), whose holders are ng, nc, nr.
-		lo, hi := j, n
-		var ng, nc, nr uint64
-		if b.t.warmGallop(keys, lo, walkStride, false) == 0x5eed {
-			b.warmed.Add(1)
-		}
-		for step := walkStride; lo < n-1; step *= 2 {
-			p := min(lo+step, n-1)
-			pg, pc, pr := holders(keys[p], alive)
-			if pg != g || pc != c || pr != r {
-				hi, ng, nc, nr = p, pg, pc, pr
-				break
-			}
-			lo = p
-		}
-		for hi < n && hi-lo > walkStride {
-			if b.t.warmBisect(keys, lo, hi, walkStride) == 0x5eed {
-				b.warmed.Add(1)
-			}
-			for range bisectLevels {
-				if hi-lo <= walkStride {
-					break
-				}
-				mid := lo + (hi-lo)/2
-				mg, mc, mr := holders(keys[mid], alive)
-				if mg == g && mc == c && mr == r {
-					lo = mid
-				} else {
-					hi, ng, nc, nr = mid, mg, mc, mr
-				}
-			}
-		}
-		// The last walkStride blocks block by block: exact where a cache
-		// has a hole (a block dropped from a tier in mid-chain).
-		if hi < n && hi-lo > 1 {
-			if b.t.warm(keys[lo+1:hi]) == 0x5eed {
-				b.warmed.Add(1)
-			}
-			for k := lo + 1; k < hi; k++ {
-				if kg, kc, kr := holders(keys[k], alive); kg != g || kc != c || kr != r {
-					hi, ng, nc, nr = k, kg, kc, kr
-					break
-				}
-			}
-		}
-		run := int32(hi - j)
-		for m := g; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][0] += run
-		}
-		for m := c; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][1] += run
-		}
-		for m := r; m != 0; m &= m - 1 {
-			cnt[bits.TrailingZeros64(m)][2] += run
-		}
-		if hi >= n {
-			return true
-		}
-		j, g, c, r = hi, ng, nc, nr
-	}
-	return true
+	b.compact(e)
 }

@@ -22,14 +22,13 @@
 // past it). When full, the least recently touched block
 // (stored, moved or predicted; entries touched within the latest eighth of
 // the cap's worth of touches keep their place) is forgotten. Workers
-// occupy one of MaxWorkers slots of a group each, so per-block holder sets
-// are 64-bit masks; a fleet of more than MaxWorkers takes several groups,
-// each with its own block table and lock, and its share of the cap in
-// proportion to its workers (a block held in several groups takes an
-// entry in each, and a full group forgets its own least recently touched
-// block). A lookup walks the prompt once whatever the groups: each block it
-// visits is read in every group's table that still holds the prompt, the
-// reads overlapping (walk.go).
+// occupy one of MaxWorkers slots of a group each, and a block's holders
+// in one group are 64-bit masks in its entry; the whole fleet shares one
+// table, so a lookup reads each block it visits once whatever the fleet's
+// size. A block held in several groups (a fleet of more than MaxWorkers)
+// keeps a 32-byte part per further group in an array of a second
+// pointer-free slab, which the cap counts as half a block each (see
+// blocks.over).
 package kvindex
 
 import (
@@ -42,7 +41,7 @@ import (
 )
 
 // MaxWorkers is the number of workers of one group: the workers whose
-// blocks share a block table, one bit each in its holder masks.
+// holding of a block is one 64-bit mask, one bit each.
 const MaxWorkers = 64
 
 // MaxTracked is the number of workers an Index tracks at once. Blocks of
@@ -50,9 +49,11 @@ const MaxWorkers = 64
 // workers are still routable, with no known cache.
 const MaxTracked = 4096
 
-// BytesPerBlock bounds the memory of one indexed block once the index has
-// grown to it: a 56-byte entry plus at most 16 bytes of hash table (more
-// only while the first slab chunk of 65,536 entries fills).
+// BytesPerBlock bounds the memory of one indexed block held in one group
+// once the index has grown to it: a 56-byte entry plus at most 16 bytes of
+// hash table (more only while the first slab chunk of 65,536 entries
+// fills). A block held in several groups adds 32 bytes per further group,
+// rounded up to a power of two, which the cap counts.
 const BytesPerBlock = entrySize + 16
 
 // Defaults of Config.
@@ -219,12 +220,12 @@ const defaultBlockTokens = 16
 
 // Index is the KV index: the block index (blocks.go) and the per-worker
 // state (workers.go), each under its own locks. Its methods are safe for
-// concurrent use. Locks are taken in the order membership, block table
-// (of one group at a time), worker.
+// concurrent use. Locks are taken in the order membership, block table,
+// worker.
 type Index struct {
 	cfg     Config
 	workers workers
-	blocks  *blocks // the first group's
+	blocks  blocks
 	infos   interned
 }
 
@@ -232,37 +233,24 @@ type Index struct {
 func New(cfg Config) *Index {
 	x := &Index{cfg: cfg.withDefaults()}
 	x.workers.byName = make(map[string]*worker)
-	x.workers.maxBlocks = x.cfg.MaxBlocks
-	x.blocks = &x.workers.newGroup().blocks
+	x.workers.newGroup()
+	x.blocks.init(x.cfg.MaxBlocks)
 	return x
 }
 
-// Len returns the number of blocks indexed: a block held by workers of
-// several groups (see MaxWorkers) counts once in each.
+// Len returns the number of blocks indexed.
 func (x *Index) Len() int {
-	x.workers.mu.RLock()
-	defer x.workers.mu.RUnlock()
-	n := 0
-	for _, g := range x.workers.groups {
-		g.blocks.mu.RLock()
-		n += g.blocks.t.n
-		g.blocks.mu.RUnlock()
-	}
-	return n
+	x.blocks.mu.RLock()
+	defer x.blocks.mu.RUnlock()
+	return x.blocks.t.n
 }
 
 // Evicted returns the number of blocks forgotten because the index was
 // full.
 func (x *Index) Evicted() uint64 {
-	x.workers.mu.RLock()
-	defer x.workers.mu.RUnlock()
-	var n uint64
-	for _, g := range x.workers.groups {
-		g.blocks.mu.RLock()
-		n += g.blocks.evicted
-		g.blocks.mu.RUnlock()
-	}
-	return n
+	x.blocks.mu.RLock()
+	defer x.blocks.mu.RUnlock()
+	return x.blocks.evicted
 }
 
 // AddWorker tracks the worker without a watch stream, so that Predict
@@ -286,7 +274,7 @@ func (x *Index) Learn(name string, c Capacity) error {
 	if err != nil {
 		return err
 	}
-	b := &w.grp.blocks
+	b := &x.blocks
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if w.lrn == nil {
@@ -324,7 +312,8 @@ func (x *Index) SetInfo(name string, info Info) error {
 
 // Apply applies one event of the worker's watch stream. A snapshot
 // replaces every GPU and CPU block the index had for the worker (its
-// predictions stay). Other events must follow in sequence: an event
+// predictions stay); a lookup meanwhile may find some of the blocks it
+// replaces gone before its own are there. Other events must follow in sequence: an event
 // already applied (seq not above the last) is ignored, so Apply is
 // idempotent; one that skips ahead returns ErrGap, and events before the
 // first snapshot return ErrNoSnapshot. In both cases the caller should
@@ -342,20 +331,22 @@ func (x *Index) Apply(name string, ev Event) error {
 	if w == nil {
 		return fmt.Errorf("worker %s: %w", name, ErrNoSnapshot)
 	}
-	bit, b := w.bit(), &w.grp.blocks
+	h, b := w.holder(), &x.blocks
 	if snap := ev.Snapshot; snap != nil {
+		if w.mayHold.Load() {
+			b.clearSlotChunked(h, false)
+		}
 		b.mu.Lock()
 		if w.lrn != nil {
-			w.lrn.clear(b, bit)
+			w.lrn.clear(b, h)
 		}
-		b.clearSlot(w.slot, false)
 		for i := range snap.Blocks {
-			b.apply(bit, &snap.Blocks[i])
+			if len(snap.Blocks[i].Keys) > 0 {
+				w.mayHeld()
+			}
+			b.apply(h, &snap.Blocks[i])
 		}
 		b.mu.Unlock()
-		for i := range snap.Blocks {
-			x.applyRedisElsewhere(w, &snap.Blocks[i])
-		}
 		w.mu.Lock()
 		w.setLoad(snap.Load, x.cfg.Now().UnixNano())
 		w.synced, w.lastSeq = true, ev.Seq
@@ -382,24 +373,12 @@ func (x *Index) Apply(name string, ev Event) error {
 	}
 	w.mu.Unlock()
 	if ev.Cache != nil {
-		b.applyChunked(bit, ev.Cache)
-		x.applyRedisElsewhere(w, ev.Cache)
+		if len(ev.Cache.Keys) > 0 {
+			w.mayHeld()
+		}
+		b.applyChunked(h, ev.Cache)
 	}
 	return nil
-}
-
-// applyRedisElsewhere applies a store in or removal from the shared Redis
-// tier, which holds blocks for the whole fleet, to the block tables of the
-// groups other than w's. x.workers.mu is held.
-func (x *Index) applyRedisElsewhere(w *worker, ce *CacheEvent) {
-	if ce.Tier != TierRedis || ce.Kind == Moved || len(x.workers.groups) == 1 {
-		return
-	}
-	for _, g := range x.workers.groups {
-		if g != w.grp {
-			g.blocks.applyChunked(0, ce)
-		}
-	}
 }
 
 // RemoveWorker forgets the worker: its blocks, predictions, load and
@@ -411,10 +390,12 @@ func (x *Index) RemoveWorker(name string) {
 	if w == nil {
 		return
 	}
-	b := &w.grp.blocks
-	b.mu.Lock()
-	b.clearSlot(w.slot, true)
-	b.mu.Unlock()
+	if w.mayHold.Load() {
+		b := &x.blocks
+		b.mu.Lock()
+		b.clearSlot(w.holder(), true)
+		b.mu.Unlock()
+	}
 	x.workers.remove(w)
 }
 
@@ -478,11 +459,14 @@ func (x *Index) Shared(name string, keys []uint64) bool {
 // x.workers.mu is held.
 func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) {
 	all := int64(len(keys))
+	if all > 0 {
+		w.mayHeld()
+	}
 	var added int64
 	if w.learning() {
 		added = x.learn(w, keys, busy)
 	} else {
-		added = w.grp.blocks.predict(keys, w.bit(), now, now+int64(x.cfg.PredictTTL))
+		added = x.blocks.predict(keys, w.holder(), now, now+int64(x.cfg.PredictTTL))
 	}
 	w.held(all-added, gen)
 }
@@ -496,7 +480,7 @@ func (x *Index) learn(w *worker, keys []uint64, busy bool) int64 {
 	w.mu.Lock()
 	load := w.load
 	w.mu.Unlock()
-	b := &w.grp.blocks
+	b := &x.blocks
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	l := w.lrn
@@ -510,7 +494,9 @@ func (x *Index) learn(w *worker, keys []uint64, busy bool) int64 {
 	if blocks <= 0 {
 		blocks = DefaultLearnedBlocks
 	}
-	return l.record(b, w.bit(), keys, prompts, blocks, busy)
+	added := l.record(b, w.holder(), keys, prompts, blocks, busy)
+	b.trim()
+	return added
 }
 
 // Finished reports the end of a request Predict recorded on a learned
@@ -528,10 +514,10 @@ func (x *Index) Finished(name string, keys []uint64, u Usage) {
 	w.mu.Lock()
 	bt := w.blockTokens
 	w.mu.Unlock()
-	b := &w.grp.blocks
+	b := &x.blocks
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	w.lrn.finish(b, w.bit(), keys, u, bt)
+	w.lrn.finish(b, w.holder(), keys, u, bt)
 }
 
 // Prefilled records that a request routed to the worker has been prefilled
@@ -585,11 +571,10 @@ type MatchVisitor interface {
 }
 
 // Visit hands v what each of workers would find of the request whose
-// block keys are keys (see Match). It walks the keys once, under the read
-// locks of the block tables (see MaxWorkers) in which some of the workers
-// hold the first block (one probe for the others), then reads each
-// worker's state without the worker's lock (see published): the walk may
-// wait for a write to a table, and the load and pending tokens it reports
+// block keys are keys (see Match). It walks the keys once, under the
+// block table's read lock (one probe when none of the workers holds the
+// first block), then reads each worker's state without the worker's lock
+// (see published): the walk may wait for a write to the table, and the load and pending tokens it reports
 // then count the requests Predict recorded meanwhile (a burst's picks
 // queued behind one write would otherwise all see none). It does not
 // allocate once warm, and costs about 25 ns per worker plus 10–20 ns per
@@ -611,8 +596,8 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 	}
 	found := ls.found[:len(workers)]
 	defer clear(found)
-	groups := ls.groups[:len(x.workers.groups)]
-	clear(groups)
+	ws, ngroups := &ls.walk, len(x.workers.groups)
+	ws.reset(ngroups)
 	// The hints, then the workers they name: each pass's loads are
 	// independent of one another, so that on a cold cache their misses
 	// overlap.
@@ -625,25 +610,15 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 		if w == nil {
 			continue
 		}
-		g := &groups[w.grp.id]
+		g := &ws.g[w.grp.id]
 		g.alive |= w.bit()
 		if w.redisTier.Load() {
 			g.redisOK |= w.bit()
 		}
 	}
 	if len(keys) > 0 {
-		gs := ls.walk[:0]
-		for k := range groups {
-			if g := &groups[k]; g.alive != 0 {
-				g.walked = true
-				gs = append(gs, walkGroup{b: &x.workers.groups[k].blocks, alive: g.alive, redisOK: g.redisOK, cnt: &ls.cnt[k]})
-			}
-		}
-		if len(gs) == 1 {
-			gs[0].b.walk(keys, gs[0].alive, gs[0].redisOK, now, gs[0].cnt)
-		} else {
-			walkGroups(gs, keys, now)
-		}
+		ws.start(ngroups)
+		x.blocks.walk(ws, keys, now)
 	}
 	fill := func(m *Match, w *worker) {
 		if w == nil {
@@ -651,8 +626,8 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 			return
 		}
 		w.match(m, now, &x.cfg)
-		if groups[w.grp.id].walked {
-			c := &ls.cnt[w.grp.id][w.slot]
+		if ws.g[w.grp.id].held&w.bit() != 0 {
+			c := &ws.cnt[w.grp.id][w.slot]
 			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 		}
 	}
@@ -666,11 +641,9 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 		fill(&ls.one, w)
 		v.VisitMatch(i, &ls.one)
 	}
-	for k := range groups {
-		if g := &groups[k]; g.walked {
-			for m := g.alive; m != 0; m &= m - 1 {
-				ls.cnt[k][bits.TrailingZeros64(m)] = [3]int32{}
-			}
+	for k := range ngroups {
+		for m := ws.g[k].held; m != 0; m &= m - 1 {
+			ws.cnt[k][bits.TrailingZeros64(m)] = [3]int32{}
 		}
 	}
 	lookupScratchPool.Put(ls)
@@ -688,9 +661,9 @@ type Overlap struct {
 // prompt's first block in its GPU or CPU tier, or is predicted to, and
 // returns it. It is the sparse match a router that keeps the workers'
 // load apart needs (Dynamo's indexer answers such queries): one walk of
-// the prompt over the block tables in which some worker holds the first
-// block, one probe for the others, and no worker's state read. Blocks only the
-// shared Redis tier holds are not counted. It does not allocate when out
+// the prompt (one probe when no worker holds its first block), and no
+// worker's state read. Blocks only the shared Redis tier holds are not
+// counted. It does not allocate when out
 // has room.
 func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 	if len(keys) == 0 {
@@ -700,27 +673,19 @@ func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
-	gs := ls.walk[:0]
-	for _, g := range x.workers.groups {
-		if g.used != 0 {
-			gs = append(gs, walkGroup{grp: g, b: &g.blocks, alive: g.used, cnt: &ls.cnt[len(gs)]})
-		}
+	ws, groups := &ls.walk, x.workers.groups
+	ws.reset(len(groups))
+	for k, g := range groups {
+		ws.g[k].alive = g.used
 	}
-	if len(gs) == 1 {
-		// One table (a fleet of MaxWorkers at most): its walk does not say
-		// whose counts it wrote.
-		if gs[0].b.walk(keys, gs[0].alive, 0, now, gs[0].cnt) {
-			gs[0].held = gs[0].alive
-		}
-	} else {
-		walkGroups(gs, keys, now)
-	}
-	for _, w := range gs {
-		for m := w.held; m != 0; m &= m - 1 {
+	ws.start(len(groups))
+	x.blocks.walk(ws, keys, now)
+	for k, g := range groups {
+		for m := ws.g[k].held; m != 0; m &= m - 1 {
 			s := bits.TrailingZeros64(m)
-			c := &w.cnt[s]
+			c := &ws.cnt[k][s]
 			if c[0]+c[1] > 0 {
-				out = append(out, Overlap{Worker: w.grp.slots[s].name, GPU: int(c[0]), CPU: int(c[1])})
+				out = append(out, Overlap{Worker: g.names[s], GPU: int(c[0]), CPU: int(c[1])})
 			}
 			*c = [3]int32{}
 		}
@@ -729,19 +694,14 @@ func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 	return out
 }
 
-// lookupScratch is Lookup's working memory: by group, its workers among
-// those looked up and their counts. Its counts are all zero when it is not
-// in use: who reads a count zeroes it, and a lookup that panics (in a
-// visitor) does not put it back.
+// lookupScratch is Lookup's working memory: the workers looked up and the
+// walk's state. Its counts are all zero when it is not in use: who reads
+// a count zeroes it, and a lookup that panics (in a visitor) does not put
+// it back.
 type lookupScratch struct {
-	found  []*worker
-	groups [maxGroups]struct {
-		alive, redisOK uint64
-		walked         bool // some worker holds the first block
-	}
-	cnt  [maxGroups]counts
-	walk [maxGroups]walkGroup
-	one  Match // Visit's
+	found []*worker
+	walk  walkState
+	one   Match // Visit's
 }
 
 var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

@@ -637,6 +637,9 @@ func TestEntrySize(t *testing.T) {
 	if got := unsafe.Sizeof(entry{}); got != entrySize {
 		t.Errorf("entry is %d bytes, entrySize says %d", got, entrySize)
 	}
+	if got := unsafe.Sizeof(part{}); got != partSize {
+		t.Errorf("part is %d bytes, partSize says %d", got, partSize)
+	}
 }
 
 // Per-worker state stands apart from the block table: a load report, a

@@ -77,11 +77,11 @@ func commonPrefix(a, b []uint64) int {
 	return n
 }
 
-// record records keys on the worker of bit, which keeps at most prompts
+// record records keys on the worker h, which keeps at most prompts
 // chains (0: no limit) and maxBlocks blocks, and, when busy, marks the
 // chain busy until finish. It returns how many of keys the worker held in
 // no chain. b.mu is held for writing.
-func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxBlocks int64, busy bool) (added int64) {
+func (l *learned) record(b *blocks, h holder, keys []uint64, prompts int, maxBlocks int64, busy bool) (added int64) {
 	for _, k := range keys {
 		if l.refs[k] == 0 {
 			added++
@@ -114,7 +114,7 @@ func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxB
 		// The chain grows into this prompt, or the slot whose prompt is
 		// most like it takes it.
 		c = l.chains[best]
-		l.setKeys(b, bit, c, keys)
+		l.setKeys(b, h, c, keys)
 	case prompts > 0 && len(l.chains) >= prompts:
 		// The least recently used idle slot takes it. With every slot
 		// busy the engine defers the request to the first that frees;
@@ -127,10 +127,10 @@ func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxB
 			l.chains[i].busy = 0
 		}
 		c = l.chains[i]
-		l.setKeys(b, bit, c, keys)
+		l.setKeys(b, h, c, keys)
 	default:
 		c = &chain{}
-		l.setKeys(b, bit, c, keys)
+		l.setKeys(b, h, c, keys)
 		l.chains = append(l.chains, c)
 	}
 	if busy {
@@ -139,7 +139,7 @@ func (l *learned) record(b *blocks, bit uint64, keys []uint64, prompts int, maxB
 	l.touch(c)
 	for len(l.chains) > 1 && (int64(len(l.refs)) > maxBlocks || len(l.chains) > maxLearnedChains ||
 		prompts > 0 && len(l.chains) > prompts) {
-		l.drop(b, bit, 0)
+		l.drop(b, h, 0)
 	}
 	return added
 }
@@ -164,39 +164,39 @@ func (l *learned) index(c *chain) int {
 // setKeys makes c hold keys, setting the GPU bits of the blocks the worker
 // now holds and clearing those it no longer does. The new keys are counted
 // first, so that blocks c keeps are never cleared in between.
-func (l *learned) setKeys(b *blocks, bit uint64, c *chain, keys []uint64) {
+func (l *learned) setKeys(b *blocks, h holder, c *chain, keys []uint64) {
 	for _, k := range keys {
 		l.refs[k]++
-		b.set(k, bit, TierGPU) // also touches the block's entry
+		b.set(k, h, TierGPU) // also touches the block's entry
 	}
-	l.unref(b, bit, c.keys)
+	l.unref(b, h, c.keys)
 	c.keys = append(c.keys[:0], keys...)
 }
 
 // unref takes one holder off each of keys.
-func (l *learned) unref(b *blocks, bit uint64, keys []uint64) {
+func (l *learned) unref(b *blocks, h holder, keys []uint64) {
 	for _, k := range keys {
 		switch n := l.refs[k]; {
 		case n > 1:
 			l.refs[k] = n - 1
 		case n == 1:
 			delete(l.refs, k)
-			b.clear(k, bit, TierGPU)
+			b.clear(k, h, TierGPU)
 		}
 	}
 }
 
 // drop forgets chain i.
-func (l *learned) drop(b *blocks, bit uint64, i int) {
+func (l *learned) drop(b *blocks, h holder, i int) {
 	c := l.chains[i]
-	l.unref(b, bit, c.keys)
+	l.unref(b, h, c.keys)
 	l.chains = append(l.chains[:i], l.chains[i+1:]...)
 }
 
 // clear forgets every chain.
-func (l *learned) clear(b *blocks, bit uint64) {
+func (l *learned) clear(b *blocks, h holder) {
 	for len(l.chains) > 0 {
-		l.drop(b, bit, len(l.chains)-1)
+		l.drop(b, h, len(l.chains)-1)
 	}
 }
 
@@ -211,7 +211,7 @@ func (l *learned) clear(b *blocks, bit uint64) {
 // dropped when nothing was found. Chains with requests in flight are left
 // alone: a sibling that arrived while they were prefilling finds less
 // than they will hold.
-func (l *learned) finish(b *blocks, bit uint64, keys []uint64, u Usage, blockTokens int) {
+func (l *learned) finish(b *blocks, h holder, keys []uint64, u Usage, blockTokens int) {
 	// The request's chain holds its keys, or grew from them since.
 	var own *chain
 	for _, c := range l.chains {
@@ -236,10 +236,10 @@ func (l *learned) finish(b *blocks, bit uint64, keys []uint64, u Usage, blockTok
 			continue
 		}
 		if found == 0 {
-			l.drop(b, bit, i)
+			l.drop(b, h, i)
 			continue
 		}
-		l.unref(b, bit, c.keys[found:])
+		l.unref(b, h, c.keys[found:])
 		c.keys = c.keys[:found]
 	}
 }

@@ -209,9 +209,9 @@ func TestRedisAcrossGroups(t *testing.T) {
 	}
 }
 
-// The cap is shared among the groups in proportion to their workers: two
-// full groups hold about MaxBlocks between them, each forgetting its own
-// least recently touched blocks.
+// The cap bounds the blocks of the whole fleet, whatever the groups: two
+// full groups hold at most MaxBlocks between them, the least recently
+// touched forgotten first.
 func TestCapSharedAmongGroups(t *testing.T) {
 	const capBlocks = 4096
 	x := New(Config{MaxBlocks: capBlocks})
@@ -222,7 +222,7 @@ func TestCapSharedAmongGroups(t *testing.T) {
 	if got := x.Len(); got > capBlocks {
 		t.Errorf("Len = %d, want at most %d", got, capBlocks)
 	}
-	// The last worker's blocks, the most recent of its group, are kept.
+	// The last worker's blocks, the most recent, are kept.
 	last := fmt.Sprintf("w%03d", 2*MaxWorkers-1)
 	k := uint64(2*MaxWorkers-1) * 1000
 	if got := lookup(x, keys(k, k+100), last)[last]; got.GPU != 100 {
@@ -412,16 +412,17 @@ func BenchmarkOverlaps(b *testing.B) {
 }
 
 // A fleet's blocks in several groups are walked once for all of them, yet
-// each worker finds what it finds looked up alone (its group's walk):
-// chains of random lengths in each tier, shortened by removals, with
-// predictions and the Redis tier, prompts of every length. (Where a
-// cache has a hole in mid-chain, a walk that leaps over it counts past
-// it; the walk of several groups reads more blocks, and may not.)
+// each worker finds what it finds looked up alone: chains of random
+// lengths in each tier, shortened by removals, with predictions and the
+// Redis tier, prompts of every length. (Where a cache has a hole in
+// mid-chain, a walk that leaps over it counts past it; a walk for more
+// workers reads more blocks, and may not.)
 func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 	now := time.Unix(1000, 0)
 	x := New(Config{Now: func() time.Time { return now }})
 	rng := rand.New(rand.NewPCG(21, 22))
 	names := make([]string, 3*MaxWorkers+5)
+	holed := map[string]bool{}
 	const chain = 300
 	for i := range names {
 		names[i] = fmt.Sprintf("w%03d", i)
@@ -436,12 +437,14 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 		evs = append(evs, stored(gpu, ks[:min(g, len(ks))]), stored(cpu, ks[min(g, len(ks)):]))
 		mustApply(t, x, names[i], snapshot(nil, evs...))
 		seq := uint64(2)
+		cutGPU := false
 		if len(ks) > 0 && rng.IntN(4) == 0 {
 			cut := rng.IntN(len(ks))
 			tier := gpu
 			if cut >= g {
 				tier = cpu
 			}
+			cutGPU = tier == gpu && cut < min(g, len(ks)) && g < len(ks)
 			mustApply(t, x, names[i], event(seq, cache(Removed, tier, ks[cut:])))
 			seq++
 		}
@@ -449,6 +452,9 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 			if err := x.SetInfo(names[i], Info{RedisTier: true}); err != nil {
 				t.Fatal(err)
 			}
+			// The Redis tier fills the hole the cut left before the CPU
+			// blocks: a hole in mid-chain, which walks may see apart.
+			holed[names[i]] = cutGPU
 		}
 		if i == 7 {
 			mustApply(t, x, names[i], event(seq, stored(redis, keys(0, 260))))
@@ -464,7 +470,7 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 		x.Lookup(prompt, names, all)
 		for i, name := range names {
 			x.Lookup(prompt, []string{name}, one)
-			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want {
+			if got, want := (hit{all[i].GPU, all[i].CPU, all[i].Redis}), (hit{one[0].GPU, one[0].CPU, one[0].Redis}); got != want && !holed[name] {
 				t.Fatalf("prompt of %d keys, %s: %+v among all, %+v alone", n, name, got, want)
 			}
 		}
@@ -480,5 +486,92 @@ func TestWalkAcrossGroupsIsEachGroupsWalk(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// newSharedFleet is newScaleFleet's fleet with a prefix of 64 blocks every
+// worker holds besides (a system prompt), and the prompt of the shared
+// benchmarks: that prefix, then 200 blocks the last worker holds after it.
+func newSharedFleet(b *testing.B, workers int) (*scaleFleet, []uint64) {
+	f := newScaleFleet(b, workers, 1<<20)
+	shared := keys(1<<40, 1<<40+64)
+	own := keys(1<<41, 1<<41+200)
+	for w := range workers {
+		if f.seq[w] == 0 {
+			continue
+		}
+		ks := shared
+		if w == workers-1 {
+			ks = append(append([]uint64(nil), shared...), own...)
+		}
+		f.seq[w]++
+		if err := f.x.Apply(f.names[w], event(f.seq[w], stored(gpu, ks))); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return f, append(append([]uint64(nil), shared...), own...)
+}
+
+// BenchmarkSharedOverlaps is the sparse match of a prompt whose first 64
+// blocks every worker holds and whose next 200 one worker holds.
+func BenchmarkSharedOverlaps(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=264", workers), func(b *testing.B) {
+			f, ks := newSharedFleet(b, workers)
+			out := make([]Overlap, 0, workers)
+			b.ReportAllocs()
+			for b.Loop() {
+				out = f.x.Overlaps(ks, out[:0])
+			}
+			b.ReportMetric(float64(len(out)), "holders")
+		})
+	}
+}
+
+// BenchmarkSharedEvent stores and removes 16 blocks of the shared prefix
+// on the workers in turn: blocks every worker holds.
+func BenchmarkSharedEvent(b *testing.B) {
+	for _, workers := range scaleWorkers {
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M", workers), func(b *testing.B) {
+			f, ks := newSharedFleet(b, workers)
+			ce := CacheEvent{Keys: ks[32:48]}
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				w := (i / 2) % workers
+				if f.seq[w] == 0 {
+					w %= MaxWorkers // a worker the index took
+				}
+				ce.Kind = Removed
+				if i%2 == 1 {
+					ce.Kind = Stored
+				}
+				f.seq[w]++
+				if err := f.x.Apply(f.names[w], Event{Seq: f.seq[w], Cache: &ce}); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+		})
+	}
+}
+
+// A snapshot replaces the worker's blocks across the whole table, which
+// it scans a chunk at a time.
+func TestSnapshotClearsEveryChunk(t *testing.T) {
+	x := New(Config{})
+	const n = scanChunk + scanChunk/2
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(0, n))))
+	mustApply(t, x, "b", snapshot(nil, stored(cpu, keys(n-10, n))))
+	mustApply(t, x, "a", snapshot(nil, stored(gpu, keys(2*n, 2*n+10))))
+	if got, want := x.Len(), 20; got != want {
+		t.Errorf("Len = %d after a's second snapshot, want %d", got, want)
+	}
+	got := lookup(x, keys(n-10, n), "a", "b")
+	if got["a"] != (hit{}) || got["b"] != (hit{0, 10, 0}) {
+		t.Errorf("a's old blocks, held by b in CPU: %+v", got)
+	}
+	if got := lookup(x, keys(2*n, 2*n+10), "a")["a"]; got != (hit{10, 0, 0}) {
+		t.Errorf("a's new blocks: %+v", got)
 	}
 }

@@ -1,33 +1,141 @@
 package kvindex
 
 // The block table: an open-addressing hash table of uint32 entry indexes
-// over a slab of fixed-size entries, with an intrusive LRU list. No entry
-// holds a pointer, so the garbage collector never scans the slab, and the
-// memory per block is the entry (entrySize) plus 8 to 16 bytes of table
-// (4-byte slots at a load factor between 1/4 and 1/2).
+// over a slab of fixed-size entries, with an intrusive LRU list, and a
+// slab of parts for the blocks held in several groups (see part). No entry
+// nor part holds a pointer, so the garbage collector never scans the
+// slabs, and the memory per block is the entry (entrySize) plus 8 to 16
+// bytes of table (4-byte slots at a load factor between 1/4 and 1/2), plus
+// its parts' for a block held in several groups.
 
 import (
 	"math/bits"
 )
 
-// entry is one indexed block: which worker slots hold it in GPU and CPU,
-// which slots are predicted to hold it (and until when), and whether the
-// shared Redis tier holds it.
+// entry is one indexed block: which workers hold it in GPU and CPU, which
+// are predicted to hold it (and until when), and whether the shared Redis
+// tier holds it. Its holders of one group (the usual block, and every
+// block of a fleet of MaxWorkers at most) are masks of that group's slots
+// in the entry itself; a block held in several groups is spilled: the
+// masks of its further groups, a part each, sit in an array of the part
+// slab that ext locates.
 type entry struct {
-	key       uint64
-	gpu, cpu  uint64 // bit i: worker slot i holds the block in that tier
-	pred      uint64 // bit i: predicted on slot i, valid while now < predUntil
-	predUntil int64  // Unix nanoseconds
-	prev      uint32 // LRU neighbours (towards the head: more recent)
-	next      uint32 // also the free-list link of a free entry
-	stamp     uint32 // table.tick when last moved to the head
-	flags     uint8
+	key     uint64
+	m       masks  // of group grp
+	prev    uint32 // LRU neighbours (towards the head: more recent)
+	next    uint32 // also the free-list link of a free entry
+	stamp   uint32 // table.tick when last moved to the head
+	ext     uint32 // spilled: the parts' array, of size class flags>>classShift
+	untilLo uint32 // the predictions' expiry (see until), for every group's
+	untilHi uint16
+	grp     uint8
+	flags   uint8
 }
 
+// masks are one group's holders of a block: bit i for slot i.
+type masks [3]uint64
+
+// Masks.
 const (
-	flagUsed  = 1 << iota // the entry holds a block (else it is free)
-	flagRedis             // the shared Redis tier holds the block
+	maskGPU  = iota // holds the block in its GPU tier
+	maskCPU         // in its CPU tier
+	maskPred        // is predicted to hold it in GPU, while now < the entry's until
 )
+
+const (
+	flagUsed   = 1 << iota // the entry holds a block (else it is free)
+	flagRedis              // the shared Redis tier holds the block
+	flagSpill              // further groups' masks are in ext's parts
+	classShift = 4         // flags>>classShift: ext's size class
+)
+
+// until returns the predictions' expiry, in Unix milliseconds (48 bits:
+// an entry has no room for nanoseconds).
+func (e *entry) until() int64 { return int64(e.untilHi)<<32 | int64(e.untilLo) }
+
+func (e *entry) setUntil(ms int64) { e.untilHi, e.untilLo = uint16(ms>>32), uint32(ms) }
+
+// class returns the size class of ext.
+func (e *entry) class() int { return int(e.flags >> classShift) }
+
+// part is a spilled block's masks of one group beyond the entry's.
+type part struct {
+	m   masks
+	grp uint8 // noGroup: unused, as are the parts after it
+}
+
+const noGroup = 0xff
+
+// partSize is the size of a part in the slab, in bytes.
+const partSize = 32
+
+// Spilled blocks' parts sit in arrays of 1, 2, 4 … 64 parts (spillClasses
+// sizes), each size in its own chunked slab with its own free list, so
+// that an array never straddles a chunk and a freed one is reused whole.
+// A block gaining a group past its array's size moves to the next size.
+const spillClasses = 7
+
+// spill is the part slabs.
+type spill struct {
+	class [spillClasses]struct {
+		chunks [][]part
+		hi     uint32 // arrays ever allocated
+		free   uint32 // head of the free list (in the first part's masks), or none
+	}
+	used int // parts in the arrays in use, whether holding a group or not
+}
+
+// parts returns the array i of class.
+func (sp *spill) parts(class int, i uint32) []part {
+	size := uint32(1) << class
+	off := i << class
+	c := sp.class[class].chunks[off>>chunkBits]
+	off &= chunkMask
+	return c[off : off+size : off+size]
+}
+
+// alloc returns a free array of class's size, every part unused.
+func (sp *spill) alloc(class int) uint32 {
+	c := &sp.class[class]
+	sp.used += 1 << class
+	i := c.free
+	if i != none {
+		c.free = uint32(sp.parts(class, i)[0].m[0])
+	} else {
+		i = c.hi
+		if (i<<class)&chunkMask == 0 {
+			c.chunks = append(c.chunks, make([]part, 1<<chunkBits))
+		}
+		c.hi++
+	}
+	ps := sp.parts(class, i)
+	for k := range ps {
+		ps[k] = part{grp: noGroup}
+	}
+	return i
+}
+
+// release frees the array i of class.
+func (sp *spill) release(class int, i uint32) {
+	c := &sp.class[class]
+	sp.used -= 1 << class
+	sp.parts(class, i)[0] = part{m: masks{uint64(c.free)}, grp: noGroup}
+	c.free = i
+}
+
+// extra returns e's parts in use (none unless spilled).
+func (t *table) extra(e *entry) []part {
+	if e.flags&flagSpill == 0 {
+		return nil
+	}
+	ps := t.sp.parts(e.class(), e.ext)
+	for k := range ps {
+		if ps[k].grp == noGroup {
+			return ps[:k]
+		}
+	}
+	return ps
+}
 
 // entrySize is the size of an entry in the slab, in bytes.
 const entrySize = 56
@@ -57,6 +165,7 @@ type table struct {
 	// blocks cost no list surgery.
 	tick  uint32
 	fresh uint32
+	sp    spill
 }
 
 func (t *table) init(maxBlocks int) {
@@ -64,6 +173,9 @@ func (t *table) init(maxBlocks int) {
 	t.slots = make([]uint32, minTable)
 	t.shift = 64 - uint(bits.TrailingZeros(minTable))
 	t.free, t.head, t.tail = none, none, none
+	for c := range t.sp.class {
+		t.sp.class[c].free = none
+	}
 }
 
 // at returns entry i.
@@ -91,25 +203,20 @@ func (t *table) find(key uint64) uint32 {
 // keeps in flight.
 const warmBatch = 16
 
-// warm loads the slots, then the entries, of up to warmBatch keys, so that
-// their finds that follow hit the cache. The loads of each pass are
-// independent, so the CPU overlaps their cache misses instead of taking
-// them one by one; on a large index this makes a cold lookup several times
-// faster. It returns a value derived from the loads, which the caller must
-// use so that the compiler keeps them.
+// warm loads the slots, then the entries, of up to warmBatch keys (and a
+// spilled entry's first parts), so that their finds that follow hit the
+// cache. The loads of each pass are independent, so the CPU overlaps their
+// cache misses instead of taking them one by one; on a large index this
+// makes a cold lookup several times faster. It returns a value derived
+// from the loads, which the caller must use so that the compiler keeps
+// them.
 func (t *table) warm(keys []uint64) uint64 {
 	var idx [warmBatch]uint32
 	keys = keys[:min(len(keys), warmBatch)]
 	for j, k := range keys {
 		idx[j] = t.slots[t.home(k)]
 	}
-	var sink uint64
-	for _, v := range idx[:len(keys)] {
-		if v != 0 {
-			sink += t.at(v - 1).key
-		}
-	}
-	return sink
+	return t.warmEntries(idx[:len(keys)])
 }
 
 // warmAt is warm over the keys at positions pos (at most warmBatch).
@@ -119,10 +226,45 @@ func (t *table) warmAt(keys []uint64, pos []int) uint64 {
 	for j, p := range pos {
 		idx[j] = t.slots[t.home(keys[p])]
 	}
+	return t.warmEntries(idx[:len(pos)])
+}
+
+// warmEntries is warm's loads of the entries of the slots' values idx,
+// then of the spilled ones' parts.
+func (t *table) warmEntries(idx []uint32) uint64 {
 	var sink uint64
-	for _, v := range idx[:len(pos)] {
+	var spilled [warmBatch]*entry
+	n := 0
+	for _, v := range idx {
 		if v != 0 {
-			sink += t.at(v - 1).key
+			e := t.at(v - 1)
+			sink += e.key
+			if e.flags&flagSpill != 0 {
+				spilled[n] = e
+				n++
+			}
+		}
+	}
+	for _, e := range spilled[:n] {
+		sink += t.sp.parts(e.class(), e.ext)[0].m[0]
+	}
+	return sink
+}
+
+// warmLinks loads the LRU neighbours of the entries idx (none: absent),
+// as warm does their entries.
+func (t *table) warmLinks(idx []uint32) uint64 {
+	var sink uint64
+	for _, i := range idx {
+		if i == none {
+			continue
+		}
+		e := t.at(i)
+		if e.prev != none {
+			sink += uint64(t.at(e.prev).stamp)
+		}
+		if e.next != none {
+			sink += uint64(t.at(e.next).stamp)
 		}
 	}
 	return sink
@@ -261,6 +403,9 @@ shift:
 		}
 	}
 	t.unlink(i)
+	if e.flags&flagSpill != 0 {
+		t.sp.release(e.class(), e.ext)
+	}
 	*e = entry{next: t.free}
 	t.free = i
 	t.n--

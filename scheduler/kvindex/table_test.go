@@ -1,6 +1,7 @@
 package kvindex
 
 import (
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -27,6 +28,94 @@ func TestBisectKeysCoverEveryPath(t *testing.T) {
 					hi = mid
 				}
 			}
+		}
+	}
+}
+
+// A block's holders in several groups spill to parts and come back into
+// the entry as groups leave it: checked against a model under random
+// stores, removals and workers' removals, with the cap's count of parts.
+func TestSpilledHolders(t *testing.T) {
+	var b blocks
+	b.init(1 << 20)
+	type tiers struct{ gpu, cpu uint64 }
+	model := map[uint64]map[uint8]tiers{}
+	rng := rand.New(rand.NewPCG(3, 4))
+	const groups = 9
+	for i := range 100000 {
+		k := rng.Uint64N(64)
+		h := holder{grp: uint8(rng.IntN(groups)), bit: 1 << rng.IntN(3)}
+		tier := Tier(rng.IntN(2))
+		m := model[k]
+		if m == nil {
+			m = map[uint8]tiers{}
+			model[k] = m
+		}
+		ts := m[h.grp]
+		switch op := rng.IntN(100); {
+		case op < 50:
+			b.set(k, h, tier)
+			if tier == TierCPU {
+				ts.cpu |= h.bit
+			} else {
+				ts.gpu |= h.bit
+			}
+		case op < 99:
+			b.clear(k, h, tier)
+			if tier == TierCPU {
+				ts.cpu &^= h.bit
+			} else {
+				ts.gpu &^= h.bit
+			}
+		default:
+			b.clearSlot(h, true)
+			for _, m := range model {
+				if ts, ok := m[h.grp]; ok {
+					m[h.grp] = tiers{ts.gpu &^ h.bit, ts.cpu &^ h.bit}
+				}
+			}
+			ts = m[h.grp]
+			ts.gpu &^= h.bit
+			ts.cpu &^= h.bit
+		}
+		m[h.grp] = ts
+		if i%1000 != 0 {
+			continue
+		}
+		n, parts := 0, 0
+		for k, m := range model {
+			held := 0
+			for _, ts := range m {
+				if ts.gpu|ts.cpu != 0 {
+					held++
+				}
+			}
+			j := b.t.find(k)
+			if (j != none) != (held > 0) {
+				t.Fatalf("op %d: block %d indexed %t, held in %d groups", i, k, j != none, held)
+			}
+			if j == none {
+				continue
+			}
+			n++
+			e := b.t.at(j)
+			if spilled := e.flags&flagSpill != 0; spilled != (held > 1) {
+				t.Fatalf("op %d: block %d held in %d groups, spilled %t", i, k, held, spilled)
+			} else if spilled {
+				parts += len(b.t.sp.parts(e.class(), e.ext))
+			}
+			for g := range uint8(groups) {
+				var got tiers
+				if ms := b.masks(e, g, false); ms != nil {
+					got = tiers{ms[maskGPU], ms[maskCPU]}
+				}
+				if want := m[g]; got != want {
+					t.Fatalf("op %d: block %d, group %d: %+v, want %+v", i, k, g, got, want)
+				}
+			}
+		}
+		if b.t.n != n || b.t.sp.used != parts {
+			t.Fatalf("op %d: %d entries and %d parts, want %d and %d", i, b.t.n, b.t.sp.used, n, parts)
 		}
 	}
 }

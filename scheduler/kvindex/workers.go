@@ -44,10 +44,24 @@ type worker struct {
 
 	corrMu sync.Mutex // serializes ObserveTTFT's updates
 
+	// mayHold is set once the worker may hold a block in the table (an
+	// event or a prediction put it there): until then its snapshot need
+	// not scan the table for its bits.
+	mayHold atomic.Bool
+
 	// isLearned is set once, by Learn; lrn is guarded by the block
 	// table's lock.
 	isLearned atomic.Bool
 	lrn       *learned
+}
+
+// mayHeld records that the worker may hold a block in the table (see
+// mayHold), writing the flag only the first time: lookups read the
+// worker's cache line.
+func (w *worker) mayHeld() {
+	if !w.mayHold.Load() {
+		w.mayHold.Store(true)
+	}
 }
 
 // learning reports whether the worker's blocks are learned (see
@@ -164,6 +178,9 @@ func (w *worker) read(s *state) {
 
 // bit is the worker's bit in its group's holder masks.
 func (w *worker) bit() uint64 { return uint64(1) << w.slot }
+
+// holder is the worker in the block table's holder sets.
+func (w *worker) holder() holder { return holder{grp: uint8(w.grp.id), bit: w.bit()} }
 
 // routedNow returns w.routed decayed to now. w.mu is held.
 func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
@@ -292,31 +309,28 @@ func (w *worker) observe(p, a float64, now int64) {
 	w.correction.Store(next)
 }
 
-// group is MaxWorkers worker slots and the block table of their blocks,
-// whose holder masks have one bit per slot. A fleet larger than
-// MaxWorkers takes several groups: a block held by workers of several
-// groups has an entry in each group's table, and the groups' tables lock,
-// fill and evict apart, so that events of workers of different groups
-// never wait for one another.
+// group is MaxWorkers worker slots, whose workers' bits make up one
+// 64-bit holder mask in the block table. A fleet larger than MaxWorkers
+// takes several groups; a block held in several has a mask for each (see
+// entry).
 type group struct {
-	id     int // in workers.groups
-	blocks blocks
-	slots  [MaxWorkers]*worker // guarded by workers.mu
-	n      int                 // slots in use; guarded by workers.mu
-	used   uint64              // their bits; guarded by workers.mu
+	id    int                 // in workers.groups
+	slots [MaxWorkers]*worker // guarded by workers.mu
+	names [MaxWorkers]string  // the slots' workers' names, which Overlaps reads; guarded by workers.mu
+	n     int                 // slots in use; guarded by workers.mu
+	used  uint64              // their bits; guarded by workers.mu
 }
 
 // workers is the index's membership: which worker holds which slot of
-// which group, whose bit it is in the group's block table's holder masks.
+// which group, whose bit it is in the group's holder masks.
 // It changes when a worker joins or leaves, rarely; readers hold mu's read
 // lock for as long as they use a slot, so that a slot is not reused under
 // them.
 type workers struct {
-	mu        sync.RWMutex
-	byName    map[string]*worker
-	groups    []*group // never shrinks: a group's table outlives its workers
-	n         int      // workers tracked
-	maxBlocks int      // Config.MaxBlocks, shared out among the groups
+	mu     sync.RWMutex
+	byName map[string]*worker
+	groups []*group // never shrinks
+	n      int      // workers tracked
 
 	// hints remembers the worker last found under a name's bytes, indexed
 	// by their address: callers pass the same strings request after
@@ -334,7 +348,6 @@ const maxGroups = MaxTracked / MaxWorkers
 // newGroup adds an empty group. ws.mu is held for writing.
 func (ws *workers) newGroup() *group {
 	g := &group{id: len(ws.groups)}
-	g.blocks.init(ws.maxBlocks)
 	ws.groups = append(ws.groups, g)
 	return g
 }
@@ -388,12 +401,11 @@ func (ws *workers) add(name string) (*worker, error) {
 	for i, o := range g.slots {
 		if o == nil {
 			w := newWorker(name, g, i)
-			g.slots[i] = w
+			g.slots[i], g.names[i] = w, name
 			g.n++
 			g.used |= w.bit()
 			ws.byName[name] = w
 			ws.n++
-			ws.share()
 			return w, nil
 		}
 	}
@@ -403,25 +415,8 @@ func (ws *workers) add(name string) (*worker, error) {
 // remove frees w's slot. ws.mu is held for writing.
 func (ws *workers) remove(w *worker) {
 	delete(ws.byName, w.name)
-	w.grp.slots[w.slot] = nil
+	w.grp.slots[w.slot], w.grp.names[w.slot] = nil, ""
 	w.grp.n--
 	w.grp.used &^= w.bit()
 	ws.n--
-	ws.share()
-}
-
-// share gives each group its share of Config.MaxBlocks, in proportion to
-// its workers: one group takes it all. A group above its new share, as
-// when workers join other groups, forgets its least recently touched
-// blocks down to it. ws.mu is held for writing.
-func (ws *workers) share() {
-	if len(ws.groups) == 1 {
-		return // New's group keeps the whole cap
-	}
-	for _, g := range ws.groups {
-		g.blocks.mu.Lock()
-		g.blocks.setMax(max(1, ws.maxBlocks*g.n/max(ws.n, 1)))
-		g.blocks.trim()
-		g.blocks.mu.Unlock()
-	}
 }

@@ -61,6 +61,7 @@ type options struct {
 	keepUpAt   float64
 	cpuprofile string
 	plotFrom   string
+	prof       *os.File // -cpuprofile's, once created
 }
 
 func main() {
@@ -90,7 +91,7 @@ func parseFlags(args []string) (options, error) {
 	out := fs.String("out", "bench/results/index", "folder for results.csv and the plots (empty: none)")
 	seed := fs.Uint64("seed", 1, "random seed")
 	procs := fs.Int("procs", 1, "GOMAXPROCS (the replay is one goroutine; 1 means one core, the garbage collector included)")
-	prof := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
+	prof := fs.String("cpuprofile", "", "write a CPU profile of the run from the first replay on (the first fill left out) to this file")
 	from := fs.String("plot", "", "plot the results.csv files given (comma-separated) into -out instead of measuring")
 	keep := fs.Float64("keep-up", 0.95, "an offered rate is kept up when achieved ≥ this fraction of it")
 	if err := fs.Parse(args); err != nil {
@@ -198,9 +199,7 @@ func run(w io.Writer, o options) error {
 			return err
 		}
 		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
+		o.prof = f // started by the first replay (see measure)
 		defer pprof.StopCPUProfile()
 	}
 	var recs []workload.MooncakeRecord
@@ -436,6 +435,11 @@ func measure(w io.Writer, o options, kind string, nw, target int, src source) (r
 				done = done && (e.full || !b.indexed[i])
 			}
 		}
+	}
+	if o.prof != nil {
+		// Past the first fill: the profile is the replays' (and the
+		// further configurations' fills); a profile under way stays.
+		_ = pprof.StartCPUProfile(o.prof)
 	}
 	rate := o.start
 	for range o.steps {
