@@ -14,8 +14,8 @@ import (
 const KVAware = "kv_aware"
 
 // errNoIndex: a strategy or scorer that reads the KV index was built
-// without one (Params.Index).
-var errNoIndex = errors.New("needs the scheduler's KV index (Params.Index)")
+// without one (Deps.Index).
+var errNoIndex = errors.New("needs the scheduler's KV index (Deps.Index)")
 
 // tieTolerance is the relative difference under which two workers' scores
 // tie (see NewKVAware for what breaks the tie): estimates built from load
@@ -64,7 +64,7 @@ const (
 	replicateHorizon = 8
 )
 
-// NewKVAware returns the kv_aware profile over p.Index, which the watch
+// NewKVAware returns the kv_aware profile over d.Index, which the watch
 // streams of every worker feed (scheduler/watch). Its one scorer, kv,
 // estimates each available worker's time to first token for the request
 // (req.Keys, req.Tokens) from what the index knows of the worker and its
@@ -86,12 +86,12 @@ const (
 // its pending prefill. Decision.PredictedCached is the prompt tokens the
 // worker is expected to find in some tier, Decision.Estimate its estimated
 // time to first token.
-func NewKVAware(p Params) (Strategy, error) {
+func NewKVAware(p Params, d Deps) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
-	p = p.withDefaults()
-	kv, err := newKVScorer(p)
+	p, d = p.withDefaults(), d.withDefaults()
+	kv, err := newKVScorer(p, d)
 	if err != nil {
 		return nil, err
 	}
@@ -100,7 +100,7 @@ func NewKVAware(p Params) (Strategy, error) {
 		filters:   kvAwareFilters,
 		scorers:   []weighted{{kv, 1}},
 		picker:    maxPicker{},
-		rand:      p.Rand,
+		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
 		base:      ReasonKVAware,
 		rule:      reasonThreshold,
@@ -108,7 +108,7 @@ func NewKVAware(p Params) (Strategy, error) {
 		committer: []Committer{kv},
 		doner:     []Doner{kv},
 		finisher:  []Finisher{kv},
-	}).timed(p.PartTimer), nil
+	}).timed(d.PartTimer), nil
 }
 
 // kvAwareFilters are kv_aware's: a worker that would load the request's
@@ -127,11 +127,11 @@ type kvScorer struct {
 	idx       *kvindex.Index
 }
 
-func newKVScorer(p Params) (*kvScorer, error) {
-	if p.Index == nil {
+func newKVScorer(p Params, d Deps) (*kvScorer, error) {
+	if d.Index == nil {
 		return nil, errNoIndex
 	}
-	return &kvScorer{threshold: p.ConcurrencyThreshold, idx: p.Index}, nil
+	return &kvScorer{threshold: p.ConcurrencyThreshold, idx: d.Index}, nil
 }
 
 func (*kvScorer) Name() string { return "kv" }

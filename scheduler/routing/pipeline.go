@@ -226,7 +226,7 @@ type Profile struct {
 	committer []Committer // scorers that record their choices
 	doner     []Doner     // scorers that learn from the outcomes
 	finisher  []Finisher  // scorers that learn from what workers reported
-	// timers hear each part's time (Params.PartTimer): the filters, each
+	// timers hear each part's time (Deps.PartTimer): the filters, each
 	// scorer in order, the picker; nil when not timed.
 	timers []func(time.Duration)
 }

@@ -13,7 +13,7 @@ import (
 // already tried and, with MaxInFlight, those at capacity; ErrFull tells
 // "wait for room" from ErrNoWorker.
 func TestCapacityAndTried(t *testing.T) {
-	for _, s := range builtins(t, Params{Rand: SeededRand(3)}) {
+	for _, s := range builtins(t, Params{}, Deps{Rand: SeededRand(3)}) {
 		t.Run(s.Name(), func(t *testing.T) {
 			f := newFleet(t, 3)
 			f.load("w00", 2)
@@ -49,7 +49,7 @@ func TestCapacityAndTried(t *testing.T) {
 // were gone.
 func TestPrefixHomeAtCapacitySpills(t *testing.T) {
 	f := newFleet(t, 4)
-	s, err := NewPrefixAware(Params{ConcurrencyThreshold: 8})
+	s, err := NewPrefixAware(Params{ConcurrencyThreshold: 8}, Deps{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestCustomProfile(t *testing.T) {
 			if err := rr.RegisterProfile(ProfileConfig{Name: name, Scorers: tt.scorers}); err != nil {
 				t.Fatal(err)
 			}
-			s, err := rr.New(name, Params{Rand: SeededRand(1), Index: f.idx})
+			s, err := rr.New(name, Params{}, Deps{Rand: SeededRand(1), Index: f.idx})
 			if err != nil {
 				t.Fatal(err)
 			}

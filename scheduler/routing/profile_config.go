@@ -34,9 +34,10 @@ type ScorerConfig struct {
 	Weight float64 `yaml:"weight"`
 }
 
-// ScorerFactory builds a scorer from the strategy parameters (its
-// concurrency threshold, say), which the registry has validated.
-type ScorerFactory func(p Params) (Scorer, error)
+// ScorerFactory builds a scorer from the strategy's configuration (its
+// concurrency threshold, say), which the registry has validated, and its
+// run-time dependencies (the KV index, say).
+type ScorerFactory func(p Params, d Deps) (Scorer, error)
 
 // RegisterFilter adds a filter under its Name. Filters hold no state; one
 // value serves every profile. It panics on a taken or empty name.
@@ -120,7 +121,7 @@ func (r *Registry) RegisterProfile(pc ProfileConfig) error {
 	if err := r.checkProfile(pc); err != nil {
 		return err
 	}
-	r.Register(pc.Name, func(p Params) (Strategy, error) { return r.buildProfile(pc, p) })
+	r.Register(pc.Name, func(p Params, d Deps) (Strategy, error) { return r.buildProfile(pc, p, d) })
 	return nil
 }
 
@@ -156,10 +157,10 @@ func (r *Registry) checkProfile(pc ProfileConfig) error {
 }
 
 // buildProfile builds the profile pc describes with parameters p.
-func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
+func (r *Registry) buildProfile(pc ProfileConfig, p Params, d Deps) (Strategy, error) {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	prof := &Profile{name: pc.Name, filters: defaultFilters, picker: r.newPicker(pc.Picker), rand: p.Rand,
+	prof := &Profile{name: pc.Name, filters: defaultFilters, picker: r.newPicker(pc.Picker), rand: d.Rand,
 		threshold: p.ConcurrencyThreshold, base: ReasonScored, rule: reasonThreshold}
 	if pc.Filters != nil {
 		prof.filters = make([]Filter, len(pc.Filters))
@@ -173,7 +174,7 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 		}
 	}
 	for _, sc := range pc.Scorers {
-		s, err := r.scorers[sc.Name](p)
+		s, err := r.scorers[sc.Name](p, d)
 		if err != nil {
 			return nil, fmt.Errorf("scorer %s: %w", sc.Name, err)
 		}
@@ -198,7 +199,7 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params) (Strategy, error) {
 			prof.rule = reasonHome
 		}
 	}
-	return prof.timed(p.PartTimer), nil
+	return prof.timed(d.PartTimer), nil
 }
 
 func sortedKeys[T any](m map[string]T) []string {

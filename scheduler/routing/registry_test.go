@@ -44,7 +44,7 @@ func TestRegistry(t *testing.T) {
 	}
 	for _, name := range want {
 		t.Run(name, func(t *testing.T) {
-			s, err := r.New(name, Params{Index: kvindex.New(kvindex.Config{})})
+			s, err := r.New(name, Params{}, Deps{Index: kvindex.New(kvindex.Config{})})
 			if err != nil {
 				t.Fatalf("New(%s): %v", name, err)
 			}
@@ -62,21 +62,22 @@ func TestRegistryErrors(t *testing.T) {
 	var r Registry
 	RegisterBuiltins(&r)
 	boom := errors.New("boom")
-	r.Register("broken", func(Params) (Strategy, error) { return nil, boom })
+	r.Register("broken", func(Params, Deps) (Strategy, error) { return nil, boom })
 	tests := []struct {
 		name    string
 		params  Params
+		deps    Deps
 		wantErr string
 	}{
-		{"kv_magic", Params{}, `strategy: unknown "kv_magic" (known: broken, kv_aware, least_outstanding, prefix_aware, random, round_robin)`},
-		{PrefixAware, Params{ConcurrencyThreshold: 2000}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
-		{Random, Params{ConcurrencyThreshold: -5}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
-		{"broken", Params{}, "strategy broken: boom"},
-		{KVAware, Params{}, "strategy kv_aware: needs the scheduler's KV index (Params.Index)"},
+		{"kv_magic", Params{}, Deps{}, `strategy: unknown "kv_magic" (known: broken, kv_aware, least_outstanding, prefix_aware, random, round_robin)`},
+		{PrefixAware, Params{ConcurrencyThreshold: 2000}, Deps{}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
+		{Random, Params{ConcurrencyThreshold: -5}, Deps{}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
+		{"broken", Params{}, Deps{}, "strategy broken: boom"},
+		{KVAware, Params{}, Deps{}, "strategy kv_aware: needs the scheduler's KV index (Deps.Index)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s, err := r.New(tt.name, tt.params)
+			s, err := r.New(tt.name, tt.params, tt.deps)
 			if err == nil || err.Error() != tt.wantErr {
 				t.Fatalf("New(%s) = %v, %v; want error %q", tt.name, s, err, tt.wantErr)
 			}
@@ -86,14 +87,14 @@ func TestRegistryErrors(t *testing.T) {
 
 func TestFactoriesValidate(t *testing.T) {
 	for _, f := range []Factory{NewRandom, NewRoundRobin, NewLeastOutstanding, NewPrefixAware, NewKVAware} {
-		if s, err := f(Params{ConcurrencyThreshold: 4096}); err == nil {
+		if s, err := f(Params{ConcurrencyThreshold: 4096}, Deps{}); err == nil {
 			t.Errorf("%s built with concurrency_threshold 4096, want error", s.Name())
 		}
 	}
 }
 
 func TestRegisterPanics(t *testing.T) {
-	ok := func(Params) (Strategy, error) { return NewRandom(Params{}) }
+	ok := func(Params, Deps) (Strategy, error) { return NewRandom(Params{}, Deps{}) }
 	tests := []struct {
 		name     string
 		register func(r *Registry)
@@ -146,7 +147,7 @@ func TestRegisteredPickerAndHomer(t *testing.T) {
 	var reg Registry
 	RegisterBuiltins(&reg)
 	reg.RegisterPicker("last", func() Picker { return lastPicker{} })
-	reg.RegisterScorer("first_home", func(Params) (Scorer, error) { return firstHome{}, nil })
+	reg.RegisterScorer("first_home", func(Params, Deps) (Scorer, error) { return firstHome{}, nil })
 	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: "nope", Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
 		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
 		t.Errorf("unknown picker: %v", err)
@@ -159,7 +160,7 @@ func TestRegisteredPickerAndHomer(t *testing.T) {
 		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: "last", Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
 			t.Fatal(err)
 		}
-		s, err := reg.New(name, Params{Rand: SeededRand(1)})
+		s, err := reg.New(name, Params{}, Deps{Rand: SeededRand(1)})
 		if err != nil {
 			t.Fatal(err)
 		}
