@@ -13,7 +13,7 @@ func NewRandom(p Params, d Deps) (Strategy, error) {
 		return nil, err
 	}
 	p, d = p.withDefaults(), d.withDefaults()
-	return (&Profile{name: Random, filters: defaultFilters, picker: randomPicker{}, rand: d.Rand, base: ReasonRandom}).timed(d.PartTimer), nil
+	return (&Profile{name: Random, filters: defaultFilters, picker: randomPicker{}, rand: d.Rand, base: ReasonRandom}).wire(d.PartTimer), nil
 }
 
 // NewRoundRobin returns the round_robin profile: the available workers in
@@ -23,7 +23,7 @@ func NewRoundRobin(p Params, d Deps) (Strategy, error) {
 		return nil, err
 	}
 	p, d = p.withDefaults(), d.withDefaults()
-	return (&Profile{name: RoundRobin, filters: defaultFilters, picker: roundRobinPicker{next: new(atomic.Uint64)}, rand: d.Rand, base: ReasonRoundRobin}).timed(d.PartTimer), nil
+	return (&Profile{name: RoundRobin, filters: defaultFilters, picker: roundRobinPicker{next: new(atomic.Uint64)}, rand: d.Rand, base: ReasonRoundRobin}).wire(d.PartTimer), nil
 }
 
 // NewLeastOutstanding returns the least_outstanding profile: the available
@@ -35,5 +35,5 @@ func NewLeastOutstanding(p Params, d Deps) (Strategy, error) {
 	}
 	p, d = p.withDefaults(), d.withDefaults()
 	return (&Profile{name: LeastOutstanding, filters: defaultFilters, scorers: []weighted{{loadScorer{}, 1}},
-		picker: maxPicker{}, rand: d.Rand, base: ReasonLeastOutstanding}).timed(d.PartTimer), nil
+		picker: maxPicker{}, rand: d.Rand, base: ReasonLeastOutstanding}).wire(d.PartTimer), nil
 }

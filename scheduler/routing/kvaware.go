@@ -103,12 +103,7 @@ func NewKVAware(p Params, d Deps) (Strategy, error) {
 		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
 		base:      ReasonKVAware,
-		rule:      reasonThreshold,
-		usesKeys:  true,
-		committer: []Committer{kv},
-		doner:     []Doner{kv},
-		finisher:  []Finisher{kv},
-	}).timed(d.PartTimer), nil
+	}).wire(d.PartTimer), nil
 }
 
 // kvAwareFilters are kv_aware's: a worker that would load the request's

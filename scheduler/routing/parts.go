@@ -47,8 +47,19 @@ type prefixScorer struct{ threshold int }
 
 func (prefixScorer) Name() string { return "prefix" }
 
-// Homes: prefix places each request on its prefix's home (Homer).
-func (prefixScorer) Homes() bool { return true }
+// Reason names every decision of a profile with prefix by where the
+// chosen worker stands to the request's home and prefix's threshold:
+// ReasonAllFull at the threshold, else ReasonHome (or no home known),
+// else ReasonSpill.
+func (s prefixScorer) Reason(c *Cycle, w *pool.Worker) (Reason, bool) {
+	switch {
+	case w.InFlight() >= s.threshold:
+		return ReasonAllFull, true
+	case c.Home == nil || w == c.Home:
+		return ReasonHome, true
+	}
+	return ReasonSpill, true
+}
 
 func (s prefixScorer) Score(c *Cycle, scores []float64) {
 	home := -1
@@ -126,11 +137,12 @@ func (p roundRobinPicker) Pick(c *Cycle, _ []float64) int {
 }
 
 var (
-	_ Filter = availableFilter{}
-	_ Filter = modelFilter{}
-	_ Scorer = loadScorer{}
-	_ Scorer = prefixScorer{}
-	_ Picker = maxPicker{}
-	_ Picker = randomPicker{}
-	_ Picker = roundRobinPicker{}
+	_ Filter   = availableFilter{}
+	_ Filter   = modelFilter{}
+	_ Scorer   = loadScorer{}
+	_ Scorer   = prefixScorer{}
+	_ Reasoner = prefixScorer{}
+	_ Picker   = maxPicker{}
+	_ Picker   = randomPicker{}
+	_ Picker   = roundRobinPicker{}
 )

@@ -193,20 +193,19 @@ type weighted struct {
 	weight float64
 }
 
-// reasonRule says how a profile names its decisions.
-type reasonRule uint8
-
-const (
-	// reasonFixed: always the profile's base reason (the baselines).
-	reasonFixed reasonRule = iota
-	// reasonThreshold: the base reason, or ReasonAllFull when the chosen
-	// worker is at the concurrency threshold (kv_aware, custom profiles).
-	reasonThreshold
-	// reasonHome: ReasonHome, ReasonSpill or ReasonAllFull by where the
-	// chosen worker stands to the request's home and the threshold
-	// (prefix_aware).
-	reasonHome
-)
+// A Reasoner is a Scorer or Picker that names the decisions of the
+// profiles it is part of (Decision.Reason, the reason label of the
+// routing metrics). Reason is called once per Pick, after the picker
+// chose w, with the cycle as the parts left it; like Score it must not
+// block or allocate. It returns ok false to leave the naming to the
+// profile's next reasoner. A decision that replicates (Cycle.Replicate)
+// is ReasonReplicate; others, the profile asks its scorers in order, then
+// its picker; when none names the decision, it is ReasonAllFull if w is
+// at the profile's concurrency threshold, else the profile's own reason
+// (ReasonScored for a custom profile).
+type Reasoner interface {
+	Reason(c *Cycle, w *pool.Worker) (r Reason, ok bool)
+}
 
 // Profile is a named routing strategy built from the pipeline's parts:
 // filters, then weighted scorers, then a picker. Besides its filters,
@@ -214,15 +213,17 @@ const (
 // (Request.Tried) and, with Request.MaxInFlight set, those at capacity.
 // A Profile is safe for concurrent use.
 type Profile struct {
-	name      string
-	filters   []Filter
-	scorers   []weighted
-	picker    Picker
-	rand      func(uint64) uint64
+	name    string
+	filters []Filter
+	scorers []weighted
+	picker  Picker
+	rand    func(uint64) uint64
+	// threshold: a decision for a worker with that many requests in
+	// flight is ReasonAllFull, unless a Reasoner names it; 0 for none.
 	threshold int
 	base      Reason
-	rule      reasonRule
 	usesKeys  bool
+	reasoners []Reasoner  // scorers, then the picker, that name decisions
 	committer []Committer // scorers that record their choices
 	doner     []Doner     // scorers that learn from the outcomes
 	finisher  []Finisher  // scorers that learn from what workers reported
@@ -231,8 +232,30 @@ type Profile struct {
 	timers []func(time.Duration)
 }
 
-// timed sets up p's part timers from pt (nil: not timed) and returns p.
-func (p *Profile) timed(pt func(profile, part string) func(time.Duration)) *Profile {
+// wire finds which of p's scorers and picker implement the optional
+// interfaces (Reasoner, Committer, Doner, Finisher, KeyUser), sets up its
+// part timers from pt (nil: not timed) and returns p.
+func (p *Profile) wire(pt func(profile, part string) func(time.Duration)) *Profile {
+	for _, s := range p.scorers {
+		if r, ok := s.Scorer.(Reasoner); ok {
+			p.reasoners = append(p.reasoners, r)
+		}
+		if c, ok := s.Scorer.(Committer); ok {
+			p.committer = append(p.committer, c)
+		}
+		if d, ok := s.Scorer.(Doner); ok {
+			p.doner = append(p.doner, d)
+		}
+		if f, ok := s.Scorer.(Finisher); ok {
+			p.finisher = append(p.finisher, f)
+		}
+		if k, ok := s.Scorer.(KeyUser); ok && k.UsesKeys() {
+			p.usesKeys = true
+		}
+	}
+	if r, ok := p.picker.(Reasoner); ok {
+		p.reasoners = append(p.reasoners, r)
+	}
 	if pt == nil {
 		return p
 	}
@@ -362,19 +385,13 @@ func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
 	if c.Replicate {
 		return ReasonReplicate
 	}
-	switch p.rule {
-	case reasonThreshold:
-		if w.InFlight() >= p.threshold {
-			return ReasonAllFull
+	for _, x := range p.reasoners {
+		if r, ok := x.Reason(c, w); ok {
+			return r
 		}
-	case reasonHome:
-		switch {
-		case w.InFlight() >= p.threshold:
-			return ReasonAllFull
-		case c.Home == nil || w == c.Home:
-			return ReasonHome
-		}
-		return ReasonSpill
+	}
+	if p.threshold > 0 && w.InFlight() >= p.threshold {
+		return ReasonAllFull
 	}
 	return p.base
 }

@@ -20,6 +20,5 @@ func NewPrefixAware(p Params, d Deps) (Strategy, error) {
 		picker:    maxPicker{},
 		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
-		rule:      reasonHome,
-	}).timed(d.PartTimer), nil
+	}).wire(d.PartTimer), nil
 }

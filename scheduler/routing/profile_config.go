@@ -101,16 +101,6 @@ var builtinPickers = map[string]PickerFactory{
 	"round_robin": func() Picker { return roundRobinPicker{next: new(atomic.Uint64)} },
 }
 
-// A Homer is a Scorer that may place requests on a home worker
-// (Cycle.Home), as prefix does: a profile with one names its decisions
-// ReasonHome, ReasonSpill or ReasonAllFull by where the chosen worker
-// stands to the home and the threshold, where other profiles name them
-// ReasonScored (or ReasonAllFull).
-type Homer interface {
-	Scorer
-	Homes() bool
-}
-
 // MaxScorerWeight bounds a scorer's weight in a profile.
 const MaxScorerWeight = 1000
 
@@ -161,7 +151,7 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params, d Deps) (Strategy, e
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	prof := &Profile{name: pc.Name, filters: defaultFilters, picker: r.newPicker(pc.Picker), rand: d.Rand,
-		threshold: p.ConcurrencyThreshold, base: ReasonScored, rule: reasonThreshold}
+		threshold: p.ConcurrencyThreshold, base: ReasonScored}
 	if pc.Filters != nil {
 		prof.filters = make([]Filter, len(pc.Filters))
 		for i, f := range pc.Filters {
@@ -183,23 +173,8 @@ func (r *Registry) buildProfile(pc ProfileConfig, p Params, d Deps) (Strategy, e
 			w = 1
 		}
 		prof.scorers = append(prof.scorers, weighted{s, w})
-		if c, ok := s.(Committer); ok {
-			prof.committer = append(prof.committer, c)
-		}
-		if d, ok := s.(Doner); ok {
-			prof.doner = append(prof.doner, d)
-		}
-		if f, ok := s.(Finisher); ok {
-			prof.finisher = append(prof.finisher, f)
-		}
-		if k, ok := s.(KeyUser); ok && k.UsesKeys() {
-			prof.usesKeys = true
-		}
-		if h, ok := s.(Homer); ok && h.Homes() {
-			prof.rule = reasonHome
-		}
 	}
-	return prof.timed(d.PartTimer), nil
+	return prof.wire(d.PartTimer), nil
 }
 
 func sortedKeys[T any](m map[string]T) []string {

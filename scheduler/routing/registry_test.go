@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/google/go-cmp/cmp"
 )
 
@@ -124,11 +125,11 @@ func (lastPicker) Name() string                   { return "last" }
 func (lastPicker) Pick(c *Cycle, _ []float64) int { return len(c.Cands) - 1 }
 
 // firstHome places every request on the first candidate and scores all
-// alike: a Homer.
-type firstHome struct{}
+// alike; it names decisions by the home (a Reasoner), or leaves them to
+// the profile when quiet.
+type firstHome struct{ quiet bool }
 
 func (firstHome) Name() string { return "first_home" }
-func (firstHome) Homes() bool  { return true }
 func (firstHome) Score(c *Cycle, scores []float64) {
 	c.Home = c.Cands[0]
 	for i := range scores {
@@ -136,10 +137,21 @@ func (firstHome) Score(c *Cycle, scores []float64) {
 	}
 }
 
-// Pickers and homing scorers registered by others build profiles like the
-// built-in ones: a profile names the picker, and a homing scorer's profile
-// explains its decisions by the home.
-func TestRegisteredPickerAndHomer(t *testing.T) {
+func (h firstHome) Reason(c *Cycle, w *pool.Worker) (Reason, bool) {
+	switch {
+	case h.quiet:
+		return 0, false
+	case w == c.Home:
+		return ReasonHome, true
+	}
+	return ReasonSpill, true
+}
+
+// Pickers and scorers registered by others build profiles like the
+// built-in ones: a profile names the picker, and a scorer with a reason
+// rule (Reasoner) names the profile's decisions; one that declines leaves
+// them to the profile.
+func TestRegisteredPickerAndReasoner(t *testing.T) {
 	f := newFleet(t, 0)
 	for _, name := range []string{"a", "b", "c"} {
 		f.add(name, "llama")
@@ -148,6 +160,7 @@ func TestRegisteredPickerAndHomer(t *testing.T) {
 	RegisterBuiltins(&reg)
 	reg.RegisterPicker("last", func() Picker { return lastPicker{} })
 	reg.RegisterScorer("first_home", func(Params, Deps) (Scorer, error) { return firstHome{}, nil })
+	reg.RegisterScorer("quiet_home", func(Params, Deps) (Scorer, error) { return firstHome{quiet: true}, nil })
 	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: "nope", Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
 		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
 		t.Errorf("unknown picker: %v", err)
@@ -155,7 +168,7 @@ func TestRegisteredPickerAndHomer(t *testing.T) {
 	for _, tt := range []struct {
 		scorer string
 		want   Reason
-	}{{"load", ReasonScored}, {"first_home", ReasonSpill}} {
+	}{{"load", ReasonScored}, {"first_home", ReasonSpill}, {"quiet_home", ReasonScored}} {
 		name := "last_" + tt.scorer
 		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: "last", Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
 			t.Fatal(err)
