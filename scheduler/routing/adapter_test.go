@@ -28,7 +28,7 @@ func TestAdapterOnlyToHolders(t *testing.T) {
 
 	var reg Registry
 	RegisterBuiltins(&reg)
-	if err := reg.RegisterProfile(ProfileConfig{Name: "bare", Filters: []string{"available"}, Scorers: []ScorerConfig{{Name: "load"}}}); err != nil {
+	if err := reg.RegisterProfile(ProfileConfig{Name: "bare", Filters: []PartConfig{{Type: "available"}}, Scorers: []ScorerConfig{{Name: "load"}}}); err != nil {
 		t.Fatal(err)
 	}
 	strategies := builtins(t, Params{}, Deps{Rand: SeededRand(1)})

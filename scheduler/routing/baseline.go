@@ -34,6 +34,6 @@ func NewLeastOutstanding(p Params, d Deps) (Strategy, error) {
 		return nil, err
 	}
 	p, d = p.withDefaults(), d.withDefaults()
-	return (&Profile{name: LeastOutstanding, filters: defaultFilters, scorers: []weighted{{loadScorer{}, 1}},
+	return (&Profile{name: LeastOutstanding, filters: defaultFilters, scorers: []weighted{{Scorer: loadScorer{}, weight: 1}},
 		picker: maxPicker{}, rand: d.Rand, base: ReasonLeastOutstanding}).wire(d.PartTimer), nil
 }

@@ -98,7 +98,7 @@ func NewKVAware(p Params, d Deps) (Strategy, error) {
 	return (&Profile{
 		name:      KVAware,
 		filters:   kvAwareFilters,
-		scorers:   []weighted{{kv, 1}},
+		scorers:   []weighted{{Scorer: kv, weight: 1}},
 		picker:    maxPicker{},
 		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,

@@ -45,6 +45,24 @@ func (loadScorer) Score(c *Cycle, scores []float64) {
 // ring successors only.
 type prefixScorer struct{ threshold int }
 
+// prefixOptions are the prefix scorer's options in a profile.
+type prefixOptions struct {
+	// ConcurrencyThreshold is the requests in flight at which the home
+	// stops scoring 1: 1–1,024; 0 means the strategy's
+	// concurrency_threshold.
+	ConcurrencyThreshold int `yaml:"concurrency_threshold"`
+}
+
+func (o *prefixOptions) Validate() error { return validThreshold(o.ConcurrencyThreshold, true) }
+
+func newPrefixScorer(o prefixOptions, p Params, _ Deps) (Scorer, error) {
+	t := o.ConcurrencyThreshold
+	if t == 0 {
+		t = p.ConcurrencyThreshold
+	}
+	return prefixScorer{threshold: t}, nil
+}
+
 func (prefixScorer) Name() string { return "prefix" }
 
 // Reason names every decision of a profile with prefix by where the

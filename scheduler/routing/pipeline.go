@@ -187,10 +187,12 @@ func putScratch(s *scratch) {
 	scratchPool.Put(s)
 }
 
-// weighted is a scorer and its weight in a profile.
+// weighted is a scorer, its weight and its name in a profile (the
+// scorer's Name when empty).
 type weighted struct {
 	Scorer
 	weight float64
+	name   string
 }
 
 // A Reasoner is a Scorer or Picker that names the decisions of the
@@ -236,7 +238,11 @@ type Profile struct {
 // interfaces (Reasoner, Committer, Doner, Finisher, KeyUser), sets up its
 // part timers from pt (nil: not timed) and returns p.
 func (p *Profile) wire(pt func(profile, part string) func(time.Duration)) *Profile {
-	for _, s := range p.scorers {
+	for i := range p.scorers {
+		s := &p.scorers[i]
+		if s.name == "" {
+			s.name = s.Name()
+		}
 		if r, ok := s.Scorer.(Reasoner); ok {
 			p.reasoners = append(p.reasoners, r)
 		}
@@ -261,7 +267,7 @@ func (p *Profile) wire(pt func(profile, part string) func(time.Duration)) *Profi
 	}
 	p.timers = append(p.timers, pt(p.name, "filters"))
 	for _, s := range p.scorers {
-		p.timers = append(p.timers, pt(p.name, s.Name()))
+		p.timers = append(p.timers, pt(p.name, s.name))
 	}
 	p.timers = append(p.timers, pt(p.name, "picker"))
 	return p

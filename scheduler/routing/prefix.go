@@ -16,7 +16,7 @@ func NewPrefixAware(p Params, d Deps) (Strategy, error) {
 	return (&Profile{
 		name:      PrefixAware,
 		filters:   defaultFilters,
-		scorers:   []weighted{{prefixScorer{threshold: p.ConcurrencyThreshold}, 1}, {loadScorer{}, 1}},
+		scorers:   []weighted{{Scorer: prefixScorer{threshold: p.ConcurrencyThreshold}, weight: 1}, {Scorer: loadScorer{}, weight: 1}},
 		picker:    maxPicker{},
 		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,

@@ -30,9 +30,9 @@ type Registry struct {
 	mu        sync.RWMutex
 	factories map[string]Factory
 	// The parts custom profiles are built from (RegisterProfile).
-	filters map[string]Filter
-	scorers map[string]ScorerFactory
-	pickers map[string]PickerFactory
+	filters map[string]part[Filter]
+	scorers map[string]part[Scorer]
+	pickers map[string]part[Picker]
 }
 
 // Register adds a factory under name. It panics if name is empty, f is nil
@@ -109,8 +109,9 @@ func (r *Registry) Names() []string {
 
 // RegisterBuiltins registers random, round_robin, least_outstanding,
 // prefix_aware and kv_aware in r, and the parts custom profiles are built
-// from: the filters available and model, the scorers load, prefix, kv
-// and kv_usage.
+// from: the filters available, model and adapter, the scorers load,
+// prefix, kv and kv_usage. (The pickers max, random and round_robin every
+// registry knows.)
 func RegisterBuiltins(r *Registry) {
 	r.Register(Random, NewRandom)
 	r.Register(RoundRobin, NewRoundRobin)
@@ -124,9 +125,9 @@ func RegisterBuiltins(r *Registry) {
 		}
 		return kvUsageScorer{d.Index}, nil
 	})
-	for _, f := range defaultFilters {
-		r.RegisterFilter(f)
-	}
+	r.RegisterFilter(availableFilter{})
+	r.RegisterFilter(modelFilter{})
+	RegisterFilterWith(r, "adapter", newAdapterFilter)
 	r.RegisterScorer("load", func(Params, Deps) (Scorer, error) { return loadScorer{}, nil })
-	r.RegisterScorer("prefix", func(p Params, _ Deps) (Scorer, error) { return prefixScorer{threshold: p.ConcurrencyThreshold}, nil })
+	RegisterScorerWith(r, "prefix", newPrefixScorer)
 }

@@ -158,10 +158,10 @@ func TestRegisteredPickerAndReasoner(t *testing.T) {
 	}
 	var reg Registry
 	RegisterBuiltins(&reg)
-	reg.RegisterPicker("last", func() Picker { return lastPicker{} })
+	reg.RegisterPicker("last", func(Params, Deps) (Picker, error) { return lastPicker{}, nil })
 	reg.RegisterScorer("first_home", func(Params, Deps) (Scorer, error) { return firstHome{}, nil })
 	reg.RegisterScorer("quiet_home", func(Params, Deps) (Scorer, error) { return firstHome{quiet: true}, nil })
-	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: "nope", Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
+	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: PartConfig{Type: "nope"}, Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
 		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
 		t.Errorf("unknown picker: %v", err)
 	}
@@ -170,7 +170,7 @@ func TestRegisteredPickerAndReasoner(t *testing.T) {
 		want   Reason
 	}{{"load", ReasonScored}, {"first_home", ReasonSpill}, {"quiet_home", ReasonScored}} {
 		name := "last_" + tt.scorer
-		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: "last", Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
+		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: PartConfig{Type: "last"}, Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
 			t.Fatal(err)
 		}
 		s, err := reg.New(name, Params{}, Deps{Rand: SeededRand(1)})

@@ -269,11 +269,16 @@ func (p Params) withDefaults() Params {
 // Validate reports the first invalid field of p, after defaults are
 // applied, naming the field as it is spelled in configuration.
 func (p Params) Validate() error {
-	p = p.withDefaults()
-	if t := p.ConcurrencyThreshold; t < MinConcurrencyThreshold || t > MaxConcurrencyThreshold {
-		return fmt.Errorf("concurrency_threshold: must be %d–%d, got %d", MinConcurrencyThreshold, MaxConcurrencyThreshold, t)
+	return validThreshold(p.withDefaults().ConcurrencyThreshold, false)
+}
+
+// validThreshold checks a concurrency_threshold field: 0 (the default)
+// when zero is true, else 1–1,024.
+func validThreshold(t int, zero bool) error {
+	if zero && t == 0 || t >= MinConcurrencyThreshold && t <= MaxConcurrencyThreshold {
+		return nil
 	}
-	return nil
+	return fmt.Errorf("concurrency_threshold: must be %d–%d, got %d", MinConcurrencyThreshold, MaxConcurrencyThreshold, t)
 }
 
 // Deps are what whoever builds a strategy (the scheduler, a simulation,
