@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/internal/strictyaml"
 	"github.com/google/go-cmp/cmp"
 )
@@ -63,12 +64,11 @@ profiles:
 		{3, false, ReasonHome}, // 0 + 1 + 0.125 against 0.5 elsewhere
 		{9, true, ReasonSpill}, // 0 + 0 + 0.05 against 0.5
 	} {
-		f.load(home, tt.load)
+		f.load(home, tt.load-f.worker(home).InFlight()) // loads only add
 		d := pick(t, s, req, f.snap())
 		if got := d.Worker.Name != home; got != tt.spill || d.Reason != tt.reason {
 			t.Errorf("home at %d in flight: picked %s (%s), home %s; want spill %v (%s)", tt.load, d.Worker.Name, d.Reason, home, tt.spill, tt.reason)
 		}
-		f.load(home, -tt.load)
 	}
 	for _, part := range []string{"filters", "prefix_loose", "prefix_strict", "load", "picker"} {
 		if timed[part] != 4 {
@@ -239,4 +239,124 @@ func FuzzProfileConfig(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A profile may combine the kv scorer with others and keep kv_aware's
+// choice through its picker: with KV usage weighed in, the worker holding
+// less of the prompt but with room in its cache wins; at the threshold
+// the kv_aware picker passes it over (a spill), where max would not.
+func TestKVScorerWithOtherScorersAndKVAwarePicker(t *testing.T) {
+	ks := prompt(1)
+	f := newKVFleet(t, 3)
+	f.store("w00", workerpb.Tier_TIER_GPU, ks[:400])
+	f.store("w01", workerpb.Tier_TIER_GPU, ks[:300])
+	f.report("w00", &workerpb.LoadReport{GpuBlocksUsed: 950, GpuBlocksTotal: 1000})
+	f.report("w01", &workerpb.LoadReport{GpuBlocksUsed: 100, GpuBlocksTotal: 1000})
+	f.report("w02", &workerpb.LoadReport{GpuBlocksUsed: 100, GpuBlocksTotal: 1000})
+	var reg Registry
+	RegisterBuiltins(&reg)
+	for _, pc := range profiles(t, `
+profiles:
+  - name: roomy
+    scorers: [{name: kv}, {name: kv_usage, weight: 2}]
+    picker: kv_aware
+  - name: roomy_max
+    scorers: [{name: kv}, {name: kv_usage, weight: 2}]
+`) {
+		if err := reg.RegisterProfile(pc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deps := Deps{Rand: SeededRand(1), Index: f.idx}
+	for _, tt := range []struct {
+		strategy string
+		busy     int // requests in flight on w01
+		want     string
+		cached   int
+		spill    bool
+		reason   Reason
+	}{
+		{KVAware, 0, "w00", 400 * 16, false, ReasonKVAware},
+		{"roomy", 0, "w01", 300 * 16, false, ReasonScored},
+		{"roomy_max", 0, "w01", 300 * 16, false, ReasonScored},
+		{"roomy", 2, "w02", 0, true, ReasonScored},
+		{"roomy_max", 2, "w01", 300 * 16, false, ReasonAllFull},
+	} {
+		s, err := reg.New(tt.strategy, Params{ConcurrencyThreshold: 2}, deps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !UsesKeys(s) {
+			t.Errorf("%s does not use keys", tt.strategy)
+		}
+		f.load("w01", tt.busy-f.worker("w01").InFlight()) // loads only add
+		d := pick(t, s, kvRequest(ks), f.snap())
+		if d.Worker.Name != tt.want || d.PredictedCached != tt.cached || d.Spill != tt.spill || d.Reason != tt.reason {
+			t.Errorf("%s, w01 with %d in flight: %s (cached %d, spill %t, %s), want %s (cached %d, spill %t, %s)",
+				tt.strategy, tt.busy, d.Worker.Name, d.PredictedCached, d.Spill, d.Reason, tt.want, tt.cached, tt.spill, tt.reason)
+		}
+	}
+}
+
+// The kv_aware strategy is a profile of the kv scorer and the kv_aware
+// picker: a custom profile of the same parts decides alike.
+func TestKVAwareIsItsParts(t *testing.T) {
+	var reg Registry
+	RegisterBuiltins(&reg)
+	pcs := profiles(t, `
+profiles:
+  - name: mine
+    filters: [available, model, {type: adapter, options: {load: true}}]
+    scorers: [{name: kv}]
+    picker: kv_aware
+`)
+	if err := reg.RegisterProfile(pcs[0]); err != nil {
+		t.Fatal(err)
+	}
+	for seed := range uint64(20) {
+		f := newKVFleet(t, 6)
+		rng := SeededRand(seed)
+		for i, w := range f.snap().Workers {
+			ks := prompt(rng(3))
+			f.store(w.Name, workerpb.Tier_TIER_GPU, ks[:rng(500)])
+			f.report(w.Name, &workerpb.LoadReport{Running: int32(rng(4)), WaitingPrefillTokens: int64(rng(3)) * 4000})
+			f.load(w.Name, i%3)
+		}
+		deps := Deps{Rand: SeededRand(seed), Index: f.idx}
+		kv, err := reg.New(KVAware, Params{ConcurrencyThreshold: 2}, deps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine, err := reg.New("mine", Params{ConcurrencyThreshold: 2}, deps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for p := range uint64(4) {
+			req := kvRequest(prompt(p))
+			a, b := summary(pick(t, kv, req, f.snap())), summary(pick(t, mine, req, f.snap()))
+			if a.Reason == ReasonKVAware && b.Reason == ReasonScored {
+				b.Reason = a.Reason // kv_aware names its own
+			}
+			if diff := cmp.Diff(a, b); diff != "" {
+				t.Errorf("seed %d prompt %d: kv_aware and its parts differ (-kv_aware +parts):\n%s", seed, p, diff)
+			}
+		}
+	}
+}
+
+// decisionSummary is a Decision with its workers by name, to compare.
+type decisionSummary struct {
+	Worker, Home    string
+	Spill           bool
+	PredictedCached int
+	Estimate        time.Duration
+	Reason          Reason
+}
+
+func summary(d Decision) decisionSummary {
+	s := decisionSummary{Worker: d.Worker.Name, Spill: d.Spill, PredictedCached: d.PredictedCached, Estimate: d.Estimate, Reason: d.Reason}
+	if d.Home != nil {
+		s.Home = d.Home.Name
+	}
+	return s
 }

@@ -61,9 +61,14 @@ type Cycle struct {
 	// nil until a scorer calls Estimates.
 	Cached  []int
 	Seconds []float64
-	// Replicate: a scorer chose to copy a hot prefix onto an idle worker
-	// (ReasonReplicate).
+	// Replicate: a part chose to copy a hot prefix onto an idle worker
+	// (ReasonReplicate), as the kv_aware picker does.
 	Replicate bool
+
+	// scorers is the number of the profile's scorers; kv what the kv
+	// scorer noted for the kv_aware picker.
+	scorers int
+	kv      kvNotes
 
 	rand func(uint64) uint64
 	// in and passed are by snapshot position: a candidate, and a worker
@@ -319,7 +324,7 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	if timed {
 		t = time.Now()
 	}
-	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc}
+	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc, scorers: len(p.scorers)}
 	clear(c.in)
 	clear(c.passed)
 	cands, index := sc.cands[:0], sc.index[:0]

@@ -136,7 +136,7 @@ func TestCustomProfile(t *testing.T) {
 		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load"}, {Name: "lod"}}}, `scorers[1].name: unknown scorer "lod" (known: kv, kv_usage, load, prefix)`},
 		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load"}, {Name: "load"}}}, `scorers[1].name: scorer "load" given twice (name each scorer of one type)`},
 		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load", Weight: -1}}}, "scorers[0].weight: must be 0–1000, got -1"},
-		{ProfileConfig{Name: "p", Picker: PartConfig{Type: "best"}}, `picker: unknown picker "best" (known: max, random, round_robin)`},
+		{ProfileConfig{Name: "p", Picker: PartConfig{Type: "best"}}, `picker: unknown picker "best" (known: kv_aware, max, random, round_robin)`},
 	} {
 		if err := r.Clone().RegisterProfile(tt.pc); err == nil || err.Error() != tt.want {
 			t.Errorf("RegisterProfile(%+v) = %v, want %q", tt.pc, err, tt.want)

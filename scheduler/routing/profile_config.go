@@ -24,7 +24,7 @@ type ProfileConfig struct {
 	Scorers []ScorerConfig `yaml:"scorers"`
 	// Picker chooses by the total, a registered picker's name or {type,
 	// options}: max (default; ties from a random worker, or from the one
-	// after the request's home), random or round_robin.
+	// after the request's home), random, round_robin or kv_aware.
 	Picker PartConfig `yaml:"picker"`
 }
 

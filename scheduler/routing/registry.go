@@ -110,15 +110,16 @@ func (r *Registry) Names() []string {
 // RegisterBuiltins registers random, round_robin, least_outstanding,
 // prefix_aware and kv_aware in r, and the parts custom profiles are built
 // from: the filters available, model and adapter, the scorers load,
-// prefix, kv and kv_usage. (The pickers max, random and round_robin every
-// registry knows.)
+// prefix, kv and kv_usage, and the picker kv_aware. (The pickers max,
+// random and round_robin every registry knows.)
 func RegisterBuiltins(r *Registry) {
 	r.Register(Random, NewRandom)
 	r.Register(RoundRobin, NewRoundRobin)
 	r.Register(LeastOutstanding, NewLeastOutstanding)
 	r.Register(PrefixAware, NewPrefixAware)
 	r.Register(KVAware, NewKVAware)
-	r.RegisterScorer("kv", func(p Params, d Deps) (Scorer, error) { return newKVScorer(p, d) })
+	RegisterScorerWith(r, "kv", newKVScorer)
+	RegisterPickerWith(r, KVAware, newKVAwarePicker)
 	r.RegisterScorer("kv_usage", func(_ Params, d Deps) (Scorer, error) {
 		if d.Index == nil {
 			return nil, errNoIndex

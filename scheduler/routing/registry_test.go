@@ -162,7 +162,7 @@ func TestRegisteredPickerAndReasoner(t *testing.T) {
 	reg.RegisterScorer("first_home", func(Params, Deps) (Scorer, error) { return firstHome{}, nil })
 	reg.RegisterScorer("quiet_home", func(Params, Deps) (Scorer, error) { return firstHome{quiet: true}, nil })
 	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: PartConfig{Type: "nope"}, Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
-		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
+		err.Error() != `picker: unknown picker "nope" (known: kv_aware, last, max, random, round_robin)` {
 		t.Errorf("unknown picker: %v", err)
 	}
 	for _, tt := range []struct {
