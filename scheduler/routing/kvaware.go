@@ -269,6 +269,12 @@ func newKVAwarePicker(o kvAwareOptions, p Params, _ Deps) (Picker, error) {
 
 func (kvAwarePicker) Name() string { return KVAware }
 
+// Reason names a decision for a worker at the picker's threshold
+// ReasonAllFull, and leaves the others to the profile.
+func (k kvAwarePicker) Reason(_ *Cycle, w *pool.Worker) (Reason, bool) {
+	return ReasonAllFull, w.InFlight() >= k.threshold
+}
+
 func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 	cands := c.Cands
 	es := c.sc.kvCands[:len(cands)]
@@ -533,6 +539,7 @@ var (
 	_ Scorer               = (*kvScorer)(nil)
 	_ KeyUser              = (*kvScorer)(nil)
 	_ Picker               = kvAwarePicker{}
+	_ Reasoner             = kvAwarePicker{}
 	_ Committer            = (*kvScorer)(nil)
 	_ Doner                = (*kvScorer)(nil)
 	_ Finisher             = (*kvScorer)(nil)
