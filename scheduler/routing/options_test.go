@@ -27,7 +27,7 @@ func profiles(t testing.TB, text string) []ProfileConfig {
 // Two prefix scorers with their own thresholds and weights: the loose one
 // keeps a request on its busy home until the home reaches its threshold,
 // past the strict one's; each is timed under its own name.
-func TestProfileTwoInstancesOfOneScorer(t *testing.T) {
+func TestTwoInstancesOfOneScorerRouteAndDoNotAllocate(t *testing.T) {
 	pcs := profiles(t, `
 profiles:
   - name: graded
@@ -70,9 +70,13 @@ profiles:
 			t.Errorf("home at %d in flight: picked %s (%s), home %s; want spill %v (%s)", tt.load, d.Worker.Name, d.Reason, home, tt.spill, tt.reason)
 		}
 	}
+	snap := f.snap()
+	if n := testing.AllocsPerRun(100, func() { _, _ = s.Pick(req, snap) }); n != 0 && !raceEnabled {
+		t.Errorf("Pick allocates %v times, want 0", n)
+	}
 	for _, part := range []string{"filters", "prefix_loose", "prefix_strict", "load", "picker"} {
-		if timed[part] != 4 {
-			t.Errorf("part %s timed %d times, want 4 (timed: %v)", part, timed[part], timed)
+		if timed[part] != 4+101 {
+			t.Errorf("part %s timed %d times, want 105 (timed: %v)", part, timed[part], timed)
 		}
 	}
 }
@@ -245,7 +249,7 @@ func FuzzProfileConfig(f *testing.F) {
 // choice through its picker: with KV usage weighed in, the worker holding
 // less of the prompt but with room in its cache wins; at the threshold
 // the kv_aware picker passes it over (a spill), where max would not.
-func TestKVScorerWithOtherScorersAndKVAwarePicker(t *testing.T) {
+func TestKVScorerBesideOthersRoutesAndDoesNotAllocate(t *testing.T) {
 	ks := prompt(1)
 	f := newKVFleet(t, 3)
 	f.store("w00", workerpb.Tier_TIER_GPU, ks[:400])
@@ -294,6 +298,10 @@ profiles:
 		if d.Worker.Name != tt.want || d.PredictedCached != tt.cached || d.Spill != tt.spill || d.Reason != tt.reason {
 			t.Errorf("%s, w01 with %d in flight: %s (cached %d, spill %t, %s), want %s (cached %d, spill %t, %s)",
 				tt.strategy, tt.busy, d.Worker.Name, d.PredictedCached, d.Spill, d.Reason, tt.want, tt.cached, tt.spill, tt.reason)
+		}
+		req, snap := kvRequest(ks), f.snap()
+		if n := testing.AllocsPerRun(100, func() { _, _ = s.Pick(req, snap) }); n != 0 && !raceEnabled {
+			t.Errorf("%s: Pick allocates %v times, want 0", tt.strategy, n)
 		}
 	}
 }
