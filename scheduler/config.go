@@ -391,6 +391,9 @@ type Config struct {
 	// predictions lapse and its records decay; nil means time.Now. Tests
 	// set it.
 	IndexNow func() time.Time `yaml:"-"`
+	// Rand is the strategies' source of randomness (routing.Deps.Rand);
+	// nil means math/rand/v2's. Benchmarks seed it, so that runs repeat.
+	Rand func(n uint64) uint64 `yaml:"-"`
 }
 
 // RegisterProfiles returns a copy of strategies with c's custom profiles

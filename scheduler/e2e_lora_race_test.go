@@ -56,9 +56,9 @@ func TestAdapterFreshLoadNotEvicted(t *testing.T) {
 	g := &gatedStrategy{adapter: "chat", reached: make(chan struct{}), release: make(chan struct{})}
 	reg := &routing.Registry{}
 	routing.RegisterBuiltins(reg)
-	reg.Register("gated", func(p routing.Params) (routing.Strategy, error) {
+	reg.Register("gated", func(p routing.Params, d routing.Deps) (routing.Strategy, error) {
 		var err error
-		g.Strategy, err = routing.NewLeastOutstanding(p)
+		g.Strategy, err = routing.NewLeastOutstanding(p, d)
 		return g, err
 	})
 	f := startFleetSpec(t, simfleet.Spec{Registry: reg, Scheduler: scheduler.Config{

@@ -83,3 +83,30 @@ workers:
 		t.Errorf("New = %v, want %q", err, want)
 	}
 }
+
+// TestBadProfileOptionNamesTheField: an option a part does not know is
+// refused at start (validation, before any worker is dialled), naming the
+// field by its path and line.
+func TestBadProfileOptionNamesTheField(t *testing.T) {
+	cfg := loadYAML(t, `
+strategy: mine
+profiles:
+  - name: mine
+    scorers:
+      - {name: prefix}
+      - name: strict
+        type: prefix
+        options: {concurrency_threshold: 4, block_size: 16}
+workers:
+  - {address: "127.0.0.1:1"}
+`)
+	var reg routing.Registry
+	routing.RegisterBuiltins(&reg)
+	want := `profiles[0].scorers[1].options.block_size: line 9: unknown field (known: concurrency_threshold)`
+	if err := cfg.Validate(&reg); err == nil || err.Error() != want {
+		t.Errorf("Validate = %v, want %q", err, want)
+	}
+	if _, err := scheduler.New(cfg, &reg, nil); err == nil || err.Error() != want {
+		t.Errorf("New = %v, want %q", err, want)
+	}
+}

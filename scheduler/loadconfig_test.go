@@ -209,6 +209,8 @@ func FuzzLoadConfigAgreesWithYAML(f *testing.F) {
 	f.Add([]byte("pool: {health_interval: 1s, breaker_failures: 7}\nworkers: [&w {address: 'http://x:1', kind: http}, {<<: *w, name: y}]\n"))
 	f.Add([]byte("max_body_bytes: 0o777\nretries: 1.0\nmodels: [1, true, ~]\n"))
 	f.Add([]byte("max_queue: 2.5\n"))
+	f.Add([]byte("profiles: [{name: p, filters: [available, {type: adapter, options: {load: true}}], scorers: [{name: a, type: prefix, weight: 2, options: {concurrency_threshold: 4}}], picker: {type: max}}]\n"))
+	f.Add([]byte("profiles: [{name: p, picker: round_robin, scorers: [{name: l, type: load, options: &o {x: 1}}, {name: m, options: *o}]}]\n"))
 	dir := f.TempDir()
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var want Config

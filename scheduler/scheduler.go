@@ -40,6 +40,9 @@ import (
 // Scheduler is a running scheduler: pool, strategy, metrics and front end.
 type Scheduler struct {
 	cfg Config
+	// deps are what the strategies read at run time: the index, the part
+	// timers.
+	deps routing.Deps
 	// Pool holds the workers that generate tokens (roles both and decode).
 	Pool *pool.Pool
 	// PrefillPool holds the prefill workers; empty in a colocated fleet.
@@ -96,7 +99,7 @@ type Scheduler struct {
 // does not listen: call Serve. A nil log discards.
 //
 // Strategies are built from the registry (routing.RegisterBuiltins) over
-// the scheduler's own KV index (routing.Params.Index).
+// the scheduler's own KV index (routing.Deps.Index).
 func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler, error) {
 	if err := cfg.Validate(strategies); err != nil {
 		return nil, err
@@ -120,13 +123,12 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	s := &Scheduler{log: log, Index: idx}
 	s.base, s.cancelBase = context.WithCancelCause(context.Background())
 	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
-	cfg.Params.Index = idx
-	cfg.Params.PartTimer = func(profile, part string) func(time.Duration) {
+	s.deps = routing.Deps{Rand: cfg.Rand, Index: idx, PartTimer: func(profile, part string) func(time.Duration) {
 		h := s.Metrics.RoutingPart.WithLabelValues(profile, part)
 		return func(d time.Duration) { h.Observe(d.Seconds()) }
-	}
+	}}
 	s.cfg = cfg
-	s.Strategy, err = strategies.New(cfg.Strategy, cfg.Params)
+	s.Strategy, err = strategies.New(cfg.Strategy, cfg.Params, s.deps)
 	if err != nil {
 		return nil, err
 	}
@@ -202,7 +204,7 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 	if s.source == nil && len(s.Pool.Snapshot().Workers) == 0 && len(s.pending.Snapshot().Workers) == 0 {
 		return errors.New("workers: prefill workers need at least one decode (or both) worker")
 	}
-	decode, err := strategies.New(d.DecodeStrategy, cfg.Params)
+	decode, err := strategies.New(d.DecodeStrategy, cfg.Params, s.deps)
 	if err != nil {
 		return err
 	}

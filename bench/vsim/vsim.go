@@ -254,13 +254,14 @@ func newSim(cfg Config) (*Sim, error) {
 	s.index = kvindex.New(kvindex.Config{Now: func() time.Time {
 		return epoch.Add(time.Duration(s.now * float64(time.Second)))
 	}})
-	params := routing.Params{ConcurrencyThreshold: cfg.ConcurrencyThreshold, Rand: routing.SeededRand(cfg.Seed), Index: s.index}
+	params := routing.Params{ConcurrencyThreshold: cfg.ConcurrencyThreshold}
+	deps := routing.Deps{Rand: routing.SeededRand(cfg.Seed), Index: s.index}
 	var err error
-	if s.strategy, err = reg.New(cfg.Strategy, params); err != nil {
+	if s.strategy, err = reg.New(cfg.Strategy, params, deps); err != nil {
 		return nil, err
 	}
 	if cfg.Disaggregated() {
-		if s.decode, err = reg.New(cfg.DecodeStrategy, params); err != nil {
+		if s.decode, err = reg.New(cfg.DecodeStrategy, params, deps); err != nil {
 			return nil, fmt.Errorf("decode %w", err)
 		}
 	}

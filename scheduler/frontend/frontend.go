@@ -165,7 +165,7 @@ func New(cfg Config, p *pool.Pool, strategy routing.Strategy, m *metrics.Metrics
 	}
 	s.name = strategy.Name()
 	s.usesKeys = routing.UsesKeys(strategy)
-	fallback, err := routing.NewLeastOutstanding(routing.Params{})
+	fallback, err := routing.NewLeastOutstanding(routing.Params{}, routing.Deps{})
 	if err != nil {
 		return nil, err
 	}

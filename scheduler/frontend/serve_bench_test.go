@@ -64,7 +64,7 @@ func BenchmarkServeProxied(b *testing.B) {
 	if err := p.Add(&pool.Worker{Name: "w", Client: c, Models: []string{"m"}}); err != nil {
 		b.Fatal(err)
 	}
-	strategy, err := routing.NewRandom(routing.Params{})
+	strategy, err := routing.NewRandom(routing.Params{}, routing.Deps{})
 	if err != nil {
 		b.Fatal(err)
 	}

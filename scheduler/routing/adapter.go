@@ -17,4 +17,19 @@ func (f adapterFilter) Keep(req *Request, w *pool.Worker) bool {
 		f.load && req.LoadAdapter && w.AdapterSlots() > 0 && w.CanTakeAdapter(req.Adapter)
 }
 
+// adapterOptions are the adapter filter's options in a profile.
+type adapterOptions struct {
+	// Load also keeps, for a request that may load its adapter
+	// (Request.LoadAdapter), the workers it could be loaded onto, as
+	// kv_aware does; for profiles whose scorers count the load.
+	Load bool `yaml:"load"`
+}
+
+func newAdapterFilter(o adapterOptions, _ Params, _ Deps) (Filter, error) {
+	return adapterFilter{load: o.Load}, nil
+}
+
+// adapterPart is the adapter filter a profile that lists none gets.
+var adapterPart = newPart(newAdapterFilter)
+
 var _ Filter = adapterFilter{}

@@ -28,11 +28,11 @@ func TestAdapterOnlyToHolders(t *testing.T) {
 
 	var reg Registry
 	RegisterBuiltins(&reg)
-	if err := reg.RegisterProfile(ProfileConfig{Name: "bare", Filters: []string{"available"}, Scorers: []ScorerConfig{{Name: "load"}}}); err != nil {
+	if err := reg.RegisterProfile(ProfileConfig{Name: "bare", Filters: []PartConfig{{Type: "available"}}, Scorers: []ScorerConfig{{Name: "load"}}}); err != nil {
 		t.Fatal(err)
 	}
-	strategies := builtins(t, Params{Rand: SeededRand(1)})
-	bare, err := reg.New("bare", Params{Rand: SeededRand(1)})
+	strategies := builtins(t, Params{}, Deps{Rand: SeededRand(1)})
+	bare, err := reg.New("bare", Params{}, Deps{Rand: SeededRand(1)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +72,7 @@ func TestAdapterPickDoesNotAllocate(t *testing.T) {
 		}
 	}
 	req := &Request{Model: "llama", Adapter: "sql", PrefixKey: 42}
-	for _, s := range builtins(t, Params{}) {
+	for _, s := range builtins(t, Params{}, Deps{}) {
 		if s.Name() == KVAware {
 			continue // its requests carry keys: TestKVAwareDoesNotAllocate
 		}
@@ -100,7 +100,7 @@ func TestKVAwareCountsAdapterLoad(t *testing.T) {
 	}
 	holder.AddAdapter("sql")
 	f.report("w00", &workerpb.LoadReport{WaitingPrefillTokens: 4096})
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	req := func(load bool, bytes int64) *Request {
 		r := kvRequest(prompt(7)[:16])
 		r.Adapter, r.LoadAdapter, r.AdapterBytes = "sql", load, bytes

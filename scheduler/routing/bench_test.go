@@ -24,7 +24,7 @@ func BenchmarkPick(b *testing.B) {
 				}
 				var r Registry
 				RegisterBuiltins(&r)
-				s, err := r.New(name, Params{})
+				s, err := r.New(name, Params{}, Deps{})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -56,7 +56,7 @@ func BenchmarkPickSpill(b *testing.B) {
 			for i, w := range f.snap().Workers {
 				f.load(w.Name, 1+i%4)
 			}
-			s, err := NewPrefixAware(Params{ConcurrencyThreshold: 1})
+			s, err := NewPrefixAware(Params{ConcurrencyThreshold: 1}, Deps{})
 			if err != nil {
 				b.Fatal(err)
 			}

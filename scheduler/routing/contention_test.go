@@ -39,7 +39,7 @@ func BenchmarkKVAwareWhileCommitting(b *testing.B) {
 					chains[i][j] = rng.Uint64()
 				}
 			}
-			s := f.strategy(Params{ConcurrencyThreshold: 1024})
+			s := f.strategy(Params{ConcurrencyThreshold: 1024}, Deps{})
 			snap := f.snap()
 			names := make([]string, n)
 			for i, w := range snap.Workers {

@@ -14,8 +14,8 @@ import (
 const KVAware = "kv_aware"
 
 // errNoIndex: a strategy or scorer that reads the KV index was built
-// without one (Params.Index).
-var errNoIndex = errors.New("needs the scheduler's KV index (Params.Index)")
+// without one (Deps.Index).
+var errNoIndex = errors.New("needs the scheduler's KV index (Deps.Index)")
 
 // tieTolerance is the relative difference under which two workers' scores
 // tie (see NewKVAware for what breaks the tie): estimates built from load
@@ -64,17 +64,18 @@ const (
 	replicateHorizon = 8
 )
 
-// NewKVAware returns the kv_aware profile over p.Index, which the watch
-// streams of every worker feed (scheduler/watch). Its one scorer, kv,
-// estimates each available worker's time to first token for the request
-// (req.Keys, req.Tokens) from what the index knows of the worker and its
-// cost figures, corrected by what the worker achieved, and the lowest
-// estimate plus the compute the request costs there wins; ties go by the
-// prompt's home on the ring, never by what one replica counts alone. A
-// worker at the concurrency threshold is passed over (Spill, Home the
-// best) unless every one is (ReasonAllFull); a hot prefix may be copied
-// onto an idle worker (ReasonReplicate). The model, the tie rule and the
-// replication policy are in docs/strategies.md.
+// NewKVAware returns the kv_aware profile over d.Index, which the watch
+// streams of every worker feed (scheduler/watch): the kv scorer, alone,
+// and the kv_aware picker. The scorer estimates each available worker's
+// time to first token for the request (req.Keys, req.Tokens) from what
+// the index knows of the worker and its cost figures, corrected by what
+// the worker achieved; the picker takes the lowest estimate plus the
+// compute the request costs there; ties go by the prompt's home on the
+// ring, never by what one replica counts alone. A worker at the
+// concurrency threshold is passed over (Spill, Home the best) unless
+// every one is (ReasonAllFull); a hot prefix may be copied onto an idle
+// worker (ReasonReplicate). The model, the tie rule and the replication
+// policy are in docs/strategies.md.
 //
 // Commit records the request's blocks on the worker that serves it as
 // predicted (kvindex.Index.Predict), so that siblings arriving before the
@@ -86,29 +87,24 @@ const (
 // its pending prefill. Decision.PredictedCached is the prompt tokens the
 // worker is expected to find in some tier, Decision.Estimate its estimated
 // time to first token.
-func NewKVAware(p Params) (Strategy, error) {
+func NewKVAware(p Params, d Deps) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
-	p = p.withDefaults()
-	kv, err := newKVScorer(p)
+	p, d = p.withDefaults(), d.withDefaults()
+	kv, err := newKVScorer(NoOptions{}, p, d)
 	if err != nil {
 		return nil, err
 	}
 	return (&Profile{
 		name:      KVAware,
 		filters:   kvAwareFilters,
-		scorers:   []weighted{{kv, 1}},
-		picker:    maxPicker{},
-		rand:      p.Rand,
+		scorers:   []weighted{{Scorer: kv, weight: 1}},
+		picker:    kvAwarePicker{threshold: p.ConcurrencyThreshold, replicate: true},
+		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
 		base:      ReasonKVAware,
-		rule:      reasonThreshold,
-		usesKeys:  true,
-		committer: []Committer{kv},
-		doner:     []Doner{kv},
-		finisher:  []Finisher{kv},
-	}).timed(p.PartTimer), nil
+	}).wire(d.PartTimer), nil
 }
 
 // kvAwareFilters are kv_aware's: a worker that would load the request's
@@ -116,22 +112,19 @@ func NewKVAware(p Params) (Strategy, error) {
 // estimate counts the load.
 var kvAwareFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{load: true}}
 
-// kvScorer is kv_aware's scorer (see NewKVAware). Its choice scores 1;
-// every other candidate its score relative to the choice's (lower
-// estimates score higher), below 1, and a thousandth of that when it is at
-// the threshold and the choice is not, so that alone in a profile it
-// picks exactly as its ranking says, and beside other scorers it weighs
-// by how much worse each worker is.
+// kvScorer is kv_aware's scorer: it estimates each candidate's time to
+// first token (Cycle.Estimates) and scores it by the lowest estimate
+// plus compute over its own, 1 for the lowest; and it leaves its
+// estimates in the cycle for the kv_aware picker.
 type kvScorer struct {
-	threshold int
-	idx       *kvindex.Index
+	idx *kvindex.Index
 }
 
-func newKVScorer(p Params) (*kvScorer, error) {
-	if p.Index == nil {
+func newKVScorer(_ NoOptions, _ Params, d Deps) (Scorer, error) {
+	if d.Index == nil {
 		return nil, errNoIndex
 	}
-	return &kvScorer{threshold: p.ConcurrencyThreshold, idx: p.Index}, nil
+	return &kvScorer{idx: d.Index}, nil
 }
 
 func (*kvScorer) Name() string { return "kv" }
@@ -148,6 +141,15 @@ type candidate struct {
 	routed  float64 // recently routed requests
 	cached  int     // tokens expected cached
 	idle    bool    // nothing in flight, queued or pending
+}
+
+// kvNotes are what the kv scorer leaves in a cycle for the kv_aware
+// picker, beside each candidate's estimate (scratch.kvCands).
+type kvNotes struct {
+	ok          bool    // the kv scorer ran
+	key         uint64  // where on the ring ties are broken
+	routed      float64 // recently routed requests, over the candidates
+	top, second int     // the most cached tokens of one candidate, of another
 }
 
 // choose returns the best of the candidates es that ok admits (i < 0:
@@ -212,9 +214,9 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		names[i] = w.Name
 	}
 	p := &c.sc.kv
-	*p = kvPass{req: req, cands: cands, es: es, cached: cached, seconds: seconds, scores: scores}
+	*p = kvPass{req: req, cands: cands, es: es, cached: cached, seconds: seconds, least: math.Inf(1)}
 	s.idx.Visit(req.Keys, names, p)
-	routed, top, second, known := p.routed, p.top, p.second, p.known
+	routed, top, second, known, least := p.routed, p.top, p.second, p.known, p.least
 	*p = kvPass{}
 	// Ties go to the earlier candidate on the ring from the first block
 	// past what any candidate holds: what every replica computes alike.
@@ -222,8 +224,78 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	if len(req.Keys) > 0 {
 		key = req.Keys[min(known, len(req.Keys)-1)]
 	}
+	c.kv = kvNotes{ok: true, key: key, routed: routed, top: top, second: second}
+	for i := range es {
+		if v := es[i].score; v > least {
+			scores[i] = least / v
+		} else {
+			scores[i] = 1
+		}
+	}
+}
+
+// kvAwarePicker is kv_aware's choice, over the estimates of the kv
+// scorer of its profile (see NewKVAware): the best candidate under the
+// threshold, ties by the prompt cached and the ring; a prompt no worker
+// holds goes to its home on the ring unless the home is at the threshold
+// or estimated well slower; a hot prefix may be copied onto an idle
+// worker. With the kv scorer alone the candidates rank by its estimates;
+// beside other scorers, by the profile's weighted totals. Without a kv
+// scorer in the profile every prompt is one no worker holds.
+type kvAwarePicker struct {
+	threshold int
+	replicate bool
+}
+
+// kvAwareOptions are the kv_aware picker's options in a profile.
+type kvAwareOptions struct {
+	// ConcurrencyThreshold is the requests in flight at which a worker is
+	// passed over: 1–1,024; 0 means the strategy's concurrency_threshold.
+	ConcurrencyThreshold int `yaml:"concurrency_threshold"`
+	// Replicate lets a hot prefix be copied onto an idle worker. Default
+	// true.
+	Replicate *bool `yaml:"replicate"`
+}
+
+func (o *kvAwareOptions) Validate() error { return validThreshold(o.ConcurrencyThreshold, true) }
+
+func newKVAwarePicker(o kvAwareOptions, p Params, _ Deps) (Picker, error) {
+	k := kvAwarePicker{threshold: o.ConcurrencyThreshold, replicate: o.Replicate == nil || *o.Replicate}
+	if k.threshold == 0 {
+		k.threshold = p.ConcurrencyThreshold
+	}
+	return k, nil
+}
+
+func (kvAwarePicker) Name() string { return KVAware }
+
+// Reason names a decision for a worker at the picker's threshold
+// ReasonAllFull, and leaves the others to the profile.
+func (k kvAwarePicker) Reason(_ *Cycle, w *pool.Worker) (Reason, bool) {
+	return ReasonAllFull, w.InFlight() >= k.threshold
+}
+
+func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
+	cands := c.Cands
+	es := c.sc.kvCands[:len(cands)]
+	notes := c.kv
+	switch {
+	case !notes.ok:
+		// No estimates: rank by the totals alone, a prompt nobody holds.
+		for i, w := range cands {
+			es[i] = candidate{i: i, score: 1 / totals[i], load: w.InFlight()}
+		}
+		notes.key = c.Req.PrefixKey
+	case c.scorers > 1:
+		// The totals rank; with the kv scorer alone they are its
+		// estimates' order, which rank as they are.
+		for i := range es {
+			es[i].score = 1 / totals[i]
+		}
+	}
+	key, threshold := notes.key, k.threshold
 	bestAny := choose(c, es, key, func(*candidate) bool { return true })
-	best := choose(c, es, key, func(e *candidate) bool { return e.load < s.threshold })
+	best := choose(c, es, key, func(e *candidate) bool { return e.load < threshold })
 	idle := candidate{i: -1}
 	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {
@@ -231,7 +303,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		if e.idle && (idle.i < 0 || e.routed < idle.routed) {
 			idle = e
 		}
-		if e.load < s.threshold {
+		if e.load < threshold {
 			minRaw = min(minRaw, e.raw)
 		}
 	}
@@ -239,7 +311,7 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	if best.i < 0 {
 		best = bestAny
 	}
-	if top == 0 {
+	if notes.top == 0 {
 		// No candidate holds any of the prompt: its home on the ring,
 		// unless the home is at the threshold or estimated well slower
 		// than the fastest (the load its engine reports). The estimates
@@ -264,44 +336,26 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 		}
 		if home >= 0 {
 			h := es[c.positions()[home]]
-			if h.load < s.threshold && h.raw <= minRaw*(1+homeTolerance) {
+			if h.load < threshold && h.raw <= minRaw*(1+homeTolerance) {
 				best = h
 			}
 		}
-		for i, v := range scores {
-			r := 1.0
-			if v > 0 {
-				r = min(best.score/v, 1-1e-9)
-			}
-			if best.load < s.threshold && cands[i].InFlight() >= s.threshold {
-				r *= 1e-3
-			}
-			scores[i] = r
-		}
-		scores[best.i] = 1
-		return
+		return best.i
+	}
+	if !k.replicate {
+		return best.i
 	}
 	// A prefix another candidate holds as well (second ≥ best.cached)
 	// binds no request to one worker: above the mean is hot enough.
-	mean := routed / float64(len(cands))
+	mean := notes.routed / float64(len(cands))
 	hot := best.routed >= max(hotRouted*mean, hotMinRouted) ||
-		second >= best.cached && best.routed > mean && best.routed >= hotMinRouted
-	if idle.i >= 0 && best.cached > idle.cached && best.load < s.threshold && hot && idle.routed <= idleRouted*mean &&
+		notes.second >= best.cached && best.routed > mean && best.routed >= hotMinRouted
+	if idle.i >= 0 && best.cached > idle.cached && best.load < threshold && hot && idle.routed <= idleRouted*mean &&
 		idle.seconds-best.seconds <= replicateHorizon*best.seconds*(best.routed/mean-1) {
 		best = idle
 		c.Replicate = true
 	}
-	for i, v := range scores {
-		r := 1.0
-		if v > 0 {
-			r = min(best.score/v, 1-1e-9)
-		}
-		if best.load < s.threshold && cands[i].InFlight() >= s.threshold {
-			r *= 1e-3
-		}
-		scores[i] = r
-	}
-	scores[best.i] = 1
+	return best.i
 }
 
 // kvPass is one Score's visit of the index (kvindex.MatchVisitor): each
@@ -312,7 +366,7 @@ type kvPass struct {
 	es      []candidate
 	cached  []int
 	seconds []float64
-	scores  []float64
+	least   float64 // the lowest score
 
 	routed      float64 // sum over the candidates
 	top, second int     // the most cached tokens of one candidate, of another
@@ -325,7 +379,8 @@ func (p *kvPass) VisitMatch(i int, m *kvindex.Match) {
 	e.i = i
 	e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
 	p.es[i] = e
-	p.cached[i], p.seconds[i], p.scores[i] = e.cached, e.seconds, e.score
+	p.cached[i], p.seconds[i] = e.cached, e.seconds
+	p.least = min(p.least, e.score)
 	p.routed += e.routed
 	if e.cached > p.top {
 		p.top, p.second = e.cached, p.top
@@ -482,6 +537,9 @@ func (d Decision) RouteHit(strategy string, tokens int) string {
 var (
 	_ kvindex.MatchVisitor = (*kvPass)(nil)
 	_ Scorer               = (*kvScorer)(nil)
+	_ KeyUser              = (*kvScorer)(nil)
+	_ Picker               = kvAwarePicker{}
+	_ Reasoner             = kvAwarePicker{}
 	_ Committer            = (*kvScorer)(nil)
 	_ Doner                = (*kvScorer)(nil)
 	_ Finisher             = (*kvScorer)(nil)

@@ -76,15 +76,15 @@ func (f *kvFleet) info(worker string, redis bool, redisBps float64) {
 	}
 }
 
-func (f *kvFleet) strategy(p Params) Strategy {
+func (f *kvFleet) strategy(p Params, d Deps) Strategy {
 	f.t.Helper()
-	if p.Rand == nil {
-		p.Rand = SeededRand(1)
+	if d.Rand == nil {
+		d.Rand = SeededRand(1)
 	}
 	var r Registry
 	RegisterBuiltins(&r)
-	p.Index = f.idx
-	s, err := r.New(KVAware, p)
+	d.Index = f.idx
+	s, err := r.New(KVAware, p, d)
 	if err != nil {
 		f.t.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func TestKVAwareChoosesByCache(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newKVFleet(t, 4)
 			tt.setup(f)
-			s := f.strategy(Params{ConcurrencyThreshold: 2})
+			s := f.strategy(Params{ConcurrencyThreshold: 2}, Deps{})
 			d, err := s.Pick(kvRequest(ks), f.snap())
 			if err != nil {
 				t.Fatal(err)
@@ -179,7 +179,7 @@ func TestKVAwareChoosesByCache(t *testing.T) {
 
 func TestKVAwareSiblingBurstLandsTogether(t *testing.T) {
 	f := newKVFleet(t, 8)
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	ks := prompt(2)
 	var first string
 	for i := range 6 {
@@ -213,7 +213,7 @@ func TestKVAwareSiblingBurstLandsTogether(t *testing.T) {
 // for the worker that serves, predicts blocks and counts the request.
 func TestKVAwarePickChangesNothing(t *testing.T) {
 	f := newKVFleet(t, 4)
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	req := kvRequest(prompt(5))
 	names := []string{"w00", "w01", "w02", "w03"}
 	ms := make([]kvindex.Match, len(names))
@@ -264,7 +264,7 @@ func TestKVAwareOnlyAvailableWorkers(t *testing.T) {
 	f.store("other", workerpb.Tier_TIER_GPU, ks)
 	f.setHealthy("w00", false)
 	f.openBreaker("w01")
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	for range 5 {
 		d, err := s.Pick(kvRequest(ks), f.snap())
 		if err != nil {
@@ -290,9 +290,9 @@ func TestKVAwareBeyondMaxWorkers(t *testing.T) {
 	for _, w := range f.snap().Workers[:kvindex.MaxWorkers] {
 		f.report(w.Name, &workerpb.LoadReport{Running: 1, Waiting: 1, WaitingPrefillTokens: 8000})
 	}
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	for i := range 20 {
-		s := f.strategy(Params{Rand: SeededRand(uint64(i))})
+		s := f.strategy(Params{}, Deps{Rand: SeededRand(uint64(i))})
 		d, err := s.Pick(kvRequest(ks), f.snap())
 		if err != nil {
 			t.Fatal(err)
@@ -319,7 +319,7 @@ func TestKVAwareAllFull(t *testing.T) {
 	for _, w := range f.snap().Workers {
 		f.load(w.Name, 1)
 	}
-	d, err := f.strategy(Params{ConcurrencyThreshold: 1}).Pick(kvRequest(ks), f.snap())
+	d, err := f.strategy(Params{ConcurrencyThreshold: 1}, Deps{}).Pick(kvRequest(ks), f.snap())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -334,7 +334,7 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 	// and the pick moved the estimate past the test's tolerance.
 	now := time.Now()
 	f := newKVFleetConfig(t, 1, kvindex.Config{Now: func() time.Time { return now }})
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	ks := prompt(6)
 	d, err := s.Pick(kvRequest(ks), f.snap())
 	if err != nil {
@@ -372,7 +372,7 @@ func TestKVAwareEstimateAndCorrection(t *testing.T) {
 // stay with the holders.
 func TestKVAwareReplicatesHotPrefixOntoIdleWorker(t *testing.T) {
 	f := newKVFleet(t, 4)
-	s := f.strategy(Params{Rand: SeededRand(1)})
+	s := f.strategy(Params{}, Deps{Rand: SeededRand(1)})
 	system := prompt(9)[:300] // a shared system prompt: 4,800 tokens
 	f.store("w01", workerpb.Tier_TIER_GPU, system)
 	session := func(i uint64) *Request {
@@ -413,7 +413,7 @@ func TestKVAwareReplicatesHotPrefixOntoIdleWorker(t *testing.T) {
 // A worker routed few requests is not called hot: the holder keeps them.
 func TestKVAwareNoReplicationOnLittleTraffic(t *testing.T) {
 	f := newKVFleet(t, 4)
-	s := f.strategy(Params{Rand: SeededRand(1)})
+	s := f.strategy(Params{}, Deps{Rand: SeededRand(1)})
 	system := prompt(9)[:300]
 	f.store("w01", workerpb.Tier_TIER_GPU, system)
 	for i := range uint64(hotMinRouted - 1) {
@@ -436,7 +436,7 @@ func TestKVAwareNoReplicationOnLittleTraffic(t *testing.T) {
 // a first token teaches nothing.
 func TestKVAwareDoneFeedsIndex(t *testing.T) {
 	f := newKVFleet(t, 1)
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	req := kvRequest(prompt(6))
 	d, err := s.Pick(req, f.snap())
 	if err != nil {
@@ -483,7 +483,7 @@ func TestKVAwareSpreadsByDecodeLoad(t *testing.T) {
 		f.report("w00", &workerpb.LoadReport{Running: 40, GpuBlocksUsed: 20000})
 		f.report("w01", &workerpb.LoadReport{Running: 10, GpuBlocksUsed: 5000})
 		f.report("w02", &workerpb.LoadReport{Running: 40, GpuBlocksUsed: 20000})
-		s := f.strategy(Params{Rand: SeededRand(seed)})
+		s := f.strategy(Params{}, Deps{Rand: SeededRand(seed)})
 		// A 2,000-token prompt: its prefill (about 55 ms) is short enough
 		// for the 11 ms the busier workers' steps add to count.
 		d, err := s.Pick(kvRequest(prompt(100 + seed)[:125]), f.snap())
@@ -549,7 +549,7 @@ func TestKVAwareTiesGoToRingHome(t *testing.T) {
 			for _, w := range f.snap().Workers {
 				f.report(w.Name, &workerpb.LoadReport{})
 			}
-			d, err := f.strategy(Params{Rand: SeededRand(seed)}).Pick(req, f.snap())
+			d, err := f.strategy(Params{}, Deps{Rand: SeededRand(seed)}).Pick(req, f.snap())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -602,7 +602,7 @@ func TestKVAwareColdPromptLeavesBusyHome(t *testing.T) {
 			home := f.ringHome(ks[0], nil)
 			req := kvRequest(ks)
 			want := tt.setup(f, home, req)
-			d, err := f.strategy(Params{ConcurrencyThreshold: 2}).Pick(req, f.snap())
+			d, err := f.strategy(Params{ConcurrencyThreshold: 2}, Deps{}).Pick(req, f.snap())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -671,7 +671,7 @@ func TestKVAwareSharedPrefixStarvesNoWorker(t *testing.T) {
 				if events {
 					f = newKVFleet(t, 4)
 				}
-				s := f.strategy(Params{Rand: SeededRand(seed)})
+				s := f.strategy(Params{}, Deps{Rand: SeededRand(seed)})
 				served := map[string]int{}
 				for i := range uint64(60) {
 					d := f.serve(s, kvRequest(chat(system, prompt(300 + i)[:4])), events)
@@ -709,7 +709,7 @@ func TestKVAwareKeepsAffinityBesideStarvedWorker(t *testing.T) {
 			// w00–w02 each served 12 new conversations, w03 nothing;
 			// then w01 served a conversation's first turn and w02 a
 			// question on the document.
-			s := f.strategy(Params{})
+			s := f.strategy(Params{}, Deps{})
 			served := func(worker string, keys []uint64) {
 				req := kvRequest(keys)
 				d := Decision{Worker: f.worker(worker), Reason: ReasonKVAware, Estimate: time.Millisecond}
@@ -723,7 +723,7 @@ func TestKVAwareKeepsAffinityBesideStarvedWorker(t *testing.T) {
 			served("w01", history)
 			served("w02", chat(doc, prompt(46)[:4]))
 			for seed := uint64(1); seed <= 6; seed++ {
-				s := f.strategy(Params{Rand: SeededRand(seed)})
+				s := f.strategy(Params{}, Deps{Rand: SeededRand(seed)})
 				d, err := s.Pick(kvRequest(tt.keys), f.snap())
 				if err != nil {
 					t.Fatal(err)
@@ -758,7 +758,7 @@ func TestRouteHit(t *testing.T) {
 func TestKVAwareDoesNotAllocate(t *testing.T) {
 	skipUnderRace(t)
 	f := newKVFleet(t, 16)
-	s := f.strategy(Params{})
+	s := f.strategy(Params{}, Deps{})
 	req := kvRequest(prompt(8))
 	snap := f.snap()
 	if _, err := s.Pick(req, snap); err != nil { // warm the scratch and index
@@ -815,7 +815,7 @@ func heldBench(b *testing.B, n int) (s Strategy, snap *pool.Snapshot, reqs []*Re
 		ks := append(append([]uint64(nil), held[p%n][p*300%(per-300):][:300]...), prompt(uint64(p))[:200]...)
 		reqs[p] = kvRequest(ks)
 	}
-	s = f.strategy(Params{ConcurrencyThreshold: 1024})
+	s = f.strategy(Params{ConcurrencyThreshold: 1024}, Deps{})
 	snap = f.snap()
 	for _, r := range reqs { // index the predicted blocks
 		d, err := s.Pick(r, snap)

@@ -45,10 +45,39 @@ func (loadScorer) Score(c *Cycle, scores []float64) {
 // ring successors only.
 type prefixScorer struct{ threshold int }
 
+// prefixOptions are the prefix scorer's options in a profile.
+type prefixOptions struct {
+	// ConcurrencyThreshold is the requests in flight at which the home
+	// stops scoring 1: 1–1,024; 0 means the strategy's
+	// concurrency_threshold.
+	ConcurrencyThreshold int `yaml:"concurrency_threshold"`
+}
+
+func (o *prefixOptions) Validate() error { return validThreshold(o.ConcurrencyThreshold, true) }
+
+func newPrefixScorer(o prefixOptions, p Params, _ Deps) (Scorer, error) {
+	t := o.ConcurrencyThreshold
+	if t == 0 {
+		t = p.ConcurrencyThreshold
+	}
+	return prefixScorer{threshold: t}, nil
+}
+
 func (prefixScorer) Name() string { return "prefix" }
 
-// Homes: prefix places each request on its prefix's home (Homer).
-func (prefixScorer) Homes() bool { return true }
+// Reason names every decision of a profile with prefix by where the
+// chosen worker stands to the request's home and prefix's threshold:
+// ReasonAllFull at the threshold, else ReasonHome (or no home known),
+// else ReasonSpill.
+func (s prefixScorer) Reason(c *Cycle, w *pool.Worker) (Reason, bool) {
+	switch {
+	case w.InFlight() >= s.threshold:
+		return ReasonAllFull, true
+	case c.Home == nil || w == c.Home:
+		return ReasonHome, true
+	}
+	return ReasonSpill, true
+}
 
 func (s prefixScorer) Score(c *Cycle, scores []float64) {
 	home := -1
@@ -126,11 +155,12 @@ func (p roundRobinPicker) Pick(c *Cycle, _ []float64) int {
 }
 
 var (
-	_ Filter = availableFilter{}
-	_ Filter = modelFilter{}
-	_ Scorer = loadScorer{}
-	_ Scorer = prefixScorer{}
-	_ Picker = maxPicker{}
-	_ Picker = randomPicker{}
-	_ Picker = roundRobinPicker{}
+	_ Filter   = availableFilter{}
+	_ Filter   = modelFilter{}
+	_ Scorer   = loadScorer{}
+	_ Scorer   = prefixScorer{}
+	_ Reasoner = prefixScorer{}
+	_ Picker   = maxPicker{}
+	_ Picker   = randomPicker{}
+	_ Picker   = roundRobinPicker{}
 )

@@ -61,9 +61,14 @@ type Cycle struct {
 	// nil until a scorer calls Estimates.
 	Cached  []int
 	Seconds []float64
-	// Replicate: a scorer chose to copy a hot prefix onto an idle worker
-	// (ReasonReplicate).
+	// Replicate: a part chose to copy a hot prefix onto an idle worker
+	// (ReasonReplicate), as the kv_aware picker does.
 	Replicate bool
+
+	// scorers is the number of the profile's scorers; kv what the kv
+	// scorer noted for the kv_aware picker.
+	scorers int
+	kv      kvNotes
 
 	rand func(uint64) uint64
 	// in and passed are by snapshot position: a candidate, and a worker
@@ -187,26 +192,27 @@ func putScratch(s *scratch) {
 	scratchPool.Put(s)
 }
 
-// weighted is a scorer and its weight in a profile.
+// weighted is a scorer, its weight and its name in a profile (the
+// scorer's Name when empty).
 type weighted struct {
 	Scorer
 	weight float64
+	name   string
 }
 
-// reasonRule says how a profile names its decisions.
-type reasonRule uint8
-
-const (
-	// reasonFixed: always the profile's base reason (the baselines).
-	reasonFixed reasonRule = iota
-	// reasonThreshold: the base reason, or ReasonAllFull when the chosen
-	// worker is at the concurrency threshold (kv_aware, custom profiles).
-	reasonThreshold
-	// reasonHome: ReasonHome, ReasonSpill or ReasonAllFull by where the
-	// chosen worker stands to the request's home and the threshold
-	// (prefix_aware).
-	reasonHome
-)
+// A Reasoner is a Scorer or Picker that names the decisions of the
+// profiles it is part of (Decision.Reason, the reason label of the
+// routing metrics). Reason is called once per Pick, after the picker
+// chose w, with the cycle as the parts left it; like Score it must not
+// block or allocate. It returns ok false to leave the naming to the
+// profile's next reasoner. A decision that replicates (Cycle.Replicate)
+// is ReasonReplicate; others, the profile asks its scorers in order, then
+// its picker; when none names the decision, it is ReasonAllFull if w is
+// at the profile's concurrency threshold, else the profile's own reason
+// (ReasonScored for a custom profile).
+type Reasoner interface {
+	Reason(c *Cycle, w *pool.Worker) (r Reason, ok bool)
+}
 
 // Profile is a named routing strategy built from the pipeline's parts:
 // filters, then weighted scorers, then a picker. Besides its filters,
@@ -214,31 +220,59 @@ const (
 // (Request.Tried) and, with Request.MaxInFlight set, those at capacity.
 // A Profile is safe for concurrent use.
 type Profile struct {
-	name      string
-	filters   []Filter
-	scorers   []weighted
-	picker    Picker
-	rand      func(uint64) uint64
+	name    string
+	filters []Filter
+	scorers []weighted
+	picker  Picker
+	rand    func(uint64) uint64
+	// threshold: a decision for a worker with that many requests in
+	// flight is ReasonAllFull, unless a Reasoner names it; 0 for none.
 	threshold int
 	base      Reason
-	rule      reasonRule
 	usesKeys  bool
+	reasoners []Reasoner  // scorers, then the picker, that name decisions
 	committer []Committer // scorers that record their choices
 	doner     []Doner     // scorers that learn from the outcomes
 	finisher  []Finisher  // scorers that learn from what workers reported
-	// timers hear each part's time (Params.PartTimer): the filters, each
+	// timers hear each part's time (Deps.PartTimer): the filters, each
 	// scorer in order, the picker; nil when not timed.
 	timers []func(time.Duration)
 }
 
-// timed sets up p's part timers from pt (nil: not timed) and returns p.
-func (p *Profile) timed(pt func(profile, part string) func(time.Duration)) *Profile {
+// wire finds which of p's scorers and picker implement the optional
+// interfaces (Reasoner, Committer, Doner, Finisher, KeyUser), sets up its
+// part timers from pt (nil: not timed) and returns p.
+func (p *Profile) wire(pt func(profile, part string) func(time.Duration)) *Profile {
+	for i := range p.scorers {
+		s := &p.scorers[i]
+		if s.name == "" {
+			s.name = s.Name()
+		}
+		if r, ok := s.Scorer.(Reasoner); ok {
+			p.reasoners = append(p.reasoners, r)
+		}
+		if c, ok := s.Scorer.(Committer); ok {
+			p.committer = append(p.committer, c)
+		}
+		if d, ok := s.Scorer.(Doner); ok {
+			p.doner = append(p.doner, d)
+		}
+		if f, ok := s.Scorer.(Finisher); ok {
+			p.finisher = append(p.finisher, f)
+		}
+		if k, ok := s.Scorer.(KeyUser); ok && k.UsesKeys() {
+			p.usesKeys = true
+		}
+	}
+	if r, ok := p.picker.(Reasoner); ok {
+		p.reasoners = append(p.reasoners, r)
+	}
 	if pt == nil {
 		return p
 	}
 	p.timers = append(p.timers, pt(p.name, "filters"))
 	for _, s := range p.scorers {
-		p.timers = append(p.timers, pt(p.name, s.Name()))
+		p.timers = append(p.timers, pt(p.name, s.name))
 	}
 	p.timers = append(p.timers, pt(p.name, "picker"))
 	return p
@@ -290,7 +324,7 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	if timed {
 		t = time.Now()
 	}
-	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc}
+	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc, scorers: len(p.scorers)}
 	clear(c.in)
 	clear(c.passed)
 	cands, index := sc.cands[:0], sc.index[:0]
@@ -362,19 +396,13 @@ func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {
 	if c.Replicate {
 		return ReasonReplicate
 	}
-	switch p.rule {
-	case reasonThreshold:
-		if w.InFlight() >= p.threshold {
-			return ReasonAllFull
+	for _, x := range p.reasoners {
+		if r, ok := x.Reason(c, w); ok {
+			return r
 		}
-	case reasonHome:
-		switch {
-		case w.InFlight() >= p.threshold:
-			return ReasonAllFull
-		case c.Home == nil || w == c.Home:
-			return ReasonHome
-		}
-		return ReasonSpill
+	}
+	if p.threshold > 0 && w.InFlight() >= p.threshold {
+		return ReasonAllFull
 	}
 	return p.base
 }

@@ -13,7 +13,7 @@ import (
 // already tried and, with MaxInFlight, those at capacity; ErrFull tells
 // "wait for room" from ErrNoWorker.
 func TestCapacityAndTried(t *testing.T) {
-	for _, s := range builtins(t, Params{Rand: SeededRand(3)}) {
+	for _, s := range builtins(t, Params{}, Deps{Rand: SeededRand(3)}) {
 		t.Run(s.Name(), func(t *testing.T) {
 			f := newFleet(t, 3)
 			f.load("w00", 2)
@@ -49,7 +49,7 @@ func TestCapacityAndTried(t *testing.T) {
 // were gone.
 func TestPrefixHomeAtCapacitySpills(t *testing.T) {
 	f := newFleet(t, 4)
-	s, err := NewPrefixAware(Params{ConcurrencyThreshold: 8})
+	s, err := NewPrefixAware(Params{ConcurrencyThreshold: 8}, Deps{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestCustomProfile(t *testing.T) {
 			if err := rr.RegisterProfile(ProfileConfig{Name: name, Scorers: tt.scorers}); err != nil {
 				t.Fatal(err)
 			}
-			s, err := rr.New(name, Params{Rand: SeededRand(1), Index: f.idx})
+			s, err := rr.New(name, Params{}, Deps{Rand: SeededRand(1), Index: f.idx})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -132,11 +132,11 @@ func TestCustomProfile(t *testing.T) {
 	}{
 		{ProfileConfig{}, "name: required"},
 		{ProfileConfig{Name: PrefixAware}, `name: "prefix_aware" is already a strategy`},
-		{ProfileConfig{Name: "p", Filters: []string{"available", "healthy"}}, `filters[1]: unknown filter "healthy" (known: adapter, available, model)`},
+		{ProfileConfig{Name: "p", Filters: []PartConfig{{Type: "available"}, {Type: "healthy"}}}, `filters[1]: unknown filter "healthy" (known: adapter, available, model)`},
 		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load"}, {Name: "lod"}}}, `scorers[1].name: unknown scorer "lod" (known: kv, kv_usage, load, prefix)`},
-		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load"}, {Name: "load"}}}, `scorers[1].name: scorer "load" given twice`},
+		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load"}, {Name: "load"}}}, `scorers[1].name: scorer "load" given twice (name each scorer of one type)`},
 		{ProfileConfig{Name: "p", Scorers: []ScorerConfig{{Name: "load", Weight: -1}}}, "scorers[0].weight: must be 0–1000, got -1"},
-		{ProfileConfig{Name: "p", Picker: "best"}, `picker: unknown picker "best" (known: max, random, round_robin)`},
+		{ProfileConfig{Name: "p", Picker: PartConfig{Type: "best"}}, `picker: unknown picker "best" (known: kv_aware, max, random, round_robin)`},
 	} {
 		if err := r.Clone().RegisterProfile(tt.pc); err == nil || err.Error() != tt.want {
 			t.Errorf("RegisterProfile(%+v) = %v, want %q", tt.pc, err, tt.want)

@@ -8,18 +8,17 @@ package routing
 // least-loaded worker, ties going to the first in name order after the
 // home. If every worker is at the threshold, the least loaded is still
 // chosen (ReasonAllFull): the caller queues or answers 429.
-func NewPrefixAware(p Params) (Strategy, error) {
+func NewPrefixAware(p Params, d Deps) (Strategy, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
-	p = p.withDefaults()
+	p, d = p.withDefaults(), d.withDefaults()
 	return (&Profile{
 		name:      PrefixAware,
 		filters:   defaultFilters,
-		scorers:   []weighted{{prefixScorer{threshold: p.ConcurrencyThreshold}, 1}, {loadScorer{}, 1}},
+		scorers:   []weighted{{Scorer: prefixScorer{threshold: p.ConcurrencyThreshold}, weight: 1}, {Scorer: loadScorer{}, weight: 1}},
 		picker:    maxPicker{},
-		rand:      p.Rand,
+		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
-		rule:      reasonHome,
-	}).timed(p.PartTimer), nil
+	}).wire(d.PartTimer), nil
 }

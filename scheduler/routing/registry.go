@@ -19,8 +19,9 @@ const (
 	Default = Random
 )
 
-// Factory builds a strategy from params, which Registry.New has validated.
-type Factory func(params Params) (Strategy, error)
+// Factory builds a strategy from its configuration, which Registry.New has
+// validated and given its defaults, and its run-time dependencies.
+type Factory func(params Params, deps Deps) (Strategy, error)
 
 // Registry maps strategy names to factories. The zero value is an empty
 // registry ready for use; it is safe for concurrent use. cmd/ builds one
@@ -29,9 +30,9 @@ type Registry struct {
 	mu        sync.RWMutex
 	factories map[string]Factory
 	// The parts custom profiles are built from (RegisterProfile).
-	filters map[string]Filter
-	scorers map[string]ScorerFactory
-	pickers map[string]PickerFactory
+	filters map[string]part[Filter]
+	scorers map[string]part[Scorer]
+	pickers map[string]part[Picker]
 }
 
 // Register adds a factory under name. It panics if name is empty, f is nil
@@ -54,9 +55,9 @@ func (r *Registry) Register(name string, f Factory) {
 	r.factories[name] = f
 }
 
-// New validates params, fills their defaults and builds the strategy
-// registered as name.
-func (r *Registry) New(name string, params Params) (Strategy, error) {
+// New validates params, fills their defaults and deps' and builds the
+// strategy registered as name.
+func (r *Registry) New(name string, params Params, deps Deps) (Strategy, error) {
 	r.mu.RLock()
 	f, ok := r.factories[name]
 	r.mu.RUnlock()
@@ -66,7 +67,7 @@ func (r *Registry) New(name string, params Params) (Strategy, error) {
 	if err := params.Validate(); err != nil {
 		return nil, fmt.Errorf("strategy %s: %w", name, err)
 	}
-	s, err := f(params.withDefaults())
+	s, err := f(params.withDefaults(), deps.withDefaults())
 	if err != nil {
 		return nil, fmt.Errorf("strategy %s: %w", name, err)
 	}
@@ -108,24 +109,26 @@ func (r *Registry) Names() []string {
 
 // RegisterBuiltins registers random, round_robin, least_outstanding,
 // prefix_aware and kv_aware in r, and the parts custom profiles are built
-// from: the filters available and model, the scorers load, prefix, kv
-// and kv_usage.
+// from: the filters available, model and adapter, the scorers load,
+// prefix, kv and kv_usage, and the picker kv_aware. (The pickers max,
+// random and round_robin every registry knows.)
 func RegisterBuiltins(r *Registry) {
 	r.Register(Random, NewRandom)
 	r.Register(RoundRobin, NewRoundRobin)
 	r.Register(LeastOutstanding, NewLeastOutstanding)
 	r.Register(PrefixAware, NewPrefixAware)
 	r.Register(KVAware, NewKVAware)
-	r.RegisterScorer("kv", func(p Params) (Scorer, error) { return newKVScorer(p) })
-	r.RegisterScorer("kv_usage", func(p Params) (Scorer, error) {
-		if p.Index == nil {
+	RegisterScorerWith(r, "kv", newKVScorer)
+	RegisterPickerWith(r, KVAware, newKVAwarePicker)
+	r.RegisterScorer("kv_usage", func(_ Params, d Deps) (Scorer, error) {
+		if d.Index == nil {
 			return nil, errNoIndex
 		}
-		return kvUsageScorer{p.Index}, nil
+		return kvUsageScorer{d.Index}, nil
 	})
-	for _, f := range defaultFilters {
-		r.RegisterFilter(f)
-	}
-	r.RegisterScorer("load", func(Params) (Scorer, error) { return loadScorer{}, nil })
-	r.RegisterScorer("prefix", func(p Params) (Scorer, error) { return prefixScorer{threshold: p.ConcurrencyThreshold}, nil })
+	r.RegisterFilter(availableFilter{})
+	r.RegisterFilter(modelFilter{})
+	RegisterFilterWith(r, "adapter", newAdapterFilter)
+	r.RegisterScorer("load", func(Params, Deps) (Scorer, error) { return loadScorer{}, nil })
+	RegisterScorerWith(r, "prefix", newPrefixScorer)
 }

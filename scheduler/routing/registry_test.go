@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/google/go-cmp/cmp"
 )
 
@@ -44,7 +45,7 @@ func TestRegistry(t *testing.T) {
 	}
 	for _, name := range want {
 		t.Run(name, func(t *testing.T) {
-			s, err := r.New(name, Params{Index: kvindex.New(kvindex.Config{})})
+			s, err := r.New(name, Params{}, Deps{Index: kvindex.New(kvindex.Config{})})
 			if err != nil {
 				t.Fatalf("New(%s): %v", name, err)
 			}
@@ -62,21 +63,22 @@ func TestRegistryErrors(t *testing.T) {
 	var r Registry
 	RegisterBuiltins(&r)
 	boom := errors.New("boom")
-	r.Register("broken", func(Params) (Strategy, error) { return nil, boom })
+	r.Register("broken", func(Params, Deps) (Strategy, error) { return nil, boom })
 	tests := []struct {
 		name    string
 		params  Params
+		deps    Deps
 		wantErr string
 	}{
-		{"kv_magic", Params{}, `strategy: unknown "kv_magic" (known: broken, kv_aware, least_outstanding, prefix_aware, random, round_robin)`},
-		{PrefixAware, Params{ConcurrencyThreshold: 2000}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
-		{Random, Params{ConcurrencyThreshold: -5}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
-		{"broken", Params{}, "strategy broken: boom"},
-		{KVAware, Params{}, "strategy kv_aware: needs the scheduler's KV index (Params.Index)"},
+		{"kv_magic", Params{}, Deps{}, `strategy: unknown "kv_magic" (known: broken, kv_aware, least_outstanding, prefix_aware, random, round_robin)`},
+		{PrefixAware, Params{ConcurrencyThreshold: 2000}, Deps{}, "strategy prefix_aware: concurrency_threshold: must be 1–1024, got 2000"},
+		{Random, Params{ConcurrencyThreshold: -5}, Deps{}, "strategy random: concurrency_threshold: must be 1–1024, got -5"},
+		{"broken", Params{}, Deps{}, "strategy broken: boom"},
+		{KVAware, Params{}, Deps{}, "strategy kv_aware: needs the scheduler's KV index (Deps.Index)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s, err := r.New(tt.name, tt.params)
+			s, err := r.New(tt.name, tt.params, tt.deps)
 			if err == nil || err.Error() != tt.wantErr {
 				t.Fatalf("New(%s) = %v, %v; want error %q", tt.name, s, err, tt.wantErr)
 			}
@@ -86,14 +88,14 @@ func TestRegistryErrors(t *testing.T) {
 
 func TestFactoriesValidate(t *testing.T) {
 	for _, f := range []Factory{NewRandom, NewRoundRobin, NewLeastOutstanding, NewPrefixAware, NewKVAware} {
-		if s, err := f(Params{ConcurrencyThreshold: 4096}); err == nil {
+		if s, err := f(Params{ConcurrencyThreshold: 4096}, Deps{}); err == nil {
 			t.Errorf("%s built with concurrency_threshold 4096, want error", s.Name())
 		}
 	}
 }
 
 func TestRegisterPanics(t *testing.T) {
-	ok := func(Params) (Strategy, error) { return NewRandom(Params{}) }
+	ok := func(Params, Deps) (Strategy, error) { return NewRandom(Params{}, Deps{}) }
 	tests := []struct {
 		name     string
 		register func(r *Registry)
@@ -123,11 +125,11 @@ func (lastPicker) Name() string                   { return "last" }
 func (lastPicker) Pick(c *Cycle, _ []float64) int { return len(c.Cands) - 1 }
 
 // firstHome places every request on the first candidate and scores all
-// alike: a Homer.
-type firstHome struct{}
+// alike; it names decisions by the home (a Reasoner), or leaves them to
+// the profile when quiet.
+type firstHome struct{ quiet bool }
 
 func (firstHome) Name() string { return "first_home" }
-func (firstHome) Homes() bool  { return true }
 func (firstHome) Score(c *Cycle, scores []float64) {
 	c.Home = c.Cands[0]
 	for i := range scores {
@@ -135,31 +137,43 @@ func (firstHome) Score(c *Cycle, scores []float64) {
 	}
 }
 
-// Pickers and homing scorers registered by others build profiles like the
-// built-in ones: a profile names the picker, and a homing scorer's profile
-// explains its decisions by the home.
-func TestRegisteredPickerAndHomer(t *testing.T) {
+func (h firstHome) Reason(c *Cycle, w *pool.Worker) (Reason, bool) {
+	switch {
+	case h.quiet:
+		return 0, false
+	case w == c.Home:
+		return ReasonHome, true
+	}
+	return ReasonSpill, true
+}
+
+// Pickers and scorers registered by others build profiles like the
+// built-in ones: a profile names the picker, and a scorer with a reason
+// rule (Reasoner) names the profile's decisions; one that declines leaves
+// them to the profile.
+func TestRegisteredPickerAndReasoner(t *testing.T) {
 	f := newFleet(t, 0)
 	for _, name := range []string{"a", "b", "c"} {
 		f.add(name, "llama")
 	}
 	var reg Registry
 	RegisterBuiltins(&reg)
-	reg.RegisterPicker("last", func() Picker { return lastPicker{} })
-	reg.RegisterScorer("first_home", func(Params) (Scorer, error) { return firstHome{}, nil })
-	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: "nope", Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
-		err.Error() != `picker: unknown picker "nope" (known: last, max, random, round_robin)` {
+	reg.RegisterPicker("last", func(Params, Deps) (Picker, error) { return lastPicker{}, nil })
+	reg.RegisterScorer("first_home", func(Params, Deps) (Scorer, error) { return firstHome{}, nil })
+	reg.RegisterScorer("quiet_home", func(Params, Deps) (Scorer, error) { return firstHome{quiet: true}, nil })
+	if err := reg.RegisterProfile(ProfileConfig{Name: "odd", Picker: PartConfig{Type: "nope"}, Scorers: []ScorerConfig{{Name: "load"}}}); err == nil ||
+		err.Error() != `picker: unknown picker "nope" (known: kv_aware, last, max, random, round_robin)` {
 		t.Errorf("unknown picker: %v", err)
 	}
 	for _, tt := range []struct {
 		scorer string
 		want   Reason
-	}{{"load", ReasonScored}, {"first_home", ReasonSpill}} {
+	}{{"load", ReasonScored}, {"first_home", ReasonSpill}, {"quiet_home", ReasonScored}} {
 		name := "last_" + tt.scorer
-		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: "last", Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
+		if err := reg.RegisterProfile(ProfileConfig{Name: name, Picker: PartConfig{Type: "last"}, Scorers: []ScorerConfig{{Name: tt.scorer}}}); err != nil {
 			t.Fatal(err)
 		}
-		s, err := reg.New(name, Params{Rand: SeededRand(1)})
+		s, err := reg.New(name, Params{}, Deps{Rand: SeededRand(1)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,5 +1,6 @@
 // Package routing chooses the worker that serves a request. Strategies are
-// built by name from a Registry, each from its own validated Params; every
+// built by name from a Registry, each from its own validated Params (its
+// configuration) and the Deps its builder gives it at run time; every
 // strategy reads the pool's immutable Snapshot and sees only the workers
 // that are available for the request.
 package routing
@@ -247,27 +248,14 @@ const (
 	DefaultConcurrencyThreshold = 16
 )
 
-// Params are the parameters strategies are built from; each strategy uses
-// those it needs. The zero value means every default.
+// Params are a strategy's configuration, as the configuration file gives
+// it; each strategy uses those it needs. The zero value means every
+// default. What the strategy is given at run time is in Deps.
 type Params struct {
 	// ConcurrencyThreshold is the number of requests in flight at which
 	// prefix_aware spills a request away from its home worker. 1–1,024;
 	// 0 means DefaultConcurrencyThreshold.
 	ConcurrencyThreshold int `yaml:"concurrency_threshold"`
-	// Rand returns a uniformly random number in [0, n); n > 0. It must be
-	// safe for concurrent use and not allocate. nil means
-	// math/rand/v2.Uint64N; tests pass SeededRand.
-	Rand func(n uint64) uint64 `yaml:"-"`
-	// Index is the scheduler's KV index, which kv_aware and the kv and
-	// kv_usage scorers read; the scheduler sets it. Building them
-	// without one is an error.
-	Index *kvindex.Index `yaml:"-"`
-	// PartTimer, when set, is asked once per part of each profile built
-	// (its filters as one part, "filters"; each scorer by name; the
-	// picker, "picker") for a function that hears the time the part took
-	// in each Pick. The functions must be safe for concurrent use and not
-	// allocate. The scheduler records them as baton_routing_part_seconds.
-	PartTimer func(profile, part string) func(time.Duration) `yaml:"-"`
 }
 
 // withDefaults returns p with its zero fields set to their defaults.
@@ -275,23 +263,55 @@ func (p Params) withDefaults() Params {
 	if p.ConcurrencyThreshold == 0 {
 		p.ConcurrencyThreshold = DefaultConcurrencyThreshold
 	}
-	if p.Rand == nil {
-		p.Rand = rand.Uint64N
-	}
 	return p
 }
 
 // Validate reports the first invalid field of p, after defaults are
 // applied, naming the field as it is spelled in configuration.
 func (p Params) Validate() error {
-	p = p.withDefaults()
-	if t := p.ConcurrencyThreshold; t < MinConcurrencyThreshold || t > MaxConcurrencyThreshold {
-		return fmt.Errorf("concurrency_threshold: must be %d–%d, got %d", MinConcurrencyThreshold, MaxConcurrencyThreshold, t)
-	}
-	return nil
+	return validThreshold(p.withDefaults().ConcurrencyThreshold, false)
 }
 
-// SeededRand returns a Params.Rand drawing from a PCG source seeded with
+// validThreshold checks a concurrency_threshold field: 0 (the default)
+// when zero is true, else 1–1,024.
+func validThreshold(t int, zero bool) error {
+	if zero && t == 0 || t >= MinConcurrencyThreshold && t <= MaxConcurrencyThreshold {
+		return nil
+	}
+	return fmt.Errorf("concurrency_threshold: must be %d–%d, got %d", MinConcurrencyThreshold, MaxConcurrencyThreshold, t)
+}
+
+// Deps are what whoever builds a strategy (the scheduler, a simulation,
+// a test) gives it at run time, beside its configuration: nothing here
+// is read from a configuration file. The zero value means every default;
+// strategies that read the KV index need Index.
+type Deps struct {
+	// Rand returns a uniformly random number in [0, n); n > 0. It must be
+	// safe for concurrent use and not allocate. nil means
+	// math/rand/v2.Uint64N; tests pass SeededRand.
+	Rand func(n uint64) uint64
+	// Index is the scheduler's KV index, which kv_aware and the kv and
+	// kv_usage scorers read; the scheduler sets it. Building them
+	// without one is an error.
+	Index *kvindex.Index
+	// PartTimer, when set, is asked once per part of each profile built
+	// (its filters as one part, "filters"; each scorer by its instance
+	// name; the picker, "picker") for a function that hears the time the
+	// part took in each Pick. The functions must be safe for concurrent
+	// use and not allocate. The scheduler records them as
+	// baton_routing_part_seconds.
+	PartTimer func(profile, part string) func(time.Duration)
+}
+
+// withDefaults returns d with its nil Rand set to math/rand/v2's.
+func (d Deps) withDefaults() Deps {
+	if d.Rand == nil {
+		d.Rand = rand.Uint64N
+	}
+	return d
+}
+
+// SeededRand returns a Deps.Rand drawing from a PCG source seeded with
 // seed, guarded by a mutex since a rand.Rand is not safe for concurrent use.
 // Use it in tests and benchmarks that must be reproducible.
 func SeededRand(seed uint64) func(n uint64) uint64 {

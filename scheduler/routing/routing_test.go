@@ -122,16 +122,16 @@ func (f *fleet) load(name string, n int) {
 	}
 }
 
-func builtins(t testing.TB, params Params) []Strategy {
+func builtins(t testing.TB, params Params, deps Deps) []Strategy {
 	t.Helper()
 	var r Registry
 	RegisterBuiltins(&r)
-	if params.Index == nil {
-		params.Index = kvindex.New(kvindex.Config{})
+	if deps.Index == nil {
+		deps.Index = kvindex.New(kvindex.Config{})
 	}
 	var out []Strategy
 	for _, name := range r.Names() {
-		s, err := r.New(name, params)
+		s, err := r.New(name, params, deps)
 		if err != nil {
 			t.Fatalf("New(%s): %v", name, err)
 		}
@@ -161,7 +161,7 @@ func TestOnlyAvailableWorkers(t *testing.T) {
 	want := map[string]bool{"healthy1": true, "healthy2": true, "same-model": true}
 
 	rng := rand.New(rand.NewPCG(1, 1))
-	for _, s := range builtins(t, Params{Rand: SeededRand(1)}) {
+	for _, s := range builtins(t, Params{}, Deps{Rand: SeededRand(1)}) {
 		t.Run(s.Name(), func(t *testing.T) {
 			got := map[string]bool{}
 			for range 300 {
@@ -187,7 +187,7 @@ func TestNoWorker(t *testing.T) {
 	none.setHealthy("unhealthy", false)
 	none.openBreaker("breaker-open")
 
-	for _, s := range builtins(t, Params{}) {
+	for _, s := range builtins(t, Params{}, Deps{}) {
 		for _, tt := range []struct {
 			name string
 			f    *fleet
@@ -204,7 +204,7 @@ func TestNoWorker(t *testing.T) {
 
 func TestRoundRobinCycles(t *testing.T) {
 	f := newFleet(t, 4)
-	s, err := NewRoundRobin(Params{})
+	s, err := NewRoundRobin(Params{}, Deps{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +244,7 @@ func TestLeastOutstanding(t *testing.T) {
 			for i, n := range tt.load {
 				f.load(fmt.Sprintf("w%02d", i), n)
 			}
-			s, err := NewLeastOutstanding(Params{Rand: SeededRand(3)})
+			s, err := NewLeastOutstanding(Params{}, Deps{Rand: SeededRand(3)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -271,7 +271,7 @@ func prefixKey(model, tenant, text string) uint64 {
 
 func newPrefixAware(t *testing.T, threshold int) Strategy {
 	t.Helper()
-	s, err := NewPrefixAware(Params{ConcurrencyThreshold: threshold})
+	s, err := NewPrefixAware(Params{ConcurrencyThreshold: threshold}, Deps{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -412,7 +412,7 @@ func TestPickDoesNotAllocate(t *testing.T) {
 	timer := func(string, string) func(time.Duration) {
 		return func(d time.Duration) { timed.Add(int64(d)) }
 	}
-	untimed, withTimers := builtins(t, Params{}), builtins(t, Params{PartTimer: timer})
+	untimed, withTimers := builtins(t, Params{}, Deps{}), builtins(t, Params{}, Deps{PartTimer: timer})
 	for i, s := range append(untimed, withTimers...) {
 		name := s.Name()
 		if i >= len(untimed) {
@@ -451,7 +451,7 @@ func TestPartTimers(t *testing.T) {
 		}
 	}
 	f := newFleet(t, 4)
-	for _, s := range builtins(t, Params{PartTimer: timer}) {
+	for _, s := range builtins(t, Params{}, Deps{PartTimer: timer}) {
 		for i := range 3 {
 			if _, err := s.Pick(&Request{Model: "llama", PrefixKey: uint64(i)}, f.snap()); err != nil {
 				t.Fatal(err)
@@ -477,7 +477,7 @@ func TestPartTimers(t *testing.T) {
 
 func TestConcurrentPicks(t *testing.T) {
 	f := newFleet(t, 8)
-	strategies := builtins(t, Params{Rand: SeededRand(9)})
+	strategies := builtins(t, Params{}, Deps{Rand: SeededRand(9)})
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Go(func() {

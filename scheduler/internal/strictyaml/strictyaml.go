@@ -40,6 +40,29 @@ func Unmarshal(b []byte, v any) error {
 	return decode(doc.Content[0], rv.Elem(), "", 0)
 }
 
+// An Unmarshaler decodes itself from n, a value that is not null, as
+// the configuration gives it; field names n in errors ("" for the whole
+// document). A type implements it (on its pointer) to accept a shorthand,
+// or to keep n undecoded until it knows what to decode it into
+// (DecodeNode).
+type Unmarshaler interface {
+	UnmarshalStrictYAML(n *yaml.Node, field string) error
+}
+
+// DecodeNode decodes n into *v, a pointer to a struct, as Unmarshal does a
+// document, naming fields in errors under field ("" for none). A nil n
+// leaves *v unchanged.
+func DecodeNode(n *yaml.Node, v any, field string) error {
+	rv := reflect.ValueOf(v)
+	if rv.Kind() != reflect.Pointer || rv.IsNil() || rv.Elem().Kind() != reflect.Struct {
+		return fmt.Errorf("strictyaml: DecodeNode needs a pointer to a struct, got %T", v)
+	}
+	if n == nil {
+		return nil
+	}
+	return decode(n, rv.Elem(), field, 0)
+}
+
 var durationType = reflect.TypeFor[time.Duration]()
 
 // maxDepth bounds the nesting decode follows, with aliases and
@@ -64,6 +87,11 @@ func decode(n *yaml.Node, v reflect.Value, field string, depth int) error {
 	}
 	if depth > maxDepth {
 		return fail("nested too deeply (a recursive alias?)")
+	}
+	if v.CanAddr() {
+		if u, ok := v.Addr().Interface().(Unmarshaler); ok {
+			return u.UnmarshalStrictYAML(n, field)
+		}
 	}
 	switch {
 	case v.Kind() == reflect.Struct:
@@ -209,6 +237,9 @@ func decodeStruct(n *yaml.Node, v reflect.Value, field string, depth int) error 
 		if !ok {
 			if near := closest(key, names); near != "" {
 				return fmt.Errorf("%s%s: line %d: unknown field; did you mean %s?", prefix, key, k.Line, near)
+			}
+			if len(names) == 0 {
+				return fmt.Errorf("%s%s: line %d: unknown field (there are none)", prefix, key, k.Line)
 			}
 			return fmt.Errorf("%s%s: line %d: unknown field (known: %s)", prefix, key, k.Line, strings.Join(names, ", "))
 		}
