@@ -19,6 +19,7 @@ import (
 	"github.com/batonllm/baton/scheduler/pool"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/engine"
+	"github.com/batonllm/baton/workers/openai/openaitest"
 	"github.com/batonllm/baton/workers/sim"
 )
 
@@ -243,8 +244,7 @@ func startLoRAEngine(t *testing.T, failLoad bool) *loraEngine {
 		for _, a := range e.loaded {
 			data = append(data, map[string]any{"id": a, "object": "model", "root": "/adapters/" + a, "parent": model})
 		}
-		w.Header().Set("Content-Type", "application/json")
-		json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})
+		openaitest.Models(w, "application/json", data...)
 	})
 	lora := func(unload bool) http.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) {
@@ -302,10 +302,8 @@ func startLoRAEngine(t *testing.T, failLoad bool) *loraEngine {
 			http.Error(w, `{"object":"error","message":"The model does not exist.","type":"NotFoundError","code":404}`, http.StatusNotFound)
 			return
 		}
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":%q,`+
-			`"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],`+
-			`"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}`, req.Model)
+		c := openaitest.Completion{ID: "chatcmpl-1", Model: req.Model, Created: 1, Chat: true}
+		openaitest.WriteJSON(w, http.StatusOK, "application/json", c.Body(c.Choice("ok", "stop", nil), openaitest.Usage(5, 1, nil, false), nil))
 	})
 	e.srv = httptest.NewServer(mux)
 	t.Cleanup(e.srv.Close)

@@ -17,6 +17,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/batonllm/baton/scheduler"
+	"github.com/batonllm/baton/workers/openai/openaitest"
 )
 
 // pdEngine is a vLLM or SGLang server in a disaggregated fleet, speaking
@@ -155,11 +156,11 @@ func startPDEngine(t testing.TB, hub *pdHub, name, kind, role string) *pdEngine 
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
 		e.mu.Lock()
 		defer e.mu.Unlock()
-		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}`, model)
+		data := []map[string]any{{"id": model, "object": "model"}}
 		for n := range e.loras {
-			fmt.Fprintf(w, `,{"id":%q,"object":"model","parent":%q}`, n, model)
+			data = append(data, map[string]any{"id": n, "object": "model", "parent": model})
 		}
-		io.WriteString(w, "]}")
+		openaitest.Models(w, "application/json", data...)
 	})
 	mux.HandleFunc("POST /v1/load_lora_adapter", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
@@ -278,16 +279,16 @@ func (e *pdEngine) chat(w http.ResponseWriter, r *http.Request) {
 	raw, _ := io.ReadAll(r.Body)
 	req := pdRequest{id: r.Header.Get("X-Request-Id"), raw: raw}
 	var body struct {
-		Model               string          `json:"model"`
-		Messages            []fakeMessage   `json:"messages"`
-		Stream              bool            `json:"stream"`
-		MaxTokens           *int            `json:"max_tokens"`
-		MaxCompletionTokens *int            `json:"max_completion_tokens"`
-		StreamOptions       json.RawMessage `json:"stream_options"`
-		KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
-		BootstrapHost       string          `json:"bootstrap_host"`
-		BootstrapPort       int             `json:"bootstrap_port"`
-		BootstrapRoom       *uint64         `json:"bootstrap_room"`
+		Model               string               `json:"model"`
+		Messages            []openaitest.Message `json:"messages"`
+		Stream              bool                 `json:"stream"`
+		MaxTokens           *int                 `json:"max_tokens"`
+		MaxCompletionTokens *int                 `json:"max_completion_tokens"`
+		StreamOptions       json.RawMessage      `json:"stream_options"`
+		KVTransferParams    json.RawMessage      `json:"kv_transfer_params"`
+		BootstrapHost       string               `json:"bootstrap_host"`
+		BootstrapPort       int                  `json:"bootstrap_port"`
+		BootstrapRoom       *uint64              `json:"bootstrap_room"`
 	}
 	if json.Unmarshal(raw, &req.body) != nil || json.Unmarshal(raw, &body) != nil {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
@@ -450,38 +451,31 @@ type pdAnswer struct {
 // write answers words, streamed or whole; afterFirst, if set, runs after
 // the first token is flushed and ends the answer if it returns true.
 func (a pdAnswer) write(w http.ResponseWriter, words []string, afterFirst func() bool) {
-	details := fmt.Sprintf(`{"cached_tokens":%d}`, a.cached)
+	var details any = openaitest.Cached(a.cached)
 	if a.sglang && a.cached == 0 {
-		details = "null"
+		details = nil
 	}
-	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":%s}`,
-		a.prompt, len(words), a.prompt+len(words), details)
+	usage := openaitest.Usage(a.prompt, len(words), details, true)
+	c := openaitest.Completion{ID: "chatcmpl-pd", Model: model, Created: 1, Chat: true}
 	if !a.stream {
-		w.Header().Set("Content-Type", "application/json")
-		extra := ""
+		var extra map[string]any
 		if a.extra != "" {
-			extra = `,"kv_transfer_params":` + a.extra
+			extra = map[string]any{"kv_transfer_params": json.RawMessage(a.extra)}
 		}
-		fmt.Fprintf(w, `{"id":"chatcmpl-pd","object":"chat.completion","created":1,"model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"length"}],"usage":%s%s}`,
-			model, strings.Join(words, ""), usage, extra)
+		openaitest.WriteJSON(w, http.StatusOK, "application/json", c.Body(c.Choice(strings.Join(words, ""), "length", nil), usage, extra))
 		return
 	}
-	w.Header().Set("Content-Type", "text/event-stream")
-	chunk := func(delta, finish string) {
-		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-pd\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[{\"index\":0,\"delta\":%s,\"finish_reason\":%s}]}\n\n", model, delta, finish)
-		w.(http.Flusher).Flush()
-	}
-	chunk(`{"role":"assistant","content":""}`, "null")
+	st := c.Stream(w, "text/event-stream")
+	st.Send(st.Chunk(map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "finish_reason": nil}, nil))
 	for i, word := range words {
-		b, _ := json.Marshal(word)
-		chunk(`{"content":`+string(b)+`}`, "null")
+		st.Token(word, nil, nil)
 		if i == 0 && afterFirst != nil && afterFirst() {
 			return
 		}
 	}
-	chunk(`{}`, `"length"`)
+	st.Send(st.Chunk(map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"}, nil))
 	if a.usage {
-		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-pd\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[],\"usage\":%s}\n\n", model, usage)
+		st.Usage(usage)
 	}
-	io.WriteString(w, "data: [DONE]\n\n")
+	st.Done()
 }

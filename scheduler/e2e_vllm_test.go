@@ -17,6 +17,7 @@ import (
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/openai/openaitest"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
@@ -42,29 +43,15 @@ type fakeEngine struct {
 // fakeBlockSize is the fake engine's tokens a block.
 const fakeBlockSize = 16
 
-// fakeMessage is a chat message as the fake engine reads it.
-type fakeMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
-}
-
 // fakeTokens is the fake engine's tokenizer and chat template: a token for
 // each message's role, one for each word of its text, and one for the
 // generation prompt. A token id is a hash of its word.
-func fakeTokens(msgs []fakeMessage) []uint32 {
+func fakeTokens(msgs []openaitest.Message) []uint32 {
 	tok := func(w string) uint32 { return uint32(xxhash.Sum64String(w) % 100000) }
 	var out []uint32
 	for _, m := range msgs {
 		out = append(out, tok("<|"+m.Role+"|>"))
-		var text string
-		if json.Unmarshal(m.Content, &text) != nil {
-			var parts []struct{ Text string }
-			_ = json.Unmarshal(m.Content, &parts)
-			for _, p := range parts {
-				text += p.Text
-			}
-		}
-		for _, w := range strings.Fields(text) {
+		for _, w := range strings.Fields(m.Text()) {
 			out = append(out, tok(w))
 		}
 	}
@@ -101,8 +88,8 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","created":1,"owned_by":"vllm","root":%[1]q,"parent":null,"max_model_len":8192}]}`, model)
+		openaitest.Models(w, "application/json", map[string]any{"id": model, "object": "model", "created": 1,
+			"owned_by": "vllm", "root": model, "parent": nil, "max_model_len": 8192})
 	})
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, _ *http.Request) {
 		f.mu.Lock()
@@ -112,9 +99,9 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 	})
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
-			Model     string        `json:"model"`
-			Messages  []fakeMessage `json:"messages"`
-			CacheSalt string        `json:"cache_salt"`
+			Model     string               `json:"model"`
+			Messages  []openaitest.Message `json:"messages"`
+			CacheSalt string               `json:"cache_salt"`
 		}
 		if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Model != model {
 			http.Error(w, `{"error":{"message":"bad request","type":"BadRequestError","code":400}}`, http.StatusBadRequest)
@@ -129,16 +116,15 @@ func startFakeEngine(t *testing.T, metrics string) *fakeEngine {
 			}
 		}
 		f.mu.Unlock()
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":%q,`+
-			`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there."},"finish_reason":"stop"}],`+
-			`"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":0}}}`, model)
+		c := openaitest.Completion{ID: "chatcmpl-1", Model: model, Created: 1, Chat: true}
+		openaitest.WriteJSON(w, http.StatusOK, "application/json",
+			c.Body(c.Choice("Hello there.", "stop", nil), openaitest.Usage(12, 3, openaitest.Cached(0), false), nil))
 	})
 	mux.HandleFunc("POST /tokenize", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
-			Model               string        `json:"model"`
-			Messages            []fakeMessage `json:"messages"`
-			AddGenerationPrompt bool          `json:"add_generation_prompt"`
+			Model               string               `json:"model"`
+			Messages            []openaitest.Message `json:"messages"`
+			AddGenerationPrompt bool                 `json:"add_generation_prompt"`
 		}
 		f.mu.Lock()
 		f.tokenizes++

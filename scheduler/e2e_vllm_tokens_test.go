@@ -15,6 +15,7 @@ import (
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/transfer/blockkey"
+	"github.com/batonllm/baton/workers/openai/openaitest"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
 
@@ -82,7 +83,7 @@ func TestVLLMTokenKeys(t *testing.T) {
 	}
 
 	prefix := longPrefix(400)
-	first := []fakeMessage{{Role: "system", Content: json.RawMessage(strconv.Quote(prefix))}, {Role: "user", Content: json.RawMessage(`"first question"`)}}
+	first := []openaitest.Message{{Role: "system", Content: json.RawMessage(strconv.Quote(prefix))}, {Role: "user", Content: json.RawMessage(`"first question"`)}}
 	body, _ := json.Marshal(map[string]any{"model": model, "messages": first})
 	resp, err := http.Post(e1.srv.URL+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {

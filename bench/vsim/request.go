@@ -80,11 +80,11 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 	out.Worker, out.Spill = wk.Name, d.Spill
 	out.Route = d.RouteHit(r.gen.Name(), r.rreq.Tokens)
 	de := s.engines[wk]
-	decode := &seq{req: r, keys: keys, prompt: prompt, gen: gen,
-		blocks: int64((prompt + gen + sim.BlockTokens - 1) / sim.BlockTokens)}
-	if decode.blocks > de.cache.Capacity() {
+	decode := &seq{req: r, gen: gen, Seq: sim.Seq{Keys: keys, Prompt: prompt,
+		Blocks: int64((prompt + gen + sim.BlockTokens - 1) / sim.BlockTokens)}}
+	if decode.Blocks > de.cache.Capacity() {
 		// The engine refuses it (sim.ErrInvalid): a client error.
-		out.Err = fmt.Sprintf("%d prompt and %d completion tokens need %d blocks, capacity %d", prompt, gen, decode.blocks, de.cache.Capacity())
+		out.Err = fmt.Sprintf("%d prompt and %d completion tokens need %d blocks, capacity %d", prompt, gen, decode.Blocks, de.cache.Capacity())
 		att.End(errTooLong, nil)
 		return
 	}
@@ -134,20 +134,20 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 // skips, and de prefills locally. ended hears the prefill's first-token
 // time (from arrival to the end of the prefill) once the push is done.
 func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq, ended func(first time.Duration, skipped bool)) {
-	held := de.cache.Holds(decode.keys)
+	held := de.cache.Holds(decode.Keys)
 	lead := 0
 	for lead < len(held) && held[lead] {
 		lead++
 	}
-	if decode.prompt-lead*sim.BlockTokens < s.cfg.MinRemotePrefillTokens {
+	if decode.Prompt-lead*sim.BlockTokens < s.cfg.MinRemotePrefillTokens {
 		ended(0, true)
 		s.send(r, de, decode)
 		return
 	}
 	pe := s.engines[pw]
-	p := &seq{req: r, keys: decode.keys, prompt: decode.prompt,
-		blocks: int64((decode.prompt + sim.BlockTokens - 1) / sim.BlockTokens)}
-	if p.blocks > pe.cache.Capacity() {
+	p := &seq{req: r, Seq: sim.Seq{Keys: decode.Keys, Prompt: decode.Prompt, PrefillOnly: true,
+		Blocks: int64((decode.Prompt + sim.BlockTokens - 1) / sim.BlockTokens)}}
+	if p.Blocks > pe.cache.Capacity() {
 		// The prefill worker refuses it; the decode worker prefills.
 		ended(0, true)
 		s.send(r, de, decode)
@@ -156,7 +156,7 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 	r.out.PrefillWorker = pw.Name
 	p.prefilled = func(p *seq, now float64) {
 		var send []uint64
-		for i, k := range p.keys {
+		for i, k := range p.Keys {
 			if !held[i] {
 				send = append(send, k)
 			}
@@ -170,11 +170,10 @@ func (s *Sim) remotePrefill(r *request, pw *pool.Worker, de *engine, decode *seq
 			for _, k := range send {
 				de.cache.Insert(nsNone, k, false)
 			}
-			pe.cache.Release(p.keys[:p.held], 0)
-			p.held = 0
+			pe.cache.Release(p.Keys[:p.Held], 0)
+			p.Held = 0
 			pe.wake(now)
-			r.reused = min(max(p.cached, lead*sim.BlockTokens), decode.prompt)
-			decode.transferred = true
+			r.reused = min(max(p.Cached, lead*sim.BlockTokens), decode.Prompt)
 			ended(first, false)
 			// The coordinator's decode call follows at once, over
 			// a connection it holds, for a request already parsed
@@ -261,7 +260,7 @@ func tierOf(t sim.Tier) kvindex.Tier {
 
 // load is e's load report.
 func (e *engine) load() kvindex.Load {
-	return kvindex.Load{Running: len(e.run), Waiting: len(e.queue), WaitingPrefillTokens: e.waitingPrefill,
+	return kvindex.Load{Running: len(e.batch.Run), Waiting: len(e.batch.Queue), WaitingPrefillTokens: e.batch.WaitingPrefill(),
 		GPUBlocksUsed: e.cache.Used(), GPUBlocksTotal: e.cache.Capacity(),
 		CPUBlocksUsed: e.cache.CPUUsed(), CPUBlocksTotal: e.cache.CPUCapacity()}
 }

@@ -305,10 +305,7 @@ func newSim(cfg Config) (*Sim, error) {
 			pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
 			// Each engine's load ticker has its own phase, as engines
 			// started at different moments do.
-			e := &engine{sim: s, name: name, cfg: full, cost: cm, pcie: s.figures.CPUCopySeconds,
-				phase: phases.Float64() * full.LoadInterval.Seconds()}
-			e.watched = s.usesKeys
-			e.cache = sim.NewTieredCache(sim.CacheConfig{GPUBlocks: gpuCap, CPUBlocks: cpuCap, Emit: e.emit})
+			e := newEngine(s, name, full, cm, gpuCap, cpuCap, phases.Float64()*full.LoadInterval.Seconds())
 			if e.watched {
 				e.reported = e.load()
 				s.index.SetInfo(name, kvindex.Info{BlockTokens: sim.BlockTokens, Cost: s.figures, HasCost: true})

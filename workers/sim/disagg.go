@@ -102,7 +102,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 	}
 
 	hctx, cancel := bounded()
-	held, err := tr.Has(hctx, req.DecodeAddr, s.keys)
+	held, err := tr.Has(hctx, req.DecodeAddr, s.Keys)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -110,18 +110,18 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		}
 		return nil, fmt.Errorf("%w: asking %s which blocks it holds: %w", ErrTransfer, req.DecodeAddr, err)
 	}
-	if len(held) != len(s.keys) {
-		return nil, fmt.Errorf("%w: %s answered %d of %d keys", ErrTransfer, req.DecodeAddr, len(held), len(s.keys))
+	if len(held) != len(s.Keys) {
+		return nil, fmt.Errorf("%w: %s answered %d of %d keys", ErrTransfer, req.DecodeAddr, len(held), len(s.Keys))
 	}
 	lead := 0
 	for lead < len(held) && held[lead] {
 		lead++
 	}
 	res := &engine.PrefillResult{
-		PromptTokens:     s.prompt,
-		DecodeHeldTokens: min(lead*BlockTokens, s.prompt),
+		PromptTokens:     s.Prompt,
+		DecodeHeldTokens: min(lead*BlockTokens, s.Prompt),
 	}
-	if s.prompt-lead*BlockTokens < req.MinRemoteTokens {
+	if s.Prompt-lead*BlockTokens < req.MinRemoteTokens {
 		res.Skipped, res.SkipReason = true, SkipShort
 		return res, nil
 	}
@@ -163,7 +163,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 		return nil, s.pre.err
 	}
 	defer e.releaseHanded(s)
-	res.CachedTokens = s.cached
+	res.CachedTokens = s.Cached
 	res.Queue = s.pre.admitted.Sub(s.queued)
 	res.Prefill = s.pre.prefilled.Sub(s.pre.admitted)
 
@@ -171,8 +171,8 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 	// they are sent (transfer.PushFill): a push holds one block's payload,
 	// not the prompt's.
 	pushStart := time.Now()
-	keys := make([]uint64, 0, len(s.keys))
-	for i, k := range s.keys {
+	keys := make([]uint64, 0, len(s.Keys))
+	for i, k := range s.Keys {
 		if held[i] {
 			res.BlocksHeld++
 			continue
@@ -208,7 +208,7 @@ func (e *Engine) Prefill(ctx context.Context, req *engine.PrefillRequest, tr tra
 // (handOver) and wakes the step loop: the head of its queue may have been
 // waiting for them, and nothing else would wake it.
 func (e *Engine) releaseHanded(s *seq) {
-	e.cache.Release(s.keys[:s.held], 0)
+	e.cache.Release(s.Keys[:s.Held], 0)
 	e.wake()
 }
 

@@ -145,15 +145,13 @@ type Engine struct {
 	cancel   context.CancelFunc
 
 	running, waiting atomic.Int64
-	waitingPrefill   atomic.Int64
 	statsMu          sync.Mutex
 	stats            Stats
 
 	lora *loraSlots
 
-	// Step loop only.
-	queue    []*seq // admitted order: FCFS
-	run      []*seq
+	// Step loop only, but for the batch's WaitingPrefill.
+	batch    *Batch[*seq]
 	loraSeen []string // the adapters of a step's batch
 }
 
@@ -191,6 +189,8 @@ func New(cfg Config) (*Engine, error) {
 		cc.Write, cc.WriteThrough = e.queueWrite, cfg.Tiers.StorePolicy == PolicyWriteThrough
 	}
 	e.cache = NewTieredCache(cc)
+	e.batch = NewBatch(cfg.Batching, cm, e.cache, e.pcieSeconds, Hooks[*seq]{
+		Admitted: e.admitted, Drop: e.dropped, Prefilled: e.handOver, Token: e.token})
 	for _, m := range cfg.Models {
 		e.models[m] = true
 	}
@@ -238,7 +238,7 @@ func (e *Engine) Load() Load {
 
 		CPUBlocksUsed:        e.cache.CPUUsed(),
 		CPUBlocksTotal:       e.cache.CPUCapacity(),
-		WaitingPrefillTokens: e.waitingPrefill.Load(),
+		WaitingPrefillTokens: e.batch.WaitingPrefill(),
 	}
 }
 
@@ -315,23 +315,26 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 	}
 	salt := blockkey.Seed(req.Model, req.Tenant)
 	s := &seq{
-		id:     req.ID,
-		ns:     transfer.Namespace{Model: req.Model, Salt: salt},
-		keys:   blockkey.Append(nil, salt, req.Prompt, blockkey.DefaultBlockChars),
-		prompt: blockkey.Tokens(blockkey.Chars(req.Prompt)),
-		limit:  req.MaxTokens,
-		hash:   promptHash(req.Prompt),
-		wake:   e.wake,
+		Seq: Seq{
+			NS:     transfer.Namespace{Model: req.Model, Salt: salt},
+			Keys:   blockkey.Append(nil, salt, req.Prompt, blockkey.DefaultBlockChars),
+			Prompt: blockkey.Tokens(blockkey.Chars(req.Prompt)),
+		},
+		id:    req.ID,
+		limit: req.MaxTokens,
+		hash:  promptHash(req.Prompt),
+		wake:  e.wake,
 	}
 	if isAdapter {
 		s.adapter = req.Model
 	}
 	if prefillOnly {
 		s.pre = &prefillJob{done: make(chan struct{})}
-		s.blocks = int64((s.prompt + BlockTokens - 1) / BlockTokens)
-		if s.blocks > e.cache.Capacity() {
+		s.PrefillOnly = true
+		s.Blocks = int64((s.Prompt + BlockTokens - 1) / BlockTokens)
+		if s.Blocks > e.cache.Capacity() {
 			return nil, fmt.Errorf("%d prompt tokens need %d blocks, capacity %d: %w",
-				s.prompt, s.blocks, e.cache.Capacity(), ErrInvalid)
+				s.Prompt, s.Blocks, e.cache.Capacity(), ErrInvalid)
 		}
 		return s, nil
 	}
@@ -345,10 +348,10 @@ func (e *Engine) newSeq(ctx context.Context, req *engine.Request, prefillOnly bo
 		}
 	}
 	gen := min(s.limit, s.nat)
-	s.blocks = int64((s.prompt + gen + BlockTokens - 1) / BlockTokens)
-	if s.blocks > e.cache.Capacity() {
+	s.Blocks = int64((s.Prompt + gen + BlockTokens - 1) / BlockTokens)
+	if s.Blocks > e.cache.Capacity() {
 		return nil, fmt.Errorf("%d prompt and %d completion tokens need %d blocks, capacity %d: %w",
-			s.prompt, gen, s.blocks, e.cache.Capacity(), ErrInvalid)
+			s.Prompt, gen, s.Blocks, e.cache.Capacity(), ErrInvalid)
 	}
 	return s, nil
 }
@@ -385,7 +388,7 @@ func (e *Engine) enqueue(s *seq) error {
 		return ErrDraining
 	}
 	s.queued = time.Now()
-	e.setPending(s, s.prompt)
+	e.batch.SetPending(s, s.Prompt)
 	e.incoming = append(e.incoming, s)
 	e.waiting.Add(1)
 	return nil
@@ -410,7 +413,7 @@ func (e *Engine) loop() {
 		// planning it; completing it (emitting its tokens) comes after.
 		start := time.Now()
 		e.mu.Lock()
-		e.queue = append(e.queue, e.incoming...)
+		e.batch.Queue = append(e.batch.Queue, e.incoming...)
 		clear(e.incoming)
 		e.incoming = e.incoming[:0]
 		e.mu.Unlock()
@@ -444,185 +447,108 @@ func (e *Engine) loop() {
 
 // dropCancelled removes cancelled sequences and releases their blocks.
 func (e *Engine) dropCancelled() {
-	e.queue = slices.DeleteFunc(e.queue, func(s *seq) bool {
+	e.batch.Queue = slices.DeleteFunc(e.batch.Queue, func(s *seq) bool {
 		if s.cancelled.Load() {
 			e.waiting.Add(-1)
-			e.setPending(s, 0)
+			e.batch.SetPending(s, 0)
 			s.end(context.Canceled)
 			return true
 		}
 		return false
 	})
-	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
-		if s.cancelled.Load() {
-			e.release(s)
-			s.end(context.Canceled)
-			return true
-		}
-		return false
-	})
+	e.batch.Run = slices.DeleteFunc(e.batch.Run, e.dropped)
 }
 
-// handOver ends a prefill-only sequence whose prompt is computed: it
-// leaves the batch, frees its partial block, and hands its full blocks,
-// still referenced, to its Prefill call, which releases them after the
-// push. Step loop only.
+// dropped releases and ends s if it was cancelled, and reports whether it
+// was. Step loop only.
+func (e *Engine) dropped(s *seq) bool {
+	if !s.cancelled.Load() {
+		return false
+	}
+	e.release(s)
+	s.end(context.Canceled)
+	return true
+}
+
+// handOver ends a prefill-only sequence whose prompt is computed, out of
+// the batch with its partial block freed: it hands its full blocks, still
+// referenced, to its Prefill call, which releases them after the push.
+// Step loop only.
 func (e *Engine) handOver(s *seq) {
-	e.cache.Release(nil, s.reserved)
-	s.reserved = 0
 	e.running.Add(-1)
-	e.setPending(s, 0)
 	s.pre.prefilled = time.Now()
 	s.pre.handed = true
 	close(s.pre.done)
 }
 
+// release frees s's blocks as it leaves the batch. Step loop only.
 func (e *Engine) release(s *seq) {
-	e.cache.Release(s.keys[:s.held], s.reserved)
-	s.held, s.reserved = 0, 0
+	e.batch.Release(s)
 	e.running.Add(-1)
-	e.setPending(s, 0)
 }
 
-// setPending sets the prompt tokens s still has to prefill, as counted in
-// Load.WaitingPrefillTokens. Step loop, or before s is handed to it.
-func (e *Engine) setPending(s *seq, n int) {
-	e.waitingPrefill.Add(int64(n - s.pending))
-	s.pending = n
-}
-
-// schedule plans one step like vLLM's scheduler: running sequences first
-// (one decode token each, or their next prefill chunk), then waiting ones
-// in arrival order while they fit in Batching.MaxRunning, the cache and the token
-// budget. It returns the step's modelled seconds, how many sequences take
+// schedule plans one step (Batch.Schedule) and adds the LoRA adapters'
+// cost. It returns the step's modelled seconds, how many sequences take
 // part, and whether none of them prefills.
 func (e *Engine) schedule() (seconds float64, batch int, decodeOnly bool) {
-	budget := e.cfg.Batching.MaxBatchedTokens
-	decodes, decodeCtx := 0, 0
-	prefill := 0.0
-	for _, s := range e.run {
-		s.chunk, s.decode = 0, false
-		if budget == 0 {
-			continue
-		}
-		if s.prefilled() {
-			s.decode = true
-			decodes++
-			decodeCtx += s.context()
-			budget--
-			continue
-		}
-		s.chunk = min(s.prompt-s.computed, budget)
-		budget -= s.chunk
-		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
-	}
-	admitted, promoted := 0, 0
-	for _, s := range e.queue {
-		if budget == 0 || len(e.run) >= e.cfg.Batching.MaxRunning {
-			break
-		}
-		h, ok := e.cache.Acquire(s.ns, s.keys, s.blocks-int64(len(s.keys)))
-		if !ok {
-			break // first come, first served: no overtaking
-		}
-		hits := h.N
-		s.hits, s.held = hits, hits
-		if s.pre != nil {
-			s.pre.admitted = time.Now()
-		}
-		s.reserved = s.blocks - int64(hits)
-		s.cached = min(hits*BlockTokens, s.prompt-1)
-		s.tierTokens(h)
-		if hits > 0 && !s.transferred {
-			e.touch(s.ns, s.keys[:hits])
-		}
-		promoted += h.CPU
-		s.computed = s.cached
-		e.setPending(s, s.prompt-s.computed)
-		s.chunk, s.decode = min(s.prompt-s.computed, budget), false
-		budget -= s.chunk
-		prefill += e.cost.PrefillSeconds(s.chunk, s.computed)
-		e.run = append(e.run, s)
-		admitted++
-	}
-	if admitted > 0 {
-		clear(e.queue[:admitted])
-		e.queue = e.queue[admitted:]
-		e.waiting.Add(-int64(admitted))
-		e.running.Add(int64(admitted))
-	}
-	for _, s := range e.run {
-		if s.chunk > 0 || s.decode {
-			batch++
-		}
-	}
-	if batch == 0 {
+	st := e.batch.Schedule()
+	if st.Batch == 0 {
 		return 0, 0, false
 	}
-	// Blocks promoted from the CPU tier are copied over PCIe before the
-	// step computes (synchronously, as vLLM's swap-in).
-	pcie := e.pcieSeconds(promoted)
-	if promoted > 0 {
+	if st.Promoted > 0 {
 		e.statsMu.Lock()
-		e.stats.PromotedBlocks += uint64(promoted)
-		e.stats.PCIeSeconds += pcie
+		e.stats.PromotedBlocks += uint64(st.Promoted)
+		e.stats.PCIeSeconds += st.PCIeSeconds
 		e.statsMu.Unlock()
 	}
-	return e.cost.DecodeStepSeconds(decodes, decodeCtx) + prefill + pcie + e.loraStepSeconds(), batch, decodes == batch
+	return st.Seconds + e.loraStepSeconds(), st.Batch, st.Decodes == st.Batch
 }
 
-// complete applies the step: prefill chunks enter the cache (full blocks
-// are committed and announced), and every sequence that finished its
-// prefill or decoded emits a token.
-func (e *Engine) complete() {
-	e.run = slices.DeleteFunc(e.run, func(s *seq) bool {
-		if s.cancelled.Load() {
-			e.release(s)
-			s.end(context.Canceled)
-			return true
-		}
-		if s.chunk > 0 {
-			s.computed += s.chunk
-			e.setPending(s, s.prompt-s.computed)
-			if full := min(len(s.keys), s.computed/BlockTokens); full > s.held {
-				e.cache.Commit(s.ns, s.keys[s.held:full])
-				s.reserved -= int64(full - s.held)
-				s.held = full
-			}
-			if !s.prefilled() {
-				return false
-			}
-			if s.pre != nil {
-				e.handOver(s)
-				return true
-			}
-		} else if !s.decode {
-			return false
-		}
-		if s.emit() {
-			e.release(s)
-			return true
-		}
-		return false
-	})
+// admitted is s's admission to the batch: its cached tokens by tier, the
+// use of its reused prefix, the load counters. Step loop only.
+func (e *Engine) admitted(s *seq, h Hits) {
+	if s.pre != nil {
+		s.pre.admitted = time.Now()
+	}
+	s.tierTokens(h)
+	if h.N > 0 && !s.transferred {
+		e.touch(s.NS, s.Keys[:h.N])
+	}
+	e.waiting.Add(-1)
+	e.running.Add(1)
 }
+
+// token emits s's latest token and, when that ends s, releases it. Step
+// loop only.
+func (e *Engine) token(s *seq) (done bool) {
+	if s.emit() {
+		e.release(s)
+		return true
+	}
+	return false
+}
+
+// complete applies the step (Batch.Complete): prefill chunks enter the
+// cache, and every sequence that finished its prefill or decoded emits a
+// token; cancelled sequences are dropped first.
+func (e *Engine) complete() { e.batch.Complete() }
 
 // shutdown fails every outstanding sequence and subscription. Step loop,
 // on exit.
 func (e *Engine) shutdown() {
 	e.mu.Lock()
-	e.queue = append(e.queue, e.incoming...)
+	e.batch.Queue = append(e.batch.Queue, e.incoming...)
 	e.incoming = nil
 	e.mu.Unlock()
-	for _, s := range e.queue {
+	for _, s := range e.batch.Queue {
 		s.end(ErrClosed)
 		e.waiting.Add(-1)
-		e.setPending(s, 0)
+		e.batch.SetPending(s, 0)
 	}
-	for _, s := range e.run {
+	for _, s := range e.batch.Run {
 		e.release(s)
 		s.end(ErrClosed)
 	}
-	e.queue, e.run = nil, nil
+	e.batch.Queue, e.batch.Run = nil, nil
 	e.hub.close(ErrClosed)
 }

@@ -281,8 +281,8 @@ func (e *Engine) loraStepSeconds() float64 {
 		return 0
 	}
 	seen := e.loraSeen[:0]
-	for _, s := range e.run {
-		if s.adapter != "" && (s.chunk > 0 || s.decode) && !slices.Contains(seen, s.adapter) {
+	for _, s := range e.batch.Run {
+		if s.adapter != "" && (s.Chunk > 0 || s.Decode) && !slices.Contains(seen, s.adapter) {
 			seen = append(seen, s.adapter)
 		}
 	}

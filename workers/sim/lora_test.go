@@ -89,7 +89,7 @@ func TestLoRAEvictsLeastRecentlyUsed(t *testing.T) {
 func TestLoRAMixedBatchCostsMore(t *testing.T) {
 	// An engine value with a started engine's configuration but no step
 	// loop: its run is this test's to set.
-	e := &Engine{cfg: newEngine(t, loraConfig(3)).cfg}
+	e := &Engine{cfg: newEngine(t, loraConfig(3)).cfg, batch: &Batch[*seq]{}}
 	step := e.cfg.LoRA.StepSeconds
 	if step <= 0 {
 		t.Fatalf("LoRA.StepSeconds = %v, want the default", step)
@@ -99,12 +99,12 @@ func TestLoRAMixedBatchCostsMore(t *testing.T) {
 		run  []*seq
 		want float64
 	}{
-		{"base only", []*seq{{decode: true}, {decode: true}, {chunk: 64}}, 0},
-		{"one adapter", []*seq{{adapter: "sql", decode: true}, {adapter: "sql", chunk: 64}, {decode: true}}, step},
-		{"mixed", []*seq{{decode: true}, {adapter: "sql", decode: true}, {adapter: "chat", chunk: 64}}, 2 * step},
-		{"idle adapter", []*seq{{adapter: "sql", decode: true}, {adapter: "chat"}}, step},
+		{"base only", []*seq{{Seq: Seq{Decode: true}}, {Seq: Seq{Decode: true}}, {Seq: Seq{Chunk: 64}}}, 0},
+		{"one adapter", []*seq{{adapter: "sql", Seq: Seq{Decode: true}}, {adapter: "sql", Seq: Seq{Chunk: 64}}, {Seq: Seq{Decode: true}}}, step},
+		{"mixed", []*seq{{Seq: Seq{Decode: true}}, {adapter: "sql", Seq: Seq{Decode: true}}, {adapter: "chat", Seq: Seq{Chunk: 64}}}, 2 * step},
+		{"idle adapter", []*seq{{adapter: "sql", Seq: Seq{Decode: true}}, {adapter: "chat"}}, step},
 	} {
-		e.run = tc.run
+		e.batch.Run = tc.run
 		if got := e.loraStepSeconds(); math.Abs(got-tc.want) > 1e-12 {
 			t.Errorf("%s: loraStepSeconds() = %v, want %v", tc.name, got, tc.want)
 		}

@@ -4,44 +4,31 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/batonllm/baton/transfer"
 	"github.com/batonllm/baton/workers/engine"
 )
 
-// seq is one sequence. The step loop owns every field but cancelled and
-// the stream's own state.
+// seq is one sequence: its Seq in the engine's Batch, and what the
+// engine adds (the completion's text, its stream, tiers, cancellation).
+// The step loop owns every field but cancelled and the stream's own state.
 type seq struct {
+	Seq
 	id      string
-	ns      transfer.Namespace // model and tenant salt of its blocks
-	keys    []uint64           // full prompt blocks' chained keys
-	prompt  int                // prompt tokens
-	limit   int                // max tokens
-	hash    uint64             // prompt hash: seeds the completion
-	nat     int                // natural completion length
-	blocks  int64              // blocks the sequence needs in all
-	adapter string             // the LoRA adapter it runs with, if any
+	limit   int    // max tokens
+	hash    uint64 // prompt hash: seeds the completion
+	nat     int    // natural completion length
+	adapter string // the LoRA adapter it runs with, if any
 	// transferred: Decode with a transfer; its cached blocks were pushed
 	// by a prefill worker, not reused here.
 	transferred bool
 
-	// Set on admission.
-	hits   int // leading keys found cached
-	cached int // prompt tokens reported cached
-	// cached by tier (they sum to cached).
+	// cached by tier, set on admission (they sum to Cached).
 	cachedGPU, cachedCPU, cachedRedis int
-	// keys[fetchLo:fetchHi] were fetched from the shared tier before
+	// Keys[fetchLo:fetchHi] were fetched from the shared tier before
 	// queueing (fetch).
 	fetchLo, fetchHi int
-	pending          int   // tokens counted in Load.WaitingPrefillTokens
-	held             int   // keys[:held] are referenced in the cache
-	reserved         int64 // reserved blocks not yet committed or freed
 
-	computed  int // prompt tokens in the KV cache (cached or prefilled)
-	chunk     int // prefill tokens scheduled this step
-	decode    bool
-	generated int
-	unsent    int // tokens generated but held back from the stream
-	stopper   stopper
+	unsent  int // tokens generated but held back from the stream
+	stopper stopper
 
 	st        *stream     // generating sequences
 	pre       *prefillJob // prefill-only sequences (Prefill)
@@ -72,7 +59,7 @@ func (s *seq) tierTokens(h Hits) {
 	cpu := min(h.CPU, h.N-redis)
 	gpu := h.N - redis - cpu
 	s.cachedRedis, s.cachedCPU, s.cachedGPU = redis*BlockTokens, cpu*BlockTokens, gpu*BlockTokens
-	over := h.N*BlockTokens - s.cached
+	over := h.N*BlockTokens - s.Cached
 	for _, t := range []*int{&s.cachedGPU, &s.cachedCPU, &s.cachedRedis} {
 		d := min(over, *t)
 		*t -= d
@@ -99,26 +86,19 @@ func (s *seq) cancel() {
 	}
 }
 
-// prefilled reports whether the whole prompt is in the KV cache.
-func (s *seq) prefilled() bool { return s.computed >= s.prompt }
-
-// context is the number of tokens the sequence attends to when decoding.
-func (s *seq) context() int { return s.prompt + s.generated }
-
 // emit generates the next token and reports whether the sequence ended.
 func (s *seq) emit() (done bool) {
-	s.generated++
 	s.unsent++
-	out, stopped := s.stopper.add(word(s.hash, s.generated-1))
+	out, stopped := s.stopper.add(word(s.hash, s.Generated-1))
 	if out != "" {
 		s.st.push(out, s.unsent)
 		s.unsent = 0
 	}
 	reason := ""
 	switch {
-	case stopped || s.generated == s.nat:
+	case stopped || s.Generated == s.nat:
 		reason = "stop"
-	case s.generated >= s.limit:
+	case s.Generated >= s.limit:
 		reason = "length"
 	default:
 		return false
@@ -130,9 +110,9 @@ func (s *seq) emit() (done bool) {
 	}
 	s.st.finish(engine.Final{
 		FinishReason:     reason,
-		PromptTokens:     s.prompt,
-		CachedTokens:     s.cached,
-		CompletionTokens: s.generated,
+		PromptTokens:     s.Prompt,
+		CachedTokens:     s.Cached,
+		CompletionTokens: s.Generated,
 		CachedGPU:        s.cachedGPU,
 		CachedCPU:        s.cachedCPU,
 		CachedRedis:      s.cachedRedis,

@@ -59,20 +59,20 @@ func (e *Engine) fetch(ctx context.Context, s *seq) error {
 	if e.store == nil {
 		return nil
 	}
-	local := e.cache.Lookup(s.keys)
-	want := s.keys[local:]
+	local := e.cache.Lookup(s.Keys)
+	want := s.Keys[local:]
 	if len(want) == 0 {
 		return nil
 	}
 	// Tokens the fetched blocks stand for: the prompt's last token is
 	// always recomputed.
-	tokens := min(len(want)*BlockTokens, s.prompt-1-local*BlockTokens)
+	tokens := min(len(want)*BlockTokens, s.Prompt-1-local*BlockTokens)
 	if tokens <= 0 || e.fetchSeconds(len(want)) >= e.cost.PrefillSeconds(tokens, local*BlockTokens) {
 		return nil
 	}
 	start := time.Now()
 	fctx, cancel := context.WithTimeout(ctx, e.cfg.Tiers.StoreTimeout)
-	data, err := e.store.Get(fctx, s.ns, want, e.blockBytes)
+	data, err := e.store.Get(fctx, s.NS, want, e.blockBytes)
 	cancel()
 	e.statsMu.Lock()
 	e.stats.StoreLookups++
@@ -97,7 +97,7 @@ func (e *Engine) fetch(ctx context.Context, s *seq) error {
 		e.hub.publishCache(CacheEvent{Kind: BlockRemoved, Tier: TierRedis, Keys: missing})
 	}
 	for _, k := range want[:n] {
-		e.cache.Insert(s.ns, k, true)
+		e.cache.Insert(s.NS, k, true)
 	}
 	s.fetchLo, s.fetchHi = local, local+n
 	secs := e.fetchSeconds(n)

@@ -79,7 +79,7 @@ func (e *Engine) Subscribe() (*Subscription, error) {
 
 				CPUBlocksUsed:        int64(len(cpu)),
 				CPUBlocksTotal:       e.cache.CPUCapacity(),
-				WaitingPrefillTokens: e.waitingPrefill.Load(),
+				WaitingPrefillTokens: e.batch.WaitingPrefill(),
 			},
 			Keys:     append([]uint64(nil), keys...),
 			CPUKeys:  append([]uint64(nil), cpu...),

@@ -23,6 +23,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/batonllm/baton/workers/openai/openaitest"
 )
 
 // Config describes a fake server. The zero value is one slot of 8,192
@@ -198,9 +200,7 @@ func (s *Server) Requests() []Request {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json; charset=utf-8")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(v)
+	openaitest.WriteJSON(w, status, "application/json; charset=utf-8", v)
 }
 
 func (s *Server) health(w http.ResponseWriter, _ *http.Request) {
@@ -255,7 +255,7 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{"id": s.cfg.Model, "object": "model", "owned_by": "llamacpp"}}})
+	openaitest.Models(w, "application/json; charset=utf-8", map[string]any{"id": s.cfg.Model, "object": "model", "owned_by": "llamacpp"})
 }
 
 // loraAdapters answers GET /lora-adapters: the adapters loaded at start.
@@ -273,13 +273,10 @@ func (s *Server) loraAdapters(w http.ResponseWriter, _ *http.Request) {
 
 // completion is what the server reads of a request.
 type completion struct {
-	Messages []struct {
-		Role    string          `json:"role"`
-		Content json.RawMessage `json:"content"`
-	} `json:"messages"`
-	Prompt        json.RawMessage `json:"prompt"`
-	MaxTokens     int             `json:"max_tokens"`
-	Stream        bool            `json:"stream"`
+	Messages      []openaitest.Message `json:"messages"`
+	Prompt        json.RawMessage      `json:"prompt"`
+	MaxTokens     int                  `json:"max_tokens"`
+	Stream        bool                 `json:"stream"`
 	StreamOptions struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
@@ -298,18 +295,7 @@ func (c *completion) promptText() string {
 	var b strings.Builder
 	for _, m := range c.Messages {
 		b.WriteString("<|" + m.Role + "|>")
-		var str string
-		if json.Unmarshal(m.Content, &str) == nil {
-			b.WriteString(str)
-			continue
-		}
-		var parts []struct {
-			Text string `json:"text"`
-		}
-		json.Unmarshal(m.Content, &parts)
-		for _, p := range parts {
-			b.WriteString(p.Text)
-		}
+		b.WriteString(m.Text())
 	}
 	b.WriteString("<|assistant|>")
 	return b.String()
@@ -486,58 +472,35 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 	}
 	tok := tokenText(s.appliedPaths(scales))
 	text := strings.Repeat(tok, n)
-	chat := len(c.Messages) > 0
-	usage := map[string]any{"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+	var details any
 	if !s.cfg.NoUsageDetails {
-		usage["prompt_tokens_details"] = map[string]any{"cached_tokens": cached}
+		details = openaitest.Cached(cached)
 	}
+	usage := openaitest.Usage(len(prompt), n, details, false)
 	timings := map[string]any{"cache_n": cached, "prompt_n": len(prompt) - cached, "prompt_ms": 1.0, "predicted_n": n, "predicted_ms": 1.0}
-	object, id, created := "text_completion", "cmpl-llamatest", time.Now().Unix()
-	if chat {
-		object, id = "chat.completion", "chatcmpl-llamatest"
+	cmpl := openaitest.Completion{ID: "cmpl-llamatest", Model: s.cfg.Model, Created: time.Now().Unix(), Chat: len(c.Messages) > 0}
+	if cmpl.Chat {
+		cmpl.ID = "chatcmpl-llamatest"
 	}
 	if !c.Stream {
 		time.Sleep(time.Duration(n) * s.cfg.TokenTime)
-		choice := map[string]any{"index": 0, "finish_reason": "length", "text": text}
-		if chat {
-			choice = map[string]any{"index": 0, "finish_reason": "length", "message": map[string]any{"role": "assistant", "content": text}}
-		}
-		writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model,
-			"choices": []any{choice}, "usage": usage, "timings": timings})
+		writeJSON(w, http.StatusOK, cmpl.Body(cmpl.Choice(text, "length", nil), usage, map[string]any{"timings": timings}))
 		return
 	}
-	w.Header().Set("Content-Type", "text/event-stream")
-	w.WriteHeader(http.StatusOK)
-	fl, _ := w.(http.Flusher)
-	send := func(v any) {
-		b, _ := json.Marshal(v)
-		fmt.Fprintf(w, "data: %s\n\n", b)
-		if fl != nil {
-			fl.Flush()
-		}
-	}
-	if chat {
-		object = "chat.completion.chunk"
-	}
-	chunk := func(choice map[string]any) map[string]any {
-		return map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{choice}}
-	}
+	// llama-server's chunks: no role chunk, no finish reason on a token's
+	// chunk, then one with the finish reason and the timings.
+	st := cmpl.Stream(w, "text/event-stream")
 	for range n {
 		time.Sleep(s.cfg.TokenTime)
-		if chat {
-			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": tok}, "finish_reason": nil}))
-		} else {
-			send(chunk(map[string]any{"index": 0, "text": tok, "finish_reason": nil}))
-		}
+		st.Token(tok, nil, nil)
 	}
-	last := chunk(map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"})
-	if !chat {
-		last = chunk(map[string]any{"index": 0, "text": "", "finish_reason": "length"})
+	last := map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "length"}
+	if !cmpl.Chat {
+		last = map[string]any{"index": 0, "text": "", "finish_reason": "length"}
 	}
-	last["timings"] = timings
-	send(last)
+	st.Send(st.Chunk(last, map[string]any{"timings": timings}))
 	if c.StreamOptions.IncludeUsage {
-		send(map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{}, "usage": usage})
+		st.Usage(usage)
 	}
-	fmt.Fprint(w, "data: [DONE]\n\n")
+	st.Done()
 }

@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/batonllm/baton/workers/engine/cost"
+	"github.com/batonllm/baton/workers/openai/openaitest"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
@@ -387,9 +388,7 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(v)
+	openaitest.WriteJSON(w, status, "application/json", v)
 }
 
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
@@ -403,7 +402,7 @@ func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
 		data = append(data, map[string]any{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": path,
 			"parent": s.cfg.Model, "max_model_len": nil})
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+	openaitest.Models(w, "application/json", data...)
 }
 
 // Adapters returns the LoRA adapters the server serves, sorted.
@@ -793,17 +792,15 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		return s.sleep(ctx, secs)
 	}
 
-	id := "cmpl-" + randomID()
-	object := "text_completion"
+	cmpl := openaitest.Completion{ID: "cmpl-" + randomID(), Model: s.cfg.Model, Created: time.Now().Unix(), Chat: chat}
 	if chat {
-		id, object = "chatcmpl-"+randomID(), "chat.completion"
+		cmpl.ID = "chatcmpl-" + randomID()
 	}
-	created := time.Now().Unix()
-	usage := map[string]any{"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-		"prompt_tokens_details": nil}
+	var details any
 	if !s.cfg.NoCachedTokens {
-		usage["prompt_tokens_details"] = map[string]any{"cached_tokens": cached}
+		details = openaitest.Cached(cached)
 	}
+	usage := openaitest.Usage(len(prompt), n, details, true)
 	const word = "ok "
 	if !req.Stream {
 		for i := 1; i < n; i++ {
@@ -812,34 +809,23 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		text := strings.Repeat(word, n)
-		choice := map[string]any{"index": 0, "text": text, "logprobs": nil, "finish_reason": "length", "stop_reason": nil}
+		choice := cmpl.Choice(text, "length", map[string]any{"logprobs": nil, "stop_reason": nil})
 		if chat {
-			choice = map[string]any{"index": 0, "message": map[string]any{"role": "assistant", "content": text, "tool_calls": []any{}},
-				"logprobs": nil, "finish_reason": "length", "stop_reason": nil}
+			choice["message"].(map[string]any)["tool_calls"] = []any{}
 		}
-		writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model,
-			"choices": []any{choice}, "usage": usage})
+		writeJSON(w, http.StatusOK, cmpl.Body(choice, usage, nil))
 		return
 	}
 
-	w.Header().Set("Content-Type", "text/event-stream; charset=utf-8")
-	w.WriteHeader(http.StatusOK)
-	fl, _ := w.(http.Flusher)
-	send := func(v any) {
-		b, _ := json.Marshal(v)
-		fmt.Fprintf(w, "data: %s\n\n", b)
-		if fl != nil {
-			fl.Flush()
-		}
-	}
+	// vLLM's chunks: a chat's first carries the role; the last token's
+	// carries the finish reason.
+	st := cmpl.Stream(w, "text/event-stream; charset=utf-8")
 	if chat {
-		object = "chat.completion.chunk"
+		st.Send(st.Chunk(map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "logprobs": nil, "finish_reason": nil}, nil))
 	}
-	chunk := func(choice map[string]any) map[string]any {
-		return map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{choice}}
-	}
-	if chat {
-		send(chunk(map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "logprobs": nil, "finish_reason": nil}))
+	extra := map[string]any{"logprobs": nil}
+	if !chat {
+		extra["stop_reason"] = nil
 	}
 	for i := range n {
 		if i > 0 && !step() {
@@ -849,16 +835,12 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request) {
 		if i == n-1 {
 			finish = "length"
 		}
-		if chat {
-			send(chunk(map[string]any{"index": 0, "delta": map[string]any{"content": word}, "logprobs": nil, "finish_reason": finish}))
-		} else {
-			send(chunk(map[string]any{"index": 0, "text": word, "logprobs": nil, "finish_reason": finish, "stop_reason": nil}))
-		}
+		st.Token(word, finish, extra)
 	}
 	if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
-		send(map[string]any{"id": id, "object": object, "created": created, "model": s.cfg.Model, "choices": []any{}, "usage": usage})
+		st.Usage(usage)
 	}
-	fmt.Fprint(w, "data: [DONE]\n\n")
+	st.Done()
 }
 
 func randomID() string {

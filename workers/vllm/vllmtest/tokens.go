@@ -1,10 +1,11 @@
 package vllmtest
 
 import (
-	"encoding/json"
 	"strings"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/batonllm/baton/workers/openai/openaitest"
 )
 
 // Special token ids, as Llama 3's tokenizer numbers them.
@@ -20,30 +21,7 @@ const vocab = 127000
 
 // Message is a chat message as the server reads it: content is a string or
 // a list of parts, whose text parts it reads.
-type Message struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
-}
-
-// Text returns the message's text content.
-func (m Message) Text() string {
-	var s string
-	if json.Unmarshal(m.Content, &s) == nil {
-		return s
-	}
-	var parts []struct {
-		Type string `json:"type"`
-		Text string `json:"text"`
-	}
-	_ = json.Unmarshal(m.Content, &parts)
-	var b strings.Builder
-	for _, p := range parts {
-		if p.Type == "text" || p.Type == "" {
-			b.WriteString(p.Text)
-		}
-	}
-	return b.String()
-}
+type Message = openaitest.Message
 
 // Tokenize is the server's tokenizer: each whitespace-separated word, cut
 // into pieces of at most 4 bytes, is a token whose id is a hash of the
