@@ -62,51 +62,33 @@ workers:
 	}
 }
 
-// TestBadProfileNamesTheField: a custom profile that names an unknown part
-// is refused at start with an error naming the field.
+// TestBadProfileNamesTheField: a custom profile that names an unknown
+// part, or gives a part an option it does not know, is refused at start
+// (by validation, before any worker is dialled) with an error naming the
+// field by its path (and, for an option, its line).
 func TestBadProfileNamesTheField(t *testing.T) {
-	cfg := loadYAML(t, `
+	for _, tc := range []struct{ scorer, want string }{
+		{"{name: lod, weight: 1}", `profiles[0].scorers[1].name: unknown scorer "lod" (known: kv, kv_usage, load, prefix)`},
+		{"{name: strict, type: prefix, options: {concurrency_threshold: 4, block_size: 16}}",
+			`profiles[0].scorers[1].options.block_size: line 7: unknown field (known: concurrency_threshold)`},
+	} {
+		cfg := loadYAML(t, `
 strategy: mine
 profiles:
   - name: mine
     scorers:
       - {name: prefix}
-      - {name: lod, weight: 1}
+      - `+tc.scorer+`
 workers:
   - {address: "127.0.0.1:1"}
 `)
-	var reg routing.Registry
-	routing.RegisterBuiltins(&reg)
-	_, err := scheduler.New(cfg, &reg, nil)
-	want := `profiles[0].scorers[1].name: unknown scorer "lod" (known: kv, kv_usage, load, prefix)`
-	if err == nil || err.Error() != want {
-		t.Errorf("New = %v, want %q", err, want)
-	}
-}
-
-// TestBadProfileOptionNamesTheField: an option a part does not know is
-// refused at start (validation, before any worker is dialled), naming the
-// field by its path and line.
-func TestBadProfileOptionNamesTheField(t *testing.T) {
-	cfg := loadYAML(t, `
-strategy: mine
-profiles:
-  - name: mine
-    scorers:
-      - {name: prefix}
-      - name: strict
-        type: prefix
-        options: {concurrency_threshold: 4, block_size: 16}
-workers:
-  - {address: "127.0.0.1:1"}
-`)
-	var reg routing.Registry
-	routing.RegisterBuiltins(&reg)
-	want := `profiles[0].scorers[1].options.block_size: line 9: unknown field (known: concurrency_threshold)`
-	if err := cfg.Validate(&reg); err == nil || err.Error() != want {
-		t.Errorf("Validate = %v, want %q", err, want)
-	}
-	if _, err := scheduler.New(cfg, &reg, nil); err == nil || err.Error() != want {
-		t.Errorf("New = %v, want %q", err, want)
+		var reg routing.Registry
+		routing.RegisterBuiltins(&reg)
+		if err := cfg.Validate(&reg); err == nil || err.Error() != tc.want {
+			t.Errorf("%s: Validate = %v, want %q", tc.scorer, err, tc.want)
+		}
+		if _, err := scheduler.New(cfg, &reg, nil); err == nil || err.Error() != tc.want {
+			t.Errorf("%s: New = %v, want %q", tc.scorer, err, tc.want)
+		}
 	}
 }
