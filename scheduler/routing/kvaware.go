@@ -31,32 +31,15 @@ const tieTolerance = 0.03
 // replicas.
 const homeTolerance = 0.10
 
-// Replication of a hot prefix onto an idle worker (see NewKVAware): the
-// chosen worker is hot when it was routed at least hotRouted times the
-// candidates' mean of recent requests, and a worker is idle when it has
-// nothing in flight, queued or pending and was routed at most idleRouted
-// times that mean; and the hot worker must have been routed hotMinRouted
-// requests at least, so that a handful of requests is not called a
-// pattern. A worker that has served nothing lately while another takes
-// twice its share stays idle only because the prefixes it does not hold
-// keep going elsewhere. When another candidate holds as much of the
-// prompt as the chosen one (a prefix several workers hold, such as a chat
-// product's short system prompt), routed above the mean is hot enough:
-// such a prefix binds the request to no worker, and once every worker but
-// one holds it they share its traffic evenly, none twice the mean, while
-// each estimates a new prompt the prefix's recomputation faster than the
-// one that lacks it, which would never serve again.
-//
-// The replication must also pay for itself: the request's estimated time
-// to first token on the idle worker may exceed the holder's by at most
-// replicateHorizon times the holder's estimate times the holder's excess
-// traffic (its routed requests over the mean, less 1). The holder's
-// estimate is what each of its requests waits there; the excess is how
-// much more traffic it takes than its share, which the replica will
-// split; the horizon is how many of those requests the replica is
-// counted to serve. A session's first request (a shared system prompt
-// and little else) passes; a long session's later request, whose whole
-// history the idle worker would recompute, does not.
+// Replication of a hot prefix onto an idle worker (docs/strategies.md,
+// "Replication", says why these values): the chosen worker is hot when
+// routed hotRouted times the candidates' mean of recent requests (above
+// the mean when another candidate holds as much of the prompt) and at
+// least hotMinRouted requests; a worker is idle when it has nothing in
+// flight, queued or pending and was routed at most idleRouted times the
+// mean; and the idle worker's estimate may exceed the holder's by at most
+// replicateHorizon times the holder's estimate times its routed requests
+// over the mean, less 1.
 const (
 	hotRouted        = 2.0
 	idleRouted       = 0.25
