@@ -18,6 +18,9 @@ type blocks struct {
 	evicted uint64
 	// warmed counts nothing: it consumes table.warm's loads.
 	warmed atomic.Uint64
+	// betweenChunks, for tests, is called between two chunks of
+	// clearSlotChunked, the lock not held.
+	betweenChunks func()
 }
 
 // holder is a worker in the holder sets: its group and its slot's bit.
@@ -275,6 +278,9 @@ func (b *blocks) clearSlotChunked(h holder, pred bool) {
 		b.mu.Unlock()
 		if from+scanChunk >= hi {
 			return
+		}
+		if f := b.betweenChunks; f != nil {
+			f()
 		}
 	}
 }

@@ -382,21 +382,26 @@ func (x *Index) Apply(name string, ev Event) error {
 }
 
 // RemoveWorker forgets the worker: its blocks, predictions, load and
-// slot. The watcher calls it when the worker leaves the pool.
+// slot. The watcher calls it when the worker leaves the pool. Lookups
+// stop seeing the worker at once; its bits are then cleared from the
+// block table a chunk at a time, so that lookups and writes wait a
+// millisecond or less rather than for a scan of the whole table, and its
+// slot is free for another worker once they are.
 func (x *Index) RemoveWorker(name string) {
 	x.workers.mu.Lock()
-	defer x.workers.mu.Unlock()
 	w := x.workers.get(name)
 	if w == nil {
+		x.workers.mu.Unlock()
 		return
 	}
+	x.workers.retire(w)
+	x.workers.mu.Unlock()
 	if w.mayHold.Load() {
-		b := &x.blocks
-		b.mu.Lock()
-		b.clearSlot(w.holder(), true)
-		b.mu.Unlock()
+		x.blocks.clearSlotChunked(w.holder(), true)
 	}
-	x.workers.remove(w)
+	x.workers.mu.Lock()
+	x.workers.release(w)
+	x.workers.mu.Unlock()
 }
 
 // Predict records that the worker will hold keys in its GPU tier once the

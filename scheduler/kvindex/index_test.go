@@ -260,6 +260,51 @@ func TestRemoveWorker(t *testing.T) {
 	x.RemoveWorker("nobody")
 }
 
+// A worker removed while others are added and looked up: the table is
+// cleared of its bits a chunk at a time, the locks free between two, and
+// meanwhile its slot is taken by no other worker, so that no worker added
+// then sees its blocks.
+func TestRemoveWorkerWhileAdding(t *testing.T) {
+	x := New(Config{})
+	const n = 3 * scanChunk // blocks: the clearing takes the lock several times
+	mustApply(t, x, "old", snapshot(nil, stored(gpu, keys(0, n))))
+	mustApply(t, x, "other", snapshot(nil, stored(gpu, keys(0, 10))))
+	chunks := 0
+	x.blocks.betweenChunks = func() {
+		chunks++
+		name := fmt.Sprint("new", chunks)
+		mustApply(t, x, name, snapshot(nil))
+		// The blocks stored last are in the chunks cleared last.
+		if got := lookup(x, keys(n-100, n), name)[name]; got != (hit{}) {
+			t.Errorf("%s, added while old is removed, holds %+v of old's blocks", name, got)
+		}
+		if got := lookup(x, keys(0, 10), "other")["other"]; got != (hit{10, 0, 0}) {
+			t.Errorf("other worker while old is removed: %+v", got)
+		}
+	}
+	x.RemoveWorker("old")
+	x.blocks.betweenChunks = nil
+	if chunks == 0 {
+		t.Fatal("the clearing took the lock once")
+	}
+	mustApply(t, x, "last", snapshot(nil)) // in old's slot, free now
+	for i := range chunks + 2 {
+		name := fmt.Sprint("new", i)
+		switch i {
+		case 0:
+			name = "old"
+		case chunks + 1:
+			name = "last"
+		}
+		if got := lookup(x, keys(n-100, n), name)[name]; got != (hit{}) {
+			t.Errorf("%s holds %+v of the removed worker's blocks", name, got)
+		}
+	}
+	if got, want := x.Len(), 10; got != want {
+		t.Errorf("Len = %d, want %d (only other's blocks)", got, want)
+	}
+}
+
 func TestTooManyWorkers(t *testing.T) {
 	x := New(Config{})
 	for i := range MaxTracked {

@@ -412,11 +412,23 @@ func (ws *workers) add(name string) (*worker, error) {
 	panic("kvindex: group with a free slot has none")
 }
 
-// remove frees w's slot. ws.mu is held for writing.
-func (ws *workers) remove(w *worker) {
+// retire takes w out of the tracked workers (its name, its bit in the
+// group's live workers) but keeps its slot taken, by retiredSlot, until
+// release: its bits may still be in the block table. ws.mu is held for
+// writing.
+func (ws *workers) retire(w *worker) {
 	delete(ws.byName, w.name)
-	w.grp.slots[w.slot], w.grp.names[w.slot] = nil, ""
-	w.grp.n--
+	w.grp.slots[w.slot], w.grp.names[w.slot] = retiredSlot, ""
 	w.grp.used &^= w.bit()
 	ws.n--
 }
+
+// release frees the slot of w, retired, once none of the block table's
+// entries holds its bits. ws.mu is held for writing.
+func (ws *workers) release(w *worker) {
+	w.grp.slots[w.slot] = nil
+	w.grp.n--
+}
+
+// retiredSlot takes the slot of a worker being removed.
+var retiredSlot = &worker{}
