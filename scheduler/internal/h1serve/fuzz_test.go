@@ -19,14 +19,24 @@ func FuzzServe(f *testing.F) {
 		"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
 		"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
 		"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+		"POST /end HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiGET /flush-end HTTP/1.1\r\nHost: x\r\n\r\n",
+		"HEAD /end HTTP/1.1\r\nHost: x\r\n\r\nGET /end HTTP/1.0\r\n\r\n",
 	} {
 		f.Add([]byte(s))
 	}
 	s := &Server{MaxHeaderBytes: 1 << 10, ReadHeaderTimeout: time.Second, ErrorLog: discardLogger(),
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			b, _ := io.ReadAll(io.LimitReader(r.Body, 1<<10))
-			if r.URL.Path == "/flush" {
+			switch r.URL.Path {
+			case "/flush":
 				w.(http.Flusher).Flush()
+			case "/end":
+				w.Write(b)
+				w.(interface{ EndBody() error }).EndBody()
+			case "/flush-end":
+				w.(http.Flusher).Flush()
+				w.Write(b)
+				w.(interface{ EndBody() error }).EndBody()
 			}
 			w.Write(b)
 		})}
