@@ -258,18 +258,23 @@ func TestFakeVLLMEventVariants(t *testing.T) {
 					return nil
 				})
 			}
-			var engineStored int64
-			for _, e := range engines {
-				engineStored += e.Stats().BlocksStored
-			}
-			m := scrapeSettled(t, httpClient(t), addr)
-			stored, _ := metric(m, "baton_kv_events_total", `outcome="stored"`)
-			unknown, _ := metric(m, "baton_kv_events_total", `outcome="unknown_parent"`)
-			bad, _ := metric(m, "baton_kv_events_total", `outcome="bad_stored"`)
-			if stored != float64(engineStored) || unknown != 0 || bad != 0 {
-				t.Errorf("baton_kv_events_total stored %v, unknown_parent %v, bad_stored %v; want the engines' %d blocks stored, none dropped",
-					stored, unknown, bad, engineStored)
-			}
+			// An engine publishes the blocks of an answer as it ends, which
+			// may be after its client has the answer: wait for them.
+			eventually(t, 10*time.Second, func() error {
+				var engineStored int64
+				for _, e := range engines {
+					engineStored += e.Stats().BlocksStored
+				}
+				m := scrapeSettled(t, httpClient(t), addr)
+				stored, _ := metric(m, "baton_kv_events_total", `outcome="stored"`)
+				unknown, _ := metric(m, "baton_kv_events_total", `outcome="unknown_parent"`)
+				bad, _ := metric(m, "baton_kv_events_total", `outcome="bad_stored"`)
+				if stored != float64(engineStored) || unknown != 0 || bad != 0 {
+					return fmt.Errorf("baton_kv_events_total stored %v, unknown_parent %v, bad_stored %v; want the engines' %d blocks stored, none dropped",
+						stored, unknown, bad, engineStored)
+				}
+				return nil
+			})
 		})
 	}
 }

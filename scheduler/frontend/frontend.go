@@ -74,8 +74,10 @@ type Server struct {
 
 	timers sync.Map // a strategy's name → its decisionTimers
 	// cpuTicks counts decisions, one in cpuSampleEvery of which has its
-	// thread's CPU time read.
+	// thread's CPU time read; cpuRetry asks the next decision for a
+	// reading when a sampled one changed threads (and so gave none).
 	cpuTicks atomic.Uint64
+	cpuRetry atomic.Bool
 }
 
 // decisionTimers are a strategy's decision-time histograms

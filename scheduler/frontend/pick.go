@@ -67,7 +67,7 @@ func (p *picker) pick(x *exchange, strategy routing.Strategy, tried, avoid []*po
 	var cpu0 time.Duration
 	var tid0 int
 	cpuOK := false
-	sampled := p.s.cpuTicks.Add(1)%cpuSampleEvery == 1
+	sampled := p.s.cpuTicks.Add(1)%cpuSampleEvery == 1 || p.s.cpuRetry.Load()
 	if sampled {
 		cpu0, tid0, cpuOK = threadCPU()
 	}
@@ -86,8 +86,13 @@ func (p *picker) pick(x *exchange, strategy routing.Strategy, tried, avoid []*po
 	}
 	wall := time.Since(t0)
 	if cpuOK {
-		if cpu1, tid1, ok := threadCPU(); ok && tid1 == tid0 {
+		cpu1, tid1, ok := threadCPU()
+		read := ok && tid1 == tid0
+		if read {
 			obs.cpu.Observe((cpu1 - cpu0).Seconds())
+		}
+		if read == p.s.cpuRetry.Load() {
+			p.s.cpuRetry.Store(!read)
 		}
 	}
 	obs.wall.Observe(wall.Seconds())
