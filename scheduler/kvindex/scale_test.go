@@ -396,17 +396,25 @@ func BenchmarkVisitQuery(b *testing.B) {
 // BenchmarkOverlaps is BenchmarkMatchQuery's prompt as a sparse match:
 // the overlaps of the workers holding it, no worker's state.
 func BenchmarkOverlaps(b *testing.B) {
+	benchOverlaps(b, "keys=500", newMatchFleet, func(b *testing.B, f *scaleFleet, out []Overlap) {
+		if len(out) != 1 || out[0].GPU != 300 {
+			b.Fatalf("overlaps %+v, want %s's 300 blocks", out, f.names[len(f.names)-1])
+		}
+	})
+}
+
+// benchOverlaps runs Overlaps of each fleet's prompt (fleet builds them)
+// at every scale, then hands the last answer to done.
+func benchOverlaps(b *testing.B, keys string, fleet func(*testing.B, int) (*scaleFleet, []uint64), done func(*testing.B, *scaleFleet, []Overlap)) {
 	for _, workers := range scaleWorkers {
-		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=500", workers), func(b *testing.B) {
-			f, ks := newMatchFleet(b, workers)
+		b.Run(fmt.Sprintf("workers=%d/blocks=1M/%s", workers, keys), func(b *testing.B) {
+			f, ks := fleet(b, workers)
 			out := make([]Overlap, 0, workers)
 			b.ReportAllocs()
 			for b.Loop() {
 				out = f.x.Overlaps(ks, out[:0])
 			}
-			if len(out) != 1 || out[0].GPU != 300 {
-				b.Fatalf("overlaps %+v, want %s's 300 blocks", out, f.names[workers-1])
-			}
+			done(b, f, out)
 		})
 	}
 }
@@ -515,17 +523,9 @@ func newSharedFleet(b *testing.B, workers int) (*scaleFleet, []uint64) {
 // BenchmarkSharedOverlaps is the sparse match of a prompt whose first 64
 // blocks every worker holds and whose next 200 one worker holds.
 func BenchmarkSharedOverlaps(b *testing.B) {
-	for _, workers := range scaleWorkers {
-		b.Run(fmt.Sprintf("workers=%d/blocks=1M/keys=264", workers), func(b *testing.B) {
-			f, ks := newSharedFleet(b, workers)
-			out := make([]Overlap, 0, workers)
-			b.ReportAllocs()
-			for b.Loop() {
-				out = f.x.Overlaps(ks, out[:0])
-			}
-			b.ReportMetric(float64(len(out)), "holders")
-		})
-	}
+	benchOverlaps(b, "keys=264", newSharedFleet, func(b *testing.B, _ *scaleFleet, out []Overlap) {
+		b.ReportMetric(float64(len(out)), "holders")
+	})
 }
 
 // BenchmarkSharedEvent stores and removes 16 blocks of the shared prefix
