@@ -233,6 +233,7 @@ type Index struct {
 func New(cfg Config) *Index {
 	x := &Index{cfg: cfg.withDefaults()}
 	x.workers.byName = make(map[string]*worker)
+	x.workers.hints = new(hintTable)
 	x.workers.newGroup()
 	x.blocks.init(x.cfg.MaxBlocks)
 	return x
@@ -306,7 +307,9 @@ func (x *Index) SetInfo(name string, info Info) error {
 	if err != nil {
 		return err
 	}
-	w.setInfo(info, &x.infos)
+	x.workers.mu.RLock()
+	defer x.workers.mu.RUnlock()
+	w.setInfo(info, &x.infos, &x.workers)
 	return nil
 }
 
@@ -597,53 +600,52 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 	defer x.workers.mu.RUnlock()
 	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
 	if cap(ls.found) < len(workers) {
-		ls.found = make([]*worker, len(workers))
+		ls.found = make([]place, len(workers))
 	}
 	found := ls.found[:len(workers)]
-	defer clear(found)
-	ws, ngroups := &ls.walk, len(x.workers.groups)
+	groups := x.workers.groups
+	ws, ngroups := &ls.walk, len(groups)
 	ws.reset(ngroups)
-	// The hints, then the workers they name: each pass's loads are
+	// The hints, then the places they name: each pass's loads are
 	// independent of one another, so that on a cold cache their misses
 	// overlap.
 	for i, name := range workers {
 		found[i] = x.workers.hint(name)
 	}
 	for i, name := range workers {
-		w := x.workers.check(found[i], name)
-		found[i] = w
-		if w == nil {
-			continue
+		p := x.workers.check(found[i], name)
+		found[i] = p
+		if p != noPlace {
+			ws.g[p/MaxWorkers].alive |= 1 << (p % MaxWorkers)
 		}
-		g := &ws.g[w.grp.id]
-		g.alive |= w.bit()
-		if w.redisTier.Load() {
-			g.redisOK |= w.bit()
-		}
+	}
+	for k, g := range groups {
+		ws.g[k].redisOK = ws.g[k].alive & g.redis.Load()
 	}
 	if len(keys) > 0 {
 		ws.start(ngroups)
 		x.blocks.walk(ws, keys, now)
 	}
-	fill := func(m *Match, w *worker) {
-		if w == nil {
+	fill := func(m *Match, p place) {
+		if p == noPlace {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
 			return
 		}
-		w.match(m, now, &x.cfg)
-		if ws.g[w.grp.id].held&w.bit() != 0 {
-			c := &ws.cnt[w.grp.id][w.slot]
+		k, s := p/MaxWorkers, p%MaxWorkers
+		groups[k].slots[s].match(m, now, &x.cfg)
+		if ws.g[k].held&(1<<s) != 0 {
+			c := &ws.cnt[k][s]
 			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 		}
 	}
 	// out's matches never reach v, so that a caller's array of them does
 	// not escape to the heap.
-	for i, w := range found {
+	for i, p := range found {
 		if v == nil {
-			fill(&out[i], w)
+			fill(&out[i], p)
 			continue
 		}
-		fill(&ls.one, w)
+		fill(&ls.one, p)
 		v.VisitMatch(i, &ls.one)
 	}
 	for k := range ngroups {
@@ -704,7 +706,7 @@ func (x *Index) Overlaps(keys []uint64, out []Overlap) []Overlap {
 // a count zeroes it, and a lookup that panics (in a visitor) does not put
 // it back.
 type lookupScratch struct {
-	found []*worker
+	found []place
 	walk  walkState
 	one   Match // Visit's
 }

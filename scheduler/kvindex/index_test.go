@@ -887,3 +887,69 @@ func TestLookupFindsWorkersByName(t *testing.T) {
 	}
 	check("w3 back", map[int]bool{5: true})
 }
+
+// Lookup tells apart names whose bytes start at the same address (one a
+// prefix of the other), which share a remembered place, and finds the
+// workers of far more names than a line of remembered places holds.
+func TestLookupFindsNamesSharingAddresses(t *testing.T) {
+	x := New(Config{})
+	all := "workerworker"
+	names := []string{all[:6], all, all[:7], all[6:]} // "worker" twice, at two addresses
+	for i, name := range names[:3] {
+		mustApply(t, x, name, Event{Seq: 1, Snapshot: &Snapshot{Load: Load{Running: i}}})
+	}
+	out := make([]Match, len(names))
+	for range 3 {
+		x.Lookup(nil, names, out)
+		for i, want := range []int{0, 1, 2, 0} {
+			if got := out[i].Load.Running; !out[i].Known || got != want {
+				t.Fatalf("%q: known %v, running %d; want running %d", names[i], out[i].Known, got, want)
+			}
+		}
+	}
+	many := make([]string, MaxTracked)
+	for i := range many {
+		many[i] = fmt.Sprintf("m%d", i)
+		if err := x.AddWorker(many[i]); err != nil {
+			if errors.Is(err, ErrTooManyWorkers) {
+				many = many[:i]
+				break
+			}
+			t.Fatal(err)
+		}
+	}
+	for i, name := range many {
+		x.SetInfo(name, Info{BlockTokens: 1 + i})
+	}
+	out = make([]Match, len(many))
+	for range 2 {
+		x.Lookup(nil, many, out)
+		for i, m := range out {
+			if !m.Known || m.BlockTokens != 1+i {
+				t.Fatalf("%s: known %v, block tokens %d; want %d", many[i], m.Known, m.BlockTokens, 1+i)
+			}
+		}
+	}
+}
+
+// A worker's Redis tier goes with it: a worker that takes the slot of
+// one that read Redis does not, until it says so.
+func TestRedisTierGoesWithTheWorker(t *testing.T) {
+	x := New(Config{})
+	ks := keys(0, 4)
+	x.SetInfo("a", Info{RedisTier: true})
+	mustApply(t, x, "a", snapshot(nil))
+	mustApply(t, x, "r", snapshot(nil, stored(redis, ks)))
+	if got := lookup(x, ks, "a")["a"]; got.Redis != 4 {
+		t.Fatalf("a: %+v, want 4 Redis blocks", got)
+	}
+	x.RemoveWorker("a")
+	mustApply(t, x, "b", snapshot(nil)) // a's slot
+	if got := lookup(x, ks, "b")["b"]; got.Redis != 0 {
+		t.Errorf("b in a's slot: %+v, want no Redis blocks", got)
+	}
+	x.SetInfo("b", Info{RedisTier: true})
+	if got := lookup(x, ks, "b")["b"]; got.Redis != 4 {
+		t.Errorf("b once it reads Redis: %+v, want 4 Redis blocks", got)
+	}
+}

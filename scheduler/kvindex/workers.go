@@ -25,7 +25,6 @@ type worker struct {
 	name       string
 	grp        *group
 	slot       int                            // in grp
-	redisTier  atomic.Bool                    // set by setInfo
 	correction atomic.Pointer[correctionSums] // set by observe
 	pub        published                      // written under mu
 
@@ -179,6 +178,9 @@ func (w *worker) read(s *state) {
 // bit is the worker's bit in its group's holder masks.
 func (w *worker) bit() uint64 { return uint64(1) << w.slot }
 
+// at is the worker's place among every group's slots.
+func (w *worker) at() place { return place(w.grp.id*MaxWorkers + w.slot) }
+
 // holder is the worker in the block table's holder sets.
 func (w *worker) holder() holder { return holder{grp: uint8(w.grp.id), bit: w.bit()} }
 
@@ -191,8 +193,10 @@ func (w *worker) routedNow(now int64, halfLife time.Duration) float64 {
 }
 
 // setInfo records what the worker told of itself; its published copy is
-// in's, shared with every worker that told the same.
-func (w *worker) setInfo(info Info, in *interned) {
+// in's, shared with every worker that told the same. ws.mu is held for
+// reading, so that the worker's Redis bit is not set in a slot another
+// worker took since.
+func (w *worker) setInfo(info Info, in *interned, ws *workers) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.cost, w.hasCost = DefaultCost, info.HasCost
@@ -204,7 +208,14 @@ func (w *worker) setInfo(info Info, in *interned) {
 		w.blockTokens = info.BlockTokens
 	}
 	w.pub.info.Store(in.get(workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens}))
-	w.redisTier.Store(info.RedisTier)
+	if !ws.owns(w) {
+		return
+	}
+	if info.RedisTier {
+		w.grp.redis.Or(w.bit())
+	} else {
+		w.grp.redis.And(^w.bit())
+	}
 }
 
 // setLoad records a load report at now. w.mu is held.
@@ -312,14 +323,24 @@ func (w *worker) observe(p, a float64, now int64) {
 // group is MaxWorkers worker slots, whose workers' bits make up one
 // 64-bit holder mask in the block table. A fleet larger than MaxWorkers
 // takes several groups; a block held in several has a mask for each (see
-// entry).
+// entry). What a lookup reads of the slots sits in arrays of the group,
+// so that a lookup over many workers reads a few contiguous bytes of each
+// rather than the scattered workers.
 type group struct {
 	id    int                 // in workers.groups
 	slots [MaxWorkers]*worker // guarded by workers.mu
-	names [MaxWorkers]string  // the slots' workers' names, which Overlaps reads; guarded by workers.mu
+	names [MaxWorkers]string  // the slots' workers' names, which lookups read; guarded by workers.mu
 	n     int                 // slots in use; guarded by workers.mu
-	used  uint64              // their bits; guarded by workers.mu
+	used  uint64              // their bits (but retired workers'); guarded by workers.mu
+	redis atomic.Uint64       // the bits of the workers that read the Redis tier (Info.RedisTier)
 }
+
+// place is a worker's slot among every group's: the group's id times
+// MaxWorkers plus the slot.
+type place uint16
+
+// noPlace is no worker's place.
+const noPlace = ^place(0)
 
 // workers is the index's membership: which worker holds which slot of
 // which group, whose bit it is in the group's holder masks.
@@ -332,15 +353,28 @@ type workers struct {
 	groups []*group // never shrinks
 	n      int      // workers tracked
 
-	// hints remembers the worker last found under a name's bytes, indexed
-	// by their address: callers pass the same strings request after
-	// request (the pool's worker names), and a hint costs a few loads
-	// where the map hashes the name. Readers set them under the read lock.
-	// A hint may outlive its worker's removal, which find checks.
-	hints [1 << hintBits]atomic.Pointer[worker]
+	// hints remembers the place of the worker last found under a name's
+	// bytes, by their address: callers pass the same strings request
+	// after request (the pool's worker names), and a hint costs a load
+	// where the map hashes the name. See hintTable.
+	hints *hintTable
 }
 
-const hintBits = 12
+// hintTable is the workers' hints, each a name's bytes' address (its low
+// 48 bits) and a place: hintWays of them share a cache line, any of
+// which a name may take, so that names whose addresses hash alike do not
+// evict one another. Readers set hints under the read lock. A hint may
+// outlive its worker's removal, or name another string at the address,
+// which check sees.
+type hintTable [1 << hintBits]atomic.Uint64
+
+const (
+	hintBits = 12
+	hintWays = 8         // a cache line's worth of hints
+	hintSet  = 1 << 15   // a hint is set
+	hintAddr = 1<<48 - 1 // the address bits a hint keeps
+	hintMix  = 0x9e3779b97f4a7c15
+)
 
 // maxGroups bounds the groups, and so the workers tracked (MaxTracked).
 const maxGroups = MaxTracked / MaxWorkers
@@ -355,28 +389,58 @@ func (ws *workers) newGroup() *group {
 // get returns name's state, nil if untracked. w.mu is held.
 func (ws *workers) get(name string) *worker { return ws.byName[name] }
 
-// find is get, trying name's hint first. A hint counts only if its worker
-// still holds its slot (RemoveWorker frees it) and has that name, so it
-// returns what get would. ws.mu is held.
-func (ws *workers) find(name string) *worker { return ws.check(ws.hint(name), name) }
+// owns reports whether w holds its slot: it was not removed. ws.mu is
+// held.
+func (ws *workers) owns(w *worker) bool { return w.grp.slots[w.slot] == w }
 
-// hint returns the worker last found under name's bytes, which may not
-// be name's (see check). ws.mu is held.
-func (ws *workers) hint(name string) *worker {
-	return ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Load()
+// hintLine returns the hints a name whose bytes are at addr may take,
+// and the one it takes first.
+func (ws *workers) hintLine(addr uint64) (line []atomic.Uint64, first int) {
+	i := int((addr * hintMix) >> (64 - hintBits))
+	return ws.hints[i&^(hintWays-1):][:hintWays], i & (hintWays - 1)
 }
 
-// check returns h if it is name's worker, else name's worker from the map
-// (nil if untracked), which becomes name's hint. ws.mu is held.
-func (ws *workers) check(h *worker, name string) *worker {
-	if h != nil && h.grp.slots[h.slot] == h && h.name == name {
-		return h
+// hint returns the place last found under name's bytes, which may not
+// be name's worker's (see check), or noPlace. ws.mu is held.
+func (ws *workers) hint(name string) place {
+	addr := uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) & hintAddr
+	line, _ := ws.hintLine(addr)
+	for k := range line {
+		if h := line[k].Load(); h>>16 == addr && h&hintSet != 0 {
+			return place(h & (hintSet - 1))
+		}
+	}
+	return noPlace
+}
+
+// check returns p if name's worker holds it, else the place of name's
+// worker from the map (noPlace if untracked), which becomes name's hint.
+// It reads the group's arrays, not the worker. ws.mu is held.
+func (ws *workers) check(p place, name string) place {
+	if p != noPlace {
+		g, s := ws.groups[p/MaxWorkers], p%MaxWorkers
+		if g.used&(1<<s) != 0 && g.names[s] == name {
+			return p
+		}
 	}
 	w := ws.byName[name]
-	if w != nil {
-		ws.hints[(uint64(uintptr(unsafe.Pointer(unsafe.StringData(name))))*0x9e3779b97f4a7c15)>>(64-hintBits)].Store(w)
+	if w == nil {
+		return noPlace
 	}
-	return w
+	p = w.at()
+	addr := uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) & hintAddr
+	line, k := ws.hintLine(addr)
+	// The hint with name's address if any, else a free one, else k.
+	for j := range line {
+		if h := line[j].Load(); h>>16 == addr || h == 0 {
+			k = j
+			if h != 0 {
+				break
+			}
+		}
+	}
+	line[k].Store(addr<<16 | hintSet | uint64(p))
+	return p
 }
 
 // add returns name's state, creating it in a free slot if needed: of the
@@ -404,6 +468,7 @@ func (ws *workers) add(name string) (*worker, error) {
 			g.slots[i], g.names[i] = w, name
 			g.n++
 			g.used |= w.bit()
+			g.redis.And(^w.bit())
 			ws.byName[name] = w
 			ws.n++
 			return w, nil
