@@ -103,9 +103,6 @@ type correctionSums struct {
 
 // factor returns the correction factor at now.
 func (c *correctionSums) factor(now int64) float64 {
-	if c == nil {
-		return 1
-	}
 	f := decay(c.at, now, correctionHalfLife)
 	return (c.achieved*f + correctionPrior) / (c.predicted*f + correctionPrior)
 }
@@ -537,9 +534,8 @@ func (x *Index) Prefilled(name string, tokens int) {
 		return
 	}
 	x.workers.mu.RLock()
-	w := x.workers.get(name)
-	x.workers.mu.RUnlock()
-	if w != nil {
+	defer x.workers.mu.RUnlock()
+	if w := x.workers.get(name); w != nil {
 		w.prefilled(tokens)
 	}
 }
@@ -555,11 +551,11 @@ func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
 	}
 	p := predicted.Seconds()
 	a := min(max(achieved.Seconds(), p*minCorrection), p*maxCorrection)
+	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
-	w := x.workers.get(name)
-	x.workers.mu.RUnlock()
-	if w != nil {
-		w.observe(p, a, x.cfg.Now().UnixNano())
+	defer x.workers.mu.RUnlock()
+	if w := x.workers.get(name); w != nil {
+		w.observe(p, a, now)
 	}
 }
 
@@ -582,7 +578,7 @@ type MatchVisitor interface {
 // block keys are keys (see Match). It walks the keys once, under the
 // block table's read lock (one probe when none of the workers holds the
 // first block), then reads each worker's state without the worker's lock
-// (see published): the walk may wait for a write to the table, and the load and pending tokens it reports
+// (see record): the walk may wait for a write to the table, and the load and pending tokens it reports
 // then count the requests Predict recorded meanwhile (a burst's picks
 // queued behind one write would otherwise all see none). It does not
 // allocate once warm, and costs about 25 ns per worker plus 10–20 ns per
@@ -632,7 +628,7 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 			return
 		}
 		k, s := p/MaxWorkers, p%MaxWorkers
-		groups[k].slots[s].match(m, now, &x.cfg)
+		groups[k].match(int(s), m, now, &x.cfg)
 		if ws.g[k].held&(1<<s) != 0 {
 			c := &ws.cnt[k][s]
 			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])

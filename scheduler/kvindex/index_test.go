@@ -953,3 +953,119 @@ func TestRedisTierGoesWithTheWorker(t *testing.T) {
 		t.Errorf("b once it reads Redis: %+v, want 4 Redis blocks", got)
 	}
 }
+
+// A slot's record is its worker's alone: workers removed and added again
+// while they report their load, correction and Info, and while lookups
+// read them, never show another worker's state, nor a state torn between
+// two writes. Worker i reports i+1 in every field.
+func TestRecordsFollowTheirWorkers(t *testing.T) {
+	x := New(Config{})
+	const n = 8
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprint("w", i)
+	}
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for i, name := range names {
+		v := int64(i + 1)
+		l := Load{Running: int(v), Waiting: int(v), WaitingPrefillTokens: v, GPUBlocksUsed: v, GPUBlocksTotal: v,
+			CPUBlocksUsed: v, CPUBlocksTotal: v, Slots: int(v)}
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if x.Apply(name, snapshot(&l)) != nil {
+					continue // removed meanwhile
+				}
+				for seq := uint64(2); seq < 10; seq++ {
+					if x.Apply(name, loadEvent(seq, l)) != nil {
+						break // removed meanwhile
+					}
+				}
+				x.SetInfo(name, Info{BlockTokens: i + 1})
+				x.ObserveTTFT(name, time.Second, time.Duration(v)*time.Second)
+				x.Prefilled(name, 1)
+			}
+		})
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				x.RemoveWorker(name)
+				runtime.Gosched()
+			}
+		})
+	}
+	out := make([]Match, n)
+	for range 10000 {
+		x.Lookup(nil, names, out)
+		for i, m := range out {
+			v := int64(i + 1)
+			l := m.Load
+			switch {
+			case !m.Known:
+			case l != Load{} && (l.Running != int(v) || l.Waiting != int(v) || l.WaitingPrefillTokens != v ||
+				l.GPUBlocksUsed != v || l.GPUBlocksTotal != v || l.CPUBlocksUsed != v || l.CPUBlocksTotal != v || l.Slots != int(v)):
+				t.Fatalf("%s: load %+v, want every field %d or none", names[i], l, v)
+			case m.BlockTokens != defaultBlockTokens && m.BlockTokens != i+1:
+				t.Fatalf("%s: %d tokens a block, want %d or the default", names[i], m.BlockTokens, i+1)
+			case m.Correction != 1 && (m.Correction <= 1 || m.Correction > float64(v)):
+				t.Fatalf("%s: correction %v, want 1 or in (1, %d]", names[i], m.Correction, v)
+			}
+		}
+	}
+	close(stop)
+	wg.Wait()
+}
+
+// A worker removed does not write the record of its slot once another
+// worker took it, as a call that found the worker before the removal
+// would.
+func TestRemovedWorkerKeepsOffItsSlot(t *testing.T) {
+	x := New(Config{})
+	mustApply(t, x, "a", snapshot(&Load{Running: 1}))
+	x.workers.mu.RLock()
+	a := x.workers.get("a")
+	x.workers.mu.RUnlock()
+	x.RemoveWorker("a")
+	mustApply(t, x, "b", snapshot(&Load{Running: 2}))
+	if b := x.workers.get("b"); b.grp != a.grp || b.slot != a.slot {
+		t.Fatalf("b took slot %d, not a's %d", b.slot, a.slot)
+	}
+	x.workers.mu.RLock()
+	a.mu.Lock()
+	a.setLoad(Load{Running: 1}, 0)
+	a.mu.Unlock()
+	x.workers.mu.RUnlock()
+	out := make([]Match, 1)
+	x.Lookup(nil, []string{"b"}, out)
+	if got := out[0].Load.Running; got != 2 {
+		t.Errorf("b after removed a reported its load: running %d, want 2", got)
+	}
+}
+
+// A record takes two cache lines, and a group's records start on a line,
+// so that a lookup reads two lines per worker.
+func TestRecordLayout(t *testing.T) {
+	if got := unsafe.Sizeof(record{}); got != recordSize {
+		t.Errorf("record: %d bytes, want %d", got, recordSize)
+	}
+	x := New(Config{})
+	for i := range 3 * MaxWorkers {
+		if err := x.AddWorker(fmt.Sprint("w", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, g := range x.workers.groups {
+		if a := uintptr(unsafe.Pointer(&g.recs[0])); a%recordSize != 0 {
+			t.Errorf("group %d's records at %#x, not on a %d-byte boundary", g.id, a, recordSize)
+		}
+	}
+}

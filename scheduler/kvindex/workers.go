@@ -14,19 +14,16 @@ import (
 // correction and recent traffic), each worker under its own lock, so that
 // a load report, a prediction's bookkeeping or a first token's correction
 // never waits for the block table nor holds it. What Lookup reads of it is
-// published to atomics besides (see published): a decision over a
-// thousand workers takes none of their locks.
+// published to atomics besides, in its slot's record (see record): a
+// decision over a thousand workers takes none of their locks, and reads
+// the records of a group one after the other.
 
 // worker is one indexed worker. name, grp and slot are fixed; mu guards
-// the fields after it, but pub, correction and the atomics, which are
-// read without it.
+// the fields after it but the atomics.
 type worker struct {
-	// What Lookup reads comes first, in as few cache lines as it takes.
-	name       string
-	grp        *group
-	slot       int                            // in grp
-	correction atomic.Pointer[correctionSums] // set by observe
-	pub        published                      // written under mu
+	name string
+	grp  *group
+	slot int // in grp
 
 	mu          sync.Mutex
 	synced      bool   // a snapshot was applied, and no gap seen since
@@ -38,10 +35,9 @@ type worker struct {
 	cost        Cost
 	hasCost     bool
 	blockTokens int
-	routed      float64 // Match.Routed as of routedAt
-	routedAt    int64   // Unix nanoseconds
-
-	corrMu sync.Mutex // serializes ObserveTTFT's updates
+	routed      float64        // Match.Routed as of routedAt
+	routedAt    int64          // Unix nanoseconds
+	corr        correctionSums // none observed while corr.predicted is 0
 
 	// mayHold is set once the worker may hold a block in the table (an
 	// event or a prediction put it there): until then its snapshot need
@@ -68,25 +64,29 @@ func (w *worker) mayHeld() {
 func (w *worker) learning() bool { return w.isLearned.Load() }
 
 func newWorker(name string, g *group, slot int) *worker {
-	w := &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
-	w.pub.info.Store(&defaultInfo)
-	return w
+	return &worker{name: name, grp: g, slot: slot, cost: DefaultCost, blockTokens: defaultBlockTokens}
 }
 
-// published is the worker state Lookup reads, copied from the fields mu
-// guards whenever they change: a sequence lock, whose writers hold mu and
-// whose readers retry a read that overlapped a write (and, should a
-// writer stall mid-write, wait for mu). Every field is an atomic, so a
-// read never races with a write; the sequence makes the fields it
-// returns those of one moment.
-type published struct {
-	seq                atomic.Uint64 // odd while a write is under way
-	load               [loadFields]atomic.Int64
-	pending, pendingAt atomic.Int64
-	routed             atomic.Uint64 // float64 bits
-	routedAt           atomic.Int64
-	info               atomic.Pointer[workerInfo] // replaced, never changed
+// record is the state Lookup reads of a slot's worker, copied from the
+// fields its mu guards whenever they change: a sequence lock, whose
+// writers hold mu and workers.mu for reading (so that the slot does not
+// change hands under them), and whose readers retry a read that
+// overlapped a write (and, should a writer stall mid-write, wait for mu).
+// Every field is an atomic, so a read never races with a write; the
+// sequence makes the fields it returns those of one moment. A record is
+// two cache lines (recordSize), the records of a group contiguous.
+type record struct {
+	seq                 atomic.Uint64 // odd while a write is under way
+	load                [loadFields]atomic.Int64
+	pending, pendingAt  atomic.Int64
+	routed              atomic.Uint64 // float64 bits
+	routedAt            atomic.Int64
+	achieved, predicted atomic.Uint64 // the correction's sums (float64 bits)
+	correctedAt         atomic.Int64
 }
+
+// recordSize is the size of a record, in bytes.
+const recordSize = 128
 
 // workerInfo is what a worker's Info sets of its state.
 type workerInfo struct {
@@ -126,52 +126,65 @@ func (in *interned) get(v workerInfo) *workerInfo {
 // loadFields is the number of Load's fields.
 const loadFields = 8
 
-// publish copies the state Lookup reads into w.pub. w.mu is held.
+// publish copies the state Lookup reads into the worker's record, if it
+// still holds its slot. w.mu is held, and workers.mu at least for
+// reading.
 func (w *worker) publish() {
-	p := &w.pub
-	p.seq.Add(1)
+	if w.grp.slots[w.slot] != w {
+		return // removed: the slot's record is no longer its
+	}
+	r := &w.grp.recs[w.slot]
+	r.seq.Add(1)
 	l := &w.load
 	for i, v := range [loadFields]int64{int64(l.Running), int64(l.Waiting), l.WaitingPrefillTokens,
 		l.GPUBlocksUsed, l.GPUBlocksTotal, l.CPUBlocksUsed, l.CPUBlocksTotal, int64(l.Slots)} {
-		p.load[i].Store(v)
+		r.load[i].Store(v)
 	}
-	p.pending.Store(w.pending)
-	p.pendingAt.Store(w.pendingAt)
-	p.routed.Store(math.Float64bits(w.routed))
-	p.routedAt.Store(w.routedAt)
-	p.seq.Add(1)
+	r.pending.Store(w.pending)
+	r.pendingAt.Store(w.pendingAt)
+	r.routed.Store(math.Float64bits(w.routed))
+	r.routedAt.Store(w.routedAt)
+	r.achieved.Store(math.Float64bits(w.corr.achieved))
+	r.predicted.Store(math.Float64bits(w.corr.predicted))
+	r.correctedAt.Store(w.corr.at)
+	r.seq.Add(1)
 }
 
-// state is one consistent read of w.pub.
+// state is one consistent read of a record.
 type state struct {
 	load                         Load
 	pending, pendingAt, routedAt int64
 	routed                       float64
+	corr                         correctionSums
 }
 
-// read returns w.pub's state, without w.mu unless a write stalls.
-func (w *worker) read(s *state) {
-	p := &w.pub
+// read returns the state of slot s's record, without its worker's mu
+// unless a write stalls. workers.mu is held.
+func (g *group) read(s int, st *state) {
+	r := &g.recs[s]
 	for range 4 {
-		seq := p.seq.Load()
+		seq := r.seq.Load()
 		if seq&1 != 0 {
 			continue
 		}
-		s.load = Load{
-			Running: int(p.load[0].Load()), Waiting: int(p.load[1].Load()), WaitingPrefillTokens: p.load[2].Load(),
-			GPUBlocksUsed: p.load[3].Load(), GPUBlocksTotal: p.load[4].Load(),
-			CPUBlocksUsed: p.load[5].Load(), CPUBlocksTotal: p.load[6].Load(), Slots: int(p.load[7].Load()),
+		st.load = Load{
+			Running: int(r.load[0].Load()), Waiting: int(r.load[1].Load()), WaitingPrefillTokens: r.load[2].Load(),
+			GPUBlocksUsed: r.load[3].Load(), GPUBlocksTotal: r.load[4].Load(),
+			CPUBlocksUsed: r.load[5].Load(), CPUBlocksTotal: r.load[6].Load(), Slots: int(r.load[7].Load()),
 		}
-		s.pending, s.pendingAt = p.pending.Load(), p.pendingAt.Load()
-		s.routed, s.routedAt = math.Float64frombits(p.routed.Load()), p.routedAt.Load()
-		if p.seq.Load() == seq {
+		st.pending, st.pendingAt = r.pending.Load(), r.pendingAt.Load()
+		st.routed, st.routedAt = math.Float64frombits(r.routed.Load()), r.routedAt.Load()
+		st.corr = correctionSums{achieved: math.Float64frombits(r.achieved.Load()),
+			predicted: math.Float64frombits(r.predicted.Load()), at: r.correctedAt.Load()}
+		if r.seq.Load() == seq {
 			return
 		}
 	}
 	// A writer holds mu mid-write (descheduled, or writing again and
 	// again): read under it.
+	w := g.slots[s]
 	w.mu.Lock()
-	*s = state{load: w.load, pending: w.pending, pendingAt: w.pendingAt, routed: w.routed, routedAt: w.routedAt}
+	*st = state{load: w.load, pending: w.pending, pendingAt: w.pendingAt, routed: w.routed, routedAt: w.routedAt, corr: w.corr}
 	w.mu.Unlock()
 }
 
@@ -207,10 +220,10 @@ func (w *worker) setInfo(info Info, in *interned, ws *workers) {
 	if info.BlockTokens > 0 {
 		w.blockTokens = info.BlockTokens
 	}
-	w.pub.info.Store(in.get(workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens}))
 	if !ws.owns(w) {
 		return
 	}
+	w.grp.infos[w.slot].Store(in.get(workerInfo{cost: w.cost, hasCost: w.hasCost, blockTokens: w.blockTokens}))
 	if info.RedisTier {
 		w.grp.redis.Or(w.bit())
 	} else {
@@ -218,7 +231,8 @@ func (w *worker) setInfo(info Info, in *interned, ws *workers) {
 	}
 }
 
-// setLoad records a load report at now. w.mu is held.
+// setLoad records a load report at now. w.mu is held, and workers.mu
+// for reading.
 func (w *worker) setLoad(l Load, now int64) {
 	w.load = l
 	// The report counts what was routed to the worker before it; the
@@ -230,7 +244,8 @@ func (w *worker) setLoad(l Load, now int64) {
 
 // predicted counts a routed request whose prefill adds blocks new blocks
 // to the worker's pending tokens and its Routed. It returns the pending
-// tokens' generation, for held.
+// tokens' generation, for held. Like every method that publishes, it is
+// called with workers.mu held for reading.
 func (w *worker) predicted(blocks int64, now int64, cfg *Config) (gen uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -271,7 +286,8 @@ func (w *worker) held(blocks int64, gen uint64) {
 	}
 }
 
-// prefilled takes tokens off the worker's pending tokens.
+// prefilled takes tokens off the worker's pending tokens. workers.mu is
+// held for reading.
 func (w *worker) prefilled(tokens int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -279,45 +295,44 @@ func (w *worker) prefilled(tokens int) {
 	w.publish()
 }
 
-// match fills m with the worker's state at now (all but the block
-// counts), without its lock.
-func (w *worker) match(m *Match, now int64, cfg *Config) {
-	var s state
-	w.read(&s)
-	info := w.pub.info.Load()
+// match fills m with the state at now of slot s's worker (all but the
+// block counts), from its record, without its lock. workers.mu is held.
+func (g *group) match(s int, m *Match, now int64, cfg *Config) {
+	var st state
+	g.read(s, &st)
+	info := g.infos[s].Load()
 	m.Known, m.GPU, m.CPU, m.Redis = true, 0, 0, 0
-	m.Load, m.PendingTokens = s.load, 0
-	if now-s.pendingAt < int64(cfg.PredictTTL) {
-		m.PendingTokens = s.pending
+	m.Load, m.PendingTokens = st.load, 0
+	if now-st.pendingAt < int64(cfg.PredictTTL) {
+		m.PendingTokens = st.pending
 	}
 	m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
 	m.Correction, m.Routed = 1, 0
-	if c := w.correction.Load(); c != nil {
-		m.Correction = c.factor(now)
+	if st.corr.predicted != 0 {
+		m.Correction = st.corr.factor(now)
 	}
-	if s.routed != 0 {
-		m.Routed = s.routed * decay(s.routedAt, now, cfg.RoutedHalfLife)
+	if st.routed != 0 {
+		m.Routed = st.routed * decay(st.routedAt, now, cfg.RoutedHalfLife)
 	}
 }
 
 // observe feeds the correction factor with one request's predicted and
-// achieved seconds (see Index.ObserveTTFT).
+// achieved seconds (see Index.ObserveTTFT). workers.mu is held for
+// reading.
 func (w *worker) observe(p, a float64, now int64) {
 	w.mu.Lock()
-	step := w.cost.DecodeStepSeconds
-	w.mu.Unlock()
-	if p < minObservedSteps*step {
+	defer w.mu.Unlock()
+	if p < minObservedSteps*w.cost.DecodeStepSeconds {
 		return
 	}
-	w.corrMu.Lock()
-	defer w.corrMu.Unlock()
-	next := &correctionSums{achieved: a, predicted: p, at: now}
-	if old := w.correction.Load(); old != nil {
+	next := correctionSums{achieved: a, predicted: p, at: now}
+	if old := w.corr; old.predicted != 0 {
 		f := decay(old.at, now, correctionHalfLife)
 		next.achieved += old.achieved * f
 		next.predicted += old.predicted * f
 	}
-	w.correction.Store(next)
+	w.corr = next
+	w.publish()
 }
 
 // group is MaxWorkers worker slots, whose workers' bits make up one
@@ -327,12 +342,14 @@ func (w *worker) observe(p, a float64, now int64) {
 // so that a lookup over many workers reads a few contiguous bytes of each
 // rather than the scattered workers.
 type group struct {
-	id    int                 // in workers.groups
-	slots [MaxWorkers]*worker // guarded by workers.mu
-	names [MaxWorkers]string  // the slots' workers' names, which lookups read; guarded by workers.mu
-	n     int                 // slots in use; guarded by workers.mu
-	used  uint64              // their bits (but retired workers'); guarded by workers.mu
-	redis atomic.Uint64       // the bits of the workers that read the Redis tier (Info.RedisTier)
+	recs  *[MaxWorkers]record                    // the slots' records
+	infos [MaxWorkers]atomic.Pointer[workerInfo] // the slots' workers' Info, each replaced, never changed
+	id    int                                    // in workers.groups
+	slots [MaxWorkers]*worker                    // guarded by workers.mu
+	names [MaxWorkers]string                     // the slots' workers' names, which lookups read; guarded by workers.mu
+	n     int                                    // slots in use; guarded by workers.mu
+	used  uint64                                 // their bits (but retired workers'); guarded by workers.mu
+	redis atomic.Uint64                          // the bits of the workers that read the Redis tier (Info.RedisTier)
 }
 
 // place is a worker's slot among every group's: the group's id times
@@ -381,7 +398,9 @@ const maxGroups = MaxTracked / MaxWorkers
 
 // newGroup adds an empty group. ws.mu is held for writing.
 func (ws *workers) newGroup() *group {
-	g := &group{id: len(ws.groups)}
+	// A block of 8 KiB, as the records are, is a page of the allocator's,
+	// so that the records do not straddle cache lines.
+	g := &group{recs: new([MaxWorkers]record), id: len(ws.groups)}
 	ws.groups = append(ws.groups, g)
 	return g
 }
@@ -393,53 +412,83 @@ func (ws *workers) get(name string) *worker { return ws.byName[name] }
 // held.
 func (ws *workers) owns(w *worker) bool { return w.grp.slots[w.slot] == w }
 
-// hintLine returns the hints a name whose bytes are at addr may take,
-// and the one it takes first.
-func (ws *workers) hintLine(addr uint64) (line []atomic.Uint64, first int) {
-	i := int((addr * hintMix) >> (64 - hintBits))
-	return ws.hints[i&^(hintWays-1):][:hintWays], i & (hintWays - 1)
+// hintAt returns the index of the hint a name whose bytes are at addr
+// takes first; it may take the others of its line (hintWays).
+func hintAt(addr uint64) int { return int((addr * hintMix) >> (64 - hintBits)) }
+
+// hintAddrOf returns the address bits of name's bytes a hint keeps.
+func hintAddrOf(name string) uint64 {
+	return uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) & hintAddr
 }
 
 // hint returns the place last found under name's bytes, which may not
-// be name's worker's (see check), or noPlace. ws.mu is held.
+// be name's worker's (see check), or noPlace: the first hint of name's
+// line, which is nearly always name's, so that a loop of hints reads one
+// each, their misses overlapping; check reads the rest of the line if
+// need be. ws.mu is held.
 func (ws *workers) hint(name string) place {
-	addr := uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) & hintAddr
-	line, _ := ws.hintLine(addr)
-	for k := range line {
-		if h := line[k].Load(); h>>16 == addr && h&hintSet != 0 {
-			return place(h & (hintSet - 1))
-		}
+	addr := hintAddrOf(name)
+	if h := ws.hints[hintAt(addr)].Load(); h&^(hintSet-1) == addr<<16|hintSet {
+		return place(h & (hintSet - 1))
 	}
 	return noPlace
 }
 
-// check returns p if name's worker holds it, else the place of name's
-// worker from the map (noPlace if untracked), which becomes name's hint.
-// It reads the group's arrays, not the worker. ws.mu is held.
+// lineOf returns the indexes of the hints of the i-th's line, the i-th
+// first.
+func lineOf(i int) (line [hintWays]int) {
+	for k := range line {
+		line[k] = i&^(hintWays-1) | (i+k)&(hintWays-1)
+	}
+	return line
+}
+
+// holds reports whether name's worker holds place p. It reads the
+// group's arrays, not the worker. ws.mu is held.
+func (ws *workers) holds(p place, name string) bool {
+	if p == noPlace {
+		return false
+	}
+	g, s := ws.groups[p/MaxWorkers], p%MaxWorkers
+	return g.used&(1<<s) != 0 && g.names[s] == name
+}
+
+// check returns p if name's worker holds it, else the place the other
+// hints of name's line give it, else the place of name's worker from the
+// map (noPlace if untracked), which becomes name's hint. ws.mu is held.
 func (ws *workers) check(p place, name string) place {
-	if p != noPlace {
-		g, s := ws.groups[p/MaxWorkers], p%MaxWorkers
-		if g.used&(1<<s) != 0 && g.names[s] == name {
-			return p
+	if ws.holds(p, name) {
+		return p
+	}
+	return ws.lookup(name)
+}
+
+// lookup is check when name's first hint is not its worker's.
+func (ws *workers) lookup(name string) place {
+	addr := hintAddrOf(name)
+	line := lineOf(hintAt(addr))
+	for _, j := range line[1:] {
+		if h := ws.hints[j].Load(); h&^(hintSet-1) == addr<<16|hintSet {
+			if p := place(h & (hintSet - 1)); ws.holds(p, name) {
+				return p
+			}
 		}
 	}
 	w := ws.byName[name]
 	if w == nil {
 		return noPlace
 	}
-	p = w.at()
-	addr := uint64(uintptr(unsafe.Pointer(unsafe.StringData(name)))) & hintAddr
-	line, k := ws.hintLine(addr)
-	// The hint with name's address if any, else a free one, else k.
-	for j := range line {
-		if h := line[j].Load(); h>>16 == addr || h == 0 {
+	p := w.at()
+	// The first of the line's hints that is free or has name's address,
+	// else the one name takes first.
+	k := line[0]
+	for _, j := range line {
+		if h := ws.hints[j].Load(); h == 0 || h>>16 == addr {
 			k = j
-			if h != 0 {
-				break
-			}
+			break
 		}
 	}
-	line[k].Store(addr<<16 | hintSet | uint64(p))
+	ws.hints[k].Store(addr<<16 | hintSet | uint64(p))
 	return p
 }
 
@@ -469,6 +518,8 @@ func (ws *workers) add(name string) (*worker, error) {
 			g.n++
 			g.used |= w.bit()
 			g.redis.And(^w.bit())
+			g.infos[i].Store(&defaultInfo)
+			w.publish()
 			ws.byName[name] = w
 			ws.n++
 			return w, nil
