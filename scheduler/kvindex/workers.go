@@ -150,42 +150,35 @@ func (w *worker) publish() {
 	r.seq.Add(1)
 }
 
-// state is one consistent read of a record.
-type state struct {
-	load                         Load
-	pending, pendingAt, routedAt int64
-	routed                       float64
-	corr                         correctionSums
-}
-
-// read returns the state of slot s's record, without its worker's mu
-// unless a write stalls. workers.mu is held.
-func (g *group) read(s int, st *state) {
+// read returns the state of slot s's record, its load into l, without
+// its worker's mu unless a write stalls. It writes the load field by
+// field, as it loads them: a decision reads a record per worker.
+// workers.mu is held.
+func (g *group) read(s int, l *Load) (pending, pendingAt int64, routed float64, routedAt int64, corr correctionSums) {
 	r := &g.recs[s]
 	for range 4 {
 		seq := r.seq.Load()
 		if seq&1 != 0 {
 			continue
 		}
-		st.load = Load{
-			Running: int(r.load[0].Load()), Waiting: int(r.load[1].Load()), WaitingPrefillTokens: r.load[2].Load(),
-			GPUBlocksUsed: r.load[3].Load(), GPUBlocksTotal: r.load[4].Load(),
-			CPUBlocksUsed: r.load[5].Load(), CPUBlocksTotal: r.load[6].Load(), Slots: int(r.load[7].Load()),
-		}
-		st.pending, st.pendingAt = r.pending.Load(), r.pendingAt.Load()
-		st.routed, st.routedAt = math.Float64frombits(r.routed.Load()), r.routedAt.Load()
-		st.corr = correctionSums{achieved: math.Float64frombits(r.achieved.Load()),
+		l.Running, l.Waiting, l.WaitingPrefillTokens = int(r.load[0].Load()), int(r.load[1].Load()), r.load[2].Load()
+		l.GPUBlocksUsed, l.GPUBlocksTotal = r.load[3].Load(), r.load[4].Load()
+		l.CPUBlocksUsed, l.CPUBlocksTotal, l.Slots = r.load[5].Load(), r.load[6].Load(), int(r.load[7].Load())
+		pending, pendingAt = r.pending.Load(), r.pendingAt.Load()
+		routed, routedAt = math.Float64frombits(r.routed.Load()), r.routedAt.Load()
+		corr = correctionSums{achieved: math.Float64frombits(r.achieved.Load()),
 			predicted: math.Float64frombits(r.predicted.Load()), at: r.correctedAt.Load()}
 		if r.seq.Load() == seq {
-			return
+			return pending, pendingAt, routed, routedAt, corr
 		}
 	}
 	// A writer holds mu mid-write (descheduled, or writing again and
 	// again): read under it.
 	w := g.slots[s]
 	w.mu.Lock()
-	*st = state{load: w.load, pending: w.pending, pendingAt: w.pendingAt, routed: w.routed, routedAt: w.routedAt, corr: w.corr}
-	w.mu.Unlock()
+	defer w.mu.Unlock()
+	*l = w.load
+	return w.pending, w.pendingAt, w.routed, w.routedAt, w.corr
 }
 
 // bit is the worker's bit in its group's holder masks.
@@ -298,21 +291,20 @@ func (w *worker) prefilled(tokens int) {
 // match fills m with the state at now of slot s's worker (all but the
 // block counts), from its record, without its lock. workers.mu is held.
 func (g *group) match(s int, m *Match, now int64, cfg *Config) {
-	var st state
-	g.read(s, &st)
+	pending, pendingAt, routed, routedAt, corr := g.read(s, &m.Load)
 	info := g.infos[s].Load()
 	m.Known, m.GPU, m.CPU, m.Redis = true, 0, 0, 0
-	m.Load, m.PendingTokens = st.load, 0
-	if now-st.pendingAt < int64(cfg.PredictTTL) {
-		m.PendingTokens = st.pending
+	m.PendingTokens = 0
+	if now-pendingAt < int64(cfg.PredictTTL) {
+		m.PendingTokens = pending
 	}
 	m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
 	m.Correction, m.Routed = 1, 0
-	if st.corr.predicted != 0 {
-		m.Correction = st.corr.factor(now)
+	if corr.predicted != 0 {
+		m.Correction = corr.factor(now)
 	}
-	if st.routed != 0 {
-		m.Routed = st.routed * decay(st.routedAt, now, cfg.RoutedHalfLife)
+	if routed != 0 {
+		m.Routed = routed * decay(routedAt, now, cfg.RoutedHalfLife)
 	}
 }
 
