@@ -34,7 +34,24 @@ type Snapshot struct {
 	// depends on membership only, so health and breaker changes do not
 	// move keys.
 	Ring *ring.Ring
+
+	// names and statuses are Workers' names and statuses, which the
+	// methods by position read without reading the Workers.
+	names    []string
+	statuses []*status
 }
+
+// Name returns Workers[i].Name.
+func (s *Snapshot) Name(i int) string { return s.names[i] }
+
+// Available returns Workers[i].Available().
+func (s *Snapshot) Available(i int) bool { return s.statuses[i].available() }
+
+// InFlight returns Workers[i].InFlight().
+func (s *Snapshot) InFlight(i int) int { return int(s.statuses[i].inFlight.Load()) }
+
+// Serves returns Workers[i].Serves(model).
+func (s *Snapshot) Serves(i int, model string) bool { return s.statuses[i].serves(model) }
 
 // Worker returns the worker named name, or nil.
 func (s *Snapshot) Worker(name string) *Worker {
@@ -82,6 +99,7 @@ type Pool struct {
 
 	mu      sync.Mutex // serializes membership changes
 	workers map[string]*Worker
+	slab    statusSlab // guarded by mu
 	snap    atomic.Pointer[Snapshot]
 
 	checkMu   sync.Mutex // serializes health rounds
@@ -213,6 +231,18 @@ func (p *Pool) adopt(w *Worker) error {
 		return nil
 	}
 	w.pool = p
+	// The worker's status moves to the pool's slab, its models set, so
+	// that the snapshots' methods by position read the slab alone.
+	s, own := p.slab.next(), &w.own
+	s.inFlight.Store(own.inFlight.Load())
+	s.openUntil.Store(own.openUntil.Load())
+	s.state.Store(own.state.Load())
+	models := w.Models
+	if m := own.models.Load(); m != nil {
+		models = *m
+	}
+	s.setModels(models)
+	w.st.Store(s)
 	w.drained = make(chan struct{})
 	timeout := p.cfg.BreakerOpenTimeout
 	failures := p.cfg.BreakerFailures
@@ -228,7 +258,7 @@ func (p *Pool) adopt(w *Worker) error {
 			w.onBreakerChange(from, to, timeout)
 		},
 	})
-	w.healthy.Store(true)
+	w.status().healthy.Store(true)
 	return nil
 }
 
@@ -240,10 +270,11 @@ func (p *Pool) publish() {
 	}
 	slices.SortFunc(ws, func(a, b *Worker) int { return cmp.Compare(a.Name, b.Name) })
 	names := make([]string, len(ws))
+	statuses := make([]*status, len(ws))
 	for i, w := range ws {
-		names[i] = w.Name
+		names[i], statuses[i] = w.Name, w.status()
 	}
-	p.snap.Store(&Snapshot{Workers: ws, Ring: ring.New(names, p.cfg.VirtualNodes)})
+	p.snap.Store(&Snapshot{Workers: ws, Ring: ring.New(names, p.cfg.VirtualNodes), names: names, statuses: statuses})
 }
 
 // healthLoop runs a round of checks every HealthInterval until Close.
@@ -340,7 +371,7 @@ func (p *Pool) describe(ctx context.Context, w *Worker) {
 }
 
 func (p *Pool) setHealthy(w *Worker, healthy bool) {
-	if w.healthy.Swap(healthy) == healthy {
+	if w.status().healthy.Swap(healthy) == healthy {
 		return
 	}
 	if p.onHealthChange != nil {

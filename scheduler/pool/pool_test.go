@@ -10,6 +10,7 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+	"unsafe"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/sony/gobreaker/v2"
@@ -722,6 +723,96 @@ func TestRemoveRacesAcquire(t *testing.T) {
 		}
 		if got := w.InFlight(); got != 0 {
 			t.Fatalf("InFlight() = %d after every call ended", got)
+		}
+	}
+}
+
+// A snapshot's methods by position read each worker's own status, as the
+// Worker's methods do, whatever changes: calls in flight, health, an
+// open breaker, models; and the statuses of a worker added, removed or
+// replaced follow it into later snapshots.
+func TestSnapshotByPosition(t *testing.T) {
+	p := newPool(t, Config{BreakerFailures: 1, BreakerOpenTimeout: time.Hour, UnhealthyAfter: 1})
+	ws := make([]*Worker, 5)
+	for i := range ws {
+		ws[i] = newWorker(fmt.Sprint("w", i))
+	}
+	ws[2].Models = []string{"m"}
+	if err := p.Set(ws); err != nil {
+		t.Fatal(err)
+	}
+	check := func(step string) {
+		t.Helper()
+		s := p.Snapshot()
+		for i, w := range s.Workers {
+			if got, want := s.Name(i), w.Name; got != want {
+				t.Errorf("%s: Name(%d) = %s, want %s", step, i, got, want)
+			}
+			if got, want := s.Available(i), w.Available(); got != want {
+				t.Errorf("%s: Available(%d) = %v, %s's %v", step, i, got, w.Name, want)
+			}
+			if got, want := s.InFlight(i), w.InFlight(); got != want {
+				t.Errorf("%s: InFlight(%d) = %d, %s's %d", step, i, got, w.Name, want)
+			}
+			for _, m := range []string{"m", "other"} {
+				if got, want := s.Serves(i, m), w.Serves(m); got != want {
+					t.Errorf("%s: Serves(%d, %s) = %v, %s's %v", step, i, m, got, w.Name, want)
+				}
+			}
+		}
+	}
+	check("joined")
+	done := make([]func(error), 0, 3)
+	for range 3 {
+		d, err := ws[1].Acquire()
+		if err != nil {
+			t.Fatal(err)
+		}
+		done = append(done, d)
+	}
+	d, err := ws[3].Acquire()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d(errors.New("worker fault")) // opens w3's breaker
+	ws[4].Client.(*fakeClient).setCheckErr(errors.New("down"))
+	p.CheckNow(context.Background())
+	ws[0].SetModels([]string{"other"})
+	check("changed")
+	if p.Snapshot().Available(3) || p.Snapshot().Available(4) || p.Snapshot().InFlight(1) != 3 {
+		t.Fatal("the changes did not show")
+	}
+	for _, d := range done {
+		d(nil)
+	}
+	p.Remove("w1")
+	if err := p.Add(newWorker("w1")); err != nil { // a new w1, none in flight
+		t.Fatal(err)
+	}
+	if err := p.Add(newWorker("a")); err != nil { // before every other
+		t.Fatal(err)
+	}
+	check("membership changed")
+}
+
+// The statuses of the workers a pool adopts sit side by side, a page's
+// worth to a chunk.
+func TestStatusesSideBySide(t *testing.T) {
+	if got := int(unsafe.Sizeof(status{})); got*statusChunk > 4096 || (got+1)*statusChunk <= 4096 {
+		t.Errorf("status: %d bytes, %d to a chunk of 4096", got, statusChunk)
+	}
+	p := newPool(t, Config{})
+	ws := make([]*Worker, 10)
+	for i := range ws {
+		ws[i] = newWorker(fmt.Sprint("w", i))
+	}
+	if err := p.Set(ws); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1; i < len(ws); i++ {
+		a, b := uintptr(unsafe.Pointer(ws[i-1].status())), uintptr(unsafe.Pointer(ws[i].status()))
+		if b-a != unsafe.Sizeof(status{}) {
+			t.Errorf("%s's status at %#x, %s's at %#x: not side by side", ws[i-1].Name, a, ws[i].Name, b)
 		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/sony/gobreaker/v2"
 
@@ -50,16 +51,12 @@ type Worker struct {
 	// then evicts the least recently used. 0: it loads none onto it.
 	MaxLoRAs int
 
-	pool     *Pool // set once by Pool.Add or Pool.Set
-	models   atomic.Pointer[[]string]
-	breaker  *gobreaker.TwoStepCircuitBreaker[struct{}]
-	inFlight atomic.Int64
-	healthy  atomic.Bool
-	// state mirrors the breaker's state, so Available reads atomics only;
-	// openUntil is when an open breaker turns half-open, in Unix
-	// nanoseconds (the breaker only changes state when next asked).
-	state     atomic.Int32
-	openUntil atomic.Int64
+	pool    *Pool // set once by Pool.Add or Pool.Set
+	breaker *gobreaker.TwoStepCircuitBreaker[struct{}]
+	// st is the worker's status in its pool's slab once it joined one
+	// (see status), own until then.
+	st  atomic.Pointer[status]
+	own status
 	// failedChecks counts consecutive failed health checks, and described
 	// is the engine's latest description; only the pool's health round,
 	// which is serialized, touches them.
@@ -79,6 +76,79 @@ type Worker struct {
 	lora adapters // the LoRA adapters it holds (adapters.go)
 }
 
+// status is what a decision reads of a worker: its health, breaker
+// state, calls in flight and models. A pool keeps its workers' statuses
+// side by side in a slab (statusSlab), which its snapshots point into,
+// so that a decision over many workers reads a few pages of them rather
+// than a Worker each, scattered over the heap.
+type status struct {
+	inFlight atomic.Int64
+	// openUntil is when an open breaker turns half-open, in Unix
+	// nanoseconds (the breaker only changes state when next asked).
+	openUntil atomic.Int64
+	models    atomic.Pointer[[]string]
+	// state mirrors the breaker's state, so Available reads atomics only.
+	state    atomic.Int32
+	healthy  atomic.Bool
+	anyModel atomic.Bool // models is set and empty
+}
+
+// status returns the worker's status.
+func (w *Worker) status() *status {
+	if s := w.st.Load(); s != nil {
+		return s
+	}
+	return &w.own
+}
+
+// available is Worker.Available.
+func (s *status) available() bool {
+	if !s.healthy.Load() {
+		return false
+	}
+	if gobreaker.State(s.state.Load()) != gobreaker.StateOpen {
+		return true
+	}
+	return time.Now().UnixNano() >= s.openUntil.Load()
+}
+
+// serves is Worker.Serves, for a worker whose models are set (one in a
+// pool). A worker that serves any model is answered without loading its
+// list, which sits elsewhere.
+func (s *status) serves(model string) bool {
+	if s.anyModel.Load() {
+		return true
+	}
+	m := *s.models.Load()
+	return len(m) == 0 || slices.Contains(m, model)
+}
+
+// setModels sets the models the worker serves. The list is stored before
+// anyModel, which serves loads before it: a serves concurrent with a
+// change answers as of the list before it or after it.
+func (s *status) setModels(models []string) {
+	s.models.Store(&models)
+	s.anyModel.Store(len(models) == 0)
+}
+
+// statusSlab hands out statuses from chunks of a page, side by side.
+// A chunk lives for as long as a worker holds one of its statuses.
+type statusSlab struct {
+	chunk []status
+}
+
+// statusChunk is the statuses of one chunk: a page of 4 KiB.
+const statusChunk = 4096 / int(unsafe.Sizeof(status{}))
+
+func (sl *statusSlab) next() *status {
+	if len(sl.chunk) == 0 {
+		sl.chunk = make([]status, statusChunk)
+	}
+	s := &sl.chunk[0]
+	sl.chunk = sl.chunk[1:]
+	return s
+}
+
 // Successor returns a new Worker over w's engine, for another pool: the
 // same name, address, client and models, and what w knows of the LoRA
 // adapters the engine holds (which, loaded when, its slots, their load
@@ -92,7 +162,7 @@ func (w *Worker) Successor() *Worker {
 // ServedModels returns the models the worker serves; empty means any. The
 // slice must not be modified.
 func (w *Worker) ServedModels() []string {
-	if m := w.models.Load(); m != nil {
+	if m := w.status().models.Load(); m != nil {
 		return *m
 	}
 	return w.Models
@@ -101,12 +171,11 @@ func (w *Worker) ServedModels() []string {
 // SetModels replaces the models the worker serves (empty: any), as its
 // engine reports them. It is safe for concurrent use.
 func (w *Worker) SetModels(models []string) {
-	models = slices.Clone(models)
-	w.models.Store(&models)
+	w.status().setModels(slices.Clone(models))
 }
 
 // InFlight returns the number of calls acquired and not yet done.
-func (w *Worker) InFlight() int { return int(w.inFlight.Load()) }
+func (w *Worker) InFlight() int { return int(w.status().inFlight.Load()) }
 
 // Answered records that the worker answered a call just now: a token or
 // a whole response reached the scheduler. A health check that times out
@@ -115,7 +184,7 @@ func (w *Worker) Answered() { w.answered.Store(time.Now().UnixNano()) }
 
 // Healthy reports whether the worker passed its latest health checks. A
 // worker starts healthy, so a new pool routes at once.
-func (w *Worker) Healthy() bool { return w.healthy.Load() }
+func (w *Worker) Healthy() bool { return w.status().healthy.Load() }
 
 // BreakerState returns the state of the worker's breaker. It moves an open
 // breaker whose timeout has passed to half-open, so it must not be called
@@ -137,15 +206,7 @@ func (w *Worker) Serves(model string) bool {
 // breaker closed or half-open (an open breaker past its timeout counts as
 // half-open). It reads atomics only and does not allocate. Whether the
 // worker is too busy is a strategy's concern.
-func (w *Worker) Available() bool {
-	if !w.healthy.Load() {
-		return false
-	}
-	if gobreaker.State(w.state.Load()) != gobreaker.StateOpen {
-		return true
-	}
-	return time.Now().UnixNano() >= w.openUntil.Load()
-}
+func (w *Worker) Available() bool { return w.status().available() }
 
 // Acquire asks the worker's breaker for a call and counts it in flight. On
 // success the caller must call done exactly once when the call ends (for a
@@ -173,7 +234,7 @@ func (w *Worker) Acquire() (done func(err error), err error) {
 	}
 	// Counted before removed is read again, and retire sets removed before
 	// it reads the count: a call either sees removed or is seen by Drained.
-	w.inFlight.Add(1)
+	w.status().inFlight.Add(1)
 	if w.removed.Load() {
 		w.release()
 		report(nil)
@@ -194,7 +255,7 @@ func (w *Worker) Acquire() (done func(err error), err error) {
 
 // release ends a call in flight.
 func (w *Worker) release() {
-	if w.inFlight.Add(-1) == 0 && w.removed.Load() {
+	if w.status().inFlight.Add(-1) == 0 && w.removed.Load() {
 		w.drainedOnce.Do(func() { close(w.drained) })
 	}
 }
@@ -202,7 +263,7 @@ func (w *Worker) release() {
 // retire marks the worker as removed from its pool. p.mu is held.
 func (w *Worker) retire() {
 	w.removed.Store(true)
-	if w.inFlight.Load() == 0 {
+	if w.status().inFlight.Load() == 0 {
 		w.drainedOnce.Do(func() { close(w.drained) })
 	}
 }
@@ -219,9 +280,9 @@ func (w *Worker) Drained() <-chan struct{} { return w.drained }
 // it with its lock held.
 func (w *Worker) onBreakerChange(from, to gobreaker.State, timeout time.Duration) {
 	if to == gobreaker.StateOpen {
-		w.openUntil.Store(time.Now().Add(timeout).UnixNano())
+		w.status().openUntil.Store(time.Now().Add(timeout).UnixNano())
 	}
-	w.state.Store(int32(to))
+	w.status().state.Store(int32(to))
 	if h := w.pool.onBreakerChange; h != nil {
 		h(w.Name, from, to)
 	}

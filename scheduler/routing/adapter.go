@@ -17,6 +17,10 @@ func (f adapterFilter) Keep(req *Request, w *pool.Worker) bool {
 		f.load && req.LoadAdapter && w.AdapterSlots() > 0 && w.CanTakeAdapter(req.Adapter)
 }
 
+func (f adapterFilter) keepAt(req *Request, s *pool.Snapshot, i int) bool {
+	return req.Adapter == "" || f.Keep(req, s.Workers[i])
+}
+
 // adapterOptions are the adapter filter's options in a profile.
 type adapterOptions struct {
 	// Load also keeps, for a request that may load its adapter
@@ -32,4 +36,7 @@ func newAdapterFilter(o adapterOptions, _ Params, _ Deps) (Filter, error) {
 // adapterPart is the adapter filter a profile that lists none gets.
 var adapterPart = newPart(newAdapterFilter)
 
-var _ Filter = adapterFilter{}
+var (
+	_ Filter   = adapterFilter{}
+	_ filterAt = adapterFilter{}
+)

@@ -193,11 +193,11 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	// One visit of every candidate: the index walks the prompt once per
 	// block table, and no array of matches is written.
 	names := c.sc.lookupNames(len(cands))
-	for i, w := range cands {
-		names[i] = w.Name
+	for i, j := range c.Index {
+		names[i] = c.Snap.Name(j)
 	}
 	p := &c.sc.kv
-	*p = kvPass{req: req, cands: cands, es: es, cached: cached, seconds: seconds, least: math.Inf(1)}
+	*p = kvPass{req: req, snap: c.Snap, cands: cands, index: c.Index, es: es, cached: cached, seconds: seconds, least: math.Inf(1)}
 	s.idx.Visit(req.Keys, names, p)
 	routed, top, second, known, least := p.routed, p.top, p.second, p.known, p.least
 	*p = kvPass{}
@@ -345,7 +345,9 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 // candidate's estimate, and what the choice needs of them all.
 type kvPass struct {
 	req     *Request
+	snap    *pool.Snapshot
 	cands   []*pool.Worker
+	index   []int // the candidates' positions in snap
 	es      []candidate
 	cached  []int
 	seconds []float64
@@ -358,7 +360,7 @@ type kvPass struct {
 
 func (p *kvPass) VisitMatch(i int, m *kvindex.Match) {
 	w := p.cands[i]
-	e := estimate(m, p.req, w.InFlight(), adapterLoadSeconds(w, p.req, &m.Cost))
+	e := estimate(m, p.req, p.snap.InFlight(p.index[i]), adapterLoadSeconds(w, p.req, &m.Cost))
 	e.i = i
 	e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
 	p.es[i] = e

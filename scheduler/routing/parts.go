@@ -14,12 +14,18 @@ type availableFilter struct{}
 
 func (availableFilter) Name() string                         { return "available" }
 func (availableFilter) Keep(_ *Request, w *pool.Worker) bool { return w.Available() }
+func (availableFilter) keepAt(_ *Request, s *pool.Snapshot, i int) bool {
+	return s.Available(i)
+}
 
 // modelFilter keeps workers that serve the request's model.
 type modelFilter struct{}
 
 func (modelFilter) Name() string                           { return "model" }
 func (modelFilter) Keep(req *Request, w *pool.Worker) bool { return w.Serves(req.Model) }
+func (modelFilter) keepAt(req *Request, s *pool.Snapshot, i int) bool {
+	return s.Serves(i, req.Model)
+}
 
 // defaultFilters are every profile's unless it says otherwise.
 var defaultFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{}}
@@ -157,6 +163,8 @@ func (p roundRobinPicker) Pick(c *Cycle, _ []float64) int {
 var (
 	_ Filter   = availableFilter{}
 	_ Filter   = modelFilter{}
+	_ filterAt = availableFilter{}
+	_ filterAt = modelFilter{}
 	_ Scorer   = loadScorer{}
 	_ Scorer   = prefixScorer{}
 	_ Reasoner = prefixScorer{}

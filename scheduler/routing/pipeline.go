@@ -22,6 +22,14 @@ type Filter interface {
 	Keep(req *Request, w *pool.Worker) bool
 }
 
+// filterAt is a Filter that reads a worker's state from the snapshot, by
+// its position (pool.Snapshot's Available, Serves…), rather than from the
+// Worker, as the built-in filters do: a pick reads the statuses the
+// snapshot holds side by side, not a Worker each.
+type filterAt interface {
+	keepAt(req *Request, s *pool.Snapshot, i int) bool
+}
+
 // A Scorer rates the candidates that passed a profile's filters:
 // scores[i], for c.Cands[i], in [0, 1], higher is better; scores arrives
 // zeroed. A profile sums its scorers' scores, each times its weight. Score
@@ -222,6 +230,7 @@ type Reasoner interface {
 type Profile struct {
 	name    string
 	filters []Filter
+	at      []filterAt // by filter, nil for those that are not filterAts
 	scorers []weighted
 	picker  Picker
 	rand    func(uint64) uint64
@@ -243,6 +252,10 @@ type Profile struct {
 // interfaces (Reasoner, Committer, Doner, Finisher, KeyUser), sets up its
 // part timers from pt (nil: not timed) and returns p.
 func (p *Profile) wire(pt func(profile, part string) func(time.Duration)) *Profile {
+	p.at = make([]filterAt, len(p.filters))
+	for i, f := range p.filters {
+		p.at[i], _ = f.(filterAt)
+	}
 	for i := range p.scorers {
 		s := &p.scorers[i]
 		if s.name == "" {
@@ -330,11 +343,11 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	cands, index := sc.cands[:0], sc.index[:0]
 	full := false
 	for i, w := range ws {
-		if !p.keep(req, w) {
+		if !p.keep(req, snap, i) {
 			continue
 		}
 		c.passed[i] = true
-		if req.MaxInFlight > 0 && w.InFlight() >= req.MaxInFlight {
+		if req.MaxInFlight > 0 && snap.InFlight(i) >= req.MaxInFlight {
 			full = true
 			continue
 		}
@@ -377,15 +390,20 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	return d, nil
 }
 
-// keep applies the filters and Request.Tried.
-func (p *Profile) keep(req *Request, w *pool.Worker) bool {
-	for _, f := range p.filters {
-		if !f.Keep(req, w) {
+// keep applies the filters and Request.Tried to the snapshot's i-th
+// worker.
+func (p *Profile) keep(req *Request, s *pool.Snapshot, i int) bool {
+	for j, f := range p.filters {
+		if a := p.at[j]; a != nil {
+			if !a.keepAt(req, s, i) {
+				return false
+			}
+		} else if !f.Keep(req, s.Workers[i]) {
 			return false
 		}
 	}
 	for _, t := range req.Tried {
-		if t == w {
+		if t == s.Workers[i] {
 			return false
 		}
 	}
