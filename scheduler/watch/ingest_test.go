@@ -222,7 +222,9 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 		}
 		return n
 	}
-	const window = 2048 // batches in flight: ~100 ms of work
+	// Batches in flight: a few hundred ms of work, so that the polls of
+	// w.Engines, every 50 ms, cost the process little.
+	const window = 8192
 	publish := func(n int) {
 		target := published + n
 		for {
@@ -238,7 +240,7 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 			if got >= want(target) {
 				return
 			}
-			time.Sleep(10 * time.Millisecond)
+			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	// Every engine's cache full, and churning.
