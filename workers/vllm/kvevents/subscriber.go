@@ -285,9 +285,9 @@ func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, error) {
 	}
 	var err error
 	if s.cfg.Mode == Bind {
-		err = sock.Listen(s.cfg.Endpoint)
+		err = sock.Listen(zmqEndpoint(s.cfg.Endpoint))
 	} else {
-		err = sock.Dial(s.cfg.Endpoint)
+		err = sock.Dial(zmqEndpoint(s.cfg.Endpoint))
 	}
 	if err != nil {
 		closeSocket(sock)
