@@ -1,6 +1,10 @@
 package watch
 
-import "math/bits"
+import (
+	"math/bits"
+
+	"github.com/batonllm/baton/workers/vllm/kvevents"
+)
 
 // digests maps engine hashes' digests to their entries in the
 // translator's slab: open addressing with linear probing in one array of
@@ -88,6 +92,47 @@ func (t *digests) del(d uint64) {
 	}
 	t.slots[i] = digestSlot{}
 	t.n--
+}
+
+// warmBatch is how many hashes warm loads at once: enough misses in
+// flight to fill the CPU's queue of them.
+const warmBatch = 32
+
+// warm loads the home slots of up to warmBatch hashes and, if slab is not
+// nil, the entries they map in it and those entries' LRU neighbours,
+// which removing them rewrites: the loads of each pass are independent, so
+// that on tables larger than the CPU's caches their misses overlap
+// instead of coming one after the other. It returns a value of the loads,
+// which the caller must keep so that the compiler keeps them.
+func (t *digests) warm(hs []kvevents.Hash, slab []entry) uint64 {
+	if t.n == 0 {
+		return 0
+	}
+	var els [warmBatch]int32
+	hs = hs[:min(len(hs), warmBatch)]
+	for j, h := range hs {
+		els[j] = t.slots[t.home(h.Digest())].el
+	}
+	if slab == nil {
+		return uint64(els[0] + els[len(hs)-1])
+	}
+	var sink uint64
+	var links [2 * warmBatch]int32
+	n := 0
+	for _, el := range els[:len(hs)] {
+		if el > 0 && int(el) <= len(slab) {
+			e := &slab[el-1]
+			sink += e.key
+			links[n], links[n+1] = e.prev, e.next
+			n += 2
+		}
+	}
+	for _, i := range links[:n] {
+		if i >= 0 && int(i) < len(slab) {
+			sink += slab[i].key
+		}
+	}
+	return sink
 }
 
 // len returns the digests mapped.

@@ -76,6 +76,7 @@ type Translator struct {
 	lru       lru
 	blockSize atomic.Int64
 	pending   []uint64 // scratch for evictions' removals, by tier bit
+	warmed    uint64   // keeps digests.warm's loads
 	// Translate's results, reused by the next call: its events, their
 	// cache events and their keys.
 	out    []kvindex.Event
@@ -353,6 +354,9 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 	from := len(t.keys)
 	t.pending = t.pending[:0]
 	for i, h := range ev.BlockHashes {
+		if i%warmBatch == 0 {
+			t.warmed += t.entries.warm(ev.BlockHashes[i:], nil)
+		}
 		prev = blockkey.NextTokenKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
 		t.put(h, prev, bit)
 		if tracked {
@@ -443,7 +447,10 @@ func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []k
 		t.stats.otherMedium.Add(1)
 	}
 	from := len(t.keys)
-	for _, h := range ev.BlockHashes {
+	for i, h := range ev.BlockHashes {
+		if i%warmBatch == 0 {
+			t.warmed += t.entries.warm(ev.BlockHashes[i:], t.lru.slab)
+		}
 		el, ok := t.find(h)
 		if !ok || t.lru.at(el).bits&bit == 0 {
 			t.stats.unknownRemoved.Add(1)
