@@ -21,11 +21,12 @@ import (
 
 // BenchmarkIngest is what following an engine's KV events costs a
 // scheduler per block, from the message's bytes to the index: decoding the
-// batch (into a reused Decoder's memory, as subscribers do), translating it (baton's keys from the token ids) and applying it.
-// Each batch stores a fresh prompt of 32 blocks of 16 tokens on one of W
-// engines in turn and removes that engine's 32 oldest blocks once its
-// cache of 1,024 blocks is full, as a busy vLLM engine publishes them.
-// ns/block is the cost of one block event, stored or removed.
+// batch (into a reused Decoder's memory, as subscribers do), translating
+// it (baton's keys from the token ids) and applying it. Each batch stores
+// a fresh prompt of 32 blocks of 16 tokens on one of W engines in turn and
+// removes that engine's 32 oldest blocks once its cache of 1,024 blocks is
+// full, as a busy vLLM engine publishes them. ns/block is the cost of one
+// block event, stored or removed.
 func BenchmarkIngest(b *testing.B) {
 	const (
 		blockSize    = 16
