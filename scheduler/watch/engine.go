@@ -325,6 +325,7 @@ func (e *engine) message(m kvevents.Message) {
 		e.applyEvents([]kvindex.Event{e.tr.Reset()})
 	} else {
 		e.applyEvents(e.tr.Translate(m.Batch))
+		m.Release()
 	}
 	if e.cfg.BlockSize == 0 && e.metricsBS == 0 && e.tr.BlockSize() > 0 && e.tr.BlockSize() != e.blockSize {
 		e.setInfo()

@@ -1,22 +1,32 @@
 package watch_test
 
 import (
+	"bufio"
+	"context"
 	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/watch"
+	"github.com/batonllm/baton/workers/vllm"
 	"github.com/batonllm/baton/workers/vllm/kvevents"
 	"github.com/batonllm/baton/workers/vllm/kvevents/kveventstest"
 )
 
 // BenchmarkIngest is what following an engine's KV events costs a
 // scheduler per block, from the message's bytes to the index: decoding the
-// batch, translating it (baton's keys from the token ids) and applying it.
-// Each batch stores a fresh prompt of 32 blocks of 16 tokens on one of W
-// engines in turn and removes that engine's 32 oldest blocks once its
-// cache of 1,024 blocks is full, as a busy vLLM engine publishes them.
-// ns/block is the cost of one block event, stored or removed.
+// batch (into a reused Decoder's memory, as subscribers do), translating
+// it (baton's keys from the token ids) and applying it. Each batch stores
+// a fresh prompt of 32 blocks of 16 tokens on one of W engines in turn and
+// removes that engine's 32 oldest blocks once its cache of 1,024 blocks is
+// full, as a busy vLLM engine publishes them. ns/block is the cost of one
+// block event, stored or removed.
 func BenchmarkIngest(b *testing.B) {
 	const (
 		blockSize    = 16
@@ -74,6 +84,7 @@ func BenchmarkIngest(b *testing.B) {
 					}
 				}
 				blocks := 0
+				var dec kvevents.Decoder // as subscribers decode, into reused memory
 				b.ReportAllocs()
 				b.ResetTimer()
 				for i := 0; b.Loop(); i++ {
@@ -84,7 +95,7 @@ func BenchmarkIngest(b *testing.B) {
 					if w >= workers {
 						w = engineOf[k]
 					}
-					batch, err := kvevents.Decode(payloads[k])
+					batch, err := dec.Decode(payloads[k])
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -104,6 +115,225 @@ func BenchmarkIngest(b *testing.B) {
 				}
 				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(blocks), "ns/block")
 			})
+		}
+	}
+}
+
+// ingestPublisherEnv, when set in a test binary's environment, makes
+// TestIngestPublisher the publishing engines of BenchmarkIngestZMQ: it
+// holds "engines encoding".
+const ingestPublisherEnv = "BATON_INGEST_PUBLISHER"
+
+// Shape of BenchmarkIngestZMQ's batches: as BenchmarkIngest's, a fresh
+// prompt of zmqPromptBlocks blocks on each engine in turn, and the engine's
+// oldest blocks removed once its cache of zmqCacheBlocks is full.
+const (
+	zmqBlockSize    = 16
+	zmqPromptBlocks = 32
+	zmqCacheBlocks  = 1024
+)
+
+// zmqBlocks returns the block events of an engine's first n batches.
+func zmqBlocks(n int) int {
+	full := zmqCacheBlocks / zmqPromptBlocks // batches before removals start
+	return n*zmqPromptBlocks + max(0, n-full)*zmqPromptBlocks
+}
+
+// BenchmarkIngestZMQ is what following W engines' KV events costs a
+// scheduler per block event as baton serve follows them: each engine's
+// subscriber (a zmq4 SUB socket over loopback) receives and decodes its
+// batches, and the watcher's engine goroutine translates and applies them
+// to the index. The engines are zmq4 PUB sockets in a child process (this
+// test binary, as TestIngestPublisher), so that the figures are this
+// process's alone: cpu-ns/block is its CPU time (getrusage, every
+// goroutine) per block event, allocs/block its allocations.
+func BenchmarkIngestZMQ(b *testing.B) {
+	for _, enc := range []kveventstest.Encoding{kveventstest.TaggedMaps, kveventstest.ArrayLike} {
+		for _, engines := range []int{8, 1000} {
+			b.Run(fmt.Sprintf("%s/workers=%d", enc, engines), func(b *testing.B) {
+				benchIngestZMQ(b, enc, engines)
+			})
+		}
+	}
+}
+
+func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
+	exe, err := os.Executable()
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run=^TestIngestPublisher$")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d %d", ingestPublisherEnv, engines, enc))
+	cmd.Stderr = os.Stderr
+	grants, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		grants.Close()
+		_ = cmd.Wait()
+	})
+	lines := bufio.NewScanner(stdout)
+	line := func() string {
+		if !lines.Scan() {
+			b.Fatalf("publisher process: %v", lines.Err())
+		}
+		return lines.Text()
+	}
+
+	idx := kvindex.New(kvindex.Config{MaxBlocks: engines * zmqCacheBlocks})
+	w := watch.New(idx, watch.Config{})
+	b.Cleanup(func() { w.Close() })
+	metrics := &fakeMetrics{m: vllm.Metrics{HasLoad: true, BlockSize: zmqBlockSize}}
+	for i := range engines {
+		err := w.AddEngine(fmt.Sprintf("engine-%d", i), watch.EngineConfig{
+			Metrics: metrics, ScrapeInterval: time.Hour, // the first scrape only
+			Events: kvevents.SubscriberConfig{Endpoint: line(), Topic: "kv"},
+			Model:  func() string { return "m" },
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	if got := line(); got != "subscribed" {
+		b.Fatalf("publisher process said %q, want subscribed", got)
+	}
+
+	// publish has the publishers send n more batches, engines in turn,
+	// at most window ahead of what the index applied, and waits until
+	// the index applied them all.
+	published := 0
+	applied := func() int {
+		n := 0
+		for _, st := range w.Engines() {
+			n += int(st.Translated.Stored + st.Translated.Removed)
+		}
+		return n
+	}
+	want := func(batches int) int {
+		n := 0
+		for e := range engines {
+			n += zmqBlocks(batches/engines + min(1, max(0, batches%engines-e)))
+		}
+		return n
+	}
+	// Batches in flight: a few hundred ms of work, so that the polls of
+	// w.Engines, every 50 ms, cost the process little.
+	const window = 8192
+	publish := func(n int) {
+		target := published + n
+		for {
+			got := applied()
+			done := published
+			for done > 0 && want(done) > got {
+				done -= min(done, 64)
+			}
+			if more := min(target-published, done+window-published); more > 0 {
+				fmt.Fprintln(grants, more)
+				published += more
+			}
+			if got >= want(target) {
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	// Every engine's cache full, and churning.
+	publish(engines * (zmqCacheBlocks/zmqPromptBlocks + 2))
+
+	blocks0 := applied()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	mallocs0 := ms.Mallocs
+	cpu0 := cpuTime()
+	b.ResetTimer()
+	publish(b.N)
+	b.StopTimer()
+	cpu := cpuTime() - cpu0
+	runtime.ReadMemStats(&ms)
+	blocks := applied() - blocks0
+	b.ReportMetric(float64(cpu.Nanoseconds())/float64(blocks), "cpu-ns/block")
+	b.ReportMetric(float64(ms.Mallocs-mallocs0)/float64(blocks), "allocs/block")
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(blocks), "ns/block")
+}
+
+// cpuTime returns the process's CPU time so far, user and system.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		panic(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// TestIngestPublisher is BenchmarkIngestZMQ's engines, in the process the
+// benchmark starts: it binds one publisher per engine and prints their
+// endpoints, then "subscribed" once each has its subscriber, then
+// publishes as many batches as each line of its input says, engines in
+// turn, until its input ends. Run otherwise, it skips.
+func TestIngestPublisher(t *testing.T) {
+	var engines int
+	var enc kveventstest.Encoding
+	if _, err := fmt.Sscan(os.Getenv(ingestPublisherEnv), &engines, &enc); err != nil {
+		t.Skip("BenchmarkIngestZMQ's publisher process only")
+	}
+	pubs := make([]*kveventstest.Publisher, engines)
+	for i := range pubs {
+		p, err := kveventstest.NewPublisher(kveventstest.PublisherConfig{
+			Endpoint: "tcp://127.0.0.1:0", Topic: "kv", Encoding: enc})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		pubs[i] = p
+		fmt.Println(p.Endpoint())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, p := range pubs {
+		if err := p.WaitSubscribed(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fmt.Println("subscribed")
+
+	held := make([][]uint64, engines)
+	var next uint64 = 1
+	e := 0
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		n, err := strconv.Atoi(in.Text())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range n {
+			var evs []kvevents.Event
+			if len(held[e]) >= zmqCacheBlocks {
+				rm := &kvevents.BlockRemoved{Medium: "GPU"}
+				for _, h := range held[e][:zmqPromptBlocks] {
+					rm.BlockHashes = append(rm.BlockHashes, kvevents.IntHash(h))
+				}
+				held[e] = held[e][zmqPromptBlocks:]
+				evs = append(evs, rm)
+			}
+			st := &kvevents.BlockStored{BlockSize: zmqBlockSize, Medium: "GPU",
+				TokenIDs: kveventstest.TokenRun(int(next*zmqBlockSize), zmqPromptBlocks*zmqBlockSize)}
+			for range zmqPromptBlocks {
+				st.BlockHashes = append(st.BlockHashes, kvevents.IntHash(next))
+				held[e] = append(held[e], next)
+				next++
+			}
+			if _, err := pubs[e].Publish(kvevents.Batch{TS: float64(next), Events: append(evs, st)}); err != nil {
+				t.Fatal(err)
+			}
+			e = (e + 1) % engines
 		}
 	}
 }

@@ -70,13 +70,19 @@ type TranslatorStats struct {
 // index in order.
 type Translator struct {
 	cfg       TranslatorConfig
-	seq       uint64           // of the last event returned
-	synced    bool             // a snapshot was returned since the last reset
-	entries   map[uint64]int32 // by the hash's Digest: index in lru's slab
+	seq       uint64  // of the last event returned
+	synced    bool    // a snapshot was returned since the last reset
+	entries   digests // by the hash's Digest: index in lru's slab
 	lru       lru
 	blockSize atomic.Int64
 	pending   []uint64 // scratch for evictions' removals, by tier bit
-	stats     struct {
+	warmed    uint64   // keeps digests.warm's loads
+	// Translate's results, reused by the next call: its events, their
+	// cache events and their keys.
+	out    []kvindex.Event
+	caches []kvindex.CacheEvent
+	keys   []uint64
+	stats  struct {
 		stored, removed, cleared, unknownParent, unknownRemoved atomic.Uint64
 		badStored, otherMedium, otherGroup, evicted             atomic.Uint64
 	}
@@ -178,7 +184,7 @@ func NewTranslator(cfg TranslatorConfig) *Translator {
 	if cfg.Tenant == nil {
 		cfg.Tenant = EventTenant
 	}
-	t := &Translator{cfg: cfg, entries: make(map[uint64]int32)}
+	t := &Translator{cfg: cfg}
 	t.lru.init()
 	return t
 }
@@ -243,9 +249,12 @@ func bitOf(medium string) (uint8, kvindex.Tier, bool) {
 // before any: the block size requests' keys must be computed with.
 func (t *Translator) BlockSize() int { return int(t.blockSize.Load()) }
 
-// Translate returns the index events of a batch, in order.
+// Translate returns the index events of a batch, in order. They and their
+// keys are the translator's memory, valid until its next Translate: apply
+// them (the index keeps nothing of them) or copy them before.
 func (t *Translator) Translate(b kvevents.Batch) []kvindex.Event {
-	var out []kvindex.Event
+	out := t.out[:0]
+	t.caches, t.keys = t.caches[:0], t.keys[:0]
 	if !t.synced {
 		out = append(out, t.snapshot())
 	}
@@ -260,6 +269,7 @@ func (t *Translator) Translate(b kvevents.Batch) []kvindex.Event {
 			out = append(out, t.Reset())
 		}
 	}
+	t.out = out
 	return out
 }
 
@@ -268,7 +278,7 @@ func (t *Translator) Translate(b kvevents.Batch) []kvindex.Event {
 // subscriber reports a reset. A snapshot also replaces the worker's load in
 // the index: set its Load to the latest load report before applying it.
 func (t *Translator) Reset() kvindex.Event {
-	clear(t.entries)
+	t.entries.reset()
 	t.lru.init()
 	return t.snapshot()
 }
@@ -292,9 +302,16 @@ func (t *Translator) snapshot() kvindex.Event {
 	return kvindex.Event{Seq: t.seq, Snapshot: &kvindex.Snapshot{}}
 }
 
-func (t *Translator) cache(kind kvindex.CacheKind, tier kvindex.Tier, keys []uint64) kvindex.Event {
+// cache returns the next event: the cache event of keys, which t.keys
+// holds from index from on.
+func (t *Translator) cache(kind kvindex.CacheKind, tier kvindex.Tier, from int) kvindex.Event {
 	t.seq++
-	return kvindex.Event{Seq: t.seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
+	if len(t.caches) == cap(t.caches) {
+		// Not grown in place: the events returned so far point into it.
+		t.caches = make([]kvindex.CacheEvent, 0, max(8, 2*cap(t.caches)))
+	}
+	t.caches = append(t.caches, kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: t.keys[from:len(t.keys):len(t.keys)]})
+	return kvindex.Event{Seq: t.seq, Cache: &t.caches[len(t.caches)-1]}
 }
 
 func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvindex.Event {
@@ -334,20 +351,20 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 	}
 	t.blockSize.Store(int64(bs))
 	bit, tier, tracked := bitOf(ev.Medium)
-	var keys []uint64
-	if tracked {
-		keys = make([]uint64, 0, n)
-	}
+	from := len(t.keys)
 	t.pending = t.pending[:0]
 	for i, h := range ev.BlockHashes {
+		if i%warmBatch == 0 {
+			t.warmed += t.entries.warm(ev.BlockHashes[i:], nil)
+		}
 		prev = blockkey.NextTokenKey(prev, ev.TokenIDs[i*bs:(i+1)*bs])
 		t.put(h, prev, bit)
 		if tracked {
-			keys = append(keys, prev)
+			t.keys = append(t.keys, prev)
 		}
 	}
 	if tracked {
-		out = append(out, t.cache(kvindex.Stored, tier, keys))
+		out = append(out, t.cache(kvindex.Stored, tier, from))
 		t.stats.stored.Add(uint64(n))
 	} else {
 		t.stats.otherMedium.Add(1)
@@ -361,7 +378,7 @@ func (t *Translator) stored(out []kvindex.Event, ev *kvevents.BlockStored) []kvi
 // (or a changed key) call for in t.pending as (bit, key) pairs.
 func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 	d := h.Digest()
-	if el, ok := t.entries[d]; ok {
+	if el, ok := t.entries.get(d); ok {
 		e := t.lru.at(el)
 		if e.hash == h {
 			if e.key != key {
@@ -378,12 +395,12 @@ func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 		t.lru.remove(el)
 		t.queueRemoval(&old)
 	}
-	t.entries[d] = t.lru.pushFront(entry{hash: h, key: key, bits: bit})
+	t.entries.set(d, t.lru.pushFront(entry{hash: h, key: key, bits: bit}))
 	for t.lru.n > t.cfg.MaxEntries {
 		el := t.lru.tail
 		e := *t.lru.at(el)
 		t.lru.remove(el)
-		delete(t.entries, e.hash.Digest())
+		t.entries.del(e.hash.Digest())
 		t.queueRemoval(&e)
 		t.stats.evicted.Add(1)
 	}
@@ -391,7 +408,7 @@ func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 
 // find returns the slab index of h's entry.
 func (t *Translator) find(h kvevents.Hash) (int32, bool) {
-	el, ok := t.entries[h.Digest()]
+	el, ok := t.entries.get(h.Digest())
 	if !ok || t.lru.at(el).hash != h {
 		return 0, false
 	}
@@ -412,7 +429,8 @@ func (t *Translator) flushPending(out []kvindex.Event) []kvindex.Event {
 		if uint8(t.pending[i]) == bitCPU {
 			tier = kvindex.TierCPU
 		}
-		out = append(out, t.cache(kvindex.Removed, tier, []uint64{t.pending[i+1]}))
+		t.keys = append(t.keys, t.pending[i+1])
+		out = append(out, t.cache(kvindex.Removed, tier, len(t.keys)-1))
 		t.stats.removed.Add(1)
 	}
 	t.pending = t.pending[:0]
@@ -428,8 +446,11 @@ func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []k
 	if !tracked {
 		t.stats.otherMedium.Add(1)
 	}
-	var keys []uint64
-	for _, h := range ev.BlockHashes {
+	from := len(t.keys)
+	for i, h := range ev.BlockHashes {
+		if i%warmBatch == 0 {
+			t.warmed += t.entries.warm(ev.BlockHashes[i:], t.lru.slab)
+		}
 		el, ok := t.find(h)
 		if !ok || t.lru.at(el).bits&bit == 0 {
 			t.stats.unknownRemoved.Add(1)
@@ -438,22 +459,22 @@ func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []k
 		e := t.lru.at(el)
 		e.bits &^= bit
 		if tracked {
-			keys = append(keys, e.key)
+			t.keys = append(t.keys, e.key)
 		}
 		if e.bits == 0 {
 			t.lru.remove(el)
-			delete(t.entries, h.Digest())
+			t.entries.del(h.Digest())
 		}
 	}
-	if len(keys) > 0 {
-		out = append(out, t.cache(kvindex.Removed, tier, keys))
-		t.stats.removed.Add(uint64(len(keys)))
+	if n := len(t.keys) - from; n > 0 {
+		out = append(out, t.cache(kvindex.Removed, tier, from))
+		t.stats.removed.Add(uint64(n))
 	}
 	return out
 }
 
 // Len returns the number of engine hashes mapped.
-func (t *Translator) Len() int { return len(t.entries) }
+func (t *Translator) Len() int { return t.entries.len() }
 
 // Stats returns the translator's counters.
 func (t *Translator) Stats() TranslatorStats {

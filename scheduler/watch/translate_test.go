@@ -1,6 +1,7 @@
 package watch_test
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -23,6 +24,21 @@ func cacheEvent(seq uint64, kind kvindex.CacheKind, tier kvindex.Tier, keys ...u
 	return kvindex.Event{Seq: seq, Cache: &kvindex.CacheEvent{Kind: kind, Tier: tier, Keys: keys}}
 }
 
+// translated is tr.Translate(b), copied out of the translator's memory,
+// which its next Translate reuses.
+func translated(tr *watch.Translator, b kvevents.Batch) []kvindex.Event {
+	var out []kvindex.Event
+	for _, ev := range tr.Translate(b) {
+		if ev.Cache != nil {
+			c := *ev.Cache
+			c.Keys = slices.Clone(c.Keys)
+			ev.Cache = &c
+		}
+		out = append(out, ev)
+	}
+	return out
+}
+
 func snapshot(seq uint64) kvindex.Event {
 	return kvindex.Event{Seq: seq, Snapshot: &kvindex.Snapshot{}}
 }
@@ -38,11 +54,11 @@ func TestTranslatorKeysMatchRequests(t *testing.T) {
 			tokens := kveventstest.TokenRun(500, 12)
 			want := requestKeys("m", "", "", tokens, 4)
 			tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
-			got := tr.Translate(batch(
+			got := translated(tr, batch(
 				&kvevents.BlockStored{BlockHashes: hashes[:2], TokenIDs: tokens[:8], BlockSize: 4},
 				&kvevents.BlockStored{BlockHashes: hashes[2:], Parent: hashes[1], TokenIDs: tokens[8:], BlockSize: 4, Medium: "GPU"},
 			))
-			got = append(got, tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: hashes[1:2]}))...)
+			got = append(got, translated(tr, batch(&kvevents.BlockRemoved{BlockHashes: hashes[1:2]}))...)
 			wantEvs := []kvindex.Event{
 				snapshot(1),
 				cacheEvent(2, kvindex.Stored, kvindex.TierGPU, want[0], want[1]),
@@ -294,10 +310,10 @@ func TestTranslatorDigestCollision(t *testing.T) {
 	tokens := kveventstest.TokenRun(7, 8)
 	tr := watch.NewTranslator(watch.TranslatorConfig{Model: "m"})
 	keys := requestKeys("m", "", "", tokens, 4)
-	got := tr.Translate(batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{i}, TokenIDs: tokens[:4], BlockSize: 4}))
-	got = append(got, tr.Translate(batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{b}, Parent: i, TokenIDs: tokens[4:], BlockSize: 4}))...)
-	got = append(got, tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{i}}))...)
-	got = append(got, tr.Translate(batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{b}}))...)
+	got := translated(tr, batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{i}, TokenIDs: tokens[:4], BlockSize: 4}))
+	got = append(got, translated(tr, batch(&kvevents.BlockStored{BlockHashes: []kvevents.Hash{b}, Parent: i, TokenIDs: tokens[4:], BlockSize: 4}))...)
+	got = append(got, translated(tr, batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{i}}))...)
+	got = append(got, translated(tr, batch(&kvevents.BlockRemoved{BlockHashes: []kvevents.Hash{b}}))...)
 	want := []kvindex.Event{snapshot(1),
 		cacheEvent(2, kvindex.Stored, kvindex.TierGPU, keys[0]),
 		cacheEvent(3, kvindex.Stored, kvindex.TierGPU, keys[1]),

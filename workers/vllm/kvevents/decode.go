@@ -119,15 +119,96 @@ func Decode(payload []byte) (Batch, error) {
 	// A decoder of its own, not msgpack's pool: a pooled decoder keeps
 	// the read buffer its last user grew, for whoever gets it next.
 	dec := decoder{d: msgpack.NewDecoder(r), r: r, buf: payload}
-	b, err := dec.batch()
+	return dec.decode()
+}
+
+// A Decoder decodes batches as Decode does, into memory of its own that
+// it reuses: the batch it returns, its events and their slices are valid
+// until its next Decode. A stream's decoder allocates next to nothing once
+// warm. The zero Decoder is ready; use it from one goroutine at a time.
+type Decoder struct {
+	d      *msgpack.Decoder
+	r      bytes.Reader
+	events []Event
+	slots  []*eventSlot
+	// strs interns the strings of fields (media, LoRA names, cache
+	// kinds), which repeat from one batch to the next.
+	strs map[string]string
+}
+
+// eventSlot is the memory of the event at one position of a batch.
+type eventSlot struct {
+	stored  BlockStored
+	removed BlockRemoved
+	hashes  []Hash
+	tokens  []uint32
+}
+
+// Bounds of what a Decoder keeps from one batch to the next: an event's
+// hashes and tokens beyond maxKeptTokens (a prompt of more than 64 Ki
+// tokens), events beyond maxKeptEvents, and interned strings beyond
+// maxInterned, are left to the garbage collector.
+const (
+	maxKeptTokens = 1 << 16
+	maxKeptEvents = 1 << 10
+	maxInterned   = 64
+)
+
+// Decode decodes one batch payload, as the package's Decode does, into the
+// decoder's memory.
+func (d *Decoder) Decode(payload []byte) (Batch, error) {
+	d.r.Reset(payload)
+	if d.d == nil {
+		d.d = msgpack.NewDecoder(&d.r)
+	} else {
+		d.d.Reset(&d.r)
+	}
+	clear(d.events) // no event of the last batch kept alive through them
+	if len(d.slots) > maxKeptEvents {
+		d.events, d.slots = nil, nil
+	}
+	dec := decoder{d: d.d, r: &d.r, buf: payload, reuse: d}
+	return dec.decode()
+}
+
+// slot returns the memory of the batch's event i.
+func (d *Decoder) slot(i int) *eventSlot {
+	for len(d.slots) <= i {
+		d.slots = append(d.slots, new(eventSlot))
+	}
+	s := d.slots[i]
+	if cap(s.tokens) > maxKeptTokens || cap(s.hashes) > maxKeptTokens {
+		s.hashes, s.tokens = nil, nil
+	}
+	return s
+}
+
+// intern returns b as a string, the same string each time for the first
+// maxInterned distinct ones.
+func (d *Decoder) intern(b []byte) string {
+	if s, ok := d.strs[string(b)]; ok {
+		return s
+	}
+	s := string(b)
+	if len(d.strs) < maxInterned && len(b) <= 64 {
+		if d.strs == nil {
+			d.strs = make(map[string]string)
+		}
+		d.strs[s] = s
+	}
+	return s
+}
+
+func (dc *decoder) decode() (Batch, error) {
+	b, err := dc.batch()
 	if err != nil {
 		return Batch{}, fmt.Errorf("%w: %v", ErrMalformed, err)
 	}
-	if r.Len() != 0 {
-		return Batch{}, fmt.Errorf("%w: %d trailing bytes", ErrMalformed, r.Len())
+	if dc.r.Len() != 0 {
+		return Batch{}, fmt.Errorf("%w: %d trailing bytes", ErrMalformed, dc.r.Len())
 	}
-	if dec.unknown > 0 {
-		return b, fmt.Errorf("%w: %d events, the first %q", ErrUnknownTag, dec.unknown, dec.firstUnknown)
+	if dc.unknown > 0 {
+		return b, fmt.Errorf("%w: %d events, the first %q", ErrUnknownTag, dc.unknown, dc.firstUnknown)
 	}
 	return b, nil
 }
@@ -135,7 +216,8 @@ func Decode(payload []byte) (Batch, error) {
 type decoder struct {
 	d            *msgpack.Decoder
 	r            *bytes.Reader
-	buf          []byte // the payload r reads
+	buf          []byte   // the payload r reads
+	reuse        *Decoder // whose memory to decode into; nil: fresh memory
 	unknown      int
 	firstUnknown string
 }
@@ -181,19 +263,73 @@ func (dc *decoder) fits() error {
 	return nil
 }
 
-func (dc *decoder) str() (string, error) {
-	if err := dc.fits(); err != nil {
-		return "", err
+// raw returns the string or byte array at the reader's position, in the
+// payload's memory, and moves past it.
+func (dc *decoder) raw() ([]byte, error) {
+	rest := dc.buf[len(dc.buf)-dc.r.Len():]
+	if len(rest) == 0 {
+		return nil, io.ErrUnexpectedEOF
 	}
-	return dc.d.DecodeString()
-}
-
-func (dc *decoder) bytes() ([]byte, error) {
-	if err := dc.fits(); err != nil {
+	var n, head int
+	switch c := rest[0]; {
+	case c >= 0xa0 && c <= 0xbf: // fixstr
+		n, head = int(c&0x1f), 1
+	case c == 0xd9 || c == 0xc4: // str8, bin8
+		head = 2
+	case c == 0xda || c == 0xc5: // str16, bin16
+		head = 3
+	case c == 0xdb || c == 0xc6: // str32, bin32
+		head = 5
+	default:
+		return nil, fmt.Errorf("code %#x is not a string nor bytes", c)
+	}
+	if len(rest) < head {
+		return nil, io.ErrUnexpectedEOF
+	}
+	switch head {
+	case 2:
+		n = int(rest[1])
+	case 3:
+		n = int(binary.BigEndian.Uint16(rest[1:]))
+	case 5:
+		n = int(binary.BigEndian.Uint32(rest[1:]))
+	}
+	if n > len(rest)-head {
+		return nil, errTooLong
+	}
+	if _, err := dc.r.Seek(int64(len(dc.buf)-len(rest)+head+n), io.SeekStart); err != nil {
 		return nil, err
 	}
-	return dc.d.DecodeBytes()
+	return rest[head : head+n], nil
 }
+
+// str decodes a string. The known names of fields, tags and media cost
+// no allocation, nor do repeated strings with a reusing Decoder.
+func (dc *decoder) str() (string, error) {
+	b, err := dc.raw()
+	if err != nil {
+		return "", err
+	}
+	if s, ok := knownStrings[string(b)]; ok {
+		return s, nil
+	}
+	if dc.reuse != nil {
+		return dc.reuse.intern(b), nil
+	}
+	return string(b), nil
+}
+
+// knownStrings are the strings every batch holds: names of fields, tags,
+// media.
+var knownStrings = func() map[string]string {
+	m := make(map[string]string)
+	for _, s := range append([]string{"type", "ts", "events", "data_parallel_rank", "attn_dp_rank", "metadata",
+		"cache_salt", tagStored, tagRemoved, tagCleared, "GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"},
+		append(storedFields, removedFields...)...) {
+		m[s] = s
+	}
+	return m
+}()
 
 // capFor bounds a slice's preallocation by the bytes left: each element
 // takes at least one, so a forged length cannot allocate more.
@@ -288,9 +424,18 @@ func (dc *decoder) events() ([]Event, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("events: %w", errNil)
 	}
-	evs := make([]Event, 0, dc.capFor(n))
+	var evs []Event
+	if dc.reuse != nil {
+		evs = grow(dc.reuse.events, dc.capFor(n))
+	} else {
+		evs = make([]Event, 0, dc.capFor(n))
+	}
 	for i := range n {
-		ev, err := dc.event()
+		var slot *eventSlot
+		if dc.reuse != nil {
+			slot = dc.reuse.slot(len(evs))
+		}
+		ev, err := dc.event(slot)
 		if err != nil {
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
@@ -298,7 +443,19 @@ func (dc *decoder) events() ([]Event, error) {
 			evs = append(evs, ev)
 		}
 	}
+	if dc.reuse != nil {
+		dc.reuse.events = evs
+	}
 	return evs, nil
+}
+
+// grow returns s emptied, with room for n elements: s's own memory if it
+// has the room.
+func grow[T any](s []T, n int) []T {
+	if s == nil || cap(s) < n {
+		return make([]T, 0, n)
+	}
+	return s[:0]
 }
 
 // seenFields records which required fields an event carried.
@@ -328,14 +485,18 @@ type fields struct {
 	specKind  string
 }
 
-// event decodes one event; it returns nil, nil for an unknown tag, which
-// it counts.
-func (dc *decoder) event() (Event, error) {
+// event decodes one event, into slot's memory if not nil; it returns nil,
+// nil for an unknown tag, which it counts.
+func (dc *decoder) event(slot *eventSlot) (Event, error) {
 	c, err := dc.peek()
 	if err != nil {
 		return nil, err
 	}
 	var f fields
+	if slot != nil {
+		f.hashes, f.tokens = slot.hashes, slot.tokens
+		defer func() { slot.hashes, slot.tokens = f.hashes, f.tokens }()
+	}
 	var tag string
 	switch {
 	case isArray(c):
@@ -392,7 +553,7 @@ func (dc *decoder) event() (Event, error) {
 	default:
 		return nil, fmt.Errorf("event is code %#x, not an array or map", c)
 	}
-	return dc.build(tag, &f)
+	return dc.build(tag, &f, slot)
 }
 
 // tag decodes an event's tag. msgspec may tag with integers too; no engine
@@ -412,23 +573,38 @@ func (dc *decoder) tag() (string, error) {
 	return "", fmt.Errorf("tag is code %#x", c)
 }
 
-func (dc *decoder) build(tag string, f *fields) (Event, error) {
+// build returns the event of tag, in slot's memory if not nil.
+func (dc *decoder) build(tag string, f *fields, slot *eventSlot) (Event, error) {
 	switch tag {
 	case tagStored:
 		if f.seen&(seenHashes|seenTokens|seenBlockSize) != seenHashes|seenTokens|seenBlockSize {
 			return nil, errors.New("BlockStored without block_hashes, token_ids or block_size")
 		}
-		return &BlockStored{
+		var ev *BlockStored
+		if slot != nil {
+			ev = &slot.stored
+		} else {
+			ev = new(BlockStored)
+		}
+		*ev = BlockStored{
 			BlockHashes: f.hashes, Parent: f.parent, TokenIDs: f.tokens, BlockSize: f.blockSize,
 			LoRAID: f.loraID, HasLoRAID: f.hasLoRAID, LoRAName: f.loraName, Medium: f.medium,
 			CacheSalt: f.cacheSalt, ExtraKeys: f.extra, Group: f.group, HasGroup: f.hasGroup,
 			CacheSpecKind: f.specKind,
-		}, nil
+		}
+		return ev, nil
 	case tagRemoved:
 		if f.seen&seenHashes == 0 {
 			return nil, errors.New("BlockRemoved without block_hashes")
 		}
-		return &BlockRemoved{BlockHashes: f.hashes, Medium: f.medium, Group: f.group, HasGroup: f.hasGroup}, nil
+		var ev *BlockRemoved
+		if slot != nil {
+			ev = &slot.removed
+		} else {
+			ev = new(BlockRemoved)
+		}
+		*ev = BlockRemoved{BlockHashes: f.hashes, Medium: f.medium, Group: f.group, HasGroup: f.hasGroup}
+		return ev, nil
 	case tagCleared:
 		return &AllBlocksCleared{}, nil
 	}
@@ -444,12 +620,12 @@ func (dc *decoder) field(f *fields, name string) error {
 	var err error
 	switch name {
 	case "block_hashes":
-		f.hashes, err = dc.hashes()
+		f.hashes, err = dc.hashes(f.hashes)
 		f.seen |= seenHashes
 	case "parent_block_hash":
 		f.parent, err = dc.parentHash()
 	case "token_ids":
-		f.tokens, err = dc.tokens()
+		f.tokens, err = dc.tokens(f.tokens)
 		f.seen |= seenTokens
 	case "block_size":
 		var v int64
@@ -611,13 +787,15 @@ func (dc *decoder) hash() (Hash, error) {
 		v, err := dc.d.DecodeUint64()
 		return IntHash(v), err
 	case msgpcode.IsBin(c) || msgpcode.IsString(c):
-		b, err := dc.bytes()
+		b, err := dc.raw()
 		return BytesHash(b), err
 	}
 	return Hash{}, fmt.Errorf("hash is code %#x", c)
 }
 
-func (dc *decoder) hashes() ([]Hash, error) {
+// hashes decodes an array of hashes, into dst's memory if it has the
+// room.
+func (dc *decoder) hashes(dst []Hash) ([]Hash, error) {
 	n, err := dc.d.DecodeArrayLen()
 	if err != nil {
 		return nil, err
@@ -625,8 +803,25 @@ func (dc *decoder) hashes() ([]Hash, error) {
 	if n < 0 {
 		return nil, errNil
 	}
-	hs := make([]Hash, 0, dc.capFor(n))
-	for range n {
+	hs := grow(dst, dc.capFor(n))
+	// Integers are read straight from the payload; anything else is left
+	// to hash.
+	for len(hs) < n {
+		b := dc.buf[len(dc.buf)-dc.r.Len():]
+		for len(hs) < n {
+			v, k, ok := hashAt(b)
+			if !ok {
+				break
+			}
+			hs = append(hs, IntHash(v))
+			b = b[k:]
+		}
+		if _, err := dc.r.Seek(int64(len(dc.buf)-len(b)), io.SeekStart); err != nil {
+			return nil, err
+		}
+		if len(hs) == n {
+			break
+		}
 		h, err := dc.hash()
 		if err != nil {
 			return nil, err
@@ -636,7 +831,32 @@ func (dc *decoder) hashes() ([]Hash, error) {
 	return hs, nil
 }
 
-func (dc *decoder) tokens() ([]uint32, error) {
+// hashAt decodes the msgpack integer b starts with, and its length, when
+// it is a positive fixint, an unsigned integer or a 64-bit signed one (as
+// its bits): the forms of the engines' hashes. ok is false for anything
+// else (left to hash), and for a truncated integer.
+func hashAt(b []byte) (v uint64, n int, ok bool) {
+	if len(b) == 0 {
+		return 0, 0, false
+	}
+	switch c := b[0]; {
+	case c <= 0x7f:
+		return uint64(c), 1, true
+	case (c == msgpcode.Uint64 || c == msgpcode.Int64) && len(b) >= 9:
+		return binary.BigEndian.Uint64(b[1:]), 9, true
+	case c == msgpcode.Uint32 && len(b) >= 5:
+		return uint64(binary.BigEndian.Uint32(b[1:])), 5, true
+	case c == msgpcode.Uint16 && len(b) >= 3:
+		return uint64(binary.BigEndian.Uint16(b[1:])), 3, true
+	case c == msgpcode.Uint8 && len(b) >= 2:
+		return uint64(b[1]), 2, true
+	}
+	return 0, 0, false
+}
+
+// tokens decodes an array of token ids, into dst's memory if it has the
+// room.
+func (dc *decoder) tokens(dst []uint32) ([]uint32, error) {
 	n, err := dc.d.DecodeArrayLen()
 	if err != nil {
 		return nil, err
@@ -644,19 +864,32 @@ func (dc *decoder) tokens() ([]uint32, error) {
 	if n < 0 {
 		return nil, errNil
 	}
-	ts := make([]uint32, 0, dc.capFor(n))
+	ts := grow(dst, dc.capFor(n))
 	// The ids are read straight from the payload, as msgpack encodes
 	// integers; anything else is left to optInt, which says what it is.
 	pos := len(dc.buf) - dc.r.Len()
 	b := dc.buf[pos:]
-	for len(ts) < n {
-		v, k, ok := tokenAt(b)
-		if !ok {
-			break
+	for len(ts) < n && len(b) > 0 {
+		// The usual forms first: fixint, uint16, uint32.
+		var v uint32
+		var k int
+		switch c := b[0]; {
+		case c <= 0x7f:
+			v, k = uint32(c), 1
+		case c == msgpcode.Uint16 && len(b) >= 3:
+			v, k = uint32(binary.BigEndian.Uint16(b[1:])), 3
+		case c == msgpcode.Uint32 && len(b) >= 5:
+			v, k = binary.BigEndian.Uint32(b[1:]), 5
+		default:
+			var ok bool
+			if v, k, ok = tokenAt(b); !ok {
+				goto rest
+			}
 		}
 		ts = append(ts, v)
 		b = b[k:]
 	}
+rest:
 	if _, err := dc.r.Seek(int64(len(dc.buf)-len(b)), io.SeekStart); err != nil {
 		return nil, err
 	}

@@ -146,6 +146,25 @@ func TestSubscriberDeliversInOrder(t *testing.T) {
 	}
 }
 
+// TestSubscriberReleasedMessages: a receiver that releases each message
+// once done gets every batch intact, its memory reused for the next ones.
+func TestSubscriberReleasedMessages(t *testing.T) {
+	p := newPublisher(t, kveventstest.PublisherConfig{Encoding: kveventstest.TaggedMaps})
+	s := newSubscriber(t, kvevents.SubscriberConfig{Endpoint: p.Endpoint()})
+	waitSubscribed(t, p)
+	// One batch at a time, so that each is decoded after the last's
+	// release, into its memory.
+	for i := range 20 {
+		want := stampBatch(i, kveventstest.IntHashes(uint64(3*i+1), uint64(3*i+2)))
+		publish(t, p, want)
+		m := recv(t, s, 1)[0]
+		if diff := cmp.Diff(want, m.Batch, cmpHash); diff != "" {
+			t.Fatalf("batch %d (-want +got):\n%s", i, diff)
+		}
+		m.Release()
+	}
+}
+
 func TestSubscriberReplaysGaps(t *testing.T) {
 	for _, topicFrame := range []bool{false, true} {
 		t.Run(fmt.Sprintf("replay topic frame %v", topicFrame), func(t *testing.T) {
