@@ -297,12 +297,18 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 	if notes.top == 0 {
 		// No candidate holds any of the prompt: its home on the ring,
 		// unless the home is at the threshold or estimated well slower
-		// than the fastest (the load its engine reports). The estimates
-		// are compared before correction: each replica learns its own
-		// factors, from the requests it happened to serve.
-		home := -1
+		// than the fastest (the load its engine reports); then the next
+		// worker on the ring from the home that is neither, as
+		// consistent hashing with bounded loads spills. Spilling along
+		// the prompt's own walk, not to the fastest, keeps replicas that
+		// have not yet heard of one another's latest requests from
+		// sending a burst of new prompts all to the worker each sees as
+		// least loaded. The estimates are compared before correction:
+		// each replica learns its own factors, from the requests it
+		// happened to serve.
 		if c.Snap.Ring != nil {
 			c.Home = nil
+			pos := c.positions()
 			c.Snap.Ring.Walk(key, func(m int) bool {
 				if !c.passed[m] {
 					return true
@@ -313,15 +319,12 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 				if !c.in[m] {
 					return true // full: its successor takes it
 				}
-				home = m
-				return false
+				if h := es[pos[m]]; h.load < threshold && h.raw <= minRaw*(1+homeTolerance) {
+					best = h
+					return false
+				}
+				return true
 			})
-		}
-		if home >= 0 {
-			h := es[c.positions()[home]]
-			if h.load < threshold && h.raw <= minRaw*(1+homeTolerance) {
-				best = h
-			}
 		}
 		return best.i
 	}

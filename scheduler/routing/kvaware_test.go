@@ -613,6 +613,46 @@ func TestKVAwareColdPromptLeavesBusyHome(t *testing.T) {
 	}
 }
 
+// A prompt no worker holds whose home is busy spills along its own walk of
+// the ring, to the first worker there estimated within homeTolerance of
+// the fastest, not to the fastest: replicas that have not yet heard of one
+// another's latest requests then spread a burst of new prompts as the
+// ring does, where each sending its spill to the worker it sees as least
+// loaded would send them all there.
+func TestKVAwareColdPromptSpillsAlongItsRing(t *testing.T) {
+	f := newKVFleet(t, 4)
+	for _, w := range f.snap().Workers {
+		f.info(w.Name, false, 0)
+	}
+	spilled := 0
+	for seed := uint64(1); seed <= 40; seed++ {
+		ks := prompt(300 + seed)
+		home := f.ringHome(ks[0], nil)
+		next := f.ringHome(ks[0], func(n string) bool { return n != home })
+		for _, w := range f.snap().Workers {
+			f.report(w.Name, &workerpb.LoadReport{})
+		}
+		// The home reports a long queue; its successor a short one,
+		// which puts it some 8% behind the idle workers, within
+		// homeTolerance and beyond tieTolerance.
+		f.report(home, &workerpb.LoadReport{Running: 4, Waiting: 2, WaitingPrefillTokens: 16000})
+		f.report(next, &workerpb.LoadReport{Waiting: 1, WaitingPrefillTokens: 640})
+		d, err := f.strategy(Params{ConcurrencyThreshold: 8}, Deps{}).Pick(kvRequest(ks), f.snap())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Worker.Name != next {
+			t.Errorf("prompt %d: Pick = %s; want %s, the home %s's successor on the ring", seed, d.Worker.Name, next, home)
+		}
+		if d.Worker.Name != home {
+			spilled++
+		}
+	}
+	if spilled == 0 {
+		t.Fatal("no prompt left its busy home")
+	}
+}
+
 // newLearnedFleet returns a fleet of n workers that publish no cache
 // events, as llama-servers of the given slots: the index learns what they
 // hold from kv_aware's commits and the cached tokens they report.
