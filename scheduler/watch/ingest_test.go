@@ -54,28 +54,10 @@ func BenchmarkIngest(b *testing.B) {
 				const rounds = 48 // 48 × 32 > 1,024: caches fill, then churn
 				payloads := make([][]byte, 0, rounds*min(workers, 64))
 				engineOf := make([]int, 0, cap(payloads))
-				var next uint64 = 1
-				held := make([][]uint64, workers)
+				c := newChurn(workers, blockSize, promptBlocks, cacheBlocks)
 				for r := range rounds {
 					for w := range min(workers, 64) {
-						var evs []kvevents.Event
-						if len(held[w]) >= cacheBlocks {
-							rm := &kvevents.BlockRemoved{Medium: "GPU"}
-							for _, h := range held[w][:promptBlocks] {
-								rm.BlockHashes = append(rm.BlockHashes, kvevents.IntHash(h))
-							}
-							held[w] = held[w][promptBlocks:]
-							evs = append(evs, rm)
-						}
-						st := &kvevents.BlockStored{BlockSize: blockSize, Medium: "GPU",
-							TokenIDs: kveventstest.TokenRun(int(next*blockSize), promptBlocks*blockSize)}
-						for range promptBlocks {
-							st.BlockHashes = append(st.BlockHashes, kvevents.IntHash(next))
-							held[w] = append(held[w], next)
-							next++
-						}
-						evs = append(evs, st)
-						p, err := kveventstest.Encode(kvevents.Batch{TS: float64(r), Events: evs}, enc.enc)
+						p, err := kveventstest.Encode(kvevents.Batch{TS: float64(r), Events: c.batch(w)}, enc.enc)
 						if err != nil {
 							b.Fatal(err)
 						}
@@ -304,8 +286,7 @@ func TestIngestPublisher(t *testing.T) {
 	}
 	fmt.Println("subscribed")
 
-	held := make([][]uint64, engines)
-	var next uint64 = 1
+	c := newChurn(engines, zmqBlockSize, zmqPromptBlocks, zmqCacheBlocks)
 	e := 0
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -314,26 +295,45 @@ func TestIngestPublisher(t *testing.T) {
 			t.Fatal(err)
 		}
 		for range n {
-			var evs []kvevents.Event
-			if len(held[e]) >= zmqCacheBlocks {
-				rm := &kvevents.BlockRemoved{Medium: "GPU"}
-				for _, h := range held[e][:zmqPromptBlocks] {
-					rm.BlockHashes = append(rm.BlockHashes, kvevents.IntHash(h))
-				}
-				held[e] = held[e][zmqPromptBlocks:]
-				evs = append(evs, rm)
-			}
-			st := &kvevents.BlockStored{BlockSize: zmqBlockSize, Medium: "GPU",
-				TokenIDs: kveventstest.TokenRun(int(next*zmqBlockSize), zmqPromptBlocks*zmqBlockSize)}
-			for range zmqPromptBlocks {
-				st.BlockHashes = append(st.BlockHashes, kvevents.IntHash(next))
-				held[e] = append(held[e], next)
-				next++
-			}
-			if _, err := pubs[e].Publish(kvevents.Batch{TS: float64(next), Events: append(evs, st)}); err != nil {
+			if _, err := pubs[e].Publish(kvevents.Batch{TS: float64(c.next), Events: c.batch(e)}); err != nil {
 				t.Fatal(err)
 			}
 			e = (e + 1) % engines
 		}
 	}
+}
+
+// churn makes the batches of a busy fleet's engines: each batch stores a
+// fresh prompt on one engine and, once that engine's cache is full,
+// removes its oldest prompt's blocks.
+type churn struct {
+	blockSize, promptBlocks, cacheBlocks int
+	held                                 [][]uint64 // each engine's blocks, oldest first
+	next                                 uint64     // the next fresh block hash
+}
+
+func newChurn(engines, blockSize, promptBlocks, cacheBlocks int) *churn {
+	return &churn{blockSize: blockSize, promptBlocks: promptBlocks, cacheBlocks: cacheBlocks,
+		held: make([][]uint64, engines), next: 1}
+}
+
+// batch returns engine e's next batch's events.
+func (c *churn) batch(e int) []kvevents.Event {
+	var evs []kvevents.Event
+	if len(c.held[e]) >= c.cacheBlocks {
+		rm := &kvevents.BlockRemoved{Medium: "GPU"}
+		for _, h := range c.held[e][:c.promptBlocks] {
+			rm.BlockHashes = append(rm.BlockHashes, kvevents.IntHash(h))
+		}
+		c.held[e] = c.held[e][c.promptBlocks:]
+		evs = append(evs, rm)
+	}
+	st := &kvevents.BlockStored{BlockSize: c.blockSize, Medium: "GPU",
+		TokenIDs: kveventstest.TokenRun(int(c.next)*c.blockSize, c.promptBlocks*c.blockSize)}
+	for range c.promptBlocks {
+		st.BlockHashes = append(st.BlockHashes, kvevents.IntHash(c.next))
+		c.held[e] = append(c.held[e], c.next)
+		c.next++
+	}
+	return append(evs, st)
 }
