@@ -972,14 +972,9 @@ func TestRecordsFollowTheirWorkers(t *testing.T) {
 		l := Load{Running: int(v), Waiting: int(v), WaitingPrefillTokens: v, GPUBlocksUsed: v, GPUBlocksTotal: v,
 			CPUBlocksUsed: v, CPUBlocksTotal: v, Slots: int(v)}
 		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
+			untilClosed(stop, func() {
 				if x.Apply(name, snapshot(&l)) != nil {
-					continue // removed meanwhile
+					return // removed meanwhile
 				}
 				for seq := uint64(2); seq < 10; seq++ {
 					if x.Apply(name, loadEvent(seq, l)) != nil {
@@ -989,18 +984,13 @@ func TestRecordsFollowTheirWorkers(t *testing.T) {
 				x.SetInfo(name, Info{BlockTokens: i + 1})
 				x.ObserveTTFT(name, time.Second, time.Duration(v)*time.Second)
 				x.Prefilled(name, 1)
-			}
+			})
 		})
 		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
+			untilClosed(stop, func() {
 				x.RemoveWorker(name)
 				runtime.Gosched()
-			}
+			})
 		})
 	}
 	out := make([]Match, n)
@@ -1067,5 +1057,17 @@ func TestRecordLayout(t *testing.T) {
 		if a := uintptr(unsafe.Pointer(&g.recs[0])); a%recordSize != 0 {
 			t.Errorf("group %d's records at %#x, not on a %d-byte boundary", g.id, a, recordSize)
 		}
+	}
+}
+
+// untilClosed calls fn again and again until stop is closed.
+func untilClosed(stop <-chan struct{}, fn func()) {
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		fn()
 	}
 }
