@@ -1,9 +1,11 @@
 package scheduler_test
 
 import (
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
@@ -14,30 +16,44 @@ import (
 // prefix spill to other workers, say so in X-Baton-Route and count in
 // baton_overflow_spills_total; none fails.
 func TestPrefixAwareOverflow(t *testing.T) {
-	// Slow workers: a completion of 32+ tokens takes 100+ ms, so the eight
-	// requests overlap.
-	_, workers := startWorkers(t, 3, 1)
+	// Slow workers (a quarter of real time): a completion of 32+ tokens
+	// takes 400+ ms, so the requests of the second wave meet those of the
+	// first still in flight.
+	_, workers := startWorkers(t, 3, 0.25)
+	const threshold = 2
 	_, addr := startScheduler(t, scheduler.Config{
 		Strategy: "prefix_aware",
-		Params:   routing.Params{ConcurrencyThreshold: 2},
+		Params:   routing.Params{ConcurrencyThreshold: threshold},
 		Workers:  workers,
 		Pool:     fastPool(),
 	})
 	c := oaClient(t, addr)
+	hc := httpClient(t)
 	prompt := text("overflow", 3000)
 
-	const n = 8
+	// The first wave fills the home to the threshold; the second, sent
+	// once the scheduler counts it full, spills. Six requests in all, so
+	// the three workers are never all at the threshold.
+	const first, n = threshold, 6
 	results := make([]chatResult, n)
 	errs := make([]error, n)
-	start := make(chan struct{})
 	var wg sync.WaitGroup
-	for i := range n {
-		wg.Go(func() {
-			<-start
-			results[i], errs[i] = streamChat(t, c, chatParams(prompt, 64))
-		})
+	send := func(from, to int) {
+		for i := from; i < to; i++ {
+			wg.Go(func() { results[i], errs[i] = streamChat(t, c, chatParams(prompt, 64)) })
+		}
 	}
-	close(start)
+	send(0, first)
+	eventually(t, 10*time.Second, func() error {
+		m := scrape(t, hc, addr)
+		for _, w := range workers {
+			if v, _ := metric(m, "baton_worker_in_flight", `worker="`+w.Name+`"`); v >= threshold {
+				return nil
+			}
+		}
+		return fmt.Errorf("no worker has %d requests in flight:\n%s", threshold, grep(m, "baton_worker_in_flight"))
+	})
+	send(first, n)
 	wg.Wait()
 
 	used := map[string]int{}
@@ -65,9 +81,9 @@ func TestPrefixAwareOverflow(t *testing.T) {
 		}
 	}
 	if spilled == 0 || len(used) < 2 {
-		t.Errorf("%d concurrent same-prefix requests: %d spilled, workers %v; want some spilled to more than one worker", n, spilled, used)
+		t.Errorf("%d same-prefix requests: %d spilled, workers %v; want some spilled to more than one worker", n, spilled, used)
 	}
-	m := scrapeSettled(t, httpClient(t), addr)
+	m := scrapeSettled(t, hc, addr)
 	if v, _ := metric(m, "baton_overflow_spills_total", `strategy="prefix_aware"`); v != float64(spilled) {
 		t.Errorf("baton_overflow_spills_total = %v, want %d (the responses marked spill=true)", v, spilled)
 	}
