@@ -6,6 +6,7 @@
 package workload
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -13,10 +14,24 @@ import (
 	"time"
 )
 
-// Message is one chat message.
+// Message is one chat message. Its text is a shared lead (a document that
+// many requests quote, held once for all of them) followed by Content;
+// Text returns it whole, and JSON encodes it whole as "content".
 type Message struct {
 	Role    string `json:"role"`
 	Content string `json:"content"`
+	lead    string
+}
+
+// Text returns the message's whole text.
+func (m Message) Text() string { return m.lead + m.Content }
+
+// MarshalJSON encodes the message as the chat API has it.
+func (m Message) MarshalJSON() ([]byte, error) {
+	return json.Marshal(struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}{m.Role, m.Text()})
 }
 
 // Request is one request of a workload.
@@ -40,7 +55,7 @@ type Request struct {
 func (r *Request) RoutingText() string {
 	n := 0
 	for _, m := range r.Messages {
-		n += len("<|") + len(m.Role) + len("|>\n") + len(m.Content) + 1
+		n += len("<|") + len(m.Role) + len("|>\n") + len(m.lead) + len(m.Content) + 1
 	}
 	var b strings.Builder
 	b.Grow(n)
@@ -48,6 +63,7 @@ func (r *Request) RoutingText() string {
 		b.WriteString("<|")
 		b.WriteString(m.Role)
 		b.WriteString("|>\n")
+		b.WriteString(m.lead)
 		b.WriteString(m.Content)
 		b.WriteByte('\n')
 	}
@@ -184,7 +200,7 @@ func LongContext(cfg LongContextConfig, n int, seed uint64) (*Workload, error) {
 		head := fmt.Sprintf("\n\nQuestion %d: ", i)
 		question := head + Text(rng, max(q*CharsPerToken-len(head), 1))
 		w.Requests[i] = Request{
-			Messages:  []Message{{Role: "user", Content: docs[d] + question}},
+			Messages:  []Message{{Role: "user", lead: docs[d], Content: question}},
 			MaxTokens: uniformInt(rng, cfg.OutputTokens[0], cfg.OutputTokens[1]),
 		}
 	}

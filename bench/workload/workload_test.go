@@ -1,9 +1,11 @@
 package workload
 
 import (
+	"encoding/json"
 	"reflect"
 	"strings"
 	"testing"
+	"unsafe"
 )
 
 func TestDeterministic(t *testing.T) {
@@ -43,7 +45,7 @@ func TestLongContextShape(t *testing.T) {
 	}
 	docs := map[string]bool{}
 	for _, r := range w.Requests {
-		c := r.Messages[0].Content
+		c := r.Messages[0].Text()
 		docs[c[:32000]] = true
 		q := len(c) - 32000
 		if q < 400 || q > 1200 {
@@ -140,5 +142,43 @@ func TestRealTracesParse(t *testing.T) {
 		if err != nil || len(recs) != 300 {
 			t.Errorf("%s: %d records, %v", p, len(recs), err)
 		}
+	}
+}
+
+// Long-context requests about one document hold it once, and send and
+// route its whole text.
+func TestLongContextSharesDocuments(t *testing.T) {
+	w, err := LongContext(DefaultLongContext(2), 20, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := map[string]*byte{} // a document's first 64 characters → its memory
+	for i, r := range w.Requests {
+		m := r.Messages[0]
+		doc := m.Text()[:32000]
+		if len(m.lead) != len(doc) {
+			t.Errorf("request %d: a lead of %d characters, want its document's %d", i, len(m.lead), len(doc))
+		}
+		if p, ok := held[doc[:64]]; ok && p != unsafe.StringData(m.lead) {
+			t.Errorf("request %d holds its own copy of the document", i)
+		}
+		held[doc[:64]] = unsafe.StringData(m.lead)
+		b, err := json.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got struct{ Role, Content string }
+		if err := json.Unmarshal(b, &got); err != nil {
+			t.Fatal(err)
+		}
+		if got.Role != "user" || got.Content != m.Text() {
+			t.Errorf("request %d: JSON carries role %q and %d characters of content, want user and %d", i, got.Role, len(got.Content), len(m.Text()))
+		}
+		if want := "<|user|>\n" + m.Text() + "\n"; r.RoutingText() != want {
+			t.Errorf("request %d: RoutingText is not the message's whole text", i)
+		}
+	}
+	if len(held) != 2 {
+		t.Errorf("%d documents, want 2", len(held))
 	}
 }
