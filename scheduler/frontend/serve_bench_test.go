@@ -17,18 +17,9 @@ import (
 
 // cannedEngine answers every request with the stream an OpenAI engine
 // sends for a one-token completion, from memory.
-var dumpUpstream = true
-
 type cannedEngine struct{ body []byte }
 
 func (c cannedEngine) RoundTrip(r *http.Request) (*http.Response, error) {
-	if dumpUpstream {
-		b, _ := io.ReadAll(r.Body)
-		println(r.URL.String(), string(b))
-		for k, v := range r.Header {
-			println(k, v[0])
-		}
-	}
 	io.Copy(io.Discard, r.Body)
 	r.Body.Close()
 	h := http.Header{"Content-Type": {"text/event-stream"}}

@@ -38,6 +38,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -82,6 +83,7 @@ func run() error {
 	batonBin := flag.String("baton", "", "baton binary run as `baton serve` (default: go build ./cmd/baton into a temporary directory)")
 	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
 	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
+	countSyscalls := flag.Bool("syscalls", false, "count the system calls and context switches of each proxy's own process over the measured rounds, with perf stat (Linux)")
 	batonMemProfile := flag.String("baton-memprofile", "", "write an allocation profile of the baton serve process, at the end, to `file`")
 	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
 	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
@@ -222,6 +224,17 @@ func run() error {
 	}
 
 	var profiled chan error
+	stats := map[string]*perfStat{}
+	if *countSyscalls {
+		for p, pid := range pids {
+			st, err := startPerfStat(pid)
+			if err != nil {
+				return fmt.Errorf("counting %s's system calls: %w", p, err)
+			}
+			defer st.close()
+			stats[p] = st
+		}
+	}
 	times := map[string][]timing{}
 	cpuAtStart := map[string]time.Duration{}
 	for round := -*warmup; round < *n; round++ {
@@ -232,6 +245,11 @@ func run() error {
 		if round == 0 {
 			for p, pid := range pids {
 				cpuAtStart[p], _ = processCPU(pid)
+			}
+			for p, st := range stats {
+				if err := st.command("enable"); err != nil {
+					return fmt.Errorf("counting %s's system calls: %w", p, err)
+				}
 			}
 		}
 		body := requestBody(round, *promptChars)
@@ -249,6 +267,14 @@ func run() error {
 			}
 		}
 	}
+	counts := map[string]map[string]float64{}
+	for p, st := range stats {
+		c, err := st.stop()
+		if err != nil {
+			return fmt.Errorf("counting %s's system calls: %w", p, err)
+		}
+		counts[p] = c
+	}
 	cpu := map[string]time.Duration{}
 	for p, pid := range pids {
 		if end, err := processCPU(pid); err == nil && cpuAtStart[p] > 0 {
@@ -260,6 +286,7 @@ func run() error {
 	fmt.Println("\nTime to data: [DONE]:")
 	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.done })
 	reportCPU(os.Stdout, paths, cpu, *n)
+	reportSyscalls(os.Stdout, paths, counts, *n)
 	if profiled != nil {
 		if err := <-profiled; err != nil {
 			return fmt.Errorf("baton serve's CPU profile: %w", err)
@@ -836,4 +863,164 @@ func serveRawConn(c net.Conn, rt http.RoundTripper, engine string) {
 			return
 		}
 	}
+}
+
+// perfEvents are what -syscalls counts: every system call, those a proxy
+// makes per request by name, and the process's context switches.
+var perfEvents = []struct{ event, column string }{
+	{"raw_syscalls:sys_enter", "syscalls"},
+	{"syscalls:sys_enter_read", "read"},
+	{"syscalls:sys_enter_recvfrom", "recvfrom"},
+	{"syscalls:sys_enter_write", "write"},
+	{"syscalls:sys_enter_sendto", "sendto"},
+	{"syscalls:sys_enter_epoll_pwait", "epoll_pwait"},
+	{"syscalls:sys_enter_epoll_wait", "epoll_wait"},
+	{"syscalls:sys_enter_futex", "futex"},
+	{"syscalls:sys_enter_nanosleep", "nanosleep"},
+	{"context-switches", "context switches"},
+}
+
+// perfStat is a perf stat attached to a process, its counters enabled
+// and disabled through a control FIFO, so that they cover the measured
+// rounds only.
+type perfStat struct {
+	cmd      *exec.Cmd
+	dir, out string
+	ctl, ack *os.File
+	log      bytes.Buffer
+	exited   chan struct{}
+}
+
+func startPerfStat(pid int) (*perfStat, error) {
+	dir, err := os.MkdirTemp("", "proxybench-perf")
+	if err != nil {
+		return nil, err
+	}
+	st := &perfStat{dir: dir, out: filepath.Join(dir, "stat"), exited: make(chan struct{})}
+	ctl, ack := filepath.Join(dir, "ctl"), filepath.Join(dir, "ack")
+	for _, f := range []string{ctl, ack} {
+		if err := syscall.Mkfifo(f, 0o600); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+	}
+	// Opened read-write, a FIFO opens without waiting for perf's end.
+	if st.ctl, err = os.OpenFile(ctl, os.O_RDWR, 0); err == nil {
+		st.ack, err = os.OpenFile(ack, os.O_RDWR, 0)
+	}
+	if err != nil {
+		st.close()
+		return nil, err
+	}
+	events := make([]string, len(perfEvents))
+	for i, e := range perfEvents {
+		events[i] = e.event
+	}
+	st.cmd = exec.Command("perf", "stat", "-x", ",", "-o", st.out, "-D", "-1", "--control", "fifo:"+ctl+","+ack,
+		"-e", strings.Join(events, ","), "-p", strconv.Itoa(pid))
+	st.cmd.Stdout, st.cmd.Stderr = &st.log, &st.log // "Events enabled", or why it failed
+	if err := st.cmd.Start(); err != nil {
+		st.close()
+		return nil, fmt.Errorf("starting perf: %w", err)
+	}
+	go func() { st.cmd.Wait(); close(st.exited) }()
+	return st, nil
+}
+
+// command sends perf a control command (enable, disable) and waits for
+// its acknowledgement.
+func (st *perfStat) command(c string) error {
+	if _, err := st.ctl.WriteString(c + "\n"); err != nil {
+		return err
+	}
+	st.ack.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 16)
+	n, err := st.ack.Read(buf)
+	if err != nil {
+		return fmt.Errorf("perf did not acknowledge %s: %w (%s)", c, err, bytes.TrimSpace(st.log.Bytes()))
+	}
+	if strings.Trim(string(buf[:n]), "\x00\n") != "ack" {
+		return fmt.Errorf("perf answered %q to %s", buf[:n], c)
+	}
+	return nil
+}
+
+// stop disables the counters, ends perf and returns its counts by
+// perfEvents' column.
+func (st *perfStat) stop() (map[string]float64, error) {
+	if err := st.command("disable"); err != nil {
+		return nil, err
+	}
+	st.cmd.Process.Signal(os.Interrupt)
+	<-st.exited
+	b, err := os.ReadFile(st.out)
+	if err != nil {
+		return nil, err
+	}
+	counts := map[string]float64{}
+	for _, line := range strings.Split(string(b), "\n") {
+		// value,unit,event,...; "<not counted>" values are left out.
+		f := strings.Split(line, ",")
+		if len(f) < 3 || strings.HasPrefix(line, "#") {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[0], 64)
+		if err != nil {
+			continue
+		}
+		for _, e := range perfEvents {
+			if e.event == f[2] {
+				counts[e.column] = v
+			}
+		}
+	}
+	if len(counts) == 0 {
+		return nil, fmt.Errorf("perf stat counted nothing:\n%s", b)
+	}
+	return counts, nil
+}
+
+func (st *perfStat) close() {
+	if st.cmd != nil && st.cmd.Process != nil {
+		select {
+		case <-st.exited:
+		default:
+			st.cmd.Process.Kill()
+			<-st.exited
+		}
+	}
+	if st.ctl != nil {
+		st.ctl.Close()
+	}
+	if st.ack != nil {
+		st.ack.Close()
+	}
+	os.RemoveAll(st.dir)
+}
+
+// reportSyscalls writes, per path with its own process, the system calls
+// and context switches of that process per measured request.
+func reportSyscalls(w io.Writer, paths []string, counts map[string]map[string]float64, n int) {
+	if len(counts) == 0 || n == 0 {
+		return
+	}
+	fmt.Fprintln(w, "\nSystem calls and context switches of the proxy's process per request (perf stat):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprint(tw, "path\t")
+	for _, e := range perfEvents {
+		fmt.Fprintf(tw, "%s\t", e.column)
+	}
+	fmt.Fprintln(tw)
+	for _, p := range paths {
+		c, ok := counts[p]
+		if !ok {
+			continue
+		}
+		fmt.Fprintf(tw, "%s\t", p)
+		for _, e := range perfEvents {
+			fmt.Fprintf(tw, "%.2f\t", c[e.column]/float64(n))
+		}
+		fmt.Fprintln(tw)
+	}
+	tw.Flush()
 }
