@@ -168,7 +168,7 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 func (w *Watcher) Engines() []EngineStats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []EngineStats
+	out := make([]EngineStats, 0, len(w.workers))
 	for _, wd := range w.workers {
 		if wd.stats != nil {
 			out = append(out, wd.stats())
