@@ -205,7 +205,7 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 		return r*zmqBlocks(q+1) + (engines-r)*zmqBlocks(q)
 	}
 	// Batches in flight: a few hundred ms of work, so that the polls of
-	// w.Engines, every 50 ms, cost the process little.
+	// w.Engines, every 200 ms, cost the process little.
 	const window = 8192
 	publish := func(n int) {
 		target := published + n
@@ -222,7 +222,7 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 			if got >= want(target) {
 				return
 			}
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(200 * time.Millisecond)
 		}
 	}
 	// Every engine's cache full, and churning.
