@@ -205,9 +205,13 @@ func New(cfg SubscriberConfig) (*Subscriber, error) {
 	}
 	cfg = cfg.withDefaults()
 	ctx, cancel := context.WithCancel(context.Background())
+	buffer := cfg.Buffer
+	if cfg.Handle != nil {
+		buffer = 0 // nothing is sent on it
+	}
 	s := &Subscriber{
 		cfg:    cfg,
-		out:    make(chan Message, cfg.Buffer),
+		out:    make(chan Message, buffer),
 		cancel: cancel,
 		done:   make(chan struct{}),
 	}
