@@ -122,3 +122,47 @@ func TestStreamRefuses(t *testing.T) {
 		})
 	}
 }
+
+// byteConn is a connection that reads a fixed input, cut into reads of at
+// most cut bytes, and discards what is written to it.
+type byteConn struct {
+	net.Conn
+	in  []byte
+	cut int
+}
+
+func (c *byteConn) Read(p []byte) (int, error) {
+	if len(c.in) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p[:min(len(p), c.cut)], c.in)
+	c.in = c.in[n:]
+	return n, nil
+}
+
+func (c *byteConn) Write(p []byte) (int, error) { return len(p), nil }
+func (c *byteConn) Close() error                { return nil }
+
+// FuzzStream: whatever a publisher sends, a stream returns messages whose
+// frames are the wire's, or an error, and never panics.
+func FuzzStream(f *testing.F) {
+	f.Add(message([]byte("kv"), []byte{0, 0, 0, 0, 0, 0, 0, 1}, []byte("payload")), 3)
+	f.Add(append(frame(flagCommand, []byte("\x04PING\x00\x0actx")), message(bytes.Repeat([]byte{1}, 300))...), 1)
+	f.Add([]byte{flagLong | flagMore, 0, 0, 0, 0, 0, 0, 1, 0}, 9)
+	f.Fuzz(func(t *testing.T, wire []byte, cut int) {
+		s := &stream{conn: &byteConn{in: wire, cut: max(1, cut%4096)}, stop: func() bool { return true }, buf: make([]byte, 64)}
+		read := 0
+		for {
+			frames, err := s.next()
+			if err != nil {
+				return
+			}
+			for _, fr := range frames {
+				read += len(fr)
+			}
+			if read > len(wire) {
+				t.Fatalf("frames of %d bytes from %d bytes of wire", read, len(wire))
+			}
+		}
+	})
+}
