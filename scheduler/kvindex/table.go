@@ -270,6 +270,37 @@ func (t *table) warmLinks(idx []uint32) uint64 {
 	return sink
 }
 
+// warmRun bounds the slots of a probe run warmRuns loads the entries of:
+// at a load factor of 1/2 at most, runs are rarely longer.
+const warmRun = 4
+
+// warmRuns is warm for writes: it loads the entries of each key's probe
+// run, up to warmRun slots from its home, not only its home slot's. A
+// find reads those before it reaches its key or an empty slot (every one
+// of them for a key not indexed yet), and a removal's backward shift
+// reads those after its key.
+func (t *table) warmRuns(keys []uint64) uint64 {
+	var idx [warmBatch * warmRun]uint32
+	keys = keys[:min(len(keys), warmBatch)]
+	mask := uint64(len(t.slots) - 1)
+	n := 0
+	for _, k := range keys {
+		for s, r := t.home(k), 0; r < warmRun && t.slots[s] != 0; s, r = (s+1)&mask, r+1 {
+			idx[n] = t.slots[s]
+			n++
+		}
+	}
+	var sink uint64
+	for _, v := range idx[:n] {
+		e := t.at(v - 1)
+		sink += e.key
+		if e.flags&flagSpill != 0 {
+			sink += t.sp.parts(e.class(), e.ext)[0].m[0]
+		}
+	}
+	return sink
+}
+
 // warmGallop is warm over the keys walk's gallop from lo reads first:
 // those at lo+stride, lo+3×stride, lo+7×stride… and the last; and lo's
 // own if self.

@@ -128,9 +128,9 @@ func (s *engineState) stats(name string) EngineStats {
 
 // AddEngine starts following the engine cfg describes as the worker name,
 // replacing (and stopping first) anything already watched under that name:
-// a goroutine scrapes its metrics, and another applies its load and, when
-// cfg.Events is set, its translated KV events to the index. Remove or
-// Close stops them.
+// a goroutine scrapes its metrics, another applies its load to the index,
+// and when cfg.Events is set, the subscriber's goroutine applies its
+// translated KV events. Remove or Close stops them.
 func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 	if cfg.Metrics == nil {
 		return errors.New("engine without metrics")
@@ -142,10 +142,12 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 		return ErrClosed
 	}
 	st := &engineState{}
+	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st, w: w, ready: make(chan struct{})}
 	if cfg.Events.Endpoint != "" {
 		if cfg.Events.Logger == nil {
 			cfg.Events.Logger = cfg.Logger
 		}
+		cfg.Events.Handle = e.handle
 		sub, err := kvevents.New(cfg.Events)
 		if err != nil {
 			return fmt.Errorf("worker %s: %w", name, err)
@@ -158,7 +160,6 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	wd := &watched{cancel: cancel, done: make(chan struct{}), stats: func() EngineStats { return st.stats(name) }}
 	w.workers[name] = wd
-	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st, w: w}
 	go e.run(ctx, wd.done)
 	return nil
 }
@@ -167,7 +168,7 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 func (w *Watcher) Engines() []EngineStats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []EngineStats
+	out := make([]EngineStats, 0, len(w.workers))
 	for _, wd := range w.workers {
 		if wd.stats != nil {
 			out = append(out, wd.stats())
@@ -177,14 +178,17 @@ func (w *Watcher) Engines() []EngineStats {
 }
 
 // engine feeds one engine's load and events to the index. Its fields
-// below st belong to the goroutine that applies them.
+// below mu are the applying goroutines': the engine's, which applies its
+// loads, and its subscriber's, which applies its events.
 type engine struct {
-	idx  *kvindex.Index
-	name string
-	cfg  EngineConfig
-	st   *engineState
-	w    *Watcher
+	idx   *kvindex.Index
+	name  string
+	cfg   EngineConfig
+	st    *engineState
+	w     *Watcher
+	ready chan struct{} // closed once the index knows the worker
 
+	mu        sync.Mutex
 	seq       uint64 // of the last event applied
 	load      kvindex.Load
 	metricsBS int // block size the metrics say, 0 unknown
@@ -204,31 +208,37 @@ func (e *engine) run(ctx context.Context, done chan<- struct{}) {
 		e.scrape(ctx, scrapes)
 	}()
 	defer wg.Wait()
-	var msgs <-chan kvevents.Message
 	if e.st.sub != nil {
 		defer e.st.sub.Close()
-		msgs = e.st.sub.Messages()
 	}
-	// The index knows the worker (and its block size) from the start.
+	// The index knows the worker (and its block size) before any event.
+	e.mu.Lock()
 	e.setInfo()
 	if e.st.sub == nil {
 		e.logIndexErr(e.idx.Learn(e.name, e.cfg.Capacity))
 	}
 	e.apply(kvindex.Event{Snapshot: &kvindex.Snapshot{}})
+	e.mu.Unlock()
+	close(e.ready)
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case m := <-scrapes:
+			e.mu.Lock()
 			e.scraped(m)
-		case m, ok := <-msgs:
-			if !ok {
-				msgs = nil // closed: the subscriber stopped
-				continue
-			}
-			e.message(m)
+			e.mu.Unlock()
 		}
 	}
+}
+
+// handle applies a subscriber's message on the subscriber's goroutine: a
+// batch is received, decoded, translated and applied without a hand-off.
+func (e *engine) handle(m kvevents.Message) {
+	<-e.ready
+	e.mu.Lock()
+	e.message(m)
+	e.mu.Unlock()
 }
 
 // scrape scrapes the engine every ScrapeInterval until ctx ends, sending

@@ -200,14 +200,12 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 		return n
 	}
 	want := func(batches int) int {
-		n := 0
-		for e := range engines {
-			n += zmqBlocks(batches/engines + min(1, max(0, batches%engines-e)))
-		}
-		return n
+		// The first batches%engines engines published one batch more.
+		q, r := batches/engines, batches%engines
+		return r*zmqBlocks(q+1) + (engines-r)*zmqBlocks(q)
 	}
 	// Batches in flight: a few hundred ms of work, so that the polls of
-	// w.Engines, every 50 ms, cost the process little.
+	// w.Engines, every 200 ms, cost the process little.
 	const window = 8192
 	publish := func(n int) {
 		target := published + n
@@ -224,7 +222,7 @@ func benchIngestZMQ(b *testing.B, enc kveventstest.Encoding, engines int) {
 			if got >= want(target) {
 				return
 			}
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(200 * time.Millisecond)
 		}
 	}
 	// Every engine's cache full, and churning.

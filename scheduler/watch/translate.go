@@ -88,18 +88,25 @@ type Translator struct {
 	}
 }
 
-// entry is what the translator knows of one engine hash.
+// entry is what the translator knows of one engine hash. It holds no
+// pointer, so that the collector need not scan the slab, and half a cache
+// line: an integer hash is its digest; another's Hash is kept aside, in
+// lru.long.
 type entry struct {
-	hash       kvevents.Hash
+	d          uint64 // the hash's Digest
 	key        uint64
-	bits       uint8 // tierBits where the engine holds the block
 	prev, next int32 // in the LRU list; -1 none
+	bits       uint8 // tierBits where the engine holds the block
+	long       bool  // not an integer hash: lru.long holds it
 }
 
 // lru is the translator's entries in a slab, linked most recently used
 // first: no allocation per entry once the slab has grown.
 type lru struct {
-	slab       []entry
+	slab []entry
+	// long holds the hashes of the entries that are not integers, at
+	// their entries' indexes; nil until the first.
+	long       []kvevents.Hash
 	free       []int32
 	head, tail int32
 	n          int
@@ -107,12 +114,28 @@ type lru struct {
 
 func (l *lru) init() {
 	l.slab, l.free = l.slab[:0], l.free[:0]
+	clear(l.long)
+	l.long = l.long[:0]
 	l.head, l.tail, l.n = -1, -1, 0
 }
 
 func (l *lru) at(i int32) *entry { return &l.slab[i] }
 
-func (l *lru) pushFront(e entry) int32 {
+// is reports whether entry i is of h, whose digest is d.
+func (l *lru) is(i int32, h kvevents.Hash, d uint64) bool {
+	e := &l.slab[i]
+	if e.d != d {
+		return false
+	}
+	if e.long {
+		return l.long[i] == h
+	}
+	_, isInt := h.Uint64()
+	return isInt
+}
+
+// pushFront adds the entry of h (whose digest e.d holds) at the front.
+func (l *lru) pushFront(e entry, h kvevents.Hash) int32 {
 	var i int32
 	if k := len(l.free); k > 0 {
 		i = l.free[k-1]
@@ -120,6 +143,16 @@ func (l *lru) pushFront(e entry) int32 {
 	} else {
 		i = int32(len(l.slab))
 		l.slab = append(l.slab, entry{})
+		if l.long != nil {
+			l.long = append(l.long, kvevents.Hash{})
+		}
+	}
+	if _, isInt := h.Uint64(); !isInt {
+		e.long = true
+		if l.long == nil {
+			l.long = make([]kvevents.Hash, len(l.slab), cap(l.slab))
+		}
+		l.long[i] = h
 	}
 	e.prev, e.next = -1, l.head
 	l.slab[i] = e
@@ -149,6 +182,9 @@ func (l *lru) unlink(i int32) {
 
 func (l *lru) remove(i int32) {
 	l.unlink(i)
+	if l.slab[i].long {
+		l.long[i] = kvevents.Hash{}
+	}
 	l.slab[i] = entry{}
 	l.free = append(l.free, i)
 	l.n--
@@ -380,7 +416,7 @@ func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 	d := h.Digest()
 	if el, ok := t.entries.get(d); ok {
 		e := t.lru.at(el)
-		if e.hash == h {
+		if t.lru.is(el, h, d) {
 			if e.key != key {
 				// The same engine hash on another chain: the old key goes.
 				t.queueRemoval(e)
@@ -395,12 +431,12 @@ func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 		t.lru.remove(el)
 		t.queueRemoval(&old)
 	}
-	t.entries.set(d, t.lru.pushFront(entry{hash: h, key: key, bits: bit}))
+	t.entries.set(d, t.lru.pushFront(entry{d: d, key: key, bits: bit}, h))
 	for t.lru.n > t.cfg.MaxEntries {
 		el := t.lru.tail
 		e := *t.lru.at(el)
 		t.lru.remove(el)
-		t.entries.del(e.hash.Digest())
+		t.entries.del(e.d)
 		t.queueRemoval(&e)
 		t.stats.evicted.Add(1)
 	}
@@ -408,8 +444,9 @@ func (t *Translator) put(h kvevents.Hash, key uint64, bit uint8) {
 
 // find returns the slab index of h's entry.
 func (t *Translator) find(h kvevents.Hash) (int32, bool) {
-	el, ok := t.entries.get(h.Digest())
-	if !ok || t.lru.at(el).hash != h {
+	d := h.Digest()
+	el, ok := t.entries.get(d)
+	if !ok || !t.lru.is(el, h, d) {
 		return 0, false
 	}
 	return el, true
@@ -462,8 +499,9 @@ func (t *Translator) removed(out []kvindex.Event, ev *kvevents.BlockRemoved) []k
 			t.keys = append(t.keys, e.key)
 		}
 		if e.bits == 0 {
+			d := e.d
 			t.lru.remove(el)
-			t.entries.del(h.Digest())
+			t.entries.del(d)
 		}
 	}
 	if n := len(t.keys) - from; n > 0 {

@@ -53,6 +53,12 @@ type SubscriberConfig struct {
 	// (or listen) after a failure or a broken subscription; it doubles
 	// from RedialMin. Defaults 100ms and 5s.
 	RedialMin, RedialMax time.Duration
+	// Handle, if set, is given each message on the subscriber's goroutine,
+	// in order, instead of Messages: a batch is then received, decoded and
+	// handled without waking another goroutine. The subscriber reads
+	// nothing while it runs; Close waits for it to return. It should
+	// Release the message.
+	Handle func(Message)
 	// Buffer is the capacity of the channel of messages. Default 256
 	// batches: a few seconds of a busy engine, after which the subscriber
 	// stops reading and the engine's high-water mark drops batches, which
@@ -199,9 +205,13 @@ func New(cfg SubscriberConfig) (*Subscriber, error) {
 	}
 	cfg = cfg.withDefaults()
 	ctx, cancel := context.WithCancel(context.Background())
+	buffer := cfg.Buffer
+	if cfg.Handle != nil {
+		buffer = 0 // nothing is sent on it
+	}
 	s := &Subscriber{
 		cfg:    cfg,
-		out:    make(chan Message, cfg.Buffer),
+		out:    make(chan Message, buffer),
 		cancel: cancel,
 		done:   make(chan struct{}),
 	}
@@ -209,8 +219,8 @@ func New(cfg SubscriberConfig) (*Subscriber, error) {
 	return s, nil
 }
 
-// Messages returns the channel of delivered messages. It is closed after
-// Close.
+// Messages returns the channel of delivered messages, none when
+// SubscriberConfig.Handle is set. It is closed after Close.
 func (s *Subscriber) Messages() <-chan Message { return s.out }
 
 // Close stops the subscriber and waits for it. It is idempotent.
@@ -247,7 +257,7 @@ func (s *Subscriber) run(ctx context.Context) {
 	backoff := s.cfg.RedialMin
 	connected := false // a subscription was up before: the next is a reconnect
 	for ctx.Err() == nil {
-		sock, err := s.open(ctx)
+		src, err := s.open(ctx)
 		if err != nil {
 			s.stats.dialFailures.Add(1)
 			s.cfg.Logger.Debug("kv events: subscribe", "endpoint", s.cfg.Endpoint, "err", err)
@@ -262,8 +272,8 @@ func (s *Subscriber) run(ctx context.Context) {
 			s.cfg.Logger.Info("kv events: resubscribed", "endpoint", s.cfg.Endpoint)
 		}
 		connected = true
-		err = s.receive(ctx, sock, &backoff)
-		closeSocket(sock)
+		err = s.receive(ctx, src, &backoff)
+		src.close()
 		if ctx.Err() != nil {
 			return
 		}
@@ -275,8 +285,12 @@ func (s *Subscriber) run(ctx context.Context) {
 	}
 }
 
-// open returns a subscribed SUB socket, dialled or listening.
-func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, error) {
+// open returns a subscription: a stream the subscriber reads itself when
+// it dials a tcp or ipc endpoint, else a SUB socket, dialled or listening.
+func (s *Subscriber) open(ctx context.Context) (source, error) {
+	if network, addr, ok := streamNetwork(s.cfg.Endpoint); ok && s.cfg.Mode == Connect {
+		return dialStream(ctx, network, addr, s.cfg.Topic)
+	}
 	sock := zmq4.NewSub(ctx, zmq4.WithLogger(zmqLogger), zmq4.WithDialerMaxRetries(0),
 		zmq4.WithDialerTimeout(dialTimeout))
 	if err := sock.SetOption(zmq4.OptionSubscribe, s.cfg.Topic); err != nil {
@@ -293,7 +307,7 @@ func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, error) {
 		closeSocket(sock)
 		return nil, err
 	}
-	return sock, nil
+	return socketSource{sock}, nil
 }
 
 // closeSocket closes a socket and drains what its connections had queued:
@@ -315,9 +329,9 @@ func closeSocket(sock zmq4.Socket) {
 // receive reads the socket until it breaks (Connect mode) or ctx ends. In
 // Bind mode an engine that goes away comes back by itself: its error is
 // only logged.
-func (s *Subscriber) receive(ctx context.Context, sock zmq4.Socket, backoff *time.Duration) error {
+func (s *Subscriber) receive(ctx context.Context, src source, backoff *time.Duration) error {
 	for {
-		msg, err := sock.Recv()
+		frames, err := src.next()
 		if err != nil {
 			if ctx.Err() != nil || s.cfg.Mode == Connect {
 				return err
@@ -326,7 +340,7 @@ func (s *Subscriber) receive(ctx context.Context, sock zmq4.Socket, backoff *tim
 			continue
 		}
 		*backoff = s.cfg.RedialMin
-		topic, seq, payload, ok := splitFrames(msg.Frames, 3)
+		topic, seq, payload, ok := splitFrames(frames, 3)
 		if !ok || !bytes.HasPrefix(topic, []byte(s.cfg.Topic)) {
 			s.stats.badFrames.Add(1)
 			continue
@@ -432,6 +446,10 @@ func (s *Subscriber) deliver(ctx context.Context, seq uint64, payload []byte, re
 }
 
 func (s *Subscriber) send(ctx context.Context, m Message) bool {
+	if s.cfg.Handle != nil {
+		s.cfg.Handle(m)
+		return ctx.Err() == nil
+	}
 	select {
 	case s.out <- m:
 		return true

@@ -165,6 +165,58 @@ func TestSubscriberReleasedMessages(t *testing.T) {
 	}
 }
 
+// TestSubscriberStreams: the streams the subscriber reads itself, over
+// tcp and ipc, deliver every batch in order, on Messages or to Handle.
+func TestSubscriberStreams(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		endpoint func(t *testing.T) string
+		handle   bool
+	}{
+		{"tcp", func(*testing.T) string { return "tcp://" + freeAddr(t) }, false},
+		{"ipc", func(t *testing.T) string { return "ipc://" + t.TempDir() + "/kv.sock" }, false},
+		{"tcp/handle", func(*testing.T) string { return "tcp://" + freeAddr(t) }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ep := tc.endpoint(t)
+			p := newPublisher(t, kveventstest.PublisherConfig{Endpoint: ep})
+			cfg := kvevents.SubscriberConfig{Endpoint: ep}
+			handled := make(chan kvevents.Message, 5)
+			if tc.handle {
+				cfg.Handle = func(m kvevents.Message) { handled <- m }
+			}
+			s := newSubscriber(t, cfg)
+			waitSubscribed(t, p)
+			var want []kvevents.Batch
+			for i := range 5 {
+				want = append(want, stampBatch(i, kveventstest.IntHashes(uint64(2*i+1), uint64(2*i+2))))
+				publish(t, p, want[i])
+			}
+			var got []kvevents.Message
+			if tc.handle {
+				for range 5 {
+					select {
+					case m := <-handled:
+						got = append(got, m)
+					case <-time.After(waitFor):
+						t.Fatalf("%d messages handled of 5", len(got))
+					}
+				}
+			} else {
+				got = recv(t, s, 5)
+			}
+			if sum := summary(got); sum != "0 1 2 3 4" {
+				t.Errorf("messages %s, want 0 1 2 3 4", sum)
+			}
+			for i, m := range got {
+				if diff := cmp.Diff(want[i], m.Batch, cmpHash); diff != "" {
+					t.Errorf("batch %d (-want +got):\n%s", i, diff)
+				}
+			}
+		})
+	}
+}
+
 func TestSubscriberReplaysGaps(t *testing.T) {
 	for _, topicFrame := range []bool{false, true} {
 		t.Run(fmt.Sprintf("replay topic frame %v", topicFrame), func(t *testing.T) {

@@ -23,8 +23,10 @@ const readBuffer = 16 << 10
 
 var registerOnce sync.Once
 
-// zmqEndpoint returns the endpoint the subscriber dials or listens on for
-// ep: tcp endpoints through the buffered transport.
+// zmqEndpoint returns the endpoint the subscriber's zmq4 socket dials or
+// listens on for ep: tcp endpoints through the buffered transport. Only
+// listening subscribers have one over tcp: those that dial read their
+// stream themselves (see stream).
 func zmqEndpoint(ep string) string {
 	addr, ok := strings.CutPrefix(ep, "tcp://")
 	if !ok {
