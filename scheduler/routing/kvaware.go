@@ -135,41 +135,80 @@ type kvNotes struct {
 	top, second int     // the most cached tokens of one candidate, of another
 }
 
-// choose returns the best of the candidates es that ok admits (i < 0:
-// none): the lowest score, then, among those within tieTolerance of it,
-// the most of the prompt cached, then the earliest on the ring walked
-// from key. Nothing a replica counts alone (the requests it routed, those
-// it has in flight) breaks a tie, so that replicas that see the same
-// fleet choose alike. The ring is walked only when candidates tie, and
-// only as far as the first of them.
-func choose(c *Cycle, es []candidate, key uint64, ok func(*candidate) bool) candidate {
-	best := candidate{i: -1}
-	for i := range es {
-		if e := &es[i]; ok(e) && (best.i < 0 || e.score < best.score) {
-			best = *e
-		}
-	}
-	if best.i < 0 {
-		return best
-	}
-	limit := best.score * (1 + tieTolerance)
-	tied := 0
+// choice is the best of the candidates one rule admits, as choose
+// finds it: best indexes es (-1: none admitted), limit is the score
+// within which others tie with it, tied how many of those hold as much
+// of the prompt as best.
+type choice struct {
+	best  int
+	limit float64
+	tied  int
+}
+
+// choose returns the best candidate of es (all) and the best of those
+// under threshold requests in flight (under), each with i < 0 for none:
+// the lowest score, then, among those within tieTolerance of it, the
+// most of the prompt cached, then the earliest on the ring walked from
+// key. Nothing a replica counts alone (the requests it routed, those it
+// has in flight) breaks a tie, so that replicas that see the same fleet
+// choose alike. Both choices are made in the same two passes over es;
+// the ring is walked only when candidates tie, and only as far as the
+// first of them.
+func choose(c *Cycle, es []candidate, key uint64, threshold int) (all, under candidate) {
+	a, u := choice{best: -1}, choice{best: -1}
 	for i := range es {
 		e := &es[i]
-		if !ok(e) || e.score > limit {
-			continue
+		if a.best < 0 || e.score < es[a.best].score {
+			a.best = i
 		}
-		switch {
-		case e.cached > best.cached:
-			best, tied = *e, 1
-		case e.cached == best.cached:
-			tied++
+		if e.load < threshold && (u.best < 0 || e.score < es[u.best].score) {
+			u.best = i
 		}
 	}
-	if tied <= 1 || c.Snap.Ring == nil {
+	if a.best < 0 {
+		return candidate{i: -1}, candidate{i: -1}
+	}
+	a.limit = es[a.best].score * (1 + tieTolerance)
+	if u.best >= 0 {
+		u.limit = es[u.best].score * (1 + tieTolerance)
+	}
+	for i := range es {
+		e := &es[i]
+		if e.score <= a.limit {
+			a.tie(es, i)
+		}
+		if u.best >= 0 && e.load < threshold && e.score <= u.limit {
+			u.tie(es, i)
+		}
+	}
+	all = a.resolve(c, es, key, func(*candidate) bool { return true })
+	under = candidate{i: -1}
+	if u.best >= 0 {
+		under = u.resolve(c, es, key, func(e *candidate) bool { return e.load < threshold })
+	}
+	return all, under
+}
+
+// tie counts es[i], within ch's limit, among the candidates that tie
+// with ch's best: the one holding the most of the prompt becomes the
+// best.
+func (ch *choice) tie(es []candidate, i int) {
+	switch e, b := es[i].cached, es[ch.best].cached; {
+	case e > b:
+		ch.best, ch.tied = i, 1
+	case e == b:
+		ch.tied++
+	}
+}
+
+// resolve returns ch's best, the earliest on the ring walked from key of
+// the candidates ok admits that tie with it.
+func (ch *choice) resolve(c *Cycle, es []candidate, key uint64, ok func(*candidate) bool) candidate {
+	best := es[ch.best]
+	if ch.tied <= 1 || c.Snap.Ring == nil {
 		return best
 	}
-	cached := best.cached
+	limit, cached := ch.limit, best.cached
 	pos := c.positions()
 	c.Snap.Ring.Walk(key, func(m int) bool {
 		if !c.in[m] {
@@ -277,8 +316,7 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 		}
 	}
 	key, threshold := notes.key, k.threshold
-	bestAny := choose(c, es, key, func(*candidate) bool { return true })
-	best := choose(c, es, key, func(e *candidate) bool { return e.load < threshold })
+	bestAny, best := choose(c, es, key, threshold)
 	idle := candidate{i: -1}
 	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {
