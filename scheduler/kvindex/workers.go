@@ -361,6 +361,9 @@ type workers struct {
 	byName map[string]*worker
 	groups []*group // never shrinks
 	n      int      // workers tracked
+	// gen counts the changes of which worker holds which place (a worker
+	// added or retired), for the rosters' places (see Roster).
+	gen uint64
 
 	// hints remembers the place of the worker last found under a name's
 	// bytes, by their address: callers pass the same strings request
@@ -514,6 +517,7 @@ func (ws *workers) add(name string) (*worker, error) {
 			w.publish()
 			ws.byName[name] = w
 			ws.n++
+			ws.gen++
 			return w, nil
 		}
 	}
@@ -529,6 +533,7 @@ func (ws *workers) retire(w *worker) {
 	w.grp.slots[w.slot], w.grp.names[w.slot] = retiredSlot, ""
 	w.grp.used &^= w.bit()
 	ws.n--
+	ws.gen++
 }
 
 // release frees the slot of w, retired, once none of the block table's
