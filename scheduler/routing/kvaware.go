@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"strconv"
+	"sync/atomic"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
@@ -101,6 +102,29 @@ var kvAwareFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{lo
 // estimates in the cycle for the kv_aware picker.
 type kvScorer struct {
 	idx *kvindex.Index
+	// roster is the latest snapshot's workers in the index, which
+	// finds their places once per snapshot rather than per decision.
+	roster atomic.Pointer[snapRoster]
+}
+
+// snapRoster is a snapshot's workers' roster in the index.
+type snapRoster struct {
+	snap *pool.Snapshot
+	r    *kvindex.Roster
+}
+
+// rosterOf returns snap's workers' roster, made on its first decision.
+func (s *kvScorer) rosterOf(snap *pool.Snapshot) *kvindex.Roster {
+	if sr := s.roster.Load(); sr != nil && sr.snap == snap {
+		return sr.r
+	}
+	names := make([]string, len(snap.Workers))
+	for i := range names {
+		names[i] = snap.Name(i)
+	}
+	sr := &snapRoster{snap: snap, r: s.idx.Roster(names)}
+	s.roster.Store(sr)
+	return sr.r
 }
 
 func newKVScorer(_ NoOptions, _ Params, d Deps) (Scorer, error) {
@@ -231,13 +255,9 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	es := c.sc.kvCands[:len(cands)]
 	// One visit of every candidate: the index walks the prompt once per
 	// block table, and no array of matches is written.
-	names := c.sc.lookupNames(len(cands))
-	for i, j := range c.Index {
-		names[i] = c.Snap.Name(j)
-	}
 	p := &c.sc.kv
 	*p = kvPass{req: req, snap: c.Snap, cands: cands, index: c.Index, es: es, cached: cached, seconds: seconds, least: math.Inf(1)}
-	s.idx.Visit(req.Keys, names, p)
+	s.rosterOf(c.Snap).Visit(req.Keys, c.Index, p)
 	routed, top, second, known, least := p.routed, p.top, p.second, p.known, p.least
 	*p = kvPass{}
 	// Ties go to the earlier candidate on the ring from the first block

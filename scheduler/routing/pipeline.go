@@ -154,23 +154,14 @@ type scratch struct {
 	scores  []float64
 	cached  []int
 	seconds []float64
-	// kv_aware's visit of the index: the candidates' names and its state.
-	names []string
-	kv    kvPass
+	// kv_aware's visit of the index.
+	kv kvPass
 	// kv_aware's estimates by candidate, and the candidates' ranks on the
 	// ring (RingRanks) with the snapshot-to-candidate positions they are
 	// computed through.
 	kvCands []candidate
 	ranks   []int
 	pos     []int
-}
-
-// lookupNames returns s's buffer for n workers' names.
-func (s *scratch) lookupNames(n int) []string {
-	if cap(s.names) < n {
-		s.names = make([]string, n)
-	}
-	return s.names[:n]
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -195,7 +186,6 @@ func getScratch(n int) *scratch {
 
 func putScratch(s *scratch) {
 	clear(s.cands[:cap(s.cands)]) // drop worker references
-	clear(s.names)
 	s.c = Cycle{}
 	scratchPool.Put(s)
 }
