@@ -420,11 +420,12 @@ type kvPass struct {
 }
 
 func (p *kvPass) VisitMatch(i int, m *kvindex.Match) {
-	w := p.cands[i]
-	e := estimate(m, p.req, p.snap.InFlight(p.index[i]), adapterLoadSeconds(w, p.req, &m.Cost))
+	// The estimate is written in place: a candidate copied whole just
+	// after its fields were stored stalls the copy's loads.
+	e := &p.es[i]
+	estimate(e, m, p.req, p.snap.InFlight(p.index[i]), adapterLoadSeconds(p.cands[i], p.req, &m.Cost))
 	e.i = i
 	e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
-	p.es[i] = e
 	p.cached[i], p.seconds[i] = e.cached, e.seconds
 	p.least = min(p.least, e.score)
 	p.routed += e.routed
@@ -484,10 +485,10 @@ func adapterLoadSeconds(w *pool.Worker, req *Request, c *kvindex.Cost) float64 {
 	return 0
 }
 
-// estimate returns the estimated TTFT of req on the worker m describes,
+// estimate sets e to the estimated TTFT of req on the worker m describes,
 // with load requests in flight, after loadAdapter seconds of loading the
-// request's LoRA adapter.
-func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) candidate {
+// request's LoRA adapter; e.i and e.idle are the caller's.
+func estimate(e *candidate, m *kvindex.Match, req *Request, load int, loadAdapter float64) {
 	// Naming cost.Figures (kvindex.Cost's type) imports its package, without
 	// which the compiler inlines none of the calls below.
 	var c *cost.Figures = &m.Cost
@@ -527,7 +528,8 @@ func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) can
 	// time to first token than the recomputation burns; for prompts no
 	// worker holds it adds the same everywhere.
 	compute := c.PrefillSeconds(tokens-cached, cached) * corr
-	return candidate{seconds: ttft, raw: queue + copyCPU + cost + loadAdapter, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
+	e.seconds, e.raw, e.score = ttft, queue+copyCPU+cost+loadAdapter, ttft+compute
+	e.load, e.routed, e.cached = load, m.Routed, cached
 }
 
 // correctionDeadBand is how far a worker's correction factor may stray
