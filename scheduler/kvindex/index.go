@@ -571,7 +571,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 type MatchVisitor interface {
 	// VisitMatch is called with the match of workers[i], for each i in
 	// order, from Visit's caller; m is valid during the call only. It
-	// must not call the Index.
+	// must not call the Index nor change m.
 	VisitMatch(i int, m *Match)
 }
 
@@ -629,26 +629,33 @@ func (x *Index) visitPlaces(ls *lookupScratch, keys []uint64, found []place, now
 		ws.start(ngroups)
 		x.blocks.walk(ws, keys, now)
 	}
-	fill := func(m *Match, p place) {
+	// fill fills m with the match of the worker at p, but for m's Info
+	// fields when they are has's (see group.match), and returns the Info
+	// they are now.
+	fill := func(m *Match, p place, has *workerInfo) *workerInfo {
 		if p == noPlace {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
-			return
+			return nil
 		}
 		k, s := p/MaxWorkers, p%MaxWorkers
-		groups[k].match(int(s), m, now, &x.cfg)
+		info := groups[k].match(int(s), m, now, &x.cfg, has)
 		if ws.g[k].held&(1<<s) != 0 {
 			c := &ws.cnt[k][s]
 			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 		}
+		return info
 	}
 	// out's matches never reach v, so that a caller's array of them does
-	// not escape to the heap.
+	// not escape to the heap. A visit fills one match for every worker,
+	// whose cost figures are copied only when a worker's Info differs from
+	// the one before's (alike workers share one, see interned).
+	var has *workerInfo
 	for i, p := range found {
 		if v == nil {
-			fill(&out[i], p)
+			fill(&out[i], p, nil)
 			continue
 		}
-		fill(&ls.one, p)
+		has = fill(&ls.one, p, has)
 		v.VisitMatch(i, &ls.one)
 	}
 	for k := range ngroups {
