@@ -25,7 +25,7 @@ func TestSteps(t *testing.T) {
 			t.Errorf("Steps(%d, %d) = %d, want %d", tt.tokens, tt.running, got, tt.want)
 		}
 	}
-	if got := (Cost{}).Steps(8192, 0); got != 1 {
+	if got := new(Cost).Steps(8192, 0); got != 1 {
 		t.Errorf("Steps without a budget = %d, want DefaultCost's budget (1 step)", got)
 	}
 }

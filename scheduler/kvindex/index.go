@@ -10,7 +10,8 @@
 //
 // Watch goroutines feed it with Apply (one stream per worker); request
 // goroutines read it with Visit or Lookup (every worker's match: its
-// overlap with the prompt and its state) or Overlaps (the overlaps of the
+// overlap with the prompt and its state; a Roster's Visit for workers
+// visited request after request) or Overlaps (the overlaps of the
 // workers holding the prompt alone), which neither block for long nor
 // allocate, and record with Predict the blocks a routed request will
 // create. Each scheduler replica keeps its own index, fed by its own watch
@@ -570,7 +571,7 @@ func (x *Index) Lookup(keys []uint64, workers []string, out []Match) {
 type MatchVisitor interface {
 	// VisitMatch is called with the match of workers[i], for each i in
 	// order, from Visit's caller; m is valid during the call only. It
-	// must not call the Index.
+	// must not call the Index nor change m.
 	VisitMatch(i int, m *Match)
 }
 
@@ -595,13 +596,7 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
 	ls := lookupScratchPool.Get().(*lookupScratch) // put back only if all went well: see lookupScratch
-	if cap(ls.found) < len(workers) {
-		ls.found = make([]place, len(workers))
-	}
-	found := ls.found[:len(workers)]
-	groups := x.workers.groups
-	ws, ngroups := &ls.walk, len(groups)
-	ws.reset(ngroups)
+	found := ls.places(len(workers))
 	// The hints, then the places they name: each pass's loads are
 	// independent of one another, so that on a cold cache their misses
 	// overlap.
@@ -609,8 +604,20 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 		found[i] = x.workers.hint(name)
 	}
 	for i, name := range workers {
-		p := x.workers.check(found[i], name)
-		found[i] = p
+		found[i] = x.workers.check(found[i], name)
+	}
+	x.visitPlaces(ls, keys, found, now, out, v)
+}
+
+// visitPlaces is visit once the workers' places are found (noPlace for
+// an untracked worker): it walks keys for them and fills out[i], or hands
+// v, the match of the worker at found[i]. workers.mu is held for reading;
+// it puts ls back.
+func (x *Index) visitPlaces(ls *lookupScratch, keys []uint64, found []place, now int64, out []Match, v MatchVisitor) {
+	groups := x.workers.groups
+	ws, ngroups := &ls.walk, len(groups)
+	ws.reset(ngroups)
+	for _, p := range found {
 		if p != noPlace {
 			ws.g[p/MaxWorkers].alive |= 1 << (p % MaxWorkers)
 		}
@@ -622,26 +629,33 @@ func (x *Index) visit(keys []uint64, workers []string, out []Match, v MatchVisit
 		ws.start(ngroups)
 		x.blocks.walk(ws, keys, now)
 	}
-	fill := func(m *Match, p place) {
+	// fill fills m with the match of the worker at p, but for m's Info
+	// fields when they are has's (see group.match), and returns the Info
+	// they are now.
+	fill := func(m *Match, p place, has *workerInfo) *workerInfo {
 		if p == noPlace {
 			*m = Match{Cost: DefaultCost, BlockTokens: defaultBlockTokens, Correction: 1}
-			return
+			return nil
 		}
 		k, s := p/MaxWorkers, p%MaxWorkers
-		groups[k].match(int(s), m, now, &x.cfg)
+		info := groups[k].match(int(s), m, now, &x.cfg, has)
 		if ws.g[k].held&(1<<s) != 0 {
 			c := &ws.cnt[k][s]
 			m.GPU, m.CPU, m.Redis = int(c[0]), int(c[1]), int(c[2])
 		}
+		return info
 	}
 	// out's matches never reach v, so that a caller's array of them does
-	// not escape to the heap.
+	// not escape to the heap. A visit fills one match for every worker,
+	// whose cost figures are copied only when a worker's Info differs from
+	// the one before's (alike workers share one, see interned).
+	var has *workerInfo
 	for i, p := range found {
 		if v == nil {
-			fill(&out[i], p)
+			fill(&out[i], p, nil)
 			continue
 		}
-		fill(&ls.one, p)
+		has = fill(&ls.one, p, has)
 		v.VisitMatch(i, &ls.one)
 	}
 	for k := range ngroups {
@@ -705,6 +719,14 @@ type lookupScratch struct {
 	found []place
 	walk  walkState
 	one   Match // Visit's
+}
+
+// places returns ls's buffer for n workers' places.
+func (ls *lookupScratch) places(n int) []place {
+	if cap(ls.found) < n {
+		ls.found = make([]place, n)
+	}
+	return ls.found[:n]
 }
 
 var lookupScratchPool = sync.Pool{New: func() any { return new(lookupScratch) }}

@@ -289,8 +289,10 @@ func (w *worker) prefilled(tokens int) {
 }
 
 // match fills m with the state at now of slot s's worker (all but the
-// block counts), from its record, without its lock. workers.mu is held.
-func (g *group) match(s int, m *Match, now int64, cfg *Config) {
+// block counts), from its record, without its lock, and returns the
+// worker's Info; m's Info fields are left as they are when that is has,
+// which m holds already. workers.mu is held.
+func (g *group) match(s int, m *Match, now int64, cfg *Config, has *workerInfo) *workerInfo {
 	pending, pendingAt, routed, routedAt, corr := g.read(s, &m.Load)
 	info := g.infos[s].Load()
 	m.Known, m.GPU, m.CPU, m.Redis = true, 0, 0, 0
@@ -298,7 +300,9 @@ func (g *group) match(s int, m *Match, now int64, cfg *Config) {
 	if now-pendingAt < int64(cfg.PredictTTL) {
 		m.PendingTokens = pending
 	}
-	m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
+	if info != has {
+		m.Cost, m.HasCost, m.BlockTokens = info.cost, info.hasCost, info.blockTokens
+	}
 	m.Correction, m.Routed = 1, 0
 	if corr.predicted != 0 {
 		m.Correction = corr.factor(now)
@@ -306,6 +310,7 @@ func (g *group) match(s int, m *Match, now int64, cfg *Config) {
 	if routed != 0 {
 		m.Routed = routed * decay(routedAt, now, cfg.RoutedHalfLife)
 	}
+	return info
 }
 
 // observe feeds the correction factor with one request's predicted and
@@ -361,6 +366,9 @@ type workers struct {
 	byName map[string]*worker
 	groups []*group // never shrinks
 	n      int      // workers tracked
+	// gen counts the changes of which worker holds which place (a worker
+	// added or retired), for the rosters' places (see Roster).
+	gen uint64
 
 	// hints remembers the place of the worker last found under a name's
 	// bytes, by their address: callers pass the same strings request
@@ -514,6 +522,7 @@ func (ws *workers) add(name string) (*worker, error) {
 			w.publish()
 			ws.byName[name] = w
 			ws.n++
+			ws.gen++
 			return w, nil
 		}
 	}
@@ -529,6 +538,7 @@ func (ws *workers) retire(w *worker) {
 	w.grp.slots[w.slot], w.grp.names[w.slot] = retiredSlot, ""
 	w.grp.used &^= w.bit()
 	ws.n--
+	ws.gen++
 }
 
 // release frees the slot of w, retired, once none of the block table's

@@ -17,8 +17,15 @@ func (f adapterFilter) Keep(req *Request, w *pool.Worker) bool {
 		f.load && req.LoadAdapter && w.AdapterSlots() > 0 && w.CanTakeAdapter(req.Adapter)
 }
 
-func (f adapterFilter) keepAt(req *Request, s *pool.Snapshot, i int) bool {
-	return req.Adapter == "" || f.Keep(req, s.Workers[i])
+func (f adapterFilter) keepAt(req *Request, s *pool.Snapshot, keep []bool) {
+	if req.Adapter == "" {
+		return
+	}
+	for i, ok := range keep {
+		if ok && !f.Keep(req, s.Workers[i]) {
+			keep[i] = false
+		}
+	}
 }
 
 // adapterOptions are the adapter filter's options in a profile.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"strconv"
+	"sync/atomic"
 
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/scheduler/pool"
@@ -101,6 +102,29 @@ var kvAwareFilters = []Filter{availableFilter{}, modelFilter{}, adapterFilter{lo
 // estimates in the cycle for the kv_aware picker.
 type kvScorer struct {
 	idx *kvindex.Index
+	// roster is the latest snapshot's workers in the index, which
+	// finds their places once per snapshot rather than per decision.
+	roster atomic.Pointer[snapRoster]
+}
+
+// snapRoster is a snapshot's workers' roster in the index.
+type snapRoster struct {
+	snap *pool.Snapshot
+	r    *kvindex.Roster
+}
+
+// rosterOf returns snap's workers' roster, made on its first decision.
+func (s *kvScorer) rosterOf(snap *pool.Snapshot) *kvindex.Roster {
+	if sr := s.roster.Load(); sr != nil && sr.snap == snap {
+		return sr.r
+	}
+	names := make([]string, len(snap.Workers))
+	for i := range names {
+		names[i] = snap.Name(i)
+	}
+	sr := &snapRoster{snap: snap, r: s.idx.Roster(names)}
+	s.roster.Store(sr)
+	return sr.r
 }
 
 func newKVScorer(_ NoOptions, _ Params, d Deps) (Scorer, error) {
@@ -135,41 +159,80 @@ type kvNotes struct {
 	top, second int     // the most cached tokens of one candidate, of another
 }
 
-// choose returns the best of the candidates es that ok admits (i < 0:
-// none): the lowest score, then, among those within tieTolerance of it,
-// the most of the prompt cached, then the earliest on the ring walked
-// from key. Nothing a replica counts alone (the requests it routed, those
-// it has in flight) breaks a tie, so that replicas that see the same
-// fleet choose alike. The ring is walked only when candidates tie, and
-// only as far as the first of them.
-func choose(c *Cycle, es []candidate, key uint64, ok func(*candidate) bool) candidate {
-	best := candidate{i: -1}
-	for i := range es {
-		if e := &es[i]; ok(e) && (best.i < 0 || e.score < best.score) {
-			best = *e
-		}
-	}
-	if best.i < 0 {
-		return best
-	}
-	limit := best.score * (1 + tieTolerance)
-	tied := 0
+// choice is the best of the candidates one rule admits, as choose
+// finds it: best indexes es (-1: none admitted), limit is the score
+// within which others tie with it, tied how many of those hold as much
+// of the prompt as best.
+type choice struct {
+	best  int
+	limit float64
+	tied  int
+}
+
+// choose returns the best candidate of es (all) and the best of those
+// under threshold requests in flight (under), each with i < 0 for none:
+// the lowest score, then, among those within tieTolerance of it, the
+// most of the prompt cached, then the earliest on the ring walked from
+// key. Nothing a replica counts alone (the requests it routed, those it
+// has in flight) breaks a tie, so that replicas that see the same fleet
+// choose alike. Both choices are made in the same two passes over es;
+// the ring is walked only when candidates tie, and only as far as the
+// first of them.
+func choose(c *Cycle, es []candidate, key uint64, threshold int) (all, under candidate) {
+	a, u := choice{best: -1}, choice{best: -1}
 	for i := range es {
 		e := &es[i]
-		if !ok(e) || e.score > limit {
-			continue
+		if a.best < 0 || e.score < es[a.best].score {
+			a.best = i
 		}
-		switch {
-		case e.cached > best.cached:
-			best, tied = *e, 1
-		case e.cached == best.cached:
-			tied++
+		if e.load < threshold && (u.best < 0 || e.score < es[u.best].score) {
+			u.best = i
 		}
 	}
-	if tied <= 1 || c.Snap.Ring == nil {
+	if a.best < 0 {
+		return candidate{i: -1}, candidate{i: -1}
+	}
+	a.limit = es[a.best].score * (1 + tieTolerance)
+	if u.best >= 0 {
+		u.limit = es[u.best].score * (1 + tieTolerance)
+	}
+	for i := range es {
+		e := &es[i]
+		if e.score <= a.limit {
+			a.tie(es, i)
+		}
+		if u.best >= 0 && e.load < threshold && e.score <= u.limit {
+			u.tie(es, i)
+		}
+	}
+	all = a.resolve(c, es, key, func(*candidate) bool { return true })
+	under = candidate{i: -1}
+	if u.best >= 0 {
+		under = u.resolve(c, es, key, func(e *candidate) bool { return e.load < threshold })
+	}
+	return all, under
+}
+
+// tie counts es[i], within ch's limit, among the candidates that tie
+// with ch's best: the one holding the most of the prompt becomes the
+// best.
+func (ch *choice) tie(es []candidate, i int) {
+	switch e, b := es[i].cached, es[ch.best].cached; {
+	case e > b:
+		ch.best, ch.tied = i, 1
+	case e == b:
+		ch.tied++
+	}
+}
+
+// resolve returns ch's best, the earliest on the ring walked from key of
+// the candidates ok admits that tie with it.
+func (ch *choice) resolve(c *Cycle, es []candidate, key uint64, ok func(*candidate) bool) candidate {
+	best := es[ch.best]
+	if ch.tied <= 1 || c.Snap.Ring == nil {
 		return best
 	}
-	cached := best.cached
+	limit, cached := ch.limit, best.cached
 	pos := c.positions()
 	c.Snap.Ring.Walk(key, func(m int) bool {
 		if !c.in[m] {
@@ -192,13 +255,9 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 	es := c.sc.kvCands[:len(cands)]
 	// One visit of every candidate: the index walks the prompt once per
 	// block table, and no array of matches is written.
-	names := c.sc.lookupNames(len(cands))
-	for i, j := range c.Index {
-		names[i] = c.Snap.Name(j)
-	}
 	p := &c.sc.kv
 	*p = kvPass{req: req, snap: c.Snap, cands: cands, index: c.Index, es: es, cached: cached, seconds: seconds, least: math.Inf(1)}
-	s.idx.Visit(req.Keys, names, p)
+	s.rosterOf(c.Snap).Visit(req.Keys, c.Index, p)
 	routed, top, second, known, least := p.routed, p.top, p.second, p.known, p.least
 	*p = kvPass{}
 	// Ties go to the earlier candidate on the ring from the first block
@@ -277,8 +336,7 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 		}
 	}
 	key, threshold := notes.key, k.threshold
-	bestAny := choose(c, es, key, func(*candidate) bool { return true })
-	best := choose(c, es, key, func(e *candidate) bool { return e.load < threshold })
+	bestAny, best := choose(c, es, key, threshold)
 	idle := candidate{i: -1}
 	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {
@@ -362,11 +420,12 @@ type kvPass struct {
 }
 
 func (p *kvPass) VisitMatch(i int, m *kvindex.Match) {
-	w := p.cands[i]
-	e := estimate(m, p.req, p.snap.InFlight(p.index[i]), adapterLoadSeconds(w, p.req, &m.Cost))
+	// The estimate is written in place: a candidate copied whole just
+	// after its fields were stored stalls the copy's loads.
+	e := &p.es[i]
+	estimate(e, m, p.req, p.snap.InFlight(p.index[i]), adapterLoadSeconds(p.cands[i], p.req, &m.Cost))
 	e.i = i
 	e.idle = e.load == 0 && m.PendingTokens == 0 && m.Load.Running == 0 && m.Load.Waiting == 0
-	p.es[i] = e
 	p.cached[i], p.seconds[i] = e.cached, e.seconds
 	p.least = min(p.least, e.score)
 	p.routed += e.routed
@@ -426,10 +485,10 @@ func adapterLoadSeconds(w *pool.Worker, req *Request, c *kvindex.Cost) float64 {
 	return 0
 }
 
-// estimate returns the estimated TTFT of req on the worker m describes,
+// estimate sets e to the estimated TTFT of req on the worker m describes,
 // with load requests in flight, after loadAdapter seconds of loading the
-// request's LoRA adapter.
-func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) candidate {
+// request's LoRA adapter; e.i and e.idle are the caller's.
+func estimate(e *candidate, m *kvindex.Match, req *Request, load int, loadAdapter float64) {
 	// Naming cost.Figures (kvindex.Cost's type) imports its package, without
 	// which the compiler inlines none of the calls below.
 	var c *cost.Figures = &m.Cost
@@ -469,7 +528,8 @@ func estimate(m *kvindex.Match, req *Request, load int, loadAdapter float64) can
 	// time to first token than the recomputation burns; for prompts no
 	// worker holds it adds the same everywhere.
 	compute := c.PrefillSeconds(tokens-cached, cached) * corr
-	return candidate{seconds: ttft, raw: queue + copyCPU + cost + loadAdapter, score: ttft + compute, load: load, routed: m.Routed, cached: cached}
+	e.seconds, e.raw, e.score = ttft, queue+copyCPU+cost+loadAdapter, ttft+compute
+	e.load, e.routed, e.cached = load, m.Routed, cached
 }
 
 // correctionDeadBand is how far a worker's correction factor may stray

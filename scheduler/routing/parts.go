@@ -14,8 +14,12 @@ type availableFilter struct{}
 
 func (availableFilter) Name() string                         { return "available" }
 func (availableFilter) Keep(_ *Request, w *pool.Worker) bool { return w.Available() }
-func (availableFilter) keepAt(_ *Request, s *pool.Snapshot, i int) bool {
-	return s.Available(i)
+func (availableFilter) keepAt(_ *Request, s *pool.Snapshot, keep []bool) {
+	for i, ok := range keep {
+		if ok && !s.Available(i) {
+			keep[i] = false
+		}
+	}
 }
 
 // modelFilter keeps workers that serve the request's model.
@@ -23,8 +27,12 @@ type modelFilter struct{}
 
 func (modelFilter) Name() string                           { return "model" }
 func (modelFilter) Keep(req *Request, w *pool.Worker) bool { return w.Serves(req.Model) }
-func (modelFilter) keepAt(req *Request, s *pool.Snapshot, i int) bool {
-	return s.Serves(i, req.Model)
+func (modelFilter) keepAt(req *Request, s *pool.Snapshot, keep []bool) {
+	for i, ok := range keep {
+		if ok && !s.Serves(i, req.Model) {
+			keep[i] = false
+		}
+	}
 }
 
 // defaultFilters are every profile's unless it says otherwise.

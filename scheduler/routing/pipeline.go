@@ -2,6 +2,7 @@ package routing
 
 import (
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -22,12 +23,15 @@ type Filter interface {
 	Keep(req *Request, w *pool.Worker) bool
 }
 
-// filterAt is a Filter that reads a worker's state from the snapshot, by
-// its position (pool.Snapshot's Available, Serves…), rather than from the
-// Worker, as the built-in filters do: a pick reads the statuses the
-// snapshot holds side by side, not a Worker each.
+// filterAt is a Filter that reads the workers' state from the snapshot,
+// by their positions (pool.Snapshot's Available, Serves…), rather than
+// from the Workers, as the built-in filters do: a pick reads the statuses
+// the snapshot holds side by side, not a Worker each, and calls the
+// filter once for them all.
 type filterAt interface {
-	keepAt(req *Request, s *pool.Snapshot, i int) bool
+	// keepAt clears keep[i] for each worker i of s that keep[i] holds and
+	// the filter drops.
+	keepAt(req *Request, s *pool.Snapshot, keep []bool)
 }
 
 // A Scorer rates the candidates that passed a profile's filters:
@@ -154,23 +158,14 @@ type scratch struct {
 	scores  []float64
 	cached  []int
 	seconds []float64
-	// kv_aware's visit of the index: the candidates' names and its state.
-	names []string
-	kv    kvPass
+	// kv_aware's visit of the index.
+	kv kvPass
 	// kv_aware's estimates by candidate, and the candidates' ranks on the
 	// ring (RingRanks) with the snapshot-to-candidate positions they are
 	// computed through.
 	kvCands []candidate
 	ranks   []int
 	pos     []int
-}
-
-// lookupNames returns s's buffer for n workers' names.
-func (s *scratch) lookupNames(n int) []string {
-	if cap(s.names) < n {
-		s.names = make([]string, n)
-	}
-	return s.names[:n]
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -195,7 +190,6 @@ func getScratch(n int) *scratch {
 
 func putScratch(s *scratch) {
 	clear(s.cands[:cap(s.cands)]) // drop worker references
-	clear(s.names)
 	s.c = Cycle{}
 	scratchPool.Put(s)
 }
@@ -339,14 +333,13 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	}
 	*c = Cycle{Req: req, Snap: snap, rand: p.rand, in: sc.in[:len(ws)], passed: sc.passed[:len(ws)], sc: sc, scorers: len(p.scorers)}
 	clear(c.in)
-	clear(c.passed)
+	p.filter(req, snap, c.passed)
 	cands, index := sc.cands[:0], sc.index[:0]
 	full := false
 	for i, w := range ws {
-		if !p.keep(req, snap, i) {
+		if !c.passed[i] {
 			continue
 		}
-		c.passed[i] = true
 		if req.MaxInFlight > 0 && snap.InFlight(i) >= req.MaxInFlight {
 			full = true
 			continue
@@ -390,24 +383,32 @@ func (p *Profile) Pick(req *Request, snap *pool.Snapshot) (Decision, error) {
 	return d, nil
 }
 
-// keep applies the filters and Request.Tried to the snapshot's i-th
-// worker.
-func (p *Profile) keep(req *Request, s *pool.Snapshot, i int) bool {
+// filter sets keep[i] for each worker i of s that passes the filters
+// and is not one of Request.Tried. Each filter hears only the workers
+// the filters before it kept.
+func (p *Profile) filter(req *Request, s *pool.Snapshot, keep []bool) {
+	for i := range keep {
+		keep[i] = true
+	}
 	for j, f := range p.filters {
 		if a := p.at[j]; a != nil {
-			if !a.keepAt(req, s, i) {
-				return false
+			a.keepAt(req, s, keep)
+			continue
+		}
+		for i, ok := range keep {
+			if ok && !f.Keep(req, s.Workers[i]) {
+				keep[i] = false
 			}
-		} else if !f.Keep(req, s.Workers[i]) {
-			return false
 		}
 	}
-	for _, t := range req.Tried {
-		if t == s.Workers[i] {
-			return false
+	if len(req.Tried) == 0 {
+		return
+	}
+	for i, ok := range keep {
+		if ok && slices.Contains(req.Tried, s.Workers[i]) {
+			keep[i] = false
 		}
 	}
-	return true
 }
 
 func (p *Profile) reason(c *Cycle, w *pool.Worker) Reason {

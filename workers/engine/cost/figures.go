@@ -21,7 +21,9 @@ const (
 // Figures are what a worker reports of its cost model (workerpb.CostParams),
 // from which kv_aware estimates time to first token. The simulated engine
 // charges the same: for a prefill step, PrefillSeconds plus StepSeconds of
-// the KV it decodes alongside.
+// the KV it decodes alongside. The methods that estimate take a pointer:
+// kv_aware calls them for every worker of a decision, and copying the
+// figures for each call cost more than the arithmetic.
 type Figures struct {
 	Layers, Hidden int
 	// FLOPS is the effective compute throughput, FLOP/s.
@@ -57,7 +59,7 @@ func defaultFigures() Figures {
 
 // PrefillSeconds is the compute time of prefilling n new tokens over c
 // tokens already cached.
-func (c Figures) PrefillSeconds(n, cached int) float64 {
+func (c *Figures) PrefillSeconds(n, cached int) float64 {
 	if n <= 0 || c.FLOPS <= 0 {
 		return 0
 	}
@@ -69,7 +71,7 @@ func (c Figures) PrefillSeconds(n, cached int) float64 {
 // are unknown; their attention term counts them as long as this one
 // (capped by the queue): exact for a burst of similar requests, the case
 // where queues form.
-func (c Figures) QueueSeconds(tokens int64, promptTokens int) float64 {
+func (c *Figures) QueueSeconds(tokens int64, promptTokens int) float64 {
 	if tokens <= 0 || c.FLOPS <= 0 {
 		return 0
 	}
@@ -79,7 +81,7 @@ func (c Figures) QueueSeconds(tokens int64, promptTokens int) float64 {
 }
 
 // CPUCopySeconds is the time to copy blocks from the CPU tier to the GPU.
-func (c Figures) CPUCopySeconds(blocks int) float64 {
+func (c *Figures) CPUCopySeconds(blocks int) float64 {
 	if blocks <= 0 || c.PCIeBytesPerSecond <= 0 {
 		return 0
 	}
@@ -88,7 +90,7 @@ func (c Figures) CPUCopySeconds(blocks int) float64 {
 
 // RedisFetchSeconds is the time to fetch blocks from the Redis tier: one
 // round trip (the worker fetches them pipelined) plus their bytes.
-func (c Figures) RedisFetchSeconds(blocks int) float64 {
+func (c *Figures) RedisFetchSeconds(blocks int) float64 {
 	if blocks <= 0 || c.RedisBytesPerSecond <= 0 {
 		return 0
 	}
@@ -98,7 +100,7 @@ func (c Figures) RedisFetchSeconds(blocks int) float64 {
 // StepSeconds is the time one step spends beyond its prefill compute:
 // reading the weights (DecodeStepSeconds) and the KV of usedBlocks
 // blocks, the sequences it decodes alongside.
-func (c Figures) StepSeconds(usedBlocks int64) float64 {
+func (c *Figures) StepSeconds(usedBlocks int64) float64 {
 	s := c.DecodeStepSeconds
 	if usedBlocks > 0 && c.HBMBytesPerSecond > 0 {
 		s += float64(usedBlocks) * float64(c.KVBytesPerBlock) / c.HBMBytesPerSecond
@@ -111,7 +113,7 @@ func (c Figures) StepSeconds(usedBlocks int64) float64 {
 // sequence goes to prefill, but never less than a quarter of the budget (a
 // worker that full admits nothing new until some sequences finish, which
 // the queue term of an estimate does not see either). At least 1.
-func (c Figures) Steps(tokens int64, running int) int64 {
+func (c *Figures) Steps(tokens int64, running int) int64 {
 	budget := int64(c.MaxBatchedTokens)
 	if budget <= 0 {
 		budget = DefaultMaxBatchedTokens
