@@ -13,6 +13,47 @@ import (
 	"github.com/batonllm/baton/transfer/kvstore/redistest"
 )
 
+// benchPair starts a redis-server and two replicas sharing through it, both
+// reporting to obs, and returns the sender and a wait for the receiver's
+// b.N'th entry. The stream starts empty: the receiver follows it from its
+// first message, whenever its first read comes.
+func benchPair(b *testing.B, obs Observer) (sender *Sharer, wait func()) {
+	addr := redistest.Start(b).Addr()
+	mk := func(id string, apply func(Entry)) *Sharer {
+		client := redis.NewClient(&redis.Options{Addr: addr})
+		b.Cleanup(func() { client.Close() })
+		s, err := New(Config{Client: client, ID: id, Queue: 1 << 16, Apply: apply, Observer: obs})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { s.Close() })
+		return s
+	}
+	var got atomic.Int64
+	all := make(chan struct{}) // closed at the b.N'th entry
+	mk("receiver", func(Entry) {
+		if got.Add(1) == int64(b.N) {
+			close(all)
+		}
+	})
+	return mk("sender", func(Entry) {}), func() {
+		select {
+		case <-all:
+		case <-time.After(time.Minute):
+			b.Fatalf("received %d of %d", got.Load(), b.N)
+		}
+	}
+}
+
+// benchKeys returns n block keys, spread as hashes are.
+func benchKeys(n int) []uint64 {
+	ks := make([]uint64, n)
+	for i := range ks {
+		ks[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	return ks
+}
+
 // BenchmarkShare sends b.N decisions of an 8,000-token prompt (500 block
 // keys of 16 tokens) on one of 64 workers from one replica to another
 // through a real redis-server on loopback, and reports what it costs:
@@ -20,42 +61,14 @@ import (
 func BenchmarkShare(b *testing.B) {
 	for _, keys := range []int{64, 500} {
 		b.Run(fmt.Sprintf("keys=%d", keys), func(b *testing.B) {
-			addr := redistest.Start(b).Addr()
-			var got atomic.Int64
 			var sent, bytes atomic.Int64
-			obs := &countObserver{sent: &sent, bytes: &bytes}
-			mk := func(id string, apply func(Entry)) *Sharer {
-				client := redis.NewClient(&redis.Options{Addr: addr})
-				b.Cleanup(func() { client.Close() })
-				s, err := New(Config{Client: client, ID: id, Queue: 1 << 16, Apply: apply, Observer: obs})
-				if err != nil {
-					b.Fatal(err)
-				}
-				b.Cleanup(func() { s.Close() })
-				return s
-			}
-			// The stream starts empty: the receiver follows it from its
-			// first message, whenever its first read comes.
-			all := make(chan struct{}) // closed at the b.N'th entry
-			mk("receiver", func(Entry) {
-				if got.Add(1) == int64(b.N) {
-					close(all)
-				}
-			})
-			sender := mk("sender", func(Entry) {})
-			ks := make([]uint64, keys)
-			for i := range ks {
-				ks[i] = uint64(i) * 0x9e3779b97f4a7c15
-			}
+			sender, wait := benchPair(b, &countObserver{sent: &sent, bytes: &bytes})
+			ks := benchKeys(keys)
 			b.ResetTimer()
 			for i := range b.N {
 				sender.Publish(Entry{Worker: fmt.Sprintf("worker-%02d", i%64), Keys: ks})
 			}
-			select {
-			case <-all:
-			case <-time.After(time.Minute):
-				b.Fatalf("received %d of %d", got.Load(), b.N)
-			}
+			wait()
 			b.StopTimer()
 			b.ReportMetric(float64(bytes.Load())/float64(b.N), "bytes/decision")
 			b.ReportMetric(float64(sent.Load())/float64(b.N), "msgs/decision")
@@ -80,36 +93,9 @@ func (c *countObserver) Sent(_, bytes int) {
 // other (p50, p99): the window in which the other replica routes without
 // it, when neither replica's process is busy with anything else.
 func BenchmarkShareLag(b *testing.B) {
-	addr := redistest.Start(b).Addr()
-	var mu sync.Mutex
-	var lags []time.Duration
-	obs := &lagObserver{record: func(d time.Duration) {
-		mu.Lock()
-		lags = append(lags, d)
-		mu.Unlock()
-	}}
-	var got atomic.Int64
-	all := make(chan struct{})
-	mk := func(id string, apply func(Entry)) *Sharer {
-		client := redis.NewClient(&redis.Options{Addr: addr})
-		b.Cleanup(func() { client.Close() })
-		s, err := New(Config{Client: client, ID: id, Queue: 1 << 16, Apply: apply, Observer: obs})
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { s.Close() })
-		return s
-	}
-	mk("receiver", func(Entry) {
-		if got.Add(1) == int64(b.N) {
-			close(all)
-		}
-	})
-	sender := mk("sender", func(Entry) {})
-	ks := make([]uint64, 500)
-	for i := range ks {
-		ks[i] = uint64(i) * 0x9e3779b97f4a7c15
-	}
+	obs := &lagObserver{}
+	sender, wait := benchPair(b, obs)
+	ks := benchKeys(500)
 	// The receiver's first read must be waiting before the first message.
 	time.Sleep(50 * time.Millisecond)
 	b.ResetTimer()
@@ -119,24 +105,26 @@ func BenchmarkShareLag(b *testing.B) {
 		<-tick.C
 		sender.Publish(Entry{Worker: fmt.Sprintf("worker-%02d", i%64), Keys: ks})
 	}
-	select {
-	case <-all:
-	case <-time.After(time.Minute):
-		b.Fatalf("received %d of %d", got.Load(), b.N)
-	}
+	wait()
 	b.StopTimer()
-	mu.Lock()
-	defer mu.Unlock()
-	slices.Sort(lags)
-	if len(lags) > 0 {
-		b.ReportMetric(float64(lags[len(lags)/2].Microseconds()), "p50-lag-µs")
-		b.ReportMetric(float64(lags[len(lags)*99/100].Microseconds()), "p99-lag-µs")
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	slices.Sort(obs.lags)
+	if n := len(obs.lags); n > 0 {
+		b.ReportMetric(float64(obs.lags[n/2].Microseconds()), "p50-lag-µs")
+		b.ReportMetric(float64(obs.lags[n*99/100].Microseconds()), "p99-lag-µs")
 	}
 }
 
+// lagObserver keeps the lag of every message received.
 type lagObserver struct {
 	nopObserver
-	record func(time.Duration)
+	mu   sync.Mutex
+	lags []time.Duration
 }
 
-func (l *lagObserver) Received(_, _ int, lag time.Duration) { l.record(lag) }
+func (l *lagObserver) Received(_, _ int, lag time.Duration) {
+	l.mu.Lock()
+	l.lags = append(l.lags, lag)
+	l.mu.Unlock()
+}
