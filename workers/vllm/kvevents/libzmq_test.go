@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,19 +22,33 @@ import (
 // python3-zmq (libzmq 4.3) sending vLLM's array-like batches, the frames
 // of its own making (an empty topic frame, long frames, messages larger
 // than a subscriber's first buffer) and ZMTP heartbeats it drops the
-// subscriber for when they go unanswered. Every batch arrives, in order,
+// subscriber for when they go unanswered; and, the subscriber binding,
+// connecting to it without heartbeats. Every batch arrives, in order,
 // decoded as sent.
 func TestLibzmqPublisher(t *testing.T) {
 	python := libzmqPython(t)
-	for _, transport := range []string{"tcp", "ipc"} {
-		t.Run(transport, func(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mode kvevents.Mode
+	}{{"tcp", kvevents.Connect}, {"ipc", kvevents.Connect}, {"tcp-bind", kvevents.Bind}} {
+		t.Run(tc.name, func(t *testing.T) {
 			endpoint := "tcp://127.0.0.1:0"
-			if transport == "ipc" {
+			var args []string
+			switch {
+			case tc.name == "ipc":
 				endpoint = "ipc://" + filepath.Join(t.TempDir(), "kv.sock")
+			case tc.mode == kvevents.Bind:
+				l, err := net.Listen("tcp", "127.0.0.1:0")
+				if err != nil {
+					t.Fatal(err)
+				}
+				endpoint = "tcp://" + l.Addr().String()
+				l.Close()
+				args = []string{"connect"}
 			}
-			bound := startLibzmqPublisher(t, python, endpoint)
+			bound := startLibzmqPublisher(t, python, endpoint, args...)
 			// vLLM's default topic is empty (newSubscriber would set one).
-			s, err := kvevents.New(kvevents.SubscriberConfig{Endpoint: bound, RedialMin: 10 * time.Millisecond, RedialMax: 50 * time.Millisecond})
+			s, err := kvevents.New(kvevents.SubscriberConfig{Endpoint: bound, Mode: tc.mode, RedialMin: 10 * time.Millisecond, RedialMax: 50 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -125,11 +140,12 @@ func checkLibzmqBatch(s uint64, b kvevents.Batch) error {
 	return nil
 }
 
-// startLibzmqPublisher runs testdata/libzmq_pub.py at endpoint and returns
-// the endpoint it bound; the test's cleanup stops it.
-func startLibzmqPublisher(t *testing.T, python, endpoint string) string {
+// startLibzmqPublisher runs testdata/libzmq_pub.py at endpoint with args
+// and returns the endpoint it bound or connected to; the test's cleanup
+// stops it.
+func startLibzmqPublisher(t *testing.T, python, endpoint string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(python, "testdata/libzmq_pub.py", endpoint)
+	cmd := exec.Command(python, append([]string{"testdata/libzmq_pub.py", endpoint}, args...)...)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
