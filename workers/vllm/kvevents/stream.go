@@ -39,9 +39,6 @@ type stream struct {
 }
 
 const (
-	// streamBuffer is a stream's initial buffer: a few batches of a busy
-	// engine. It grows to the largest message.
-	streamBuffer = 16 << 10
 	// maxMessage bounds a message's frames together: a batch of a long
 	// prompt's blocks is a few hundred kB.
 	maxMessage = 256 << 20
@@ -87,7 +84,7 @@ func dialStream(ctx context.Context, network, addr, topic string) (*stream, erro
 		s.close()
 		return nil, err
 	}
-	s.buf = make([]byte, streamBuffer)
+	s.buf = make([]byte, readBuffer) // it grows to the largest message
 	return s, nil
 }
 

@@ -17,8 +17,8 @@ import (
 // each, six or more a batch.
 const bufferedTCP = "baton-buffered-tcp"
 
-// readBuffer is the read buffer of a connection to an engine: a few
-// batches of a busy engine's events.
+// readBuffer is the read buffer of a connection to an engine, and a
+// stream's first buffer: a few batches of a busy engine's events.
 const readBuffer = 16 << 10
 
 var registerOnce sync.Once
@@ -40,16 +40,9 @@ func zmqEndpoint(ep string) string {
 	return bufferedTCP + "://" + addr
 }
 
-// bufferedTransport is a transport whose connections' reads are buffered.
+// bufferedTransport is a transport whose accepted connections' reads are
+// buffered; it never dials (see zmqEndpoint).
 type bufferedTransport struct{ transport.Transport }
-
-func (t bufferedTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
-	c, err := t.Transport.Dial(ctx, d, addr)
-	if err != nil {
-		return nil, err
-	}
-	return newBufferedConn(c), nil
-}
 
 func (t bufferedTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
 	l, err := t.Transport.Listen(ctx, addr)
