@@ -1,8 +1,10 @@
 package scheduler
 
 import (
+	"errors"
 	"net"
 	"sync"
+	"syscall"
 )
 
 // limitListener accepts at most cap(sem) connections at once: past it,
@@ -61,4 +63,13 @@ func (c *limitConn) CloseWrite() error {
 		return cw.CloseWrite()
 	}
 	return nil
+}
+
+// SyscallConn gives the underlying connection's descriptor, where it has
+// one: the HTTP/1.1 server follows its client's hang-ups through it.
+func (c *limitConn) SyscallConn() (syscall.RawConn, error) {
+	if sc, ok := c.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
+	}
+	return nil, errors.New("the connection has no descriptor")
 }

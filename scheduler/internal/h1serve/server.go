@@ -5,13 +5,17 @@
 // connection to notice a client that goes away, and stops it again when
 // the handler returns: a goroutine hand-off and a deadline change on both
 // ends of every request, which is most of what a proxy adds to a short
-// request's time to first byte. This server starts that watch only once a
-// request has run for WatchDelay (10 ms by default) with its body
-// read, so a request answered sooner costs none of it, and one that runs
-// longer (a generation, a queued request) is cancelled when its client
-// goes, as under net/http, at most twice WatchDelay late. One goroutine a
-// server starts the watches (a timer a request would wake a thread of the
-// runtime's for every request).
+// request's time to first byte. On Linux this server adds each connection,
+// once, to an epoll set of its own for the client's FIN or reset
+// (hangup_linux.go), followed by one goroutine that sleeps until a client
+// goes: a request costs nothing, and a client that goes cancels its
+// request at once. Elsewhere (or where a connection has no descriptor) it
+// starts the read only once a request has run for WatchDelay (10 ms by
+// default) with its body read, so a request answered sooner costs none of
+// it, and one that runs longer is cancelled when its client goes, at most
+// twice WatchDelay late; one goroutine a server starts those watches,
+// ticking while requests are armed (a timer a request would wake a thread
+// of the runtime's for every request).
 //
 // The parsing of requests is net/http's (http.ReadRequest, which also
 // frames request bodies); responses are framed here: a body the handler
@@ -36,8 +40,9 @@ import (
 	"time"
 )
 
-// DefaultWatchDelay is Server.WatchDelay's default: a client that goes
-// away is noticed within 10–20 ms, a small part of a generation's time,
+// DefaultWatchDelay is Server.WatchDelay's default where the epoll set
+// does not follow connections: a client that goes away is noticed within
+// 10–20 ms, a small part of a generation's time,
 // and the watcher's ticks cost a hundred wake-ups a second while requests
 // run, whatever their number.
 const DefaultWatchDelay = 10 * time.Millisecond
@@ -64,14 +69,18 @@ type Server struct {
 	ConnState func(net.Conn, http.ConnState)
 	// ErrorLog logs accept errors and handler panics; nil is slog.Default.
 	ErrorLog *slog.Logger
-	// WatchDelay is how long a request runs, its body read, before its
+	// WatchDelay is, where the epoll set does not follow a connection, how
+	// long a request runs, its body read, before its
 	// connection is watched for the client going away (up to twice as
 	// long: the watches start on a tick of this period); 0 is
 	// DefaultWatchDelay.
 	WatchDelay time.Duration
 
 	watchHook func() // tests: called as a watch starts reading
+	tickWatch bool   // tests: watches started by the watcher's ticks, as where epoll is not
 	watcher   watchers
+	hupsOnce  sync.Once
+	hups      *hangups // nil where clients' hang-ups cannot be followed
 	shutdown  atomic.Bool
 	mu        sync.Mutex
 	listeners map[*net.Listener]struct{}
@@ -114,7 +123,34 @@ func (s *Server) Serve(l net.Listener) error {
 			return http.ErrServerClosed
 		}
 		c.setState(http.StateNew)
+		s.followHangups(c)
 		go c.serve()
+	}
+}
+
+// followHangups has the server's epoll set follow c's connection, so that
+// its client going cancels its request at once; where that cannot be,
+// c's watches are started by the watcher's ticks.
+func (s *Server) followHangups(c *conn) {
+	if s.tickWatch {
+		return
+	}
+	s.hupsOnce.Do(func() {
+		h, err := newHangups()
+		if err != nil {
+			s.logger().Warn("clients that go are noticed by reading their connection after a delay", "err", err)
+			return
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.shutdown.Load() {
+			h.close()
+			return
+		}
+		s.hups = h
+	})
+	if s.hups != nil {
+		s.hups.add(c)
 	}
 }
 
@@ -194,6 +230,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		s.mu.Unlock()
 		if n == 0 {
 			s.watcher.close()
+			s.closeHangups()
 			return nil
 		}
 		t := time.NewTimer(shutdownPoll)
@@ -218,7 +255,16 @@ func (s *Server) Close() error {
 	}
 	s.mu.Unlock()
 	s.watcher.close()
+	s.closeHangups()
 	return err
+}
+
+func (s *Server) closeHangups() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hups != nil {
+		s.hups.close()
+	}
 }
 
 func (s *Server) closeListeners() error {
@@ -244,6 +290,7 @@ type conn struct {
 	buf  []byte      // a response's body before its header is sent
 
 	created time.Time
+	hupID   uint64 // in the server's hangups set when not 0
 
 	mu     sync.Mutex
 	state  http.ConnState
@@ -295,6 +342,9 @@ func (c *conn) serve() {
 			c.srv.logger().Error("handler panicked", "remote", c.nc.RemoteAddr().String(), "panic", v, "stack", string(buf))
 		}
 		c.watch.stop(c)
+		if c.hupID != 0 {
+			c.srv.hups.remove(c.hupID)
+		}
 		c.nc.Close()
 		c.setState(http.StateClosed)
 		c.srv.remove(c)

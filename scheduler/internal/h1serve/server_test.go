@@ -257,54 +257,99 @@ func TestUnreadBody(t *testing.T) {
 	}
 }
 
-// TestClientGoneCancels: a client that closes its connection while its
-// request runs cancels the request's context.
+// TestClientGoneCancels: a client that closes or resets its connection
+// while its request runs cancels the request's context, whether the
+// server's epoll set follows the connection or the watcher's ticks start
+// a read of it.
 func TestClientGoneCancels(t *testing.T) {
-	started := make(chan struct{})
-	cancelled := make(chan error, 1)
-	addr := start(t, &Server{WatchDelay: time.Microsecond, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)
-		close(started)
-		select {
-		case <-r.Context().Done():
-			cancelled <- r.Context().Err()
-		case <-time.After(10 * time.Second):
-			cancelled <- errors.New("not cancelled within 10s")
-		}
-	})})
-	c, _ := rawConn(t, addr)
-	io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
-	<-started
-	c.Close()
-	if err := <-cancelled; !errors.Is(err, context.Canceled) {
-		t.Errorf("the request's context: %v, want context.Canceled", err)
+	for _, tc := range []struct {
+		name        string
+		tick, reset bool
+	}{{"epoll/close", false, false}, {"epoll/reset", false, true}, {"tick/close", true, false}, {"tick/reset", true, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			started := make(chan struct{})
+			cancelled := make(chan error, 1)
+			s := &Server{WatchDelay: time.Microsecond, tickWatch: tc.tick, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body)
+				close(started)
+				select {
+				case <-r.Context().Done():
+					cancelled <- r.Context().Err()
+				case <-time.After(10 * time.Second):
+					cancelled <- errors.New("not cancelled within 10s")
+				}
+			})}
+			addr := start(t, s)
+			c, _ := rawConn(t, addr)
+			io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+			<-started
+			if tc.reset {
+				c.(*net.TCPConn).SetLinger(0)
+			}
+			c.Close()
+			if err := <-cancelled; !errors.Is(err, context.Canceled) {
+				t.Errorf("the request's context: %v, want context.Canceled", err)
+			}
+			if followed := s.hups != nil; followed == tc.tick {
+				t.Errorf("followed by the epoll set: %v, want %v", followed, !tc.tick)
+			}
+		})
+	}
+}
+
+// TestFollowedRequestsStartNoWatcher: where the epoll set follows the
+// connections, requests start no watcher (whose ticks would wake a thread
+// a hundred times a second) and no watch's read.
+func TestFollowedRequestsStartNoWatcher(t *testing.T) {
+	s := &Server{Handler: http.HandlerFunc(echo)}
+	s.watchHook = func() { t.Error("a watch read the connection") }
+	addr := start(t, s)
+	c, br := rawConn(t, addr)
+	for range 20 {
+		io.WriteString(c, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+		readResponse(t, br, "POST")
+	}
+	s.watcher.mu.Lock()
+	running := s.watcher.running
+	s.watcher.mu.Unlock()
+	if running || s.hups == nil {
+		t.Errorf("watcher running %v, epoll set %v; want no watcher and the set", running, s.hups != nil)
 	}
 }
 
 // TestPipelinedWhileWatched: a request sent while the previous one runs
 // (its connection watched) is served after it, whole.
 func TestPipelinedWhileWatched(t *testing.T) {
-	release := make(chan struct{})
-	var n atomic.Int32
-	s := &Server{WatchDelay: time.Microsecond}
-	watching := make(chan struct{}, 1)
-	s.watchHook = func() { watching <- struct{}{} }
-	s.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if n.Add(1) == 1 {
-			<-release
-		}
-		echo(w, r)
-	})
-	addr := start(t, s)
-	c, br := rawConn(t, addr)
-	io.WriteString(c, "GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
-	<-watching
-	io.WriteString(c, "GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
-	close(release)
-	for _, want := range []string{"GET /one ", "GET /two "} {
-		if _, body := readResponse(t, br, "GET"); body != want {
-			t.Errorf("body %q, want %q", body, want)
-		}
+	for _, tick := range []bool{false, true} {
+		t.Run(fmt.Sprintf("tick=%v", tick), func(t *testing.T) {
+			release := make(chan struct{})
+			var n atomic.Int32
+			s := &Server{WatchDelay: time.Microsecond, tickWatch: tick}
+			watching := make(chan struct{}, 1)
+			s.watchHook = func() { watching <- struct{}{} }
+			running := make(chan struct{})
+			s.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if n.Add(1) == 1 {
+					close(running)
+					<-release
+				}
+				echo(w, r)
+			})
+			addr := start(t, s)
+			c, br := rawConn(t, addr)
+			io.WriteString(c, "GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+			<-running
+			if tick {
+				<-watching
+			}
+			io.WriteString(c, "GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+			close(release)
+			for _, want := range []string{"GET /one ", "GET /two "} {
+				if _, body := readResponse(t, br, "GET"); body != want {
+					t.Errorf("body %q, want %q", body, want)
+				}
+			}
+		})
 	}
 }
 

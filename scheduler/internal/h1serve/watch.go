@@ -11,13 +11,17 @@ import (
 var aLongTimeAgo = time.Unix(1, 0)
 
 // watch notices a client that goes away while its request runs. Armed
-// once the request's body is read, it is started by the server's watcher
-// (watchers) once armed for WatchDelay: it reads the connection from a
+// once the request's body is read, it cancels the request when the
+// client goes. Where the server's epoll set follows the connection
+// (hangup_linux.go), that set's goroutine calls hangup as the client
+// closes or resets it. Elsewhere, the server's watcher (watchers) starts
+// the watch once armed for WatchDelay: it reads the connection from a
 // goroutine of its own, where an end of the connection cancels the
 // request and a byte (the next request, pipelined) is kept for the
 // connection's reader. stop ends it when the handler returns.
 type watch struct {
 	mu       sync.Mutex
+	gone     bool // the client closed or reset the connection (hangups)
 	armed    bool
 	armedAt  time.Time
 	listed   bool // in the server's watcher list; guarded by the watcher's mu
@@ -38,9 +42,35 @@ func (wt *watch) arm(c *conn, cancel func()) {
 		wt.mu.Unlock()
 		return // the client sent more already: it is there
 	}
+	if c.hupID != 0 {
+		if wt.gone {
+			wt.mu.Unlock()
+			cancel()
+			return
+		}
+		wt.armed, wt.cancel = true, cancel
+		wt.mu.Unlock()
+		return
+	}
 	wt.armed, wt.armedAt, wt.cancel = true, time.Now(), cancel
 	wt.mu.Unlock()
 	c.srv.watcher.add(c)
+}
+
+// hangup is called, from the server's hangups set, as the client closes
+// or resets the connection: the running request, if armed, is cancelled,
+// and any request read after is cancelled as it is armed.
+func (wt *watch) hangup() {
+	wt.mu.Lock()
+	wt.gone = true
+	var cancel func()
+	if wt.armed {
+		cancel = wt.cancel
+	}
+	wt.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
 }
 
 // due starts the watch if it has been armed for d by now, and reports
