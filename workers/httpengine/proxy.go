@@ -296,11 +296,7 @@ func (rw *relayWriter) relayEvents(body io.Reader, usage *usageTracker, inspect 
 			if inspect {
 				if data, ok := dataPayload(line); ok && !bytes.Equal(data, doneMarker) {
 					if rw.onFirst != nil && !firstSeen {
-						var c chunkJSON
-						if json.Unmarshal(data, &c) == nil {
-							firstSeen = c.hasGenerated()
-							usage.take(&c)
-						}
+						firstSeen = usage.firstChunk(data)
 					} else {
 						usage.observe(data)
 					}

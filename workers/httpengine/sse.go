@@ -240,12 +240,71 @@ func (c *chunkJSON) hasGenerated() bool {
 		}
 		if d := ch.Delta; d != nil {
 			if d.Content != "" || d.ReasoningContent != "" || d.Reasoning != "" ||
-				(len(d.ToolCalls) > 0 && string(d.ToolCalls) != "null" && string(d.ToolCalls) != "[]") {
+				nonEmptyArray(d.ToolCalls) {
 				return true
 			}
 		}
 	}
 	return false
+}
+
+// firstChunk reads a streamed chunk until the first one that carries
+// generated text: it reports whether this one does, taking its usage and
+// finish reason into u. A chunk that carries neither (the common case,
+// read before each early chunk is relayed) is scanned, not decoded: text
+// is generated when a content, text or reasoning key holds a string that
+// is not empty, or tool_calls an array that is not, wherever in the chunk
+// (engines put them in a choice's delta, or text in the choice); a key
+// found this way is a key, since a quote inside a JSON string is escaped.
+// A chunk with a message (a whole answer) or an error is decoded.
+func (u *usageTracker) firstChunk(data []byte) bool {
+	if k := skipSpace(data); k < len(data) && data[k] == '{' &&
+		valueStart(data, `"usage"`) != '{' && valueStart(data, `"timings"`) != '{' &&
+		valueStart(data, `"finish_reason"`) != '"' && !bytes.Contains(data, []byte(`"error"`)) &&
+		!bytes.Contains(data, []byte(`"message"`)) {
+		for _, key := range []string{`"content"`, `"text"`, `"reasoning_content"`, `"reasoning"`} {
+			if anyValue(data, key, func(v []byte) bool { return len(v) > 1 && v[0] == '"' && v[1] != '"' }) {
+				return true
+			}
+		}
+		return anyValue(data, `"tool_calls"`, nonEmptyArray)
+	}
+	var c chunkJSON
+	if json.Unmarshal(data, &c) != nil {
+		return false
+	}
+	u.take(&c)
+	return c.hasGenerated()
+}
+
+// anyValue reports whether the value of any occurrence of key in data
+// (from its first byte to the end of data) satisfies f.
+func anyValue(data []byte, key string, f func(v []byte) bool) bool {
+	for {
+		i := bytes.Index(data, []byte(key))
+		if i < 0 {
+			return false
+		}
+		data = data[i+len(key):]
+		j := skipSpace(data)
+		if j >= len(data) || data[j] != ':' {
+			continue
+		}
+		data = data[j+1:]
+		if f(data[skipSpace(data):]) {
+			return true
+		}
+	}
+}
+
+// nonEmptyArray reports whether v is a JSON array with an element.
+func nonEmptyArray(v []byte) bool {
+	v = v[skipSpace(v):]
+	if len(v) == 0 || v[0] != '[' {
+		return false
+	}
+	k := 1 + skipSpace(v[1:])
+	return k < len(v) && v[k] != ']'
 }
 
 // usageTracker gathers the usage and finish reason of a relayed response.
