@@ -56,43 +56,67 @@ func TestStreamFrames(t *testing.T) {
 			wire = append(wire, frame(flagCommand, []byte("\x04PING\x00\x0actx"))...)
 		}
 	}
-	for _, chunk := range []int{1, 7, 1000, len(wire)} {
-		t.Run(fmt.Sprintf("chunk=%d", chunk), func(t *testing.T) {
-			ours, theirs := net.Pipe()
-			defer theirs.Close()
-			s := &stream{conn: ours, stop: func() bool { return true }, buf: make([]byte, 64)}
-			defer s.close()
-			pong := make(chan []byte, 1)
-			go func() {
-				for b := wire; len(b) > 0; b = b[min(chunk, len(b)):] {
-					if _, err := theirs.Write(b[:min(chunk, len(b))]); err != nil {
-						return
+	for _, tr := range []string{"pipe", "tcp"} {
+		for _, chunk := range []int{1, 7, 1000, len(wire)} {
+			t.Run(fmt.Sprintf("%s/chunk=%d", tr, chunk), func(t *testing.T) {
+				ours, theirs := connPair(t, tr)
+				defer theirs.Close()
+				s := &stream{conn: ours, stop: func() bool { return true }, buf: make([]byte, 64)}
+				defer s.close()
+				pong := make(chan []byte, 1)
+				go func() {
+					for b := wire; len(b) > 0; b = b[min(chunk, len(b)):] {
+						if _, err := theirs.Write(b[:min(chunk, len(b))]); err != nil {
+							return
+						}
+					}
+				}()
+				go func() {
+					b := make([]byte, 64)
+					n, _ := io.ReadAtLeast(theirs, b, 2)
+					pong <- b[:n]
+				}()
+				for i, w := range want {
+					got, err := s.next()
+					if err != nil {
+						t.Fatalf("message %d: %v", i, err)
+					}
+					if diff := cmp.Diff(w, got); diff != "" {
+						t.Fatalf("message %d (-want +got):\n%s", i, diff)
 					}
 				}
-			}()
-			go func() {
-				b := make([]byte, 64)
-				n, _ := io.ReadAtLeast(theirs, b, 2)
-				pong <- b[:n]
-			}()
-			for i, w := range want {
-				got, err := s.next()
-				if err != nil {
-					t.Fatalf("message %d: %v", i, err)
+				if got, want := <-pong, frame(flagCommand, []byte("\x04PONGctx")); !bytes.Equal(got, want) {
+					t.Errorf("answer to PING %q, want %q", got, want)
 				}
-				if diff := cmp.Diff(w, got); diff != "" {
-					t.Fatalf("message %d (-want +got):\n%s", i, diff)
+				theirs.Close()
+				if _, err := s.next(); !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrClosedPipe) {
+					t.Errorf("after the publisher went: %v, want EOF", err)
 				}
-			}
-			if got, want := <-pong, frame(flagCommand, []byte("\x04PONGctx")); !bytes.Equal(got, want) {
-				t.Errorf("answer to PING %q, want %q", got, want)
-			}
-			theirs.Close()
-			if _, err := s.next(); !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrClosedPipe) {
-				t.Errorf("after the publisher went: %v, want EOF", err)
-			}
-		})
+			})
+		}
 	}
+}
+
+// connPair returns the two ends of a connection: a net.Pipe, or a TCP
+// connection over loopback.
+func connPair(t *testing.T, transport string) (ours, theirs net.Conn) {
+	if transport == "pipe" {
+		ours, theirs = net.Pipe()
+		return ours, theirs
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	ours, err = net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if theirs, err = l.Accept(); err != nil {
+		t.Fatal(err)
+	}
+	return ours, theirs
 }
 
 // TestStreamRefuses: what no publisher sends ends the stream.
