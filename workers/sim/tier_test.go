@@ -133,6 +133,13 @@ func TestTierMovement(t *testing.T) {
 		timed(t, e, &engine.Request{Prompt: sevenBlocks('a' + i)})
 	}
 	waitStored(t, store, nsOf(""), keys)
+	// The writer counts a write and announces it after the store took it:
+	// wait for the announcement too (the count comes before it).
+	var evs []CacheEvent
+	waitFor(t, "the store write's event", func() bool {
+		evs = append(evs, drain(sub)...)
+		return saw(evs, BlockStored, TierRedis, 0, keys[0])
+	})
 	r, storeHit := timed(t, e, &engine.Request{Prompt: p})
 	if f := r.final; f.CachedTokens != 111 || f.CachedRedis != 111 {
 		t.Errorf("store hit: %+v, want 111 cached from the shared tier", f)
@@ -147,7 +154,7 @@ func TestTierMovement(t *testing.T) {
 		t.Errorf("costs not ordered GPU < CPU < store < recompute")
 	}
 
-	evs := drain(sub)
+	evs = append(evs, drain(sub)...)
 	for _, c := range []struct {
 		name       string
 		kind       CacheEventKind
