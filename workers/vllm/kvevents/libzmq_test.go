@@ -23,14 +23,14 @@ import (
 // of its own making (an empty topic frame, long frames, messages larger
 // than a subscriber's first buffer) and ZMTP heartbeats it drops the
 // subscriber for when they go unanswered; and, the subscriber binding,
-// connecting to it without heartbeats. Every batch arrives, in order,
-// decoded as sent.
+// connecting to it without heartbeats (vLLM's way) and with them. Every
+// batch arrives, in order, decoded as sent.
 func TestLibzmqPublisher(t *testing.T) {
 	python := libzmqPython(t)
 	for _, tc := range []struct {
 		name string
 		mode kvevents.Mode
-	}{{"tcp", kvevents.Connect}, {"ipc", kvevents.Connect}, {"tcp-bind", kvevents.Bind}} {
+	}{{"tcp", kvevents.Connect}, {"ipc", kvevents.Connect}, {"tcp-bind", kvevents.Bind}, {"tcp-bind-heartbeats", kvevents.Bind}} {
 		t.Run(tc.name, func(t *testing.T) {
 			endpoint := "tcp://127.0.0.1:0"
 			var args []string
@@ -45,6 +45,9 @@ func TestLibzmqPublisher(t *testing.T) {
 				endpoint = "tcp://" + l.Addr().String()
 				l.Close()
 				args = []string{"connect"}
+				if tc.name == "tcp-bind-heartbeats" {
+					args = append(args, "heartbeats")
+				}
 			}
 			bound := startLibzmqPublisher(t, python, endpoint, args...)
 			// vLLM's default topic is empty (newSubscriber would set one).

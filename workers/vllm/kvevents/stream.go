@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -68,11 +69,17 @@ func dialStream(ctx context.Context, network, addr, topic string) (*stream, erro
 	if err != nil {
 		return nil, err
 	}
-	// A publisher that accepts and says nothing must not hold the
-	// subscriber: the handshake has the dial's time.
+	return openStream(ctx, c, topic, false)
+}
+
+// openStream does the ZMTP handshake on c, dialled or (server) accepted,
+// and subscribes to topic. ctx closes the stream when it ends.
+func openStream(ctx context.Context, c net.Conn, topic string, server bool) (*stream, error) {
+	// A publisher that says nothing must not hold the subscriber: the
+	// handshake has the dial's time.
 	_ = c.SetDeadline(time.Now().Add(dialTimeout))
 	s := &stream{conn: c, stop: context.AfterFunc(ctx, func() { c.Close() })}
-	zc, err := zmq4.Open(c, null.Security(), zmq4.Sub, nil, false, nil)
+	zc, err := zmq4.Open(c, null.Security(), zmq4.Sub, nil, server, nil)
 	if err == nil {
 		// ZMTP 3.0's subscription: a message of 1 then the topic.
 		err = zc.SendMsg(zmq4.NewMsg(append([]byte{1}, topic...)))
@@ -233,3 +240,127 @@ var (
 	_ source = (*stream)(nil)
 	_ source = socketSource{}
 )
+
+// listenSource is a bind subscription over tcp read by baton's own
+// streams: each publisher that connects is handshaken and read on a
+// goroutine of its own (answering its heartbeats), which hands each
+// message to next and waits until the subscriber is done with it, since
+// its frames point into the stream's buffer.
+type listenSource struct {
+	l      net.Listener
+	topic  string
+	ctx    context.Context
+	cancel context.CancelFunc
+	msgs   chan listenMsg
+	held   chan struct{} // the ack of the message next returned last
+	wg     sync.WaitGroup
+}
+
+type listenMsg struct {
+	frames [][]byte
+	err    error
+	ack    chan struct{}
+}
+
+// listenStream listens on addr (a tcp address; a host of * is every
+// interface) for publishers of topic.
+func listenStream(ctx context.Context, addr, topic string) (*listenSource, error) {
+	if host, port, err := net.SplitHostPort(addr); err == nil && host == "*" {
+		addr = net.JoinHostPort("", port)
+	}
+	var lc net.ListenConfig
+	l, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	ls := &listenSource{l: l, topic: topic, ctx: ctx, cancel: cancel, msgs: make(chan listenMsg)}
+	ls.wg.Add(1)
+	go ls.accept()
+	return ls, nil
+}
+
+func (ls *listenSource) accept() {
+	defer ls.wg.Done()
+	for {
+		c, err := ls.l.Accept()
+		if err != nil {
+			if ls.ctx.Err() != nil {
+				return
+			}
+			// Out of descriptors, say: report it and try again shortly.
+			ls.report(err)
+			select {
+			case <-time.After(50 * time.Millisecond):
+			case <-ls.ctx.Done():
+				return
+			}
+			continue
+		}
+		ls.wg.Add(1)
+		go ls.read(c)
+	}
+}
+
+// read reads one publisher's messages until its connection ends, which
+// it reports to next as an error.
+func (ls *listenSource) read(c net.Conn) {
+	defer ls.wg.Done()
+	st, err := openStream(ls.ctx, c, ls.topic, true)
+	if err != nil {
+		c.Close()
+		ls.report(err)
+		return
+	}
+	defer st.close()
+	ack := make(chan struct{}, 1)
+	for {
+		frames, err := st.next()
+		if err != nil {
+			ls.report(err)
+			return
+		}
+		select {
+		case ls.msgs <- listenMsg{frames: frames, ack: ack}:
+		case <-ls.ctx.Done():
+			return
+		}
+		select {
+		case <-ack:
+		case <-ls.ctx.Done():
+			return
+		}
+	}
+}
+
+func (ls *listenSource) report(err error) {
+	select {
+	case ls.msgs <- listenMsg{err: err}:
+	case <-ls.ctx.Done():
+	}
+}
+
+// next returns the next message of any publisher, or the error that
+// ended one publisher's connection (others go on).
+func (ls *listenSource) next() ([][]byte, error) {
+	if ls.held != nil {
+		ls.held <- struct{}{}
+		ls.held = nil
+	}
+	select {
+	case m := <-ls.msgs:
+		if m.err != nil {
+			return nil, m.err
+		}
+		ls.held = m.ack
+		return m.frames, nil
+	case <-ls.ctx.Done():
+		return nil, ls.ctx.Err()
+	}
+}
+
+func (ls *listenSource) close() {
+	ls.cancel()
+	ls.l.Close()
+	ls.wg.Wait()
+}

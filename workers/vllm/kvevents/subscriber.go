@@ -286,10 +286,14 @@ func (s *Subscriber) run(ctx context.Context) {
 }
 
 // open returns a subscription: a stream the subscriber reads itself when
-// it dials a tcp or ipc endpoint, else a SUB socket, dialled or listening.
+// it dials a tcp or ipc endpoint, streams of its own for the publishers
+// that connect to a tcp endpoint it binds, else (ipc bound, inproc) a SUB
+// socket.
 func (s *Subscriber) open(ctx context.Context) (source, error) {
 	if network, addr, ok := streamNetwork(s.cfg.Endpoint); ok && s.cfg.Mode == Connect {
 		return dialStream(ctx, network, addr, s.cfg.Topic)
+	} else if ok && network == "tcp" {
+		return listenStream(ctx, addr, s.cfg.Topic)
 	}
 	sock := zmq4.NewSub(ctx, zmq4.WithLogger(zmqLogger), zmq4.WithDialerMaxRetries(0),
 		zmq4.WithDialerTimeout(dialTimeout))

@@ -1,16 +1,18 @@
 """A KV event publisher on libzmq, as vLLM's ZmqEventPublisher sends.
 
-Usage: python3 libzmq_pub.py ENDPOINT [connect]
+Usage: python3 libzmq_pub.py ENDPOINT [connect [heartbeats]]
 
 Binds a PUB socket at ENDPOINT (tcp://127.0.0.1:0 for a free port) and
 prints the endpoint it bound, or with "connect" connects it to ENDPOINT
 (a subscriber that binds) and prints ENDPOINT, sending no heartbeats, as
-vLLM's publisher does when its endpoint names a host; then it publishes a batch every 20 ms until stdin
+vLLM's publisher does when its endpoint names a host, unless "heartbeats"
+follows; then it publishes a batch every 20 ms until stdin
 closes: multipart (topic b"", 8-byte big-endian sequence number, msgpack
 payload), the payload an array-like EventBatch [ts, events, dp_rank?]
 whose events are tagged arrays. What batch s holds is a function of s,
-which the Go test computes again. Bound, the socket sends ZMTP heartbeats
-every 20 ms and drops a subscriber that does not answer them within 300 ms.
+which the Go test computes again. Bound (or connecting with "heartbeats"),
+the socket sends ZMTP heartbeats every 20 ms and drops a subscriber that
+does not answer them within 300 ms.
 """
 import sys
 import threading
@@ -42,7 +44,10 @@ def main():
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
-    if sys.argv[2:] == ["connect"]:
+    if sys.argv[2:3] == ["connect"]:
+        if sys.argv[3:] == ["heartbeats"]:
+            pub.setsockopt(zmq.HEARTBEAT_IVL, 20)
+            pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
         pub.connect(sys.argv[1])
         print(sys.argv[1], flush=True)
     else:
