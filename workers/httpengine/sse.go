@@ -135,21 +135,14 @@ func isBlank(line []byte) bool {
 // match followed by a colon is a key; this lets the relay skip decoding
 // the chunks that cannot matter.
 func valueStart(data []byte, key string) byte {
-	for {
-		i := bytes.Index(data, []byte(key))
-		if i < 0 {
-			return 0
+	var first byte
+	anyValue(data, key, func(v []byte) bool {
+		if len(v) > 0 {
+			first = v[0]
 		}
-		data = data[i+len(key):]
-		j := skipSpace(data)
-		if j < len(data) && data[j] == ':' {
-			data = data[j+1:]
-			if k := skipSpace(data); k < len(data) {
-				return data[k]
-			}
-			return 0
-		}
-	}
+		return true
+	})
+	return first
 }
 
 func skipSpace(b []byte) int {
@@ -278,7 +271,8 @@ func (u *usageTracker) firstChunk(data []byte) bool {
 }
 
 // anyValue reports whether the value of any occurrence of key in data
-// (from its first byte to the end of data) satisfies f.
+// (from its first byte to the end of data) satisfies f, trying them in
+// order until one does. Keys are found as valueStart says.
 func anyValue(data []byte, key string, f func(v []byte) bool) bool {
 	for {
 		i := bytes.Index(data, []byte(key))
@@ -340,30 +334,24 @@ func (u *usageTracker) observe(data []byte) {
 // are found as valueStart finds them; the values of every occurrence are
 // scanned in order, as take reads the choices.
 func plainString(data []byte, key string) (string, bool) {
-	for {
-		i := bytes.Index(data, []byte(key))
-		if i < 0 {
-			return "", false
+	var str string
+	var ok bool
+	anyValue(data, key, func(v []byte) bool {
+		if len(v) == 0 || v[0] != '"' {
+			return false
 		}
-		data = data[i+len(key):]
-		j := skipSpace(data)
-		if j >= len(data) || data[j] != ':' {
-			continue
-		}
-		data = data[j+1:]
-		k := skipSpace(data)
-		if k >= len(data) || data[k] != '"' {
-			continue
-		}
-		data = data[k+1:]
-		end := bytes.IndexAny(data, `"\`)
-		if end < 0 || data[end] == '\\' {
-			return "", false
+		v = v[1:]
+		end := bytes.IndexAny(v, `"\`)
+		if end < 0 || v[end] == '\\' {
+			return true // an escape: the caller decodes
 		}
 		if end > 0 {
-			return string(data[:end]), true
+			str, ok = string(v[:end]), true
+			return true
 		}
-	}
+		return false
+	})
+	return str, ok
 }
 
 func (u *usageTracker) take(c *chunkJSON) {

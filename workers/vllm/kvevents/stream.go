@@ -320,9 +320,7 @@ func (ls *listenSource) read(c net.Conn) {
 			ls.report(err)
 			return
 		}
-		select {
-		case ls.msgs <- listenMsg{frames: frames, ack: ack}:
-		case <-ls.ctx.Done():
+		if !ls.send(listenMsg{frames: frames, ack: ack}) {
 			return
 		}
 		select {
@@ -333,10 +331,15 @@ func (ls *listenSource) read(c net.Conn) {
 	}
 }
 
-func (ls *listenSource) report(err error) {
+func (ls *listenSource) report(err error) { ls.send(listenMsg{err: err}) }
+
+// send hands m to next, and reports false if the source closed first.
+func (ls *listenSource) send(m listenMsg) bool {
 	select {
-	case ls.msgs <- listenMsg{err: err}:
+	case ls.msgs <- m:
+		return true
 	case <-ls.ctx.Done():
+		return false
 	}
 }
 
