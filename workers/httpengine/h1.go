@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/batonllm/baton/workers/rawio"
 )
 
 // h1Transport is the round tripper of plain-http engines: HTTP/1.1 over a
@@ -70,6 +72,7 @@ func newH1Transport(headerTimeout time.Duration, next http.RoundTripper) *h1Tran
 type h1Conn struct {
 	addr   string
 	nc     net.Conn
+	rio    rawio.Conn // nc's reads and writes, out of the runtime's sight
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	idleAt time.Time
@@ -224,12 +227,11 @@ func (t *h1Transport) conn(ctx context.Context, addr string, pooled bool) (pc *h
 	if err != nil {
 		return nil, false, err
 	}
-	return &h1Conn{
-		addr: addr,
-		nc:   nc,
-		br:   bufio.NewReaderSize(nc, 16<<10),
-		bw:   bufio.NewWriterSize(nc, 16<<10),
-	}, false, nil
+	pc = &h1Conn{addr: addr, nc: nc}
+	pc.rio.Init(nc)
+	pc.br = bufio.NewReaderSize(&pc.rio, 16<<10)
+	pc.bw = bufio.NewWriterSize(&pc.rio, 16<<10)
+	return pc, false, nil
 }
 
 func (t *h1Transport) take(addr string) *h1Conn {

@@ -38,6 +38,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/batonllm/baton/workers/rawio"
 )
 
 // DefaultWatchDelay is Server.WatchDelay's default where the epoll set
@@ -283,6 +285,7 @@ func (s *Server) closeListeners() error {
 type conn struct {
 	srv  *Server
 	nc   net.Conn
+	rio  rawio.Conn // nc's reads and writes, out of the runtime's sight
 	base context.Context
 	br   *bufio.Reader
 	bw   *bufio.Writer
@@ -350,8 +353,9 @@ func (c *conn) serve() {
 		c.srv.remove(c)
 	}()
 	c.lr.c = c
+	c.rio.Init(c.nc)
 	c.br = bufio.NewReaderSize(&c.lr, 4<<10)
-	c.bw = bufio.NewWriterSize(c.nc, 4<<10)
+	c.bw = bufio.NewWriterSize(&c.rio, 4<<10)
 	c.buf = make([]byte, 0, bufferBeforeChunking)
 	for first := true; ; first = false {
 		if !c.next(first) {

@@ -143,7 +143,7 @@ func (wt *watch) read(c *conn, p []byte) (int, error) {
 		wt.mu.Unlock()
 		return 1, nil
 	}
-	return c.nc.Read(p)
+	return c.rio.Read(p)
 }
 
 // watchers starts the watches of a server's connections. A timer a
