@@ -13,6 +13,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
+
+	"github.com/batonllm/baton/workers/rawio"
 )
 
 // source is one subscription's messages: a connection the subscriber
@@ -31,6 +33,7 @@ type source interface {
 // costs.
 type stream struct {
 	conn net.Conn
+	rio  rawio.Conn  // conn's reads after the handshake, out of the runtime's sight
 	stop func() bool // ends closing conn when the subscription's ctx ends
 
 	buf    []byte // buf[r:w] is read and not yet parsed
@@ -91,6 +94,7 @@ func openStream(ctx context.Context, c net.Conn, topic string, server bool) (*st
 		s.close()
 		return nil, err
 	}
+	s.rio.Init(c)
 	s.buf = make([]byte, readBuffer) // it grows to the largest message
 	return s, nil
 }
@@ -182,7 +186,7 @@ func (s *stream) fill(start *int, n int) error {
 		*start = 0
 	}
 	for s.w-s.r < n {
-		k, err := s.conn.Read(s.buf[s.w:])
+		k, err := s.rio.Read(s.buf[s.w:])
 		s.w += k
 		if err != nil && s.w-s.r < n {
 			if err == io.EOF && (s.w > s.r || s.r > *start) {

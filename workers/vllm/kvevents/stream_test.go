@@ -62,6 +62,7 @@ func TestStreamFrames(t *testing.T) {
 				ours, theirs := connPair(t, tr)
 				defer theirs.Close()
 				s := &stream{conn: ours, stop: func() bool { return true }, buf: make([]byte, 64)}
+				s.rio.Init(ours)
 				defer s.close()
 				pong := make(chan []byte, 1)
 				go func() {
@@ -135,6 +136,7 @@ func TestStreamRefuses(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ours, theirs := net.Pipe()
 			s := &stream{conn: ours, stop: func() bool { return true }, buf: make([]byte, 64)}
+			s.rio.Init(ours)
 			defer s.close()
 			go func() {
 				theirs.Write(tc.wire)
@@ -175,6 +177,7 @@ func FuzzStream(f *testing.F) {
 	f.Add([]byte{flagLong | flagMore, 0, 0, 0, 0, 0, 0, 1, 0}, 9)
 	f.Fuzz(func(t *testing.T, wire []byte, cut int) {
 		s := &stream{conn: &byteConn{in: wire, cut: max(1, cut%4096)}, stop: func() bool { return true }, buf: make([]byte, 64)}
+		s.rio.Init(s.conn)
 		read := 0
 		for {
 			frames, err := s.next()
