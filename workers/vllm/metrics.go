@@ -55,7 +55,14 @@ type names struct {
 	kvTokens         string
 	rankLabel        string // the label naming a data-parallel rank's series
 
-	read map[string]struct{} // the names above, set by init
+	read  map[string]struct{} // the names above, set by init
+	byLen []sameLen           // the same, grouped by length, set by init
+}
+
+// sameLen is the names read of one length.
+type sameLen struct {
+	n     int
+	names []string
 }
 
 var engineNames = map[Engine]names{
@@ -309,7 +316,60 @@ var pageBuffers = sync.Pool{New: func() any { return new(pageBuffer) }}
 // keep appends to dst the lines of page that belong to the families n
 // reads: their samples and their HELP and TYPE comments. Other comments
 // and other families' lines are left out.
+//
+// Most of a page is other families' samples (vLLM's histograms), so a
+// sample line that starts at its first byte is matched without reading
+// its name through: a name read is in the line only if the byte after
+// its length ends a name, and only then are the bytes compared. Lines
+// with a leading blank or a comment are read by lineName, as keepSlow
+// reads every line (FuzzKeep checks the two agree).
 func (n names) keep(page, dst []byte) []byte {
+	for len(page) > 0 {
+		line := page
+		if i := bytes.IndexByte(page, '\n'); i >= 0 {
+			line, page = page[:i+1], page[i+1:]
+		} else {
+			page = nil
+		}
+		var ok bool
+		if c := line[0]; c == '#' || isBlankByte(c) {
+			_, ok = n.read[string(lineName(line))]
+		} else {
+			ok = n.startsWithRead(line)
+		}
+		if ok {
+			dst = append(dst, line...)
+			if dst[len(dst)-1] != '\n' {
+				dst = append(dst, '\n')
+			}
+		}
+	}
+	return dst
+}
+
+// startsWithRead reports whether line, a sample's without leading blanks,
+// is of a family n reads: lineName(line) is one of its names.
+func (n names) startsWithRead(line []byte) bool {
+	for _, g := range n.byLen {
+		if len(line) <= g.n {
+			break // byLen is by length, shortest first
+		}
+		switch line[g.n] {
+		case '{', ' ', '\t', '\r', '\n':
+		default:
+			continue
+		}
+		for _, name := range g.names {
+			if string(line[:g.n]) == name {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// keepSlow is keep reading every line's name: what keep must agree with.
+func (n names) keepSlow(page, dst []byte) []byte {
 	for len(page) > 0 {
 		line := page
 		if i := bytes.IndexByte(page, '\n'); i >= 0 {
@@ -361,6 +421,22 @@ func init() {
 				n.read[f] = struct{}{}
 			}
 		}
+		n.byLen = groupByLen(n.read)
 		engineNames[e] = n
 	}
+}
+
+// groupByLen returns the names of set grouped by length, shortest first.
+func groupByLen(set map[string]struct{}) []sameLen {
+	var groups []sameLen
+	for name := range set {
+		i := slices.IndexFunc(groups, func(g sameLen) bool { return g.n == len(name) })
+		if i < 0 {
+			groups = append(groups, sameLen{n: len(name)})
+			i = len(groups) - 1
+		}
+		groups[i].names = append(groups[i].names, name)
+	}
+	slices.SortFunc(groups, func(a, b sameLen) int { return a.n - b.n })
+	return groups
 }
