@@ -13,6 +13,7 @@ func FuzzKeep(f *testing.F) {
 	f.Add([]byte("vllm:num_requests_waiting\n vllm:num_requests_waiting 1\n\tvllm:kv_cache_usage_perc\t0.5\r\n"))
 	f.Add([]byte("vllm:num_requests_running"))
 	f.Add([]byte("sglang:num_queue_reqs{dp_rank=\"1\"} 4\nsglang:num_queue_reqsX 4\n\n\n#\n# TYPE\n"))
+	f.Add([]byte("# HELP  vllm:num_requests_running x\n#  TYPE vllm:num_requests_running gauge\n# HELP vllm:num_requests_runningx\n# TYPE \tvllm:cache_config_info info\n"))
 	f.Add([]byte("vllm:time_to_first_token_seconds_bucket{le=\"0.001\"} 0\nvllm:cache_config_info{block_size=\"16\"} 1\n"))
 	f.Fuzz(func(t *testing.T, page []byte) {
 		for e, n := range engineNames {

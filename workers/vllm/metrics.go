@@ -320,9 +320,11 @@ var pageBuffers = sync.Pool{New: func() any { return new(pageBuffer) }}
 // Most of a page is other families' samples (vLLM's histograms), so a
 // sample line that starts at its first byte is matched without reading
 // its name through: a name read is in the line only if the byte after
-// its length ends a name, and only then are the bytes compared. Lines
-// with a leading blank or a comment are read by lineName, as keepSlow
-// reads every line (FuzzKeep checks the two agree).
+// its length ends a name, and only then are the bytes compared; so is
+// the name of a HELP or TYPE comment written as the format's writers
+// write it ("# HELP name"). Other lines (a leading blank, other spacing)
+// are read by lineName, as keepSlow reads every line (FuzzKeep checks
+// the two agree).
 func (n names) keep(page, dst []byte) []byte {
 	for len(page) > 0 {
 		line := page
@@ -332,9 +334,12 @@ func (n names) keep(page, dst []byte) []byte {
 			page = nil
 		}
 		var ok bool
-		if c := line[0]; c == '#' || isBlankByte(c) {
+		switch c := line[0]; {
+		case c == '#' && len(line) > 7 && (string(line[:7]) == "# HELP " || string(line[:7]) == "# TYPE ") && !isBlankByte(line[7]):
+			ok = n.startsWithRead(line[7:])
+		case c == '#' || isBlankByte(c):
 			_, ok = n.read[string(lineName(line))]
-		} else {
+		default:
 			ok = n.startsWithRead(line)
 		}
 		if ok {
