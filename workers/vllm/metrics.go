@@ -325,7 +325,12 @@ var pageBuffers = sync.Pool{New: func() any { return new(pageBuffer) }}
 // write it ("# HELP name"). Other lines (a leading blank, other spacing)
 // are read by lineName, as keepSlow reads every line (FuzzKeep checks
 // the two agree).
-func (n names) keep(page, dst []byte) []byte {
+func (n names) keep(page, dst []byte) []byte { return n.keepLines(page, dst, false) }
+
+// keepSlow is keep reading every line's name: what keep must agree with.
+func (n names) keepSlow(page, dst []byte) []byte { return n.keepLines(page, dst, true) }
+
+func (n names) keepLines(page, dst []byte, slow bool) []byte {
 	for len(page) > 0 {
 		line := page
 		if i := bytes.IndexByte(page, '\n'); i >= 0 {
@@ -335,10 +340,10 @@ func (n names) keep(page, dst []byte) []byte {
 		}
 		var ok bool
 		switch c := line[0]; {
-		case c == '#' && len(line) > 7 && (string(line[:7]) == "# HELP " || string(line[:7]) == "# TYPE ") && !isBlankByte(line[7]):
-			ok = n.startsWithRead(line[7:])
-		case c == '#' || isBlankByte(c):
+		case slow || (c == '#' || isBlankByte(c)) && !helpOrType(line):
 			_, ok = n.read[string(lineName(line))]
+		case c == '#':
+			ok = n.startsWithRead(line[7:])
 		default:
 			ok = n.startsWithRead(line)
 		}
@@ -350,6 +355,12 @@ func (n names) keep(page, dst []byte) []byte {
 		}
 	}
 	return dst
+}
+
+// helpOrType reports whether line is a HELP or TYPE comment spaced as the
+// format's writers space it: "# HELP name".
+func helpOrType(line []byte) bool {
+	return len(line) > 7 && (string(line[:7]) == "# HELP " || string(line[:7]) == "# TYPE ") && !isBlankByte(line[7])
 }
 
 // startsWithRead reports whether line, a sample's without leading blanks,
@@ -371,25 +382,6 @@ func (n names) startsWithRead(line []byte) bool {
 		}
 	}
 	return false
-}
-
-// keepSlow is keep reading every line's name: what keep must agree with.
-func (n names) keepSlow(page, dst []byte) []byte {
-	for len(page) > 0 {
-		line := page
-		if i := bytes.IndexByte(page, '\n'); i >= 0 {
-			line, page = page[:i+1], page[i+1:]
-		} else {
-			page = nil
-		}
-		if _, ok := n.read[string(lineName(line))]; ok {
-			dst = append(dst, line...)
-			if dst[len(dst)-1] != '\n' {
-				dst = append(dst, '\n')
-			}
-		}
-	}
-	return dst
 }
 
 // lineName returns the metric name a line of the text format is a sample
