@@ -31,6 +31,10 @@ test:
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 9m ./...
 	$(GO) test -count=1 -run 'Allocate|TestCustomProfile' ./scheduler/routing/
+	# Under the race detector sockets are read and written through
+	# syscall's calls (workers/rawio); their raw path is tested without it.
+	$(GO) test -count=1 ./workers/rawio/ ./scheduler/internal/h1serve/ ./workers/httpengine/ ./workers/vllm/kvevents/
+	$(GO) test -count=1 -run 'TestOpenAIClient|TestMassDisconnectOpensNoBreaker|TestClientDisconnectCancelsWorker|TestFakeVLLM|TestBodySizeLimits|TestHTTPBackend|TestLlama|TestPDEngines' ./scheduler/
 
 # The same without the race detector, for a quick loop.
 test-short:
