@@ -20,18 +20,25 @@ import (
 )
 
 // A Conn reads and writes its connection's descriptor directly. The zero
-// Conn is not usable; Init one.
+// Conn is not usable; Init one. One goroutine may read while another
+// writes; concurrent reads (or writes) are not allowed.
 type Conn struct {
 	nc  net.Conn
 	raw rawConn // zero where the connection has no descriptor
 
-	// One read's or write's arguments and results, for the closures
-	// made once by Init (a closure made per call would be allocated).
-	p      []byte
-	n      int
-	errno  error
+	// The read's and the write's in progress, for the closures made once
+	// by Init (a closure made per call would be allocated): one read and
+	// one write may run at once, as on a net.Conn, but not two of either.
+	rd, wr op
 	readF  func(uintptr) bool
 	writeF func(uintptr) bool
+}
+
+// op is a read's or a write's arguments and results.
+type op struct {
+	p   []byte
+	n   int
+	err error
 }
 
 // Init makes c read and write nc.

@@ -56,17 +56,17 @@ func errno(err error) syscall.Errno {
 
 func (c *Conn) readFD(fd uintptr) bool {
 	for {
-		r, e := sysRead(fd, c.p)
+		r, e := sysRead(fd, c.rd.p)
 		switch e {
 		case 0:
-			c.n, c.errno = int(r), nil
+			c.rd.n, c.rd.err = r, nil
 			return true
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
 			return false // wait in the poller
 		default:
-			c.n, c.errno = 0, os.NewSyscallError("read", e)
+			c.rd.n, c.rd.err = 0, os.NewSyscallError("read", e)
 			return true
 		}
 	}
@@ -76,33 +76,33 @@ func (c *Conn) read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	c.p = p
+	c.rd = op{p: p}
 	err := c.raw.rc.Read(c.readF)
-	c.p = nil
-	if err != nil {
+	n, rerr := c.rd.n, c.rd.err
+	c.rd = op{}
+	switch {
+	case err != nil:
 		return 0, c.wrap("read", err)
-	}
-	if c.errno != nil {
-		return 0, c.wrap("read", c.errno)
-	}
-	if c.n == 0 {
+	case rerr != nil:
+		return 0, c.wrap("read", rerr)
+	case n == 0:
 		return 0, io.EOF
 	}
-	return c.n, nil
+	return n, nil
 }
 
 func (c *Conn) writeFD(fd uintptr) bool {
-	for len(c.p) > 0 {
-		r, e := sysWrite(fd, c.p)
+	for len(c.wr.p) > 0 {
+		r, e := sysWrite(fd, c.wr.p)
 		switch e {
 		case 0:
-			c.n += int(r)
-			c.p = c.p[r:]
+			c.wr.n += r
+			c.wr.p = c.wr.p[r:]
 		case syscall.EINTR:
 		case syscall.EAGAIN:
 			return false // wait until writable
 		default:
-			c.errno = os.NewSyscallError("write", e)
+			c.wr.err = os.NewSyscallError("write", e)
 			return true
 		}
 	}
@@ -110,12 +110,12 @@ func (c *Conn) writeFD(fd uintptr) bool {
 }
 
 func (c *Conn) write(p []byte) (int, error) {
-	c.p, c.n, c.errno = p, 0, nil
+	c.wr = op{p: p}
 	err := c.raw.rc.Write(c.writeF)
-	c.p = nil
-	n := c.n
+	n, werr := c.wr.n, c.wr.err
+	c.wr = op{}
 	if err == nil {
-		err = c.errno
+		err = werr
 	}
 	if err != nil {
 		return n, c.wrap("write", err)

@@ -154,3 +154,37 @@ func TestPipeFallsBack(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// One goroutine reads while another writes, each its own stream of bytes.
+func TestReadWhileWriting(t *testing.T) {
+	client, server := pair(t)
+	var rc Conn
+	rc.Init(client)
+	const size = 8 << 20
+	out := bytes.Repeat([]byte("abcdefgh"), size/8)
+	in := bytes.Repeat([]byte("01234567"), size/8)
+	echoed := make(chan []byte, 1)
+	go func() { // the peer reads what rc writes
+		b, _ := io.ReadAll(io.LimitReader(server, size))
+		echoed <- b
+	}()
+	go server.Write(in) // and writes what rc reads
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := rc.Write(out)
+		wrote <- err
+	}()
+	got := make([]byte, size)
+	if _, err := io.ReadFull(&rc, got); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, in) {
+		t.Error("read bytes other than the peer wrote")
+	}
+	if !bytes.Equal(<-echoed, out) {
+		t.Error("the peer read bytes other than were written")
+	}
+}
