@@ -5,11 +5,14 @@ import (
 	"crypto/tls"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/batonllm/baton/workers/httpengine"
@@ -30,6 +33,12 @@ type Scraper struct {
 	rank   string // the data-parallel engine read, "" all
 	hc     *http.Client
 	tr     interface{ CloseIdleConnections() }
+
+	// named is url asking for only the series baton reads (vLLM); ""
+	// when the engine's kind is not asked so. whole is set once the
+	// engine answered it without them and the whole page with them.
+	named string
+	whole atomic.Bool
 }
 
 // HTTPOption configures the HTTP transport of a Scraper or a Tokenizer.
@@ -65,7 +74,27 @@ func NewScraper(baseURL, path string, e Engine, opts ...HTTPOption) (*Scraper, e
 		opt(tr)
 	}
 	rt := httpengine.PlainHTTP(tr)
-	return &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: rt}, tr: rt}, nil
+	s := &Scraper{url: u.String(), engine: e, hc: &http.Client{Transport: rt}, tr: rt}
+	if e == VLLM {
+		s.named = namedURL(u, engineNames[e].read)
+	}
+	return s, nil
+}
+
+// namedURL returns u asking for only the series names: the query
+// prometheus_client's exposition reads (name[]=…, once a name), which
+// vLLM's /metrics serves through. A vLLM page is tens of kilobytes, most
+// of it histograms baton does not read; the series it reads are a few
+// hundred bytes, and the engine writes only those.
+func namedURL(u *url.URL, names map[string]struct{}) string {
+	q := u.Query()
+	for name := range names {
+		q.Add("name[]", name)
+	}
+	q["name[]"] = slices.Sorted(slices.Values(q["name[]"]))
+	n := *u
+	n.RawQuery = q.Encode()
+	return n.String()
 }
 
 // NewRankScraper is NewScraper of one data-parallel rank of a vLLM or
@@ -86,24 +115,56 @@ func (s *Scraper) URL() string { return s.url }
 // Scrape fetches and parses the engine's metrics; ctx bounds it. An error
 // wrapping ErrGarbage comes with the Metrics that could be read; any other
 // error (the engine did not answer, or not with 200) with none.
+//
+// A vLLM engine is asked for only the series baton reads (namedURL). Not
+// every server honours the query: prometheus_client's before it read
+// the query as text serve the whole page, which Parse reads as well; a
+// multiprocess registry (PROMETHEUS_MULTIPROC_DIR, as vLLM sets with
+// several API server processes) answers with an empty page, and some
+// other server might refuse the query. When the answer has no load,
+// the whole page is read; if it has the load, the engine is not asked
+// by name again.
 func (s *Scraper) Scrape(ctx context.Context) (Metrics, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url, nil)
+	if s.named == "" || s.whole.Load() {
+		m, _, err := s.get(ctx, s.url)
+		return m, err
+	}
+	m, answered, err := s.get(ctx, s.named)
+	if m.HasLoad || !answered {
+		return m, err
+	}
+	m, _, err = s.get(ctx, s.url)
+	if m.HasLoad && !s.whole.Swap(true) {
+		slog.Info("engine metrics: the series asked for by name were not served; reading the whole page", "url", s.url)
+	}
+	return m, err
+}
+
+// Named reports whether the engine is asked for only the series baton
+// reads (Scrape).
+func (s *Scraper) Named() bool { return s.named != "" && !s.whole.Load() }
+
+// get fetches and parses the metrics at target; answered is whether the
+// engine answered at all (with any status).
+func (s *Scraper) get(ctx context.Context, target string) (_ Metrics, answered bool, _ error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 	if err != nil {
-		return Metrics{}, err
+		return Metrics{}, false, err
 	}
 	// The text format: expfmt's text parser reads it, and every version of
 	// both engines serves it.
 	req.Header.Set("Accept", "text/plain;version=0.0.4")
 	resp, err := s.hc.Do(req)
 	if err != nil {
-		return Metrics{}, err
+		return Metrics{}, false, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10))
-		return Metrics{}, fmt.Errorf("GET %s: status %d", s.url, resp.StatusCode)
+		return Metrics{}, true, fmt.Errorf("GET %s: status %d", target, resp.StatusCode)
 	}
-	return ParseEngine(io.LimitReader(resp.Body, maxMetricsBytes), s.engine, s.rank)
+	m, err := ParseEngine(io.LimitReader(resp.Body, maxMetricsBytes), s.engine, s.rank)
+	return m, true, err
 }
 
 // Close releases the scraper's idle connection.

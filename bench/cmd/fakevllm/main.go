@@ -63,6 +63,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fixedInts := fs.Bool("fixed-ints", false, "write hashes and token ids as full-width msgpack integers, as Go's msgpack structs do")
 	bytesHashes := fs.Bool("bytes-hashes", false, "write block hashes as bytes, as vLLM's ExternalBlockHash")
 	omitNil := fs.Bool("omit-nil", false, "leave nil fields out of map events")
+	metricsQuery := fs.String("metrics-query", "names", "how /metrics answers a query naming series (name[]=…): names (only those, as vLLM in one API server process), ignored (the whole page, as older prometheus_client), empty (an empty page, as vLLM's multiprocess registry with several API servers), refused (400)")
 	listen := fs.String("listen", "127.0.0.1:8080", "listen address written into the configuration for baton serve")
 	strategy := fs.String("strategy", "kv_aware", "strategy written into the configuration")
 	configPath := fs.String("config", "", "also write the configuration to `file`")
@@ -92,6 +93,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if variant.NoParent, err = parseNoParent(*noParent); err != nil {
 		return err
 	}
+	mq, ok := map[string]vllmtest.MetricsQuery{"names": vllmtest.QueryNames, "ignored": vllmtest.QueryIgnored,
+		"empty": vllmtest.QueryEmpty, "refused": vllmtest.QueryRefused}[*metricsQuery]
+	if !ok {
+		return fmt.Errorf("-metrics-query: must be names, ignored, empty or refused, got %q", *metricsQuery)
+	}
 	if *storedFields != 0 && (*storedFields < kveventstest.FieldsLoRAID || *storedFields > kveventstest.FieldsLoRAName) {
 		return fmt.Errorf("-stored-fields: must be 0, 5, 6 or 7, got %d", *storedFields)
 	}
@@ -104,7 +110,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	for i := range *n {
 		cfg := vllmtest.Config{Model: *served, Cost: cost.Config{Model: *preset, GPU: *gpu}, TimeScale: *scale,
 			BlockSize: *blockSize, GPUBlocks: *kvBlocks, MaxRunning: *maxRunning, Encoding: enc,
-			EventsVariant: variant}
+			EventsVariant: variant, MetricsQuery: mq}
 		addr := func(k int) string {
 			if *port == 0 {
 				return net.JoinHostPort(*host, "0")

@@ -205,7 +205,7 @@ func (d *DP) serve(w http.ResponseWriter, r *http.Request, rank int) {
 }
 
 // metrics serves every rank's metrics, each series labelled with its rank.
-func (d *DP) metrics(w http.ResponseWriter, _ *http.Request) {
+func (d *DP) metrics(w http.ResponseWriter, r *http.Request) {
 	merged := map[string]*dto.MetricFamily{}
 	for r, s := range d.ranks {
 		rec := &bytes.Buffer{}
@@ -238,10 +238,15 @@ func (d *DP) metrics(w http.ResponseWriter, _ *http.Request) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	var page bytes.Buffer
 	for _, n := range names {
-		expfmt.MetricFamilyToText(w, merged[n])
+		expfmt.MetricFamilyToText(&page, merged[n])
 	}
+	mode := d.ranks[0].cfg.MetricsQuery
+	if d.sglang {
+		mode = QueryEmpty
+	}
+	writeMetricsPage(w, r, mode, page.Bytes())
 }
 
 // textRecorder captures a handler's body.

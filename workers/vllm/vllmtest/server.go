@@ -19,6 +19,7 @@
 package vllmtest
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -101,6 +102,9 @@ type Config struct {
 	LoRAModules map[string]string
 	MaxLoRAs    int
 	RuntimeLoRA bool
+	// MetricsQuery is how /metrics answers a query naming the series
+	// wanted. Default QueryNames, as vLLM in one API server process.
+	MetricsQuery MetricsQuery
 }
 
 func (c Config) withDefaults() Config {
@@ -478,10 +482,20 @@ func loraNames(counts map[string]int) string {
 }
 
 func (s *Server) metrics(w http.ResponseWriter, r *http.Request) {
+	var page bytes.Buffer
+	rec := &textRecorder{h: http.Header{}, buf: &page}
+	mode := s.cfg.MetricsQuery
 	if s.cfg.SGLang {
-		s.sglangMetrics(w, r)
-		return
+		s.sglangMetrics(rec, nil)
+		mode = QueryEmpty // its registry is a multiprocess one
+	} else {
+		s.vllmMetrics(rec)
 	}
+	writeMetricsPage(w, r, mode, page.Bytes())
+}
+
+// vllmMetrics writes the server's whole vLLM page.
+func (s *Server) vllmMetrics(w http.ResponseWriter) {
 	s.mu.Lock()
 	running, waiting := s.running, s.waiting
 	usage := float64(s.cache.held) / float64(s.cfg.GPUBlocks)
