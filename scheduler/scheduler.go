@@ -236,6 +236,9 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		}
 	}
 	fopts = append(fopts, frontend.WithAdapters(frontend.Adapters{List: cfg.adapters(), Threshold: cfg.ConcurrencyThreshold}))
+	if s.sharing != nil {
+		fopts = append(fopts, frontend.WithBeforePick(s.sharing.sharer.Poll))
+	}
 	s.Handler, err = frontend.New(cfg.Config, s.Pool, s.Strategy, s.Metrics, s.log, fopts...)
 	return err
 }

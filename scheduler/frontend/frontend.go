@@ -51,10 +51,11 @@ type Server struct {
 	usesKeys bool             // a strategy routes on block keys: compute them
 	// tokenKeys, when set, keys requests by tokens (tok, built when the
 	// strategies use keys) rather than text.
-	tokenKeys *TokenKeys
-	tok       *tokenizer
-	admission Admission // nil: every request is admitted
-	lora      *loader   // the LoRA adapters served (nil: none)
+	tokenKeys  *TokenKeys
+	tok        *tokenizer
+	admission  Admission // nil: every request is admitted
+	beforePick func()    // nil: none
+	lora       *loader   // the LoRA adapters served (nil: none)
 	// loraPrefill loads adapters onto the disaggregation's prefill
 	// workers (nil: no adapters, or no disaggregation).
 	loraPrefill *loader
@@ -132,6 +133,12 @@ type Admission interface {
 
 // WithAdmission has a vet every generation request before it is routed.
 func WithAdmission(a Admission) Option { return func(s *Server) { s.admission = a } }
+
+// WithBeforePick has f called on the request's goroutine before each
+// pick of a worker: a scheduler replica applies there what the other
+// replicas have decided meanwhile (replica.Sharer.Poll). f must not
+// block.
+func WithBeforePick(f func()) Option { return func(s *Server) { s.beforePick = f } }
 
 // New returns a Server routing with strategy over p, the workers that
 // generate (colocated and decode workers). A nil log discards.

@@ -57,6 +57,9 @@ const cpuSampleEvery = 8
 // request for an adapter then goes to a worker holding it (loader.route),
 // pinned there until the attempt ends.
 func (p *picker) pick(x *exchange, strategy routing.Strategy, tried, avoid []*pool.Worker, capacity bool) (choice, error) {
+	if p.s.beforePick != nil {
+		p.s.beforePick()
+	}
 	snap := p.pool.Snapshot()
 	r := x.rreq
 	r.Tried, r.MaxInFlight = tried, 0

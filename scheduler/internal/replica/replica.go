@@ -66,6 +66,10 @@ type Config struct {
 	Logger *slog.Logger
 	// Observer hears what the Sharer does, for metrics. Default: none.
 	Observer Observer
+
+	// throughClient has the Sharer send and follow through Client even
+	// where it could reach the server itself (tests).
+	throughClient bool
 }
 
 // Observer hears what a Sharer does. Its methods are called from the
@@ -155,6 +159,9 @@ type Sharer struct {
 
 	upMu sync.Mutex
 	up   bool // as last reported
+
+	f    *follower // nil: the stream is followed through Client
+	pipe pipe      // with f, the sender's connection
 }
 
 // New starts a Sharer.
@@ -168,8 +175,15 @@ func New(cfg Config) (*Sharer, error) {
 	cfg = cfg.withDefaults()
 	s := &Sharer{cfg: cfg, queue: make(chan queued, cfg.Queue), up: true}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if !cfg.throughClient {
+		s.f = newFollower(s, cfg.Client)
+	}
 	s.wg.Add(2)
-	go s.send()
+	if s.f != nil {
+		go s.sendPiped()
+	} else {
+		go s.send()
+	}
 	go s.read()
 	return s, nil
 }
@@ -177,17 +191,44 @@ func New(cfg Config) (*Sharer, error) {
 // ID is the replica's id in its messages.
 func (s *Sharer) ID() string { return s.cfg.ID }
 
-// Publish queues e to be shared; it copies e.Keys and never blocks. An
-// entry without keys is not shared.
+// Publish shares e: with a connection of the Sharer's own (see
+// follower) it writes e's message at once when nothing waits to be sent,
+// for at most publishWait; otherwise it queues e for the sending
+// goroutine. It copies what it keeps of e.Keys and never blocks for
+// long. An entry without keys is not shared.
 func (s *Sharer) Publish(e Entry) {
 	if len(e.Keys) == 0 || e.Worker == "" {
 		return
 	}
+	now := time.Now().UnixNano()
+	if s.f != nil && len(s.queue) == 0 && s.pipe.mu.TryLock() {
+		// Written now, on the decision's goroutine: the sender's would
+		// wait to be scheduled, which in a burst takes milliseconds.
+		one := [1]Entry{e}
+		ok := s.write(one[:], now, publishWait, false)
+		s.pipe.mu.Unlock()
+		if ok {
+			return
+		}
+	}
 	e.Keys = append([]uint64(nil), e.Keys...)
 	select {
-	case s.queue <- queued{e, time.Now().UnixNano()}:
+	case s.queue <- queued{e, now}:
 	default:
 		s.cfg.Observer.Dropped("queue_full", 1)
+	}
+}
+
+// Poll applies, on the calling goroutine, the other replicas' messages
+// that have reached this replica and wait to be read; it never waits.
+// A scheduler calls it before each decision: while a burst of requests
+// keeps every processor busy, the goroutine that reads the stream may
+// not run for milliseconds, and decisions made meanwhile would not know
+// of the others' latest. Without a connection it reads itself (Redis
+// over TLS, a cluster) it does nothing.
+func (s *Sharer) Poll() {
+	if s.f != nil {
+		s.f.poll()
 	}
 }
 
@@ -283,9 +324,12 @@ func (s *Sharer) read() {
 	backoff := retryMin
 	for s.ctx.Err() == nil {
 		var err error
-		if last == "" {
+		switch {
+		case last == "":
 			last, err = s.replay(origins)
-		} else {
+		case s.f != nil:
+			last, err = s.f.follow(origins, last)
+		default:
 			last, err = s.follow(origins, last)
 		}
 		if err == nil {

@@ -60,7 +60,7 @@ func newPeer(t *testing.T, addr, id string, edit func(*Config)) *peer {
 	t.Cleanup(func() { client.Close() })
 	p := &peer{applied: make(chan Entry, 1024), dropped: map[string]int{}}
 	cfg := Config{Client: client, ID: id, Stream: "test:" + t.Name(), Observer: p,
-		Apply: func(e Entry) { p.applied <- e }}
+		Apply: func(e Entry) { p.applied <- e }, throughClient: throughClient}
 	if edit != nil {
 		edit(&cfg)
 	}
