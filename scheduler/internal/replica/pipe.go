@@ -126,15 +126,7 @@ func (s *Sharer) sendPiped() {
 			if len(batch) == 0 {
 				break
 			}
-		take:
-			for len(batch) < s.cfg.MaxBatch {
-				select {
-				case q := <-s.queue:
-					batch = append(batch, q.e)
-				default:
-					break take
-				}
-			}
+			batch = s.fill(batch)
 			s.pipe.mu.Lock()
 			ok := s.write(batch, first, callTimeout, true)
 			broken := s.pipe.conn == nil

@@ -296,17 +296,23 @@ func (s *Sharer) send() {
 		case q := <-s.queue:
 			batch, first = append(batch, q.e), q.at
 		}
-	take:
-		for len(batch) < s.cfg.MaxBatch {
-			select {
-			case q := <-s.queue:
-				batch = append(batch, q.e)
-			default:
-				break take
-			}
-		}
+		batch = s.fill(batch)
 		flush()
 	}
+}
+
+// fill appends to batch the entries queued, up to MaxBatch, without
+// waiting for more.
+func (s *Sharer) fill(batch []Entry) []Entry {
+	for len(batch) < s.cfg.MaxBatch {
+		select {
+		case q := <-s.queue:
+			batch = append(batch, q.e)
+		default:
+			return batch
+		}
+	}
+	return batch
 }
 
 // origin is what the reader knows of another replica's messages.

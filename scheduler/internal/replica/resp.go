@@ -58,7 +58,7 @@ func parseRESP(b []byte) (v respValue, n int, err error) {
 		if c == -1 {
 			return respValue{}, head, nil
 		}
-		v = respValue{kind: '*', items: make([]respValue, 0, c)}
+		v = respValue{kind: '*', items: make([]respValue, 0, min(c, 64))}
 		for range c {
 			item, m, err := parseRESP(b[head:])
 			if err != nil || m == 0 {
