@@ -240,13 +240,23 @@ func (f *follower) replies() {
 						f.err = errRESP
 						break
 					}
-					msg := redis.XMessage{ID: string(m.items[0].str), Values: map[string]any{}}
+					var from, seq, at string
+					var data []byte
 					fields := m.items[1].items
 					for i := 0; i+1 < len(fields); i += 2 {
-						msg.Values[string(fields[i].str)] = string(fields[i+1].str)
+						switch v := fields[i+1].str; string(fields[i].str) {
+						case "r":
+							from = string(v)
+						case "s":
+							seq = string(v)
+						case "t":
+							at = string(v)
+						case "d":
+							data = v
+						}
 					}
-					f.s.apply(msg, f.origins, true)
-					f.last = msg.ID
+					f.last = string(m.items[0].str)
+					f.s.applyFields(f.last, from, seq, at, data, f.origins, true)
 				}
 			}
 		default:

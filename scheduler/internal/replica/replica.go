@@ -402,12 +402,17 @@ func (s *Sharer) follow(origins map[string]*origin, last string) (string, error)
 // sender's sequence when gaps is true.
 func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) {
 	from, _ := m.Values["r"].(string)
+	s.applyFields(m.ID, from, str(m.Values["s"]), str(m.Values["t"]), []byte(str(m.Values["d"])), origins, gaps)
+}
+
+// applyFields is apply of a message's fields: its sender, sequence
+// number, first commit's time and data, which it does not keep.
+func (s *Sharer) applyFields(id, from, sq, t string, data []byte, origins map[string]*origin, gaps bool) {
 	if from == s.cfg.ID || from == "" {
 		return
 	}
-	seq, _ := strconv.ParseUint(str(m.Values["s"]), 10, 64)
-	published, _ := strconv.ParseInt(str(m.Values["t"]), 10, 64)
-	data := str(m.Values["d"])
+	seq, _ := strconv.ParseUint(sq, 10, 64)
+	published, _ := strconv.ParseInt(t, 10, 64)
 	now := time.Now()
 	o := origins[from]
 	switch {
@@ -425,9 +430,9 @@ func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) 
 		}
 		o.seen = now
 	}
-	n, err := decode([]byte(data), s.cfg.Apply)
+	n, err := decode(data, s.cfg.Apply)
 	if err != nil {
-		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", m.ID, "from", from, "err", err)
+		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", id, "from", from, "err", err)
 		return
 	}
 	s.cfg.Observer.Received(n, len(data), now.Sub(time.Unix(0, published)))
