@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -60,15 +62,23 @@ func startWorker(t testing.TB, name string, scale float64, grpcAddr string, with
 	if withHTTP {
 		httpListen = "127.0.0.1:0"
 	}
-	f, err := simfleet.StartWorkers(simfleet.Spec{
-		Workers: 1,
-		Name:    func(string, int) string { return name },
-		Config:  func(string, string) sim.Config { return sim.Config{TimeScale: scale} },
-		Listen:  func(string, string) (string, string) { return grpcAddr, httpListen },
+	var f *simfleet.Fleet
+	// A worker restarted at its address may find it taken meanwhile, as
+	// the local port of another process's connection (the address was a
+	// free one when it first started): it is tried again until freed.
+	eventually(t, 20*time.Second, func() error {
+		var err error
+		f, err = simfleet.StartWorkers(simfleet.Spec{
+			Workers: 1,
+			Name:    func(string, int) string { return name },
+			Config:  func(string, string) sim.Config { return sim.Config{TimeScale: scale} },
+			Listen:  func(string, string) (string, string) { return grpcAddr, httpListen },
+		})
+		if err != nil && !errors.Is(err, syscall.EADDRINUSE) {
+			t.Fatalf("sim.Start(%s): %v", name, err)
+		}
+		return err
 	})
-	if err != nil {
-		t.Fatalf("sim.Start(%s): %v", name, err)
-	}
 	t.Cleanup(func() { f.Close() })
 	return f.Workers[0]
 }
