@@ -41,7 +41,7 @@ type follower struct {
 // nil when client is not one it can reach itself (TLS, a cluster).
 func newFollower(s *Sharer, client redis.UniversalClient) *follower {
 	c, ok := client.(*redis.Client)
-	if !ok {
+	if !ok || !ownConnections {
 		return nil
 	}
 	o := c.Options()
@@ -193,7 +193,7 @@ func (f *follower) pump(fd uintptr, all bool) (done bool) {
 		if len(f.buf) == cap(f.buf) {
 			f.buf = append(f.buf, make([]byte, max(64<<10, cap(f.buf)))...)[:len(f.buf)]
 		}
-		n, err := syscall.Read(int(fd), f.buf[len(f.buf):cap(f.buf)])
+		n, err := readFD(fd, f.buf[len(f.buf):cap(f.buf)])
 		switch {
 		case errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR):
 			return false
