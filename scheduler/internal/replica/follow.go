@@ -3,7 +3,6 @@ package replica
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 	"strconv"
 	"sync"
@@ -147,28 +146,15 @@ func dialRedis(ctx context.Context, addr string, auth []string, db int) (*net.TC
 		return nil, err
 	}
 	var buf []byte
-	for n > 0 {
-		v, m, err := parseRESP(buf)
+	for range n {
+		reply, err := readReply(conn, &buf)
+		if err == nil {
+			err = reply
+		}
 		if err != nil {
 			conn.Close()
 			return nil, err
 		}
-		if m == 0 {
-			var b [512]byte
-			k, err := conn.Read(b[:])
-			if err != nil {
-				conn.Close()
-				return nil, err
-			}
-			buf = append(buf, b[:k]...)
-			continue
-		}
-		if v.kind == '-' {
-			conn.Close()
-			return nil, fmt.Errorf("redis: %s", v.str)
-		}
-		buf = buf[m:]
-		n--
 	}
 	conn.SetDeadline(time.Time{})
 	return conn, nil
@@ -225,7 +211,7 @@ func (f *follower) replies() {
 		}
 		switch v.kind {
 		case '-':
-			f.err = fmt.Errorf("redis: %s", v.str)
+			f.err = v.replyError()
 		case 0: // BLOCK timed out
 			f.s.setUp(true, nil)
 		case '*':

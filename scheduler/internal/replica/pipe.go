@@ -2,7 +2,6 @@ package replica
 
 import (
 	"errors"
-	"fmt"
 	"net"
 	"strconv"
 	"sync"
@@ -156,38 +155,25 @@ func (s *Sharer) answers(conn *net.TCPConn, inFlight chan sent) {
 	var buf []byte
 	var rerr error
 	for msg := range inFlight {
-		for rerr == nil {
-			v, n, err := parseRESP(buf)
-			if err != nil {
-				rerr = err
-				break
-			}
-			if n > 0 {
-				if v.kind == '-' {
+		if rerr == nil {
+			conn.SetReadDeadline(time.Now().Add(callTimeout))
+			var reply error
+			if reply, rerr = readReply(conn, &buf); rerr == nil {
+				if reply != nil {
 					s.cfg.Observer.Dropped("redis_error", msg.entries)
-					s.setUp(false, fmt.Errorf("redis: %s", v.str))
+					s.setUp(false, reply)
 				} else {
 					s.cfg.Observer.Sent(msg.entries, msg.bytes)
 					s.setUp(true, nil)
 				}
-				buf = buf[:copy(buf, buf[n:])]
-				break
-			}
-			var b [4096]byte
-			conn.SetReadDeadline(time.Now().Add(callTimeout))
-			k, err := conn.Read(b[:])
-			buf = append(buf, b[:k]...)
-			if err != nil && k == 0 {
-				rerr = err
+				continue
 			}
 		}
-		if rerr != nil {
-			s.cfg.Observer.Dropped("redis_error", msg.entries)
-			if s.ctx.Err() == nil && !errors.Is(rerr, net.ErrClosed) {
-				s.setUp(false, rerr)
-			}
-			conn.Close()
+		s.cfg.Observer.Dropped("redis_error", msg.entries)
+		if s.ctx.Err() == nil && !errors.Is(rerr, net.ErrClosed) {
+			s.setUp(false, rerr)
 		}
+		conn.Close()
 	}
 }
 

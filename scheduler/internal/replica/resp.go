@@ -3,6 +3,8 @@ package replica
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"net"
 	"strconv"
 )
 
@@ -70,6 +72,38 @@ func parseRESP(b []byte) (v respValue, n int, err error) {
 		return v, head, nil
 	}
 	return v, 0, errRESP
+}
+
+// replyError is the error v is, when it is Redis's error reply; nil
+// otherwise.
+func (v respValue) replyError() error {
+	if v.kind != '-' {
+		return nil
+	}
+	return fmt.Errorf("redis: %s", v.str)
+}
+
+// readReply reads from conn into *buf until it holds a whole reply, takes
+// the reply out of *buf and returns the error it is, if it is Redis's
+// error reply (replyError); err is a failure to read or parse.
+func readReply(conn net.Conn, buf *[]byte) (reply, err error) {
+	for {
+		v, n, err := parseRESP(*buf)
+		if err != nil {
+			return nil, err
+		}
+		if n > 0 {
+			reply = v.replyError()
+			*buf = (*buf)[:copy(*buf, (*buf)[n:])]
+			return reply, nil
+		}
+		var b [4096]byte
+		k, err := conn.Read(b[:])
+		*buf = append(*buf, b[:k]...)
+		if err != nil && k == 0 {
+			return nil, err
+		}
+	}
 }
 
 // respLine returns the line b starts with, without its CRLF, and what
