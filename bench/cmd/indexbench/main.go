@@ -216,9 +216,9 @@ func run(w io.Writer, o options) error {
 	load, _ := os.ReadFile("/proc/loadavg")
 	fmt.Fprintf(w, "indexbench: source %s, query %s, GOMAXPROCS %d, %s, load average %s\n",
 		o.source, o.query, o.procs, runtime.Version(), strings.Join(strings.Fields(string(load))[:min(3, len(strings.Fields(string(load))))], " "))
-	fmt.Fprintf(w, "%-7s %5s %6s %9s %9s %8s %8s %9s | %9s %9s %6s %8s %8s %8s %9s\n",
+	fmt.Fprintf(w, "%-7s %5s %6s %9s %9s %8s %8s %9s | %9s %9s %6s %8s %8s %8s %9s %11s\n",
 		"kind", "W", "blocks", "indexed", "entries", "B/entry", "B/block", "heap MiB",
-		"offered", "achieved", "kept", "q p50µs", "q p99µs", "r p99µs", "per core")
+		"offered", "achieved", "kept", "q p50µs", "q p99µs", "r p99µs", "per core", "blocks/core")
 	var all []result
 	for _, kind := range o.kinds {
 		for _, b := range o.blocks {
@@ -265,6 +265,7 @@ type result struct {
 	steps           []step
 	saturation      float64 // the highest rate achieved
 	perCore         float64 // past saturation, ops per CPU second
+	blockPerCore    float64 // and block operations per CPU second
 	// What the steps replayed: queries and writes (events, or Predict and
 	// Finished), and their keys.
 	queries, writes      int
@@ -274,8 +275,12 @@ type result struct {
 type step struct {
 	offered, achieved float64
 	perCore           float64 // ops per second of the process's CPU time
-	keptUp            bool
-	q50, q99, r99     time.Duration // query service time p50/p99, response time p99
+	// blockPerCore counts block operations instead, as Dynamo's indexer
+	// benchmark does: a query's keys, a stored or removed event's keys
+	// (a learned-index write's keys too).
+	blockPerCore  float64
+	keptUp        bool
+	q50, q99, r99 time.Duration // query service time p50/p99, response time p99
 }
 
 // op kinds.
@@ -459,6 +464,7 @@ func measure(w io.Writer, o options, kind string, nw, target int, src source) (r
 		res.steps = append(res.steps, s)
 		res.saturation = max(res.saturation, s.achieved)
 		res.perCore = max(res.perCore, s.perCore)
+		res.blockPerCore = max(res.blockPerCore, s.blockPerCore)
 		if !s.keptUp {
 			break
 		}
@@ -529,6 +535,11 @@ func (b *bench) step(ce *kvindex.CacheEvent, rate float64, o options) (step, err
 	s := step{offered: rate, achieved: float64(len(b.ops)) / elapsed.Seconds()}
 	if busy := cpuTime() - cpu0; busy > 0 && !s.keptUpAt(o.keepUpAt) {
 		s.perCore = float64(len(b.ops)) / busy.Seconds()
+		keys := 0
+		for i := range b.ops {
+			keys += int(b.ops[i].n)
+		}
+		s.blockPerCore = float64(keys) / busy.Seconds()
 	}
 	s.keptUp = s.keptUpAt(o.keepUpAt)
 	slices.Sort(lat)
@@ -580,15 +591,15 @@ func report(w io.Writer, r *result) {
 		if !s.keptUp {
 			kept = "no"
 		}
-		perCore := ""
+		perCore, blockPerCore := "", ""
 		if s.perCore > 0 {
-			perCore = si(s.perCore)
+			perCore, blockPerCore = si(s.perCore), si(s.blockPerCore)
 		}
-		fmt.Fprintf(w, "%s | %9s %9s %6s %8.1f %8.1f %8.1f %9s\n", head, si(s.offered), si(s.achieved), kept,
-			us(s.q50), us(s.q99), us(s.r99), perCore)
+		fmt.Fprintf(w, "%s | %9s %9s %6s %8.1f %8.1f %8.1f %9s %11s\n", head, si(s.offered), si(s.achieved), kept,
+			us(s.q50), us(s.q99), us(s.r99), perCore, blockPerCore)
 	}
-	fmt.Fprintf(w, "%-7s %5d %6s saturation %s ops/s (%s per CPU second); ops: %.0f%% queries of %.1f keys, writes of %.1f keys\n",
-		r.kind, r.workers, si(float64(r.target)), si(r.saturation), si(r.perCore),
+	fmt.Fprintf(w, "%-7s %5d %6s saturation %s ops/s (%s per CPU second, %s block operations); ops: %.0f%% queries of %.1f keys, writes of %.1f keys\n",
+		r.kind, r.workers, si(float64(r.target)), si(r.saturation), si(r.perCore), si(r.blockPerCore),
 		100*float64(r.queries)/float64(max(1, r.queries+r.writes)), float64(r.queryKeys)/float64(max(1, r.queries)),
 		float64(r.writeKeys)/float64(max(1, r.writes)))
 }
@@ -611,17 +622,18 @@ func si(n float64) string {
 
 func writeCSV(path string, all []result) error {
 	var sb strings.Builder
-	sb.WriteString("kind,workers,target_blocks,indexed_workers,blocks,entries,heap_bytes,offered,achieved,kept_up,query_p50_us,query_p99_us,response_p99_us,per_core\n")
+	sb.WriteString("kind,workers,target_blocks,indexed_workers,blocks,entries,heap_bytes,offered,achieved,kept_up,query_p50_us,query_p99_us,response_p99_us,per_core,block_per_core\n")
 	for _, r := range all {
 		for _, s := range r.steps {
-			fmt.Fprintf(&sb, "%s,%d,%d,%d,%d,%d,%d,%.0f,%.0f,%t,%.2f,%.2f,%.2f,%.0f\n", r.kind, r.workers, r.target,
-				r.indexedWorkers, r.blocks, r.entries, r.heap, s.offered, s.achieved, s.keptUp, us(s.q50), us(s.q99), us(s.r99), s.perCore)
+			fmt.Fprintf(&sb, "%s,%d,%d,%d,%d,%d,%d,%.0f,%.0f,%t,%.2f,%.2f,%.2f,%.0f,%.0f\n", r.kind, r.workers, r.target,
+				r.indexedWorkers, r.blocks, r.entries, r.heap, s.offered, s.achieved, s.keptUp, us(s.q50), us(s.q99), us(s.r99), s.perCore, s.blockPerCore)
 		}
 	}
 	return os.WriteFile(path, []byte(sb.String()), 0o644)
 }
 
-// readCSV reads back what writeCSV wrote.
+// readCSV reads back what writeCSV wrote (files written before the
+// block_per_core column too).
 func readCSV(path string) ([]result, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -630,8 +642,8 @@ func readCSV(path string) ([]result, error) {
 	var all []result
 	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n")[1:] {
 		f := strings.Split(line, ",")
-		if len(f) != 14 {
-			return nil, fmt.Errorf("%s line %d: %d fields, want 14", path, i+2, len(f))
+		if len(f) != 14 && len(f) != 15 {
+			return nil, fmt.Errorf("%s line %d: %d fields, want 15", path, i+2, len(f))
 		}
 		n := make([]float64, len(f))
 		for j, v := range f {
@@ -644,6 +656,9 @@ func readCSV(path string) ([]result, error) {
 		}
 		s := step{offered: n[7], achieved: n[8], keptUp: f[9] == "true", perCore: n[13],
 			q50: time.Duration(n[10] * 1e3), q99: time.Duration(n[11] * 1e3), r99: time.Duration(n[12] * 1e3)}
+		if len(n) == 15 {
+			s.blockPerCore = n[14]
+		}
 		if k := len(all) - 1; k >= 0 && all[k].kind == f[0] && all[k].workers == int(n[1]) && all[k].target == int(n[2]) {
 			all[k].steps = append(all[k].steps, s)
 			continue

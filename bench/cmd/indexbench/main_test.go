@@ -44,6 +44,28 @@ func TestRunReports(t *testing.T) {
 	if len(rs) != 2 || rs[0].kind != "events" || rs[1].kind != "learned" || rs[0].workers != 4 || len(rs[0].steps) == 0 {
 		t.Errorf("read back %+v", rs)
 	}
+	for _, r := range rs {
+		for _, s := range r.steps {
+			if (s.perCore > 0) != (s.blockPerCore > 0) {
+				t.Errorf("%s: %v ops and %v block ops per CPU second", r.kind, s.perCore, s.blockPerCore)
+			}
+		}
+	}
+	// Offered far past saturation, a step counts the operations and the
+	// block operations one CPU second does; every operation carries one
+	// key at least.
+	sat := t.TempDir()
+	o.out, o.start, o.steps, o.kinds = sat, 1e9, 1, []string{"events"}
+	if err := run(&strings.Builder{}, o); err != nil {
+		t.Fatal(err)
+	}
+	rs, err = readCSV(filepath.Join(sat, "results.csv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := rs[0].steps[0]; s.keptUp || s.perCore <= 0 || s.blockPerCore < s.perCore {
+		t.Errorf("past saturation: %+v", s)
+	}
 	again := t.TempDir()
 	if err := run(&strings.Builder{}, options{plotFrom: filepath.Join(dir, "results.csv"), out: again}); err != nil {
 		t.Fatal(err)
