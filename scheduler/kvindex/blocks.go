@@ -37,7 +37,7 @@ func (b *blocks) init(maxBlocks int) {
 // over reports whether the table holds more than the cap once extra more
 // blocks are added. The cap counts each entry as a block, and each two
 // parts of spilled arrays as one more (a part is 32 bytes, an entry 56
-// and its slots 8 to 16), so that the index's memory stays within MaxBlocks ×
+// and its slots 10.7 to 21.3), so that the index's memory stays within MaxBlocks ×
 // BytesPerBlock or so whatever the fleet's size.
 func (b *blocks) over(extra int) bool { return b.t.n+b.t.sp.used/2+extra > b.max }
 
@@ -52,7 +52,7 @@ func (b *blocks) trim() {
 
 // apply applies one cache event of the worker h. b.mu is held.
 // It takes the keys warmBatch at a time, warming each batch's slots and
-// entries first (see table.warmRuns): the keys of an event are scattered over
+// entries first (see table.warm): the keys of an event are scattered over
 // the table, and on a table larger than the CPU's caches their misses then
 // overlap instead of coming one after the other.
 func (b *blocks) apply(h holder, ce *CacheEvent) {
@@ -60,7 +60,7 @@ func (b *blocks) apply(h holder, ce *CacheEvent) {
 	for keys := ce.Keys; len(keys) > 0; {
 		batch := keys[:min(len(keys), warmBatch)]
 		keys = keys[len(batch):]
-		if len(batch) > 1 && b.t.warmRuns(batch) == 0x5eed {
+		if len(batch) > 1 && b.t.warm(batch) == 0x5eed {
 			b.warmed.Add(1)
 		}
 		switch ce.Kind {

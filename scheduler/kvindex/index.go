@@ -19,8 +19,8 @@
 //
 // Memory is bounded by Config.MaxBlocks. An indexed block costs
 // BytesPerBlock bytes or less: a 56-byte entry in a pointer-free slab plus
-// 8–16 bytes of hash table (measured: 64 bytes at 1 Mi blocks, 72 just
-// past it). When full, the least recently touched block
+// 10.7–21.3 bytes of hash table (8-byte slots filled to between 3/8 and
+// 3/4). When full, the least recently touched block
 // (stored, moved or predicted; entries touched within the latest eighth of
 // the cap's worth of touches keep their place) is forgotten. Workers
 // occupy one of MaxWorkers slots of a group each, and a block's holders
@@ -51,11 +51,11 @@ const MaxWorkers = 64
 const MaxTracked = 4096
 
 // BytesPerBlock bounds the memory of one indexed block held in one group
-// once the index has grown to it: a 56-byte entry plus at most 16 bytes of
-// hash table (more only while the first slab chunk of 65,536 entries
+// once the index has grown to it: a 56-byte entry plus at most 21.3 bytes
+// of hash table (more only while the first slab chunk of 65,536 entries
 // fills). A block held in several groups adds 32 bytes per further group,
 // rounded up to a power of two, which the cap counts.
-const BytesPerBlock = entrySize + 16
+const BytesPerBlock = entrySize + 22
 
 // Defaults of Config.
 const (

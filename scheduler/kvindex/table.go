@@ -4,9 +4,9 @@ package kvindex
 // over a slab of fixed-size entries, with an intrusive LRU list, and a
 // slab of parts for the blocks held in several groups (see part). No entry
 // nor part holds a pointer, so the garbage collector never scans the
-// slabs, and the memory per block is the entry (entrySize) plus 8 to 16
-// bytes of table (4-byte slots at a load factor between 1/4 and 1/2), plus
-// its parts' for a block held in several groups.
+// slabs, and the memory per block is the entry (entrySize) plus 10.7 to
+// 21.3 bytes of table (8-byte slots at a load factor between 3/8 and 3/4),
+// plus its parts' for a block held in several groups.
 
 import (
 	"math/bits"
@@ -149,8 +149,16 @@ const (
 
 // table maps block keys to entries. It is not safe for concurrent use: the
 // Index guards it.
+//
+// A slot holds, besides its entry's index, the top 32 bits of its key's
+// hash (its tag), of which the slot's home is the leading ones: a probe
+// reads an entry only when the tags agree (for keys of the same home,
+// one chance in 2^(32−log2(len(slots))) otherwise), a key not indexed
+// reads none, and a removal's backward shift and growing read slots
+// alone. The tags make a long probe run cheap (8-byte slots, eight to a
+// cache line), so the table fills to 3/4 before it doubles.
 type table struct {
-	slots  []uint32 // 0: empty; otherwise entry index + 1
+	slots  []uint64 // 0: empty; otherwise tag<<32 | entry index + 1
 	shift  uint     // 64 - log2(len(slots))
 	chunks [][]entry
 	n      int    // entries in use
@@ -170,7 +178,7 @@ type table struct {
 
 func (t *table) init(maxBlocks int) {
 	t.fresh = uint32(min(maxBlocks/8, 1<<30))
-	t.slots = make([]uint32, minTable)
+	t.slots = make([]uint64, minTable)
 	t.shift = 64 - uint(bits.TrailingZeros(minTable))
 	t.free, t.head, t.tail = none, none, none
 	for c := range t.sp.class {
@@ -181,22 +189,54 @@ func (t *table) init(maxBlocks int) {
 // at returns entry i.
 func (t *table) at(i uint32) *entry { return &t.chunks[i>>chunkBits][i&chunkMask] }
 
-// home returns the preferred slot of key (Fibonacci hashing, so that keys
-// that are not random still spread).
-func (t *table) home(key uint64) uint64 { return (key * 0x9e3779b97f4a7c15) >> t.shift }
+// hash is key's hash (Fibonacci hashing, so that keys that are not random
+// still spread): its top bits are the key's home and its tag.
+func hash(key uint64) uint64 { return key * 0x9e3779b97f4a7c15 }
+
+// home returns the preferred slot of key.
+func (t *table) home(key uint64) uint64 { return hash(key) >> t.shift }
+
+// slotHome returns the home of the key of the slot value v, from its tag.
+func (t *table) slotHome(v uint64) uint64 { return v >> t.shift }
+
+// tagOf returns the tag bits of a slot value: v with the index cleared.
+func tagOf(v uint64) uint64 { return v &^ (1<<32 - 1) }
 
 // find returns the index of key's entry, or none.
 func (t *table) find(key uint64) uint32 {
+	h := hash(key)
 	mask := uint64(len(t.slots) - 1)
-	for s := t.home(key); ; s = (s + 1) & mask {
+	tag := tagOf(h)
+	for s := h >> t.shift; ; s = (s + 1) & mask {
 		v := t.slots[s]
 		if v == 0 {
 			return none
 		}
-		if t.at(v-1).key == key {
-			return v - 1
+		if tagOf(v) == tag {
+			if i := uint32(v) - 1; t.at(i).key == key {
+				return i
+			}
 		}
 	}
+}
+
+// probe returns the entry index of the first slot of key's probe run whose
+// tag is key's (none if there is none before an empty slot or past n
+// slots): the entry find would read first.
+func (t *table) probe(key uint64, n int) uint32 {
+	h := hash(key)
+	mask := uint64(len(t.slots) - 1)
+	tag := tagOf(h)
+	for s, r := h>>t.shift, 0; r < n; s, r = (s+1)&mask, r+1 {
+		v := t.slots[s]
+		if v == 0 {
+			break
+		}
+		if tagOf(v) == tag {
+			return uint32(v) - 1
+		}
+	}
+	return none
 }
 
 // warmBatch is how many keys warm loads at once: about the misses a core
@@ -213,31 +253,39 @@ const warmBatch = 16
 func (t *table) warm(keys []uint64) uint64 {
 	var idx [warmBatch]uint32
 	keys = keys[:min(len(keys), warmBatch)]
-	for j, k := range keys {
-		idx[j] = t.slots[t.home(k)]
+	var sink uint64
+	for _, k := range keys {
+		sink += t.slots[t.home(k)]
 	}
-	return t.warmEntries(idx[:len(keys)])
+	for j, k := range keys {
+		idx[j] = t.probe(k, warmRun)
+	}
+	return sink + t.warmEntries(idx[:len(keys)])
 }
 
 // warmAt is warm over the keys at positions pos (at most warmBatch).
 func (t *table) warmAt(keys []uint64, pos []int) uint64 {
 	var idx [warmBatch]uint32
 	pos = pos[:min(len(pos), warmBatch)]
-	for j, p := range pos {
-		idx[j] = t.slots[t.home(keys[p])]
+	var sink uint64
+	for _, p := range pos {
+		sink += t.slots[t.home(keys[p])]
 	}
-	return t.warmEntries(idx[:len(pos)])
+	for j, p := range pos {
+		idx[j] = t.probe(keys[p], warmRun)
+	}
+	return sink + t.warmEntries(idx[:len(pos)])
 }
 
-// warmEntries is warm's loads of the entries of the slots' values idx,
-// then of the spilled ones' parts.
+// warmEntries is warm's loads of the entries idx (none: absent), then of
+// the spilled ones' parts.
 func (t *table) warmEntries(idx []uint32) uint64 {
 	var sink uint64
 	var spilled [warmBatch]*entry
 	n := 0
-	for _, v := range idx {
-		if v != 0 {
-			e := t.at(v - 1)
+	for _, i := range idx {
+		if i != none {
+			e := t.at(i)
 			sink += e.key
 			if e.flags&flagSpill != 0 {
 				spilled[n] = e
@@ -270,36 +318,9 @@ func (t *table) warmLinks(idx []uint32) uint64 {
 	return sink
 }
 
-// warmRun bounds the slots of a probe run warmRuns loads the entries of:
-// at a load factor of 1/2 at most, runs are rarely longer.
-const warmRun = 4
-
-// warmRuns is warm for writes: it loads the entries of each key's probe
-// run, up to warmRun slots from its home, not only its home slot's. A
-// find reads those before it reaches its key or an empty slot (every one
-// of them for a key not indexed yet), and a removal's backward shift
-// reads those after its key.
-func (t *table) warmRuns(keys []uint64) uint64 {
-	var idx [warmBatch * warmRun]uint32
-	keys = keys[:min(len(keys), warmBatch)]
-	mask := uint64(len(t.slots) - 1)
-	n := 0
-	for _, k := range keys {
-		for s, r := t.home(k), 0; r < warmRun && t.slots[s] != 0; s, r = (s+1)&mask, r+1 {
-			idx[n] = t.slots[s]
-			n++
-		}
-	}
-	var sink uint64
-	for _, v := range idx[:n] {
-		e := t.at(v - 1)
-		sink += e.key
-		if e.flags&flagSpill != 0 {
-			sink += t.sp.parts(e.class(), e.ext)[0].m[0]
-		}
-	}
-	return sink
-}
+// warmRun bounds the slots of a probe run warm searches for a key's tag:
+// the slots of a cache line or two.
+const warmRun = 16
 
 // warmGallop is warm over the keys walk's gallop from lo reads first:
 // those at lo+stride, lo+3×stride, lo+7×stride… and the last; and lo's
@@ -360,7 +381,7 @@ func bisectKeys(lo, hi, stride int, pos *[warmBatch]int) int {
 // insert adds an entry for key, which must be absent, at the head of the
 // LRU list, and returns its index. The caller evicts first if full.
 func (t *table) insert(key uint64) uint32 {
-	if (t.n+1)*2 > len(t.slots) {
+	if (t.n+1)*4 > len(t.slots)*3 {
 		t.grow()
 	}
 	var i uint32
@@ -383,23 +404,27 @@ func (t *table) insert(key uint64) uint32 {
 }
 
 // place puts entry i for key into the first empty slot of its probe chain.
-func (t *table) place(key uint64, i uint32) {
+func (t *table) place(key uint64, i uint32) { t.put(tagOf(hash(key)) | uint64(i+1)) }
+
+// put puts the slot value v into the first empty slot of its probe chain.
+func (t *table) put(v uint64) {
 	mask := uint64(len(t.slots) - 1)
-	s := t.home(key)
+	s := t.slotHome(v)
 	for t.slots[s] != 0 {
 		s = (s + 1) & mask
 	}
-	t.slots[s] = i + 1
+	t.slots[s] = v
 }
 
-// grow doubles the slot array and reinserts every entry.
+// grow doubles the slot array and reinserts every slot value: its tag
+// holds its new home.
 func (t *table) grow() {
 	old := t.slots
-	t.slots = make([]uint32, 2*len(old))
+	t.slots = make([]uint64, 2*len(old))
 	t.shift--
 	for _, v := range old {
 		if v != 0 {
-			t.place(t.at(v-1).key, v-1)
+			t.put(v)
 		}
 	}
 }
@@ -409,7 +434,7 @@ func (t *table) remove(i uint32) {
 	e := t.at(i)
 	mask := uint64(len(t.slots) - 1)
 	s := t.home(e.key)
-	for t.slots[s] != i+1 {
+	for uint32(t.slots[s]) != i+1 {
 		s = (s + 1) & mask
 	}
 	// Backward-shift deletion: move later members of the probe chain
@@ -424,7 +449,7 @@ shift:
 			if v == 0 {
 				break shift
 			}
-			h := t.home(t.at(v - 1).key)
+			h := t.slotHome(v)
 			// v may move to s if its home is not cyclically in (s, j].
 			if (j > s && (h <= s || h > j)) || (j < s && h <= s && h > j) {
 				t.slots[s] = v

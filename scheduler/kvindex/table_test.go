@@ -119,3 +119,72 @@ func TestSpilledHolders(t *testing.T) {
 		}
 	}
 }
+
+// keyWithHash returns the key whose hash is h: hash multiplies by an odd
+// constant, which has an inverse modulo 2⁶⁴.
+func keyWithHash(h uint64) uint64 {
+	inv := uint64(0x9e3779b97f4a7c15) // Newton's iteration: each step doubles the correct bits
+	for range 5 {
+		inv *= 2 - 0x9e3779b97f4a7c15*inv
+	}
+	return h * inv
+}
+
+// Keys whose hashes share their top 32 bits share a tag and a home: the
+// table tells them apart by the entry's key, finds each, and removing
+// some (the backward shift moving the others by their tags) loses none.
+func TestTableSameTag(t *testing.T) {
+	var tb table
+	tb.init(1 << 20)
+	const tag = uint64(0xabcd1234) << 32
+	var same, other []uint64
+	for i := range uint64(40) {
+		same = append(same, keyWithHash(tag|i))
+		other = append(other, keyWithHash(tag+(i%3)<<(64-10)|i)) // homes near: the same runs
+	}
+	if hash(same[0])>>32 != hash(same[1])>>32 || same[0] == same[1] {
+		t.Fatalf("keyWithHash: %x %x", hash(same[0]), hash(same[1]))
+	}
+	idx := map[uint64]uint32{}
+	for i := range same {
+		for _, k := range []uint64{same[i], other[i]} {
+			if _, ok := idx[k]; ok {
+				continue
+			}
+			if tb.find(k) != none {
+				t.Fatalf("key %x found before it is inserted", k)
+			}
+			idx[k] = tb.insert(k)
+		}
+	}
+	check := func() {
+		t.Helper()
+		for k, i := range idx {
+			if got := tb.find(k); got != i {
+				t.Fatalf("find(%x) = %d, want %d", k, got, i)
+			}
+		}
+	}
+	check()
+	for i, k := range same {
+		if i%2 == 0 {
+			tb.remove(idx[k])
+			delete(idx, k)
+			if tb.find(k) != none {
+				t.Fatalf("removed key %x still found", k)
+			}
+		}
+	}
+	check()
+	// Growing moves every slot by its tag.
+	for i := range uint64(5000) {
+		k := keyWithHash(i * 0x9e3779b97f4a7c15)
+		if _, ok := idx[k]; !ok && tb.find(k) == none {
+			idx[k] = tb.insert(k)
+		}
+	}
+	check()
+	if tb.n != len(idx) {
+		t.Errorf("table holds %d entries, want %d", tb.n, len(idx))
+	}
+}
