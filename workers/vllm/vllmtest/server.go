@@ -181,6 +181,14 @@ type Server struct {
 	// loraWaiting count their requests running and waiting.
 	loras                    map[string]string
 	loraRunning, loraWaiting map[string]int
+
+	// rest is the page's other families as last written, for restReq
+	// requests: they change with the requests served alone, and an idle
+	// fleet of a thousand fakes scraped four thousand times a second
+	// would otherwise spend cores formatting the same 45 KB.
+	restMu  sync.Mutex
+	rest    []byte
+	restReq int64
 }
 
 // New starts a server. Close it.
@@ -520,13 +528,26 @@ func (s *Server) vllmMetrics(w http.ResponseWriter) {
 	fmt.Fprintf(w, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
 		`vllm:cache_config_info{block_size="%d",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="%d",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0`+"\n",
 		s.cfg.BlockSize, s.cfg.GPUBlocks)
-	writeRestOfMetrics(w, l, int64(st.Requests))
+	w.Write(s.restOfMetrics(l, int64(st.Requests)))
 	if s.cfg.MaxLoRAs > 0 {
 		// vLLM sets the series of the current labels to the time.
 		fmt.Fprintf(w, "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"+
 			"vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=%q,waiting_lora_adapters=%q} %v\n",
 			s.cfg.MaxLoRAs, loraRunning, loraWaiting, float64(time.Now().UnixNano())/1e9)
 	}
+}
+
+// restOfMetrics returns writeRestOfMetrics's text for requests, written
+// again only when requests changed.
+func (s *Server) restOfMetrics(l string, requests int64) []byte {
+	s.restMu.Lock()
+	defer s.restMu.Unlock()
+	if s.rest == nil || s.restReq != requests {
+		var b bytes.Buffer
+		writeRestOfMetrics(&b, l, requests)
+		s.rest, s.restReq = b.Bytes(), requests
+	}
+	return s.rest
 }
 
 // request is what the server reads of a completion or tokenize request.
