@@ -151,12 +151,13 @@ const (
 // Index guards it.
 //
 // A slot holds, besides its entry's index, the top 32 bits of its key's
-// hash (its tag), of which the slot's home is the leading ones: a probe
-// reads an entry only when the tags agree (for keys of the same home,
-// one chance in 2^(32−log2(len(slots))) otherwise), a key not indexed
-// reads none, and a removal's backward shift and growing read slots
-// alone. The tags make a long probe run cheap (8-byte slots, eight to a
-// cache line), so the table fills to 3/4 before it doubles.
+// hash (its tag), whose leading bits are the slot's home (the table has
+// fewer than 2³² slots: its entries' indexes are 32-bit). A probe reads an
+// entry only when the tags agree (keys of different homes never do, keys
+// of the same home by one chance in 2^(32−log2(len(slots)))), a key not
+// indexed reads none, and a removal's backward shift and growing read
+// slots alone. The tags make a long probe run cheap (8-byte slots, eight
+// to a cache line), so the table fills to 3/4 before it doubles.
 type table struct {
 	slots  []uint64 // 0: empty; otherwise tag<<32 | entry index + 1
 	shift  uint     // 64 - log2(len(slots))
