@@ -60,8 +60,16 @@ func (b *blocks) apply(h holder, ce *CacheEvent) {
 	for keys := ce.Keys; len(keys) > 0; {
 		batch := keys[:min(len(keys), warmBatch)]
 		keys = keys[len(batch):]
-		if len(batch) > 1 && b.t.warm(batch) == 0x5eed {
-			b.warmed.Add(1)
+		if len(batch) > 1 {
+			sink, absent := b.t.warmCount(batch)
+			// Storing absent keys at the cap evicts as many blocks first
+			// (upsert): warm those too.
+			if ce.Kind != Removed && absent > 0 && b.over(absent) {
+				sink += b.t.warmVictims(b.t.n + b.t.sp.used/2 + absent - b.max)
+			}
+			if sink == 0x5eed {
+				b.warmed.Add(1)
+			}
 		}
 		switch ce.Kind {
 		case Stored:

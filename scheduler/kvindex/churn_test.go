@@ -64,3 +64,50 @@ func BenchmarkApplyChurn(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkApplyAtCap measures stored events of fresh blocks on an index
+// at its cap, as a busy fleet's whose caches hold more than MaxBlocks: each
+// block stored forgets the least recently touched one. ns/block is the
+// cost of one stored block, its eviction included.
+func BenchmarkApplyAtCap(b *testing.B) {
+	for _, workers := range []int{8, 1000} {
+		b.Run(fmt.Sprintf("workers=%d/blocks=4M", workers), func(b *testing.B) {
+			const capBlocks = 4 << 20
+			x := New(Config{MaxBlocks: capBlocks})
+			names := make([]string, workers)
+			seq := make([]uint64, workers)
+			for w := range names {
+				names[w] = fmt.Sprintf("w%04d", w)
+				if err := x.Apply(names[w], snapshot(nil)); err != nil {
+					b.Fatal(err)
+				}
+				seq[w] = 1
+			}
+			rng := rand.New(rand.NewPCG(17, 18))
+			keys := make([]uint64, 32)
+			store := func(w int) {
+				for i := range keys {
+					keys[i] = rng.Uint64()
+				}
+				seq[w]++
+				ce := CacheEvent{Kind: Stored, Keys: keys}
+				if err := x.Apply(names[w], Event{Seq: seq[w], Cache: &ce}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			for i := 0; x.Len() < capBlocks; i++ {
+				store(i % workers)
+			}
+			for range capBlocks / 32 / 4 { // a quarter of the cap turned over: the LRU list shuffled
+				store(rng.IntN(workers))
+			}
+			b.ReportAllocs()
+			blocks := 0
+			for b.Loop() {
+				store(rng.IntN(workers))
+				blocks += len(keys)
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(blocks), "ns/block")
+		})
+	}
+}

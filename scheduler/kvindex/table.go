@@ -252,16 +252,41 @@ const warmBatch = 16
 // from the loads, which the caller must use so that the compiler keeps
 // them.
 func (t *table) warm(keys []uint64) uint64 {
+	sink, _ := t.warmCount(keys)
+	return sink
+}
+
+// warmCount is warm, also returning how many of the keys have no entry
+// whose tag is theirs: keys not indexed, that storing would add.
+func (t *table) warmCount(keys []uint64) (sink uint64, absent int) {
 	var idx [warmBatch]uint32
 	keys = keys[:min(len(keys), warmBatch)]
-	var sink uint64
 	for _, k := range keys {
 		sink += t.slots[t.home(k)]
 	}
 	for j, k := range keys {
-		idx[j] = t.probe(k, warmRun)
+		if idx[j] = t.probe(k, warmRun); idx[j] == none {
+			absent++
+		}
 	}
-	return sink + t.warmEntries(idx[:len(keys)])
+	return sink + t.warmEntries(idx[:len(keys)]), absent
+}
+
+// warmVictims loads the entries of the n least recently touched blocks,
+// walking the LRU list from its tail, then their slots at once, so that
+// evicting them does not wait for each slot's cache miss in turn.
+func (t *table) warmVictims(n int) uint64 {
+	var victims [warmBatch]uint32
+	k := 0
+	for i := t.tail; i != none && k < min(n, warmBatch); i = t.at(i).prev {
+		victims[k] = i
+		k++
+	}
+	var sink uint64
+	for _, i := range victims[:k] {
+		sink += t.slots[t.home(t.at(i).key)]
+	}
+	return sink
 }
 
 // warmAt is warm over the keys at positions pos (at most warmBatch).
