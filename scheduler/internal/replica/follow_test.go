@@ -2,6 +2,7 @@ package replica
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -110,4 +111,32 @@ func FuzzParseRESP(f *testing.F) {
 			t.Fatalf("parseRESP(%q) took %d bytes, err %v", b, n, err)
 		}
 	})
+}
+
+// A Publish whose own write finds its deadline passed before a byte is
+// written (its goroutine not run in time, on a busy machine) keeps the
+// connection and hands the message to the sender: the other replica gets
+// every message, none is counted lost, and sharing never goes down.
+func TestPublishLateKeepsConnection(t *testing.T) {
+	addr := redistest.Start(t).Addr()
+	a := newPeer(t, addr, "a", func(c *Config) { c.publishWait = -time.Second })
+	b := newPeer(t, addr, "b", nil)
+	b.none(t, a)
+	var want []Entry
+	for i := range uint64(200) {
+		e := Entry{Worker: fmt.Sprint("w", i%3), Keys: []uint64{i, i + 1}}
+		want = append(want, e)
+		a.Publish(e)
+	}
+	b.expect(t, want...)
+	dropped, _, ups := a.stats()
+	for _, up := range ups {
+		if !up {
+			t.Errorf("a's sharing went down (ups %v)", ups)
+			break
+		}
+	}
+	if len(dropped) != 0 {
+		t.Errorf("a dropped %v, want nothing", dropped)
+	}
 }

@@ -3,6 +3,7 @@ package replica
 import (
 	"errors"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -33,9 +34,20 @@ type pipe struct {
 
 // write writes one message of entries, first published at first; it
 // reports whether the message was written. p.mu is held.
+//
+// Without block (Publish's own write) it gives up, the connection as it
+// was, where the message would wait: with maxInFlight messages
+// unanswered, or when the deadline passed before a byte was written (the
+// goroutine not run in time on a busy machine, or the socket's buffer
+// full); the caller then queues the message for the sender. Only a
+// write cut short part way loses the connection.
 func (s *Sharer) write(entries []Entry, first int64, wait time.Duration, block bool) bool {
 	p := &s.pipe
 	if p.conn == nil {
+		return false
+	}
+	// Only holders of p.mu send on inFlight: room seen here stays.
+	if !block && len(p.inFlight) == cap(p.inFlight) {
 		return false
 	}
 	p.seq++
@@ -48,16 +60,19 @@ func (s *Sharer) write(entries []Entry, first int64, wait time.Duration, block b
 		case <-s.ctx.Done():
 			return false
 		}
-	} else {
-		select {
-		case p.inFlight <- msg:
-		default:
+	}
+	p.conn.SetWriteDeadline(time.Now().Add(wait))
+	n, err := p.conn.Write(p.cmd)
+	if !block {
+		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
 			p.seq--
 			return false
 		}
+		// Its answer is read after it is written: the answers' reader
+		// takes a message from inFlight before reading its answer.
+		p.inFlight <- msg
 	}
-	p.conn.SetWriteDeadline(time.Now().Add(wait))
-	if _, err := p.conn.Write(p.cmd); err != nil {
+	if err != nil {
 		// The answers' reader counts msg with the rest unanswered; the
 		// others see the gap in seq.
 		if s.ctx.Err() == nil {

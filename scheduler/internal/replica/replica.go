@@ -70,6 +70,10 @@ type Config struct {
 	// throughClient has the Sharer send and follow through Client even
 	// where it could reach the server itself (tests).
 	throughClient bool
+	// publishWait, if not zero, replaces the constant publishWait
+	// (tests: a negative one has each of Publish's own writes find its
+	// deadline passed, as on a machine too busy to run it in time).
+	publishWait time.Duration
 }
 
 // Observer hears what a Sharer does. Its methods are called from the
@@ -205,7 +209,11 @@ func (s *Sharer) Publish(e Entry) {
 		// Written now, on the decision's goroutine: the sender's would
 		// wait to be scheduled, which in a burst takes milliseconds.
 		one := [1]Entry{e}
-		ok := s.write(one[:], now, publishWait, false)
+		wait := publishWait
+		if s.cfg.publishWait != 0 {
+			wait = s.cfg.publishWait
+		}
+		ok := s.write(one[:], now, wait, false)
 		s.pipe.mu.Unlock()
 		if ok {
 			return
