@@ -231,6 +231,14 @@ func TestVLLMWorker(t *testing.T) {
 		t.Errorf("chat = %+v, want the fake engine's answer from v0", got)
 	}
 
+	// The first scrape first (the chat may be answered before it), so
+	// that the load below is learned from a later one.
+	eventually(t, 10*time.Second, func() error {
+		if m := lookup(s, "v0", nil); !m.Known || m.Load.GPUBlocksTotal != 1000 {
+			return fmt.Errorf("index has v0 known=%v load %+v before the first scrape's", m.Known, m.Load)
+		}
+		return nil
+	})
 	eng.setMetrics(vllmMetrics(3, 2, 0.25, 1000))
 	eventually(t, 10*time.Second, func() error {
 		m := lookup(s, "v0", nil)
