@@ -70,9 +70,9 @@ type Config struct {
 	// throughClient has the Sharer send and follow through Client even
 	// where it could reach the server itself (tests).
 	throughClient bool
-	// publishWait, if not zero, replaces the constant publishWait
-	// (tests: a negative one has each of Publish's own writes find its
-	// deadline passed, as on a machine too busy to run it in time).
+	// publishWait bounds Publish's own write; default the constant
+	// publishWait (tests: a negative one has each of those writes find
+	// its deadline passed, as on a machine too busy to run it in time).
 	publishWait time.Duration
 }
 
@@ -118,6 +118,9 @@ const (
 func (c Config) withDefaults() Config {
 	if c.Stream == "" {
 		c.Stream = defaultStream
+	}
+	if c.publishWait == 0 {
+		c.publishWait = publishWait
 	}
 	if c.ID == "" {
 		var b [8]byte
@@ -209,11 +212,7 @@ func (s *Sharer) Publish(e Entry) {
 		// Written now, on the decision's goroutine: the sender's would
 		// wait to be scheduled, which in a burst takes milliseconds.
 		one := [1]Entry{e}
-		wait := publishWait
-		if s.cfg.publishWait != 0 {
-			wait = s.cfg.publishWait
-		}
-		ok := s.write(one[:], now, wait, false)
+		ok := s.write(one[:], now, s.cfg.publishWait, false)
 		s.pipe.mu.Unlock()
 		if ok {
 			return
