@@ -23,6 +23,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/csv"
 	"errors"
 	"flag"
 	"fmt"
@@ -84,6 +85,7 @@ func run() error {
 	batonB := flag.String("baton-b", "", "a second baton `binary` run as baton serve beside the first, as path baton-b (to compare two builds in one run)")
 	batonProfile := flag.String("baton-cpuprofile", "", "write a CPU profile of the baton serve process over the measured rounds to `file`")
 	countSyscalls := flag.Bool("syscalls", false, "count the system calls and context switches of each proxy's own process over the measured rounds, with perf stat (Linux)")
+	timingsFile := flag.String("timings", "", "write each measured round's times (microseconds, a column per path: first byte and [DONE]) to `file` as CSV")
 	batonMemProfile := flag.String("baton-memprofile", "", "write an allocation profile of the baton serve process, at the end, to `file`")
 	minimal := flag.String("minimal-proxy", "", "internal: serve the go-proxy path on `address` (host:port) in front of -minimal-proxy-engine, and nothing else")
 	minimalEngine := flag.String("minimal-proxy-engine", "", "internal: the engine URL of -minimal-proxy")
@@ -286,6 +288,11 @@ func run() error {
 	fmt.Println("\nTime to data: [DONE]:")
 	report(os.Stdout, paths, times, func(t timing) time.Duration { return t.done })
 	reportCPU(os.Stdout, paths, cpu, *n)
+	if *timingsFile != "" {
+		if err := writeTimings(*timingsFile, paths, times); err != nil {
+			return err
+		}
+	}
 	reportSyscalls(os.Stdout, paths, counts, *n)
 	if profiled != nil {
 		if err := <-profiled; err != nil {
@@ -773,6 +780,35 @@ func report(out io.Writer, paths []string, timings map[string][]timing, of func(
 		fmt.Fprintf(out, "%s added / haproxy added: p50 %s, p99 %s (per-round: p50 %s, p99 %s)\n",
 			p, ratio(a.p50, hp.p50), ratio(a.p99, hp.p99), ratio(a.r50, hp.r50), ratio(a.r99, hp.r99))
 	}
+}
+
+// writeTimings writes one row per measured round: for each path, its
+// time to the first byte and to [DONE], in microseconds.
+func writeTimings(file string, paths []string, times map[string][]timing) error {
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	w := csv.NewWriter(f)
+	var head []string
+	for _, p := range paths {
+		head = append(head, p+"_first_us", p+"_done_us")
+	}
+	w.Write(head)
+	for i := range times[paths[0]] {
+		row := make([]string, 0, len(head))
+		for _, p := range paths {
+			t := times[p][i]
+			row = append(row, strconv.FormatInt(t.first.Microseconds(), 10), strconv.FormatInt(t.done.Microseconds(), 10))
+		}
+		w.Write(row)
+	}
+	w.Flush()
+	if err := w.Error(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // pct returns the p-th percentile of d (nearest rank), without changing d.
