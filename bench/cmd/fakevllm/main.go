@@ -22,6 +22,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -69,8 +70,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	configPath := fs.String("config", "", "also write the configuration to `file`")
 	churn := fs.Float64("churn", 0, "besides requests, store this many new KV `blocks` a second over the fleet (each a fresh prompt of -churn-prompt-blocks, engines in turn), publishing their events and those of the blocks they evict")
 	churnPrompt := fs.Int("churn-prompt-blocks", 32, "blocks of each prompt -churn stores")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the fleet, from start to interrupt, to `file`")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	if *n < 1 {
 		return fmt.Errorf("-n: must be at least 1, got %d", *n)

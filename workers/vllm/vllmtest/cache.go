@@ -60,7 +60,7 @@ type alloc struct {
 // them) and stores the rest, evicting as it must; a block that finds no
 // room (every block held) is not cached, nor are those after it.
 func (c *cache) allocate(hashes []uint64, maxHit int) alloc {
-	var a alloc
+	a := alloc{held: make([]*block, 0, len(hashes)), stored: make([]int, 0, len(hashes))}
 	for a.hit < len(hashes) && a.hit < maxHit {
 		b, ok := c.blocks[hashes[a.hit]]
 		if !ok {

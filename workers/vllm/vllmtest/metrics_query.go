@@ -58,7 +58,7 @@ func restrictPage(page []byte, names []string) []byte {
 	for _, n := range names {
 		want[n] = true
 	}
-	var out, comments, samples []byte
+	out, comments, samples := make([]byte, 0, len(page)/2), make([]byte, 0, 512), make([]byte, 0, 512)
 	flush := func() {
 		if len(samples) > 0 {
 			out = append(out, comments...)

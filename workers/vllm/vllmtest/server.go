@@ -186,9 +186,13 @@ type Server struct {
 	// requests: they change with the requests served alone, and an idle
 	// fleet of a thousand fakes scraped four thousand times a second
 	// would otherwise spend cores formatting the same 45 KB.
-	restMu  sync.Mutex
-	rest    []byte
-	restReq int64
+	// restNames and restOnly are rest restricted to the series a scrape
+	// named last (restrictPage), kept as rest is.
+	restMu    sync.Mutex
+	rest      []byte
+	restReq   int64
+	restNames string
+	restOnly  []byte
 }
 
 // New starts a server. Close it.
@@ -490,20 +494,46 @@ func loraNames(counts map[string]int) string {
 }
 
 func (s *Server) metrics(w http.ResponseWriter, r *http.Request) {
-	var page bytes.Buffer
-	rec := &textRecorder{h: http.Header{}, buf: &page}
-	mode := s.cfg.MetricsQuery
 	if s.cfg.SGLang {
-		s.sglangMetrics(rec, nil)
-		mode = QueryEmpty // its registry is a multiprocess one
-	} else {
-		s.vllmMetrics(rec)
+		var page bytes.Buffer
+		s.sglangMetrics(&textRecorder{h: http.Header{}, buf: &page}, nil)
+		writeMetricsPage(w, r, QueryEmpty, page.Bytes()) // its registry is a multiprocess one
+		return
 	}
-	writeMetricsPage(w, r, mode, page.Bytes())
+	var names []string
+	if r != nil && s.cfg.MetricsQuery == QueryNames {
+		names = r.URL.Query()["name[]"]
+	}
+	if len(names) == 0 {
+		var page bytes.Buffer
+		s.vllmMetrics(&textRecorder{h: http.Header{}, buf: &page}, nil)
+		writeMetricsPage(w, r, s.cfg.MetricsQuery, page.Bytes())
+		return
+	}
+	// The page restricted to names: as restrictPage works family by
+	// family, the restriction of the static families is kept with them.
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	w.Write(s.vllmMetrics(textOnly{w, names}, names))
 }
 
-// vllmMetrics writes the server's whole vLLM page.
-func (s *Server) vllmMetrics(w http.ResponseWriter) {
+// textOnly writes what is written to it restricted to names
+// (restrictPage); it takes whole families in each Write.
+type textOnly struct {
+	w     http.ResponseWriter
+	names []string
+}
+
+func (t textOnly) Header() http.Header { return http.Header{} }
+func (t textOnly) Write(b []byte) (int, error) {
+	t.w.Write(restrictPage(b, t.names))
+	return len(b), nil
+}
+func (t textOnly) WriteHeader(int) {}
+
+// vllmMetrics writes the server's vLLM page to w but for its static
+// families (writeRestOfMetrics), which it returns, restricted to names
+// when names are given, and writes too when they are not.
+func (s *Server) vllmMetrics(w http.ResponseWriter, names []string) []byte {
 	s.mu.Lock()
 	running, waiting := s.running, s.waiting
 	usage := float64(s.cache.held) / float64(s.cfg.GPUBlocks)
@@ -512,11 +542,13 @@ func (s *Server) vllmMetrics(w http.ResponseWriter) {
 	s.mu.Unlock()
 	l := fmt.Sprintf(`engine="0",model_name=%q`, s.cfg.Model)
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	var head bytes.Buffer
+	head.Grow(2048)
 	gauge := func(name, help string, v float64) {
-		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s gauge\n%s{%s} %v\n", name, help, name, name, l, v)
+		fmt.Fprintf(&head, "# HELP %s %s\n# TYPE %s gauge\n%s{%s} %v\n", name, help, name, name, l, v)
 	}
 	counter := func(name, help string, v float64) {
-		fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s counter\n%s{%s} %v\n", name, help, name, name, l, v)
+		fmt.Fprintf(&head, "# HELP %s %s\n# TYPE %s counter\n%s{%s} %v\n", name, help, name, name, l, v)
 	}
 	gauge("vllm:num_requests_running", "Number of requests in model execution batches.", float64(running))
 	gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", float64(waiting))
@@ -525,29 +557,40 @@ func (s *Server) vllmMetrics(w http.ResponseWriter) {
 	counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", float64(st.CachedTokens))
 	counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", float64(st.PromptTokens))
 	counter("vllm:request_success_total", "Count of successfully processed requests.", float64(st.Requests))
-	fmt.Fprintf(w, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
+	fmt.Fprintf(&head, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
 		`vllm:cache_config_info{block_size="%d",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="%d",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0`+"\n",
 		s.cfg.BlockSize, s.cfg.GPUBlocks)
-	w.Write(s.restOfMetrics(l, int64(st.Requests)))
+	w.Write(head.Bytes())
+	rest := s.restOfMetrics(l, int64(st.Requests), names)
+	if names == nil {
+		w.Write(rest)
+	}
 	if s.cfg.MaxLoRAs > 0 {
 		// vLLM sets the series of the current labels to the time.
 		fmt.Fprintf(w, "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n"+
 			"vllm:lora_requests_info{max_lora=\"%d\",running_lora_adapters=%q,waiting_lora_adapters=%q} %v\n",
 			s.cfg.MaxLoRAs, loraRunning, loraWaiting, float64(time.Now().UnixNano())/1e9)
 	}
+	return rest
 }
 
 // restOfMetrics returns writeRestOfMetrics's text for requests, written
-// again only when requests changed.
-func (s *Server) restOfMetrics(l string, requests int64) []byte {
+// again only when requests changed; restricted to names if any.
+func (s *Server) restOfMetrics(l string, requests int64, names []string) []byte {
 	s.restMu.Lock()
 	defer s.restMu.Unlock()
 	if s.rest == nil || s.restReq != requests {
 		var b bytes.Buffer
 		writeRestOfMetrics(&b, l, requests)
-		s.rest, s.restReq = b.Bytes(), requests
+		s.rest, s.restReq, s.restOnly = b.Bytes(), requests, nil
 	}
-	return s.rest
+	if names == nil {
+		return s.rest
+	}
+	if key := strings.Join(names, "\n"); s.restOnly == nil || key != s.restNames {
+		s.restOnly, s.restNames = append([]byte{}, restrictPage(s.rest, names)...), key
+	}
+	return s.restOnly
 }
 
 // request is what the server reads of a completion or tokenize request.
@@ -704,7 +747,7 @@ func (s *Server) store(prompt []uint32, salt, lora string) alloc {
 	a := s.cache.allocate(hashes, (len(prompt)-1)/s.cfg.BlockSize)
 	var evs []kvevents.Event
 	if len(a.evicted) > 0 {
-		rm := &kvevents.BlockRemoved{Medium: "GPU"}
+		rm := &kvevents.BlockRemoved{Medium: "GPU", BlockHashes: make([]kvevents.Hash, 0, len(a.evicted))}
 		for _, h := range a.evicted {
 			rm.BlockHashes = append(rm.BlockHashes, kvevents.IntHash(h))
 		}
@@ -714,7 +757,7 @@ func (s *Server) store(prompt []uint32, salt, lora string) alloc {
 	if len(a.stored) > 0 {
 		first, last := a.stored[0], a.stored[len(a.stored)-1]
 		st := &kvevents.BlockStored{BlockSize: s.cfg.BlockSize, Medium: "GPU",
-			TokenIDs: prompt[first*s.cfg.BlockSize : (last+1)*s.cfg.BlockSize]}
+			TokenIDs: prompt[first*s.cfg.BlockSize : (last+1)*s.cfg.BlockSize], BlockHashes: make([]kvevents.Hash, 0, len(a.stored))}
 		for _, i := range a.stored {
 			st.BlockHashes = append(st.BlockHashes, kvevents.IntHash(hashes[i]))
 		}

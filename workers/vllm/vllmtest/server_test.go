@@ -438,3 +438,63 @@ func TestChurn(t *testing.T) {
 		t.Errorf("three prompts of 4 blocks into 8: stored %d, removed %d; want 12 and 4", stored, removed)
 	}
 }
+
+// TestMetricsNamed: a scrape naming series gets, family by family, what
+// the whole page holds of them, as the served requests change (the
+// static families' restriction is kept between scrapes).
+func TestMetricsNamed(t *testing.T) {
+	s := start(t, vllmtest.Config{NoEvents: true, TimeScale: 1e6, MaxLoRAs: 2})
+	get := func(query string) map[string]string {
+		t.Helper()
+		resp, err := http.Get(s.URL + "/metrics" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		// Family name (from its HELP line) → its lines.
+		fams := map[string]string{}
+		var name string
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			line := sc.Text()
+			if f, ok := strings.CutPrefix(line, "# HELP "); ok {
+				name, _, _ = strings.Cut(f, " ")
+			}
+			if strings.HasPrefix(line, "vllm:lora_requests_info{") {
+				line = line[:strings.LastIndexByte(line, ' ')] + " (the time)"
+			}
+			fams[name] += line + "\n"
+		}
+		return fams
+	}
+	names := []string{"vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
+		"vllm:request_prompt_tokens_count", "vllm:lora_requests_info", "vllm:no_such_series"}
+	query := "?name[]=" + strings.Join(names, "&name[]=")
+	for round := range 3 {
+		whole := get("")
+		named := get(query)
+		want := map[string]string{}
+		for fam, text := range whole {
+			var kept []string
+			for line := range strings.Lines(text) {
+				sample, _, _ := strings.Cut(line, "{")
+				sample, _, _ = strings.Cut(sample, " ")
+				if strings.HasPrefix(line, "#") || slices.Contains(names, strings.TrimSpace(sample)) {
+					kept = append(kept, line)
+				}
+			}
+			if len(kept) > 2 { // more than its HELP and TYPE
+				want[fam] = strings.Join(kept, "")
+			}
+		}
+		if len(want) != 5 {
+			t.Fatalf("round %d: the whole page has %d of the 5 named families: %v", round, len(want), want)
+		}
+		if diff := cmp.Diff(want, named); diff != "" {
+			t.Errorf("round %d: named scrape, by family (-whole page's +named):\n%s", round, diff)
+		}
+		if status, b := post(t, s.URL+"/v1/completions", map[string]any{"model": s.Model(), "prompt": words(50), "max_tokens": 2}); status != http.StatusOK {
+			t.Fatalf("completion: status %d: %s", status, b)
+		}
+	}
+}

@@ -105,6 +105,7 @@ func Encode(b kvevents.Batch, enc Encoding) ([]byte, error) {
 // EncodeVariant is Encode as a publisher of the Variant writes.
 func EncodeVariant(b kvevents.Batch, enc Encoding, v Variant) ([]byte, error) {
 	var buf bytes.Buffer
+	buf.Grow(sizeHint(b))
 	e := msgpack.NewEncoder(&buf)
 	w := writer{e: e, v: v}
 	if enc == Maps {
@@ -367,3 +368,20 @@ func (w *writer) mapEvent(ev kvevents.Event) {
 }
 
 var _ kvevents.Event = Unknown{}
+
+// sizeHint is about the bytes b encodes to at most, so that the buffer is
+// allocated once: a fleet of fakes publishing a million blocks a second
+// spent a fifth of its time growing buffers.
+func sizeHint(b kvevents.Batch) int {
+	n := 64
+	for _, ev := range b.Events {
+		n += 96
+		switch ev := ev.(type) {
+		case *kvevents.BlockStored:
+			n += 9*len(ev.BlockHashes) + 5*len(ev.TokenIDs) + 16*len(ev.ExtraKeys)
+		case *kvevents.BlockRemoved:
+			n += 9 * len(ev.BlockHashes)
+		}
+	}
+	return n
+}
