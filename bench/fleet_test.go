@@ -39,19 +39,19 @@ func TestParseFleets(t *testing.T) {
 			t.Errorf("ParseFleets(%q): no error", bad)
 		}
 	}
-	// An in-process fleet holds up to 64 workers of a role, one on the
+	// An in-process fleet holds up to 1,024 workers of a role, one on the
 	// virtual clock up to 4,096.
-	big, err := ParseFleets("disagg:1:99", 7)
+	big, err := ParseFleets("disagg:1:1100", 7)
 	if err != nil {
 		t.Fatal(err)
 	}
 	o := Options{Strategies: []string{"kv_aware"}, Workers: 7, Fleets: big}
-	if err := o.Validate(); err == nil || !strings.Contains(err.Error(), "1–64 decode workers") {
-		t.Errorf("99 decode workers in process: %v", err)
+	if err := o.Validate(); err == nil || !strings.Contains(err.Error(), "1–1024 decode workers") {
+		t.Errorf("1,100 decode workers in process: %v", err)
 	}
 	o.Virtual = true
 	if err := o.Validate(); err != nil {
-		t.Errorf("99 decode workers on the virtual clock: %v", err)
+		t.Errorf("1,100 decode workers on the virtual clock: %v", err)
 	}
 }
 

@@ -26,7 +26,7 @@ type Options struct {
 	// fleet per strategy.
 	Target string
 	// Workers is the in-process fleet size (with Target: the fleet size
-	// for the ideal share), 1–64.
+	// for the ideal share), 1–MaxInProcessWorkers.
 	Workers int
 	// Model is the model preset of the simulated workers and the model
 	// requested (default llama-3.1-8b); GPU their GPU preset (default
@@ -92,10 +92,12 @@ type Options struct {
 }
 
 // Fleet sizes: an in-process fleet runs a simulated engine, its gRPC
-// server and its scheduler connections per worker; the virtual clock
-// only the engines' state, up to what one index tracks.
+// server and its scheduler connections per worker (1,024 of them take
+// about 2 GB and want a --speedup of 1/64 or less on two cores, see
+// bench/RESULTS.md §14); the virtual clock only the engines' state, up
+// to what one index tracks.
 const (
-	MaxInProcessWorkers = 64
+	MaxInProcessWorkers = 1024
 	MaxVirtualWorkers   = 4096
 )
 

@@ -43,8 +43,8 @@ func TestValidateRejects(t *testing.T) {
 		edit func(*Options)
 		want string
 	}{
-		{"no workers", func(o *Options) { o.Workers = 0 }, "--workers: must be 1–64, got 0"},
-		{"too many workers", func(o *Options) { o.Workers = 65 }, "--workers: must be 1–64, got 65"},
+		{"no workers", func(o *Options) { o.Workers = 0 }, "--workers: must be 1–1024, got 0"},
+		{"too many workers", func(o *Options) { o.Workers = 1025 }, "--workers: must be 1–1024, got 1025"},
 		{"negative speedup", func(o *Options) { o.Speedup = -2 }, "--speedup: must be positive, got -2"},
 		{"NaN speedup", func(o *Options) { o.Speedup = math.NaN() }, "--speedup: must be positive, got NaN"},
 		{"negative rate", func(o *Options) { o.Rate = -1 }, "--rate: must be positive, got -1"},
@@ -64,7 +64,7 @@ func TestValidateRejects(t *testing.T) {
 		{"empty fleet", func(o *Options) { o.Fleets = []Fleet{{}} }, "--fleets: fleet "},
 		{"fleet without decode", func(o *Options) { o.Fleets = []Fleet{{Workers: 2, Prefill: 2}} }, "--fleets: fleet "},
 		{"fleet without prefill", func(o *Options) { o.Fleets = []Fleet{{Workers: 2, Decode: 2}} }, "--fleets: fleet "},
-		{"fleet too large", func(o *Options) { o.Fleets = []Fleet{{Workers: 65}} }, "--fleets: fleet "},
+		{"fleet too large", func(o *Options) { o.Fleets = []Fleet{{Workers: 1025}} }, "--fleets: fleet "},
 		{"fleet twice", func(o *Options) { o.Fleets = []Fleet{{Workers: 7}, {Workers: 7}} },
 			"--fleets: fleet 7 colocated given twice (columns would share a label)"},
 		{"target with fleets", func(o *Options) {
@@ -96,7 +96,7 @@ func TestValidateRejects(t *testing.T) {
 func TestRunValidates(t *testing.T) {
 	o := valid()
 	o.Workers = 0
-	if _, err := Run(t.Context(), o, nil); err == nil || err.Error() != "--workers: must be 1–64, got 0" {
+	if _, err := Run(t.Context(), o, nil); err == nil || err.Error() != "--workers: must be 1–1024, got 0" {
 		t.Errorf("Run: %v", err)
 	}
 }
