@@ -111,6 +111,8 @@ type Client struct {
 	base          string // scheme://host[/prefix], no trailing slash
 	hc            *http.Client
 	rt            http.RoundTripper // hc's own transport, called directly: no redirects to follow
+	h1            *h1Transport      // rt when it is the default one
+	target        *h1Target         // the engine as h1.post reaches it; nil: through rt or hc
 	headerTimeout time.Duration
 	tls           *tls.Config
 	apiKey        string
@@ -148,8 +150,10 @@ func New(baseURL string, opts ...Option) (*Client, error) {
 	if c.hc == nil {
 		tr := newTransport(c.headerTimeout)
 		tr.TLSClientConfig = c.tls
-		c.rt = newH1Transport(c.headerTimeout, tr)
+		c.h1 = newH1Transport(c.headerTimeout, tr)
+		c.rt = c.h1
 		c.hc = &http.Client{Transport: c.rt}
+		c.target = newH1Target(u, c.apiKey, c.dpRank)
 	}
 	return c, nil
 }
@@ -259,9 +263,19 @@ func (c *Client) Close() error {
 // post sends body to path as JSON and returns the engine's response, or an
 // error when none came: ErrUnavailable when the engine cannot be reached,
 // ctx's error when ctx ended first.
-func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*http.Response, error) {
+func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*answer, error) {
 	if !strings.HasPrefix(r.Path, "/") {
 		return nil, fmt.Errorf("%w: path %q", ErrInvalid, r.Path)
+	}
+	if c.target != nil {
+		if !validTarget(r.Path) {
+			return nil, fmt.Errorf("%w: path %q", ErrInvalid, r.Path)
+		}
+		a, err := c.h1.post(ctx, c.target, r.Path, r.ID, body)
+		if err != nil {
+			return nil, transportError(ctx, err)
+		}
+		return a, nil
 	}
 	// A *bytes.Reader body also lets the transport replay it (GetBody) on a
 	// stale pooled connection.
@@ -289,7 +303,7 @@ func (c *Client) post(ctx context.Context, r *engine.Request, body []byte) (*htt
 	if err != nil {
 		return nil, transportError(ctx, err)
 	}
-	return resp, nil
+	return fromResponse(resp), nil
 }
 
 func (c *Client) setAuth(req *http.Request) {
@@ -309,7 +323,7 @@ func transportError(ctx context.Context, err error) error {
 
 // refused reports whether resp must not be relayed, and if so consumes it
 // into a *StatusError.
-func refused(resp *http.Response) *StatusError {
+func refused(resp *answer) *StatusError {
 	s := resp.StatusCode
 	if s/100 == 2 || (s/100 == 4 && s != http.StatusTooManyRequests) {
 		return nil

@@ -182,7 +182,7 @@ func (c *Client) PrefillBootstrap(ctx context.Context, req *engine.Request, star
 	}
 	started()
 	var usage usageTracker
-	if isEventStream(resp.Header.Get("Content-Type")) {
+	if isEventStream(resp.ContentType) {
 		lr := pooledLineReader(resp.Body)
 		defer lr.release()
 		for {

@@ -168,9 +168,7 @@ func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Reques
 		return fail(fmt.Errorf("%w: %w", errH1Stale, err))
 	}
 	if _, err := pc.br.Peek(1); err != nil {
-		if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
-			// The engine closed the connection without a byte of answer:
-			// it had closed it while idle.
+		if isClosedWhileIdle(err) {
 			err = fmt.Errorf("%w: %w", errH1Stale, err)
 		}
 		return fail(fmt.Errorf("reading the response: %w", err))
@@ -200,6 +198,13 @@ func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Reques
 	}
 	resp.Body = b
 	return resp, nil
+}
+
+// isClosedWhileIdle reports whether err, the first read of an answer,
+// says the engine closed the connection without a byte of answer: it had
+// closed it while idle.
+func isClosedWhileIdle(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // peekAfter is how long a connection stays idle before it is looked at
@@ -281,20 +286,69 @@ func (t *h1Transport) CloseIdleConnections() {
 // h1Body is a response body whose connection goes back to the pool once
 // the body has been read to its end, and is closed when it is not.
 type h1Body struct {
-	rc    io.ReadCloser
+	rc    io.ReadCloser // RoundTrip's: net/http's reader of the body
 	t     *h1Transport
 	pc    *h1Conn
 	stop  func() bool // unregisters the context's cancel
 	reuse bool
 	done  atomic.Bool
+
+	// post's, where rc is nil: the body is read from pc.br, framed by
+	// chunks (Transfer-Encoding: chunked) or else by left, the bytes of
+	// its Content-Length still to read (-1: to the connection's end).
+	answer answer
+	chunks io.Reader
+	left   int64
+	ended  bool // the chunked body was read to its end
 }
 
+func (b *h1Body) chunked() bool { return b.chunks != nil }
+
 func (b *h1Body) Read(p []byte) (int, error) {
-	n, err := b.rc.Read(p)
-	if err == io.EOF {
-		b.finish(b.reuse)
+	if b.rc != nil {
+		n, err := b.rc.Read(p)
+		if err == io.EOF {
+			b.finish(b.reuse)
+		}
+		return n, err
 	}
-	return n, err
+	switch {
+	case b.ended:
+		return 0, io.EOF
+	case b.chunked():
+		n, err := b.chunks.Read(p)
+		if err == io.EOF {
+			b.ended = true
+			if terr := readTrailer(b.pc.br); terr != nil {
+				b.finish(false)
+				return n, fmt.Errorf("reading the body's trailer: %w", terr)
+			}
+			b.finish(b.reuse)
+		}
+		return n, err
+	case b.left == 0:
+		return 0, io.EOF
+	case b.left > 0:
+		if int64(len(p)) > b.left {
+			p = p[:b.left]
+		}
+		n, err := b.pc.br.Read(p)
+		b.left -= int64(n)
+		if b.left == 0 {
+			b.finish(b.reuse)
+			return n, io.EOF
+		}
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return n, err
+	default:
+		n, err := b.pc.br.Read(p)
+		if err == io.EOF {
+			b.finish(false)
+		}
+		return n, err
+	}
 }
 
 // Buffered is how many bytes of the response past its header have

@@ -138,9 +138,9 @@ func rawEngine(t *testing.T, serve func(n int, c net.Conn)) string {
 	return "http://" + ln.Addr().String()
 }
 
-// answer reads one request from br and writes a keep-alive answer echoing
+// answerOne reads one request from br and writes a keep-alive answer echoing
 // its body.
-func answer(br *bufio.Reader, c net.Conn) error {
+func answerOne(br *bufio.Reader, c net.Conn) error {
 	req, err := http.ReadRequest(br)
 	if err != nil {
 		return err
@@ -155,8 +155,8 @@ func answer(br *bufio.Reader, c net.Conn) error {
 func TestH1RetriesRequestTheEngineDroppedOnIdleConnection(t *testing.T) {
 	url := rawEngine(t, func(n int, c net.Conn) {
 		br := bufio.NewReader(c)
-		if answer(br, c) != nil || n > 0 {
-			for answer(br, c) == nil {
+		if answerOne(br, c) != nil || n > 0 {
+			for answerOne(br, c) == nil {
 			}
 			return
 		}
@@ -199,7 +199,7 @@ func TestH1CancelUnblocksBodyRead(t *testing.T) {
 		accepted.Add(1)
 		br := bufio.NewReader(c)
 		if n > 0 {
-			for answer(br, c) == nil {
+			for answerOne(br, c) == nil {
 			}
 			return
 		}

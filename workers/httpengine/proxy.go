@@ -86,7 +86,7 @@ func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.Response
 		return res, fmt.Errorf("proxy: %w", serr)
 	}
 
-	ct := resp.Header.Get("Content-Type")
+	ct := resp.ContentType
 	if ct != "" {
 		w.Header().Set("Content-Type", ct)
 	}
@@ -121,6 +121,12 @@ func (c *Client) proxy(ctx context.Context, req *engine.Request, w http.Response
 }
 
 func isEventStream(contentType string) bool {
+	switch contentType {
+	case "text/event-stream", "text/event-stream; charset=utf-8":
+		return true
+	case "application/json", "":
+		return false
+	}
 	mt, _, err := mime.ParseMediaType(contentType)
 	return err == nil && mt == "text/event-stream"
 }
