@@ -599,6 +599,7 @@ func (s *Scheduler) Serve(l net.Listener) error {
 			ReadHeaderTimeout: 10 * time.Second,
 			IdleTimeout:       s.cfg.Config.WithDefaults().IdleTimeout,
 			MaxHeaderBytes:    s.cfg.Config.WithDefaults().MaxHeaderBytes,
+			RequestTimeout:    s.cfg.Config.WithDefaults().RequestTimeout,
 			ErrorLog:          s.log,
 			BaseContext:       func(net.Listener) context.Context { return s.base },
 			ConnState:         s.connState,

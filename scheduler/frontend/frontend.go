@@ -65,10 +65,12 @@ type Server struct {
 
 	// queue holds a slot per request waiting for a worker under the
 	// threshold (nil: no queue); freed is closed and replaced each time a
-	// request releases a worker, waking the waiters.
-	queue   chan struct{}
-	freedMu sync.Mutex
-	freed   chan struct{}
+	// request releases a worker, waking the waiters; freedTaken says a
+	// waiter has taken freed since (without one, nothing is replaced).
+	queue      chan struct{}
+	freedMu    sync.Mutex
+	freed      chan struct{}
+	freedTaken bool
 
 	draining atomic.Bool  // Drain was called: not ready
 	inFlight atomic.Int64 // generation requests being served
@@ -322,8 +324,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	if !req.Stream {
 		_ = http.NewResponseController(w).SetWriteDeadline(start.Add(s.cfg.WriteTimeout))
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.RequestTimeout)
-	defer cancel()
+	ctx := r.Context()
+	if dl, ok := ctx.Deadline(); !ok || dl.After(start.Add(s.cfg.RequestTimeout)) {
+		// The server did not bound the request as tightly (h1serve's
+		// RequestTimeout does).
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		defer cancel()
+	}
 	x := &exchange{s: s, w: w, req: req, rreq: rreq, start: start, strategy: strategy, predicted: -1, used: -1, dz: s.disaggregated(), ctx: ctx}
 	outcome := x.run(ctx)
 	if s.admission != nil {
@@ -337,7 +345,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, rt route) {
 	} else {
 		s.metrics.Failed.WithLabelValues(outcome).Inc()
 	}
-	s.log.Debug("request", "id", req.ID, "model", req.Model, "worker", x.worker, "outcome", outcome, "duration", time.Since(start))
+	if s.log.Enabled(r.Context(), slog.LevelDebug) {
+		s.log.Debug("request", "id", req.ID, "model", req.Model, "worker", x.worker, "outcome", outcome, "duration", time.Since(start))
+	}
 }
 
 // parse reads and validates the request and derives its routing request.

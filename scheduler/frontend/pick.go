@@ -234,14 +234,18 @@ func (x *exchange) wait(ctx context.Context, strategy routing.Strategy, avoid []
 // fewer in flight.
 func (s *Server) released() {
 	s.freedMu.Lock()
-	close(s.freed)
-	s.freed = make(chan struct{})
+	if s.freedTaken {
+		close(s.freed)
+		s.freed = make(chan struct{})
+		s.freedTaken = false
+	}
 	s.freedMu.Unlock()
 }
 
 func (s *Server) freedChan() <-chan struct{} {
 	s.freedMu.Lock()
 	defer s.freedMu.Unlock()
+	s.freedTaken = true
 	return s.freed
 }
 

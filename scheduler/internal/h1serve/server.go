@@ -63,6 +63,10 @@ type Server struct {
 	// is answered 431 and its connection closed. 0 is
 	// http.DefaultMaxHeaderBytes.
 	MaxHeaderBytes int
+	// RequestTimeout, if not 0, is the deadline of each request's
+	// context, from the reading of its head: a handler that bounds its
+	// requests so needs no context of its own for it.
+	RequestTimeout time.Duration
 	// BaseContext returns the context of the requests of connections l
 	// accepts; nil is context.Background.
 	BaseContext func(l net.Listener) context.Context
@@ -291,6 +295,10 @@ type conn struct {
 	bw   *bufio.Writer
 	lr   limitReader // between nc and br: bounds a request's headers
 	buf  []byte      // a response's body before its header is sent
+	// header is the response header map, emptied and given to each
+	// request in turn: a handler's ResponseWriter is not used once it
+	// returns.
+	header http.Header
 
 	created time.Time
 	hupID   uint64 // in the server's hangups set when not 0
@@ -511,11 +519,21 @@ func (c *conn) linger() {
 
 // handle serves req and reports whether the connection stays open.
 func (c *conn) handle(req *http.Request) bool {
-	ctx, cancel := context.WithCancel(c.base)
+	var ctx context.Context
+	var cancel context.CancelFunc
+	if d := c.srv.RequestTimeout; d > 0 {
+		ctx, cancel = context.WithTimeout(c.base, d)
+	} else {
+		ctx, cancel = context.WithCancel(c.base)
+	}
 	defer cancel()
 	req = req.WithContext(ctx)
 	req.RemoteAddr = c.nc.RemoteAddr().String()
-	w := &response{c: c, req: req, header: make(http.Header, 4), contentLength: -1, buf: c.buf[:0]}
+	if c.header == nil {
+		c.header = make(http.Header, 8)
+	}
+	clear(c.header)
+	w := &response{c: c, req: req, header: c.header, contentLength: -1, buf: c.buf[:0]}
 	w.closeAfter = req.Close || !req.ProtoAtLeast(1, 1) && !keepAlive(req)
 	body := &body{rc: req.Body, w: w}
 	w.body = body

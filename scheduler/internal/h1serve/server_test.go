@@ -504,3 +504,55 @@ func TestEndBody(t *testing.T) {
 		}
 	}
 }
+
+// TestHeaderOfOneRequestEnds: the header map a connection's requests share
+// starts empty for each, so a header set for one response is not sent
+// with the next.
+func TestHeaderOfOneRequestEnds(t *testing.T) {
+	var n atomic.Int32
+	addr := start(t, &Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(w.Header()) != 0 {
+			t.Errorf("request %d: the header starts with %v", n.Load()+1, w.Header())
+		}
+		if n.Add(1) == 1 {
+			w.Header().Set("X-First", "1")
+		}
+		io.WriteString(w, "ok")
+	})})
+	c, br := rawConn(t, addr)
+	for i := range 2 {
+		io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, _ := readResponse(t, br, "GET")
+		if got, want := resp.Header.Get("X-First"), map[int]string{0: "1", 1: ""}[i]; got != want {
+			t.Errorf("response %d: X-First %q, want %q", i, got, want)
+		}
+	}
+}
+
+// TestRequestTimeout: with RequestTimeout set, each request's context
+// ends that long after its head was read, with DeadlineExceeded.
+func TestRequestTimeout(t *testing.T) {
+	const d = time.Hour
+	addr := start(t, &Server{RequestTimeout: d, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		dl, ok := r.Context().Deadline()
+		if left := time.Until(dl); !ok || left > d || left < d-time.Minute {
+			t.Errorf("request context deadline %v (set %v), want about %v from now", dl, ok, d)
+		}
+		io.WriteString(w, "ok")
+	})})
+	c, br := rawConn(t, addr)
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	readResponse(t, br, "GET")
+
+	done := make(chan error, 1)
+	addr = start(t, &Server{RequestTimeout: time.Millisecond, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-r.Context().Done()
+		done <- r.Context().Err()
+	})})
+	c, br = rawConn(t, addr)
+	io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	readResponse(t, br, "GET")
+	if err := <-done; !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("the context ended with %v, want DeadlineExceeded", err)
+	}
+}
