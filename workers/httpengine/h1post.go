@@ -148,7 +148,10 @@ func (t *h1Transport) exchangePost(ctx context.Context, pc *h1Conn, tg *h1Target
 		return fail(fmt.Errorf("reading the response: %w", err))
 	}
 	var h responseHead
-	for {
+	for interim := 0; ; interim++ {
+		if interim > maxInterim {
+			return fail(errors.New("reading the response: too many interim (1xx) answers"))
+		}
 		if err := h.read(pc.br); err != nil {
 			return fail(fmt.Errorf("reading the response: %w", err))
 		}
@@ -178,6 +181,10 @@ func (t *h1Transport) exchangePost(ctx context.Context, pc *h1Conn, tg *h1Target
 	}
 	return &b.answer, nil
 }
+
+// maxInterim bounds the interim answers read before a response, as
+// net/http's client does.
+const maxInterim = 5
 
 // maxResponseHead bounds a response's status line and header together.
 const maxResponseHead = 256 << 10

@@ -151,6 +151,8 @@ func TestPostFramings(t *testing.T) {
 			answer: scripted{raw: "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":", close: true}},
 		{name: "chunked body cut short", status: 200, errMatch: "unexpected EOF",
 			answer: scripted{raw: "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(events), close: true}},
+		{name: "endless interim answers", errMatch: "interim",
+			answer: scripted{raw: strings.Repeat("HTTP/1.1 100 Continue\r\n\r\n", 10), close: true}},
 		{name: "head too large", errMatch: "too large",
 			answer: scripted{raw: "HTTP/1.1 200 OK\r\nX-Big: " + strings.Repeat("a", 20<<10) + "\r\n\r\n", close: true}},
 	} {
