@@ -244,27 +244,32 @@ func (h *responseHead) read(br *bufio.Reader) error {
 		if colon <= 0 || line[0] == ' ' || line[0] == '\t' || bytes.ContainsAny(line[:colon], " \t") {
 			return fmt.Errorf("%w: header line %q", errMalformedHead, truncate(line))
 		}
-		name, value := line[:colon], bytes.Trim(line[colon+1:], " \t")
-		switch {
-		case asciiEqualFold(name, "Content-Type"):
+		var lower [24]byte
+		name, value := lowerASCII(&lower, line[:colon]), bytes.Trim(line[colon+1:], " \t")
+		switch string(name) {
+		case "content-type":
 			h.contentType = internContentType(value)
-		case asciiEqualFold(name, "Content-Length"):
+		case "content-length":
 			n, err := strconv.ParseInt(string(value), 10, 64)
 			if err != nil || n < 0 || (h.length >= 0 && n != h.length) {
 				return fmt.Errorf("%w: Content-Length %q", errMalformedHead, truncate(value))
 			}
 			h.length = n
-		case asciiEqualFold(name, "Transfer-Encoding"):
-			if te || !asciiEqualFold(value, "chunked") {
+		case "transfer-encoding":
+			var v [24]byte
+			if te || string(lowerASCII(&v, value)) != "chunked" {
 				return fmt.Errorf("%w: Transfer-Encoding %q", errMalformedHead, truncate(value))
 			}
 			te, h.chunked = true, true
-		case asciiEqualFold(name, "Connection"):
-			for tok := range strings.SplitSeq(string(value), ",") {
-				switch tok = strings.TrimSpace(tok); {
-				case strings.EqualFold(tok, "close"):
+		case "connection":
+			for len(value) > 0 {
+				var tok []byte
+				tok, value, _ = bytes.Cut(value, []byte(","))
+				var v [24]byte
+				switch string(lowerASCII(&v, bytes.Trim(tok, " \t"))) {
+				case "close":
 					h.close = true
-				case strings.EqualFold(tok, "keep-alive"):
+				case "keep-alive":
 					keepAlive = true
 				}
 			}
@@ -316,23 +321,19 @@ func readTrailer(br *bufio.Reader) error {
 	}
 }
 
-func asciiEqualFold(b []byte, s string) bool {
-	if len(b) != len(s) {
-		return false
+// lowerASCII returns b with ASCII letters lowered, in buf; a b longer than
+// buf is returned as it is (no name or value compared is that long).
+func lowerASCII(buf *[24]byte, b []byte) []byte {
+	if len(b) > len(buf) {
+		return b
 	}
-	for i := 0; i < len(b); i++ {
-		x, y := b[i], s[i]
-		if 'A' <= x && x <= 'Z' {
-			x += 'a' - 'A'
+	for i, c := range b {
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
 		}
-		if 'A' <= y && y <= 'Z' {
-			y += 'a' - 'A'
-		}
-		if x != y {
-			return false
-		}
+		buf[i] = c
 	}
-	return true
+	return buf[:len(b)]
 }
 
 // internContentType is v as a string, the engines' usual values without
