@@ -109,13 +109,7 @@ func BenchmarkShareLag(b *testing.B) {
 	}
 	wait()
 	b.StopTimer()
-	obs.mu.Lock()
-	defer obs.mu.Unlock()
-	slices.Sort(obs.lags)
-	if n := len(obs.lags); n > 0 {
-		b.ReportMetric(float64(obs.lags[n/2].Microseconds()), "p50-lag-µs")
-		b.ReportMetric(float64(obs.lags[n*99/100].Microseconds()), "p99-lag-µs")
-	}
+	obs.report(b)
 }
 
 // lagObserver keeps the lag of every message received.
@@ -129,6 +123,17 @@ func (l *lagObserver) Received(_, _ int, lag time.Duration) {
 	l.mu.Lock()
 	l.lags = append(l.lags, lag)
 	l.mu.Unlock()
+}
+
+// report reports the lags' p50 and p99 to b.
+func (l *lagObserver) report(b *testing.B) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	slices.Sort(l.lags)
+	if n := len(l.lags); n > 0 {
+		b.ReportMetric(float64(l.lags[n/2].Microseconds()), "p50-lag-µs")
+		b.ReportMetric(float64(l.lags[n*99/100].Microseconds()), "p99-lag-µs")
+	}
 }
 
 // BenchmarkShareFleet is what sharing costs as deployed at the rate the
@@ -205,13 +210,7 @@ func BenchmarkShareFleet(b *testing.B) {
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
 	b.ReportMetric((float64(ms.HeapAlloc)-float64(heapBefore))/replicas, "heap-B/replica")
 	b.ReportMetric(float64(streamBytes), "stream-B")
-	obs.mu.Lock()
-	defer obs.mu.Unlock()
-	slices.Sort(obs.lags)
-	if n := len(obs.lags); n > 0 {
-		b.ReportMetric(float64(obs.lags[n/2].Microseconds()), "p50-lag-µs")
-		b.ReportMetric(float64(obs.lags[n*99/100].Microseconds()), "p99-lag-µs")
-	}
+	obs.report(b)
 }
 
 // fleetObserver counts what is sent and keeps the lags of what is received.
