@@ -152,10 +152,7 @@ func closeBody(req *http.Request) {
 // exchange writes req on pc and reads the response's head. On error pc is
 // closed.
 func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Request) (*http.Response, error) {
-	if t.headerTimeout > 0 {
-		pc.setReadDeadline(t.now().Add(t.headerTimeout))
-	}
-	stop := context.AfterFunc(ctx, pc.cancel)
+	stop := t.begin(ctx, pc)
 	fail := func(err error) (*http.Response, error) {
 		stop()
 		_ = pc.nc.Close()
@@ -164,14 +161,8 @@ func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Reques
 	if err := req.Write(pc.bw); err != nil {
 		return fail(fmt.Errorf("writing the request: %w", err))
 	}
-	if err := pc.bw.Flush(); err != nil {
-		return fail(fmt.Errorf("%w: %w", errH1Stale, err))
-	}
-	if _, err := pc.br.Peek(1); err != nil {
-		if isClosedWhileIdle(err) {
-			err = fmt.Errorf("%w: %w", errH1Stale, err)
-		}
-		return fail(fmt.Errorf("reading the response: %w", err))
+	if err := pc.send(); err != nil {
+		return fail(err)
 	}
 	var resp *http.Response
 	for {
@@ -198,6 +189,33 @@ func (t *h1Transport) exchange(ctx context.Context, pc *h1Conn, req *http.Reques
 	}
 	resp.Body = b
 	return resp, nil
+}
+
+// begin starts an exchange on pc: the wait for the answer's head bounded
+// by headerTimeout, and ctx's end expiring pc's deadlines until the
+// returned stop is called.
+func (t *h1Transport) begin(ctx context.Context, pc *h1Conn) (stop func() bool) {
+	if t.headerTimeout > 0 {
+		pc.setReadDeadline(t.now().Add(t.headerTimeout))
+	}
+	return context.AfterFunc(ctx, pc.cancel)
+}
+
+// send flushes the request written to pc.bw and waits for the answer's
+// first byte. An error wraps errH1Stale where none of the request can have
+// been read: the flush failed, or the engine closed the connection without
+// a byte of answer.
+func (pc *h1Conn) send() error {
+	if err := pc.bw.Flush(); err != nil {
+		return fmt.Errorf("%w: %w", errH1Stale, err)
+	}
+	if _, err := pc.br.Peek(1); err != nil {
+		if isClosedWhileIdle(err) {
+			err = fmt.Errorf("%w: %w", errH1Stale, err)
+		}
+		return fmt.Errorf("reading the response: %w", err)
+	}
+	return nil
 }
 
 // isClosedWhileIdle reports whether err, the first read of an answer,

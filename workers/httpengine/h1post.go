@@ -112,10 +112,7 @@ func (t *h1Transport) post(ctx context.Context, tg *h1Target, path, id string, b
 
 // exchangePost is exchange for post. On error pc is closed.
 func (t *h1Transport) exchangePost(ctx context.Context, pc *h1Conn, tg *h1Target, path, id string, body []byte) (*answer, error) {
-	if t.headerTimeout > 0 {
-		pc.setReadDeadline(t.now().Add(t.headerTimeout))
-	}
-	stop := context.AfterFunc(ctx, pc.cancel)
+	stop := t.begin(ctx, pc)
 	fail := func(err error) (*answer, error) {
 		stop()
 		_ = pc.nc.Close()
@@ -136,16 +133,8 @@ func (t *h1Transport) exchangePost(ctx context.Context, pc *h1Conn, tg *h1Target
 	bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(len(body)), 10))
 	bw.WriteString("\r\n\r\n")
 	bw.Write(body)
-	if err := bw.Flush(); err != nil {
-		// Nothing of an answer came: the engine had closed the
-		// connection, or it is gone.
-		return fail(fmt.Errorf("%w: %w", errH1Stale, err))
-	}
-	if _, err := pc.br.Peek(1); err != nil {
-		if isClosedWhileIdle(err) {
-			err = fmt.Errorf("%w: %w", errH1Stale, err)
-		}
-		return fail(fmt.Errorf("reading the response: %w", err))
+	if err := pc.send(); err != nil {
+		return fail(err)
 	}
 	var h responseHead
 	for interim := 0; ; interim++ {
