@@ -79,7 +79,7 @@ func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registere
 	sh, err := replica.New(replica.Config{
 		Client: client, Stream: c.Stream, Replay: c.Replay,
 		Apply: func(e replica.Entry) {
-			if !idx.Shared(e.Worker, e.Keys) {
+			if !applyEntry(idx, e) {
 				early.keep(e)
 			}
 		},
@@ -92,6 +92,16 @@ func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registere
 	}
 	log.Info("sharing with the other scheduler replicas", "redis", c.Redis.Addr, "replica", sh.ID())
 	return &sharing{sharer: sh, client: client, early: early}, nil
+}
+
+// applyEntry records another replica's decision in idx, and reports false
+// when idx does not know its worker.
+func applyEntry(idx *kvindex.Index, e replica.Entry) bool {
+	p := kvindex.Prediction{Worker: e.Worker, Keys: e.Keys, Pending: e.Pending}
+	if e.Pending >= 0 {
+		p.At = time.Unix(0, e.At)
+	}
+	return idx.Shared(p)
 }
 
 // Entries for workers the index does not know yet: a replica that starts
@@ -149,7 +159,7 @@ func (e *earlyEntries) run() {
 			e.mu.Lock()
 			left := e.kept[:0]
 			for _, en := range e.kept {
-				if !e.idx.Shared(en.Worker, en.Keys) {
+				if !applyEntry(e.idx, en) {
 					left = append(left, en)
 				}
 			}

@@ -106,10 +106,12 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	}
 	// The other replicas hear each prediction once sharing has started,
 	// before the first request.
-	var share func(worker string, keys []uint64)
+	var share func(e replica.Entry)
 	icfg := kvindex.Config{Now: cfg.IndexNow}
 	if cfg.Replicas.enabled() {
-		icfg.OnPredict = func(worker string, keys []uint64) { share(worker, keys) }
+		icfg.OnPredict = func(p kvindex.Prediction) {
+			share(replica.Entry{Worker: p.Worker, Keys: p.Keys, Pending: p.Pending, At: p.At.UnixNano()})
+		}
 	}
 	idx := kvindex.New(icfg)
 	strategies, err := cfg.RegisterProfiles(strategies)
@@ -139,9 +141,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 		if s.sharing, err = startSharing(cfg.Replicas, idx, s.Metrics.Registry, log); err != nil {
 			return nil, err
 		}
-		share = func(worker string, keys []uint64) {
-			s.sharing.sharer.Publish(replica.Entry{Worker: worker, Keys: keys})
-		}
+		share = s.sharing.sharer.Publish
 	}
 	if err := s.build(cfg, strategies); err != nil {
 		s.Close()

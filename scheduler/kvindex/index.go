@@ -145,8 +145,38 @@ type Config struct {
 	// OnPredict, when set, hears each Predict of a tracked worker, after
 	// it was recorded, from Predict's caller: the scheduler shares it
 	// with its other replicas, which record it with Shared. It must not
-	// block nor keep keys.
-	OnPredict func(worker string, keys []uint64)
+	// block nor keep p.Keys.
+	OnPredict func(p Prediction)
+	// OnObserve, when set, hears each ObserveTTFT of a tracked worker,
+	// from ObserveTTFT's caller: the scheduler shares it with its other
+	// replicas, which record it with SharedTTFT, so that every replica
+	// corrects its estimates of a worker from all the requests the
+	// worker served, not from its own share of them. It must not block.
+	OnObserve func(o Observation)
+}
+
+// Observation is one request's time to first token on Worker, beside
+// kv_aware's prediction of it (see Index.ObserveTTFT).
+type Observation struct {
+	Worker              string
+	Predicted, Achieved time.Duration
+}
+
+// Prediction is one committed decision as Predict recorded it, which
+// the other scheduler replicas record with Shared.
+type Prediction struct {
+	// Worker is the worker the request was sent to, Keys its prompt's
+	// blocks.
+	Worker string
+	Keys   []uint64
+	// Pending is how many of Keys the worker held neither cached nor
+	// predicted when the decision was made: the request's prefill, which
+	// counts in the worker's pending tokens until its next load report.
+	// Negative: unknown (a message of an older replica); Shared then
+	// counts the blocks the worker does not hold when it records them.
+	Pending int
+	// At is when the decision was made, on the deciding replica's clock.
+	At time.Time
 }
 
 func (c Config) withDefaults() Config {
@@ -430,40 +460,55 @@ func (x *Index) Predict(name string, keys []uint64) {
 	// Requests routed while the blocks are written, which waits for the
 	// table's lock, see this one's prefill pending at once: every block
 	// counts until the write finds those the worker held.
-	x.place(w, keys, w.predicted(int64(len(keys)), now, &x.cfg), now, true)
+	added := x.place(w, keys, w.predicted(int64(len(keys)), now, &x.cfg), now, true)
 	if x.cfg.OnPredict != nil {
-		x.cfg.OnPredict(name, keys)
+		x.cfg.OnPredict(Prediction{Worker: name, Keys: keys, Pending: int(added), At: time.Unix(0, now)})
 	}
 }
 
-// Shared records keys on the worker as another scheduler replica's
-// committed decision predicts them (see Config.OnPredict): as Predict
-// does, the blocks the worker did not hold counting as its pending
-// prefill until its next load report (which counts every replica's
-// requests), but without counting the request in the worker's Routed
-// (this replica's own routing) and, on a learned worker, without a
-// request to finish. A worker the index does not track is ignored, and
-// Shared reports false; otherwise true.
-func (x *Index) Shared(name string, keys []uint64) bool {
-	if len(keys) == 0 {
+// Shared records another scheduler replica's committed decision (see
+// Config.OnPredict) as Predict does its own: its keys on the worker, and
+// its prefill (p.Pending blocks) in the worker's pending tokens, unless a
+// load report of the worker reached this replica after the decision (the
+// report counts the request, as it counts this replica's own) or the
+// decision is older than PredictTTL. What the worker holds by the time
+// the decision arrives does not shorten the prefill: a worker's cache
+// events for the request itself can reach this replica before the
+// decision does, and the prefill they announce still takes its time.
+// Unlike Predict it does not count the request in the worker's Routed
+// (this replica's own routing) nor, on a learned worker, keep a request
+// to finish. A worker the index does not track is ignored, and Shared
+// reports false; otherwise true.
+func (x *Index) Shared(p Prediction) bool {
+	if len(p.Keys) == 0 {
 		return true
 	}
 	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	w := x.workers.get(name)
+	w := x.workers.get(p.Worker)
 	if w == nil {
 		return false
 	}
-	x.place(w, keys, w.addPending(int64(len(keys)), now, &x.cfg), now, false)
+	if p.Pending < 0 {
+		x.place(w, p.Keys, w.addPending(int64(len(p.Keys)), now, &x.cfg), now, false)
+		return true
+	}
+	w.mayHeld()
+	if w.learning() {
+		x.learn(w, p.Keys, false)
+	} else {
+		x.blocks.predict(p.Keys, w.holder(), now, now+int64(x.cfg.PredictTTL))
+	}
+	w.sharedPending(int64(p.Pending), p.At.UnixNano(), now, &x.cfg)
 	return true
 }
 
 // place records keys as predicted on w (held, on a learned worker, as a
 // request in flight when busy), all of them counted in its pending
-// prefill (generation gen) and those it held taken off again.
-// x.workers.mu is held.
-func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) {
+// prefill (generation gen) and those it held taken off again, and
+// returns how many it did not hold. x.workers.mu is held.
+func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool) int64 {
 	all := int64(len(keys))
 	if all > 0 {
 		w.mayHeld()
@@ -475,6 +520,7 @@ func (x *Index) place(w *worker, keys []uint64, gen uint64, now int64, busy bool
 		added = x.blocks.predict(keys, w.holder(), now, now+int64(x.cfg.PredictTTL))
 	}
 	w.held(all-added, gen)
+	return added
 }
 
 // learn records keys on the learned worker w, within its capacity, as a
@@ -547,17 +593,39 @@ func (x *Index) Prefilled(name string, tokens int) {
 // predictions shorter than ten of the worker's decode steps, are ignored
 // (see the comment on correctionHalfLife).
 func (x *Index) ObserveTTFT(name string, predicted, achieved time.Duration) {
-	if predicted <= 0 || achieved <= 0 {
-		return
+	o := Observation{Worker: name, Predicted: predicted, Achieved: achieved}
+	if x.observe(o) && x.cfg.OnObserve != nil {
+		x.cfg.OnObserve(o)
 	}
-	p := predicted.Seconds()
-	a := min(max(achieved.Seconds(), p*minCorrection), p*maxCorrection)
+}
+
+// SharedTTFT records another scheduler replica's observation (see
+// Config.OnObserve) as ObserveTTFT does this replica's own, and reports
+// whether the index tracks its worker.
+func (x *Index) SharedTTFT(o Observation) bool {
+	if o.Predicted <= 0 || o.Achieved <= 0 {
+		return true
+	}
+	return x.observe(o)
+}
+
+// observe feeds o to its worker's correction factor, and reports whether
+// it was a valid observation of a tracked worker.
+func (x *Index) observe(o Observation) bool {
+	if o.Predicted <= 0 || o.Achieved <= 0 {
+		return false
+	}
+	p := o.Predicted.Seconds()
+	a := min(max(o.Achieved.Seconds(), p*minCorrection), p*maxCorrection)
 	now := x.cfg.Now().UnixNano()
 	x.workers.mu.RLock()
 	defer x.workers.mu.RUnlock()
-	if w := x.workers.get(name); w != nil {
-		w.observe(p, a, now)
+	w := x.workers.get(o.Worker)
+	if w == nil {
+		return false
 	}
+	w.observe(p, a, now)
+	return true
 }
 
 // Lookup fills out[i] with what workers[i] would find of the request whose

@@ -254,6 +254,29 @@ func (w *worker) addPending(blocks int64, now int64, cfg *Config) (gen uint64) {
 	return w.addPendingLocked(blocks, now, cfg)
 }
 
+// sharedPending adds the prefill of another replica's decision made at
+// at, blocks new blocks, to the worker's pending tokens, unless the
+// worker reported its load since (the report counts it) or at is
+// PredictTTL old. Called with workers.mu held for reading.
+func (w *worker) sharedPending(blocks, at, now int64, cfg *Config) {
+	if blocks <= 0 || now-at >= int64(cfg.PredictTTL) {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if now-w.pendingAt >= int64(cfg.PredictTTL) {
+		// The pending tokens lapsed, as addPending would find; the
+		// decision is the oldest they count.
+		w.pending, w.pendingAt = 0, at
+		w.pendingGen++
+	}
+	if at < w.pendingAt {
+		return
+	}
+	w.pending += blocks * int64(w.blockTokens)
+	w.publish()
+}
+
 func (w *worker) addPendingLocked(blocks int64, now int64, cfg *Config) (gen uint64) {
 	if now-w.pendingAt >= int64(cfg.PredictTTL) {
 		w.pending, w.pendingAt = 0, now

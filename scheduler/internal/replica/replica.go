@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"sync"
 	"time"
@@ -31,6 +32,13 @@ import (
 type Entry struct {
 	Worker string
 	Keys   []uint64
+	// Pending is how many of Keys the deciding replica found the worker
+	// without: the request's prefill. Negative: unknown (a message of the
+	// first format).
+	Pending int
+	// At is when the decision was made, in Unix nanoseconds on the
+	// deciding replica's clock; 0 with Pending unknown.
+	At int64
 }
 
 // Config configures a Sharer. The zero value of every field but Client and
@@ -468,15 +476,21 @@ func str(v any) string {
 	return fmt.Sprint(v)
 }
 
-// formatVersion is the first byte of every message's data.
-const formatVersion = 1
+// The first byte of every message's data: formatKeys's entries carry a
+// worker and its keys; formatPending's, also the request's prefill and the
+// decision's time. encode writes formatPending; decode reads both.
+const (
+	formatKeys    = 1
+	formatPending = 2
+)
 
 // encode appends the entries to b: a version byte, then per entry the
-// worker's name (uvarint length, bytes) and its keys (uvarint count, 8
-// bytes each, little endian: block keys are uniform 64-bit hashes, which
-// varints would lengthen).
+// worker's name (uvarint length, bytes), its keys (uvarint count, 8 bytes
+// each, little endian: block keys are uniform 64-bit hashes, which
+// varints would lengthen), its pending blocks plus one (uvarint; 0:
+// unknown) and the decision's time (uvarint Unix nanoseconds).
 func encode(b []byte, entries []Entry) []byte {
-	b = append(b, formatVersion)
+	b = append(b, formatPending)
 	for _, e := range entries {
 		b = binary.AppendUvarint(b, uint64(len(e.Worker)))
 		b = append(b, e.Worker...)
@@ -484,6 +498,8 @@ func encode(b []byte, entries []Entry) []byte {
 		for _, k := range e.Keys {
 			b = binary.LittleEndian.AppendUint64(b, k)
 		}
+		b = binary.AppendUvarint(b, uint64(max(e.Pending+1, 0)))
+		b = binary.AppendUvarint(b, uint64(max(e.At, 0)))
 	}
 	return b
 }
@@ -496,29 +512,49 @@ const maxKeys = 1 << 20
 // were. A malformed message is an error; the entries before the fault
 // were applied.
 func decode(b []byte, apply func(Entry)) (int, error) {
-	if len(b) == 0 || b[0] != formatVersion {
+	if len(b) == 0 || b[0] != formatKeys && b[0] != formatPending {
 		return 0, errors.New("unknown format")
 	}
+	pending := b[0] == formatPending
 	b = b[1:]
 	n := 0
-	for len(b) > 0 {
-		l, k := binary.Uvarint(b)
-		if k <= 0 || l > uint64(len(b)-k) {
-			return n, errors.New("truncated worker name")
-		}
-		worker := string(b[k : k+int(l)])
-		b = b[k+int(l):]
-		c, k := binary.Uvarint(b)
-		if k <= 0 || c > maxKeys || c*8 > uint64(len(b)-k) {
-			return n, errors.New("truncated keys")
+	// uvarint reads one uvarint of at most limit off b.
+	uvarint := func(limit uint64) (uint64, bool) {
+		v, k := binary.Uvarint(b)
+		if k <= 0 || v > limit {
+			return 0, false
 		}
 		b = b[k:]
+		return v, true
+	}
+	for len(b) > 0 {
+		l, ok := uvarint(uint64(len(b)))
+		if !ok || l > uint64(len(b)) {
+			return n, errors.New("truncated worker name")
+		}
+		worker := string(b[:l])
+		b = b[l:]
+		c, ok := uvarint(maxKeys)
+		if !ok || c*8 > uint64(len(b)) {
+			return n, errors.New("truncated keys")
+		}
 		keys := make([]uint64, c)
 		for i := range keys {
 			keys[i] = binary.LittleEndian.Uint64(b[8*i:])
 		}
 		b = b[8*c:]
-		apply(Entry{Worker: worker, Keys: keys})
+		e := Entry{Worker: worker, Keys: keys, Pending: -1}
+		if pending {
+			p, ok1 := uvarint(c + 1)
+			at, ok2 := uvarint(math.MaxInt64)
+			if !ok1 || !ok2 {
+				return n, errors.New("bad pending blocks or decision time")
+			}
+			if p > 0 {
+				e.Pending, e.At = int(p)-1, int64(at)
+			}
+		}
+		apply(e)
 		n++
 	}
 	return n, nil

@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"encoding/binary"
 	"sync"
 	"testing"
 	"time"
@@ -254,7 +255,12 @@ func TestConfigRequired(t *testing.T) {
 }
 
 func TestCodec(t *testing.T) {
-	in := []Entry{{Worker: "a", Keys: []uint64{0, 1<<64 - 1}}, {Worker: "prefill/dp3", Keys: []uint64{5}}, {Worker: "", Keys: nil}}
+	in := []Entry{
+		{Worker: "a", Keys: []uint64{0, 1<<64 - 1}, Pending: 2, At: 1_700_000_000_123_456_789},
+		{Worker: "prefill/dp3", Keys: []uint64{5}, Pending: 0, At: 1},
+		{Worker: "b", Keys: []uint64{7, 8}, Pending: -1}, // pending unknown
+		{Worker: "", Keys: nil, Pending: -1},
+	}
 	var out []Entry
 	n, err := decode(encode(nil, in), func(e Entry) { out = append(out, e) })
 	if err != nil || n != len(in) {
@@ -263,16 +269,48 @@ func TestCodec(t *testing.T) {
 	if diff := cmp.Diff(in, out, cmp.Comparer(func(a, b []uint64) bool { return len(a) == len(b) && (len(a) == 0 || cmp.Equal(a, b)) })); diff != "" {
 		t.Errorf("round trip (-in +out):\n%s", diff)
 	}
-	// Per entry: name length, name, key count, 8 bytes a key.
-	if got, want := len(encode(nil, in[:1])), 1+1+1+1+16; got != want {
+	// Per entry: name length, name, key count, 8 bytes a key, pending plus
+	// one, the time (a uvarint of 1 here).
+	if got, want := len(encode(nil, []Entry{{Worker: "a", Keys: []uint64{1, 2}, Pending: 1, At: 1}})), 1+1+1+1+16+1+1; got != want {
 		t.Errorf("encoded size %d, want %d", got, want)
 	}
 }
 
+// A message of the first format (decisions only: a worker and its keys)
+// decodes with the pending blocks unknown, as older replicas send it.
+func TestDecodeFirstFormat(t *testing.T) {
+	b := []byte{formatKeys, 1, 'w', 2}
+	b = binary.LittleEndian.AppendUint64(b, 10)
+	b = binary.LittleEndian.AppendUint64(b, 11)
+	b = append(b, 1, 'v', 1)
+	b = binary.LittleEndian.AppendUint64(b, 12)
+	var out []Entry
+	n, err := decode(b, func(e Entry) { out = append(out, e) })
+	if err != nil || n != 2 {
+		t.Fatalf("decode: %d, %v", n, err)
+	}
+	want := []Entry{{Worker: "w", Keys: []uint64{10, 11}, Pending: -1}, {Worker: "v", Keys: []uint64{12}, Pending: -1}}
+	if diff := cmp.Diff(want, out); diff != "" {
+		t.Errorf("(-want +got):\n%s", diff)
+	}
+	// An unknown format is an error, not a guess.
+	if _, err := decode([]byte{3, 1, 'w', 0}, func(Entry) {}); err == nil {
+		t.Error("format 3 decoded")
+	}
+	// Pending beyond the keys is malformed.
+	b = append([]byte{formatPending, 1, 'w', 1}, make([]byte, 8)...)
+	if _, err := decode(append(b, 3, 0), func(Entry) {}); err == nil {
+		t.Error("2 pending blocks of 1 key decoded")
+	}
+}
+
 func FuzzDecode(f *testing.F) {
-	f.Add(encode(nil, []Entry{{Worker: "w", Keys: []uint64{1, 2}}}))
-	f.Add([]byte{formatVersion, 0xff, 0xff, 0xff, 0xff, 0x0f})
-	f.Add([]byte{formatVersion, 1, 'w', 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add(encode(nil, []Entry{{Worker: "w", Keys: []uint64{1, 2}, Pending: 1, At: 99}, {Worker: "v", Keys: []uint64{3}, Pending: -1}}))
+	f.Add([]byte{formatPending, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{formatPending, 1, 'w', 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{formatPending, 1, 'w', 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, 0})
+	f.Add([]byte{formatKeys, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{formatKeys, 1, 'w', 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		n, err := decode(b, func(e Entry) {
 			if len(e.Keys) > maxKeys {
