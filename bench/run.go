@@ -487,9 +487,9 @@ func Column(strategy string, shape Fleet) string {
 	return strategy
 }
 
-// replicasColumn is Column with "/replicas:N" appended when the run
+// ReplicasColumn is Column with "/replicas:N" appended when the run
 // compares numbers of replicas (o.Replicas other than one alone).
-func replicasColumn(o *Options, strategy string, shape Fleet, replicas int) string {
+func ReplicasColumn(o *Options, strategy string, shape Fleet, replicas int) string {
 	l := Column(strategy, shape)
 	if len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1 {
 		l += fmt.Sprintf("/replicas:%d", replicas)
@@ -505,7 +505,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	for _, t := range strings.Split(o.Target, ",") {
 		bases = append(bases, strings.TrimSuffix(strings.TrimSpace(t), "/"))
 	}
-	label := replicasColumn(o, strategy, shape, replicas)
+	label := ReplicasColumn(o, strategy, shape, replicas)
 	if o.Target == "" {
 		var err error
 		if f, err = startFleet(o, strategy, shape, replicas, w.Adapters); err != nil {

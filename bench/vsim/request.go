@@ -52,18 +52,21 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 	}
 	gen := min(limit, sim.NaturalLength(text))
 
-	r.gen = s.strategy
+	// Request i is decided by replica i mod their number, as the bench's
+	// client sends it.
+	v := s.views[i%len(s.views)]
+	r.gen = v.strategy
 	if s.cfg.Disaggregated() {
-		r.gen = s.decode
+		r.gen = v.decode
 	}
 	// The front end's capacity per worker; when every worker is at it the
 	// scheduler queues the request, which is not modelled: it goes to the
 	// pick without capacity, as without a queue.
 	r.rreq.MaxInFlight = frontend.DefaultMaxInFlight
-	d, err := r.gen.Pick(r.rreq, s.pool.Snapshot())
+	d, err := r.gen.Pick(r.rreq, v.pool.Snapshot())
 	if errors.Is(err, routing.ErrFull) {
 		r.rreq.MaxInFlight = 0
-		d, err = r.gen.Pick(r.rreq, s.pool.Snapshot())
+		d, err = r.gen.Pick(r.rreq, v.pool.Snapshot())
 	}
 	r.rreq.MaxInFlight = 0
 	if err != nil {
@@ -96,12 +99,12 @@ func (s *Sim) arrive(i int, wr *workload.Request, seed uint64, out *bench.Result
 			local()
 			return
 		}
-		pd, err := s.strategy.Pick(r.rreq, s.prefill.Snapshot())
+		pd, err := v.strategy.Pick(r.rreq, v.prefill.Snapshot())
 		if err != nil {
 			local()
 			return
 		}
-		patt, err := routing.Start(s.strategy, r.rreq, pd, routing.Hooks{})
+		patt, err := routing.Start(v.strategy, r.rreq, pd, routing.Hooks{})
 		if err != nil {
 			local()
 			return
@@ -245,7 +248,7 @@ func (e *engine) emit(ev sim.CacheEvent) {
 		}
 	}
 	e.evSeq++
-	e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Cache: &ce})
+	e.sim.apply(e.name, kvindex.Event{Seq: e.evSeq, Cache: &ce})
 }
 
 func tierOf(t sim.Tier) kvindex.Tier {
@@ -284,7 +287,7 @@ func (e *engine) changed(now float64) {
 		if l := e.load(); l != e.reported {
 			e.reported = l
 			e.evSeq++
-			e.sim.index.Apply(e.name, kvindex.Event{Seq: e.evSeq, Load: &l})
+			e.sim.apply(e.name, kvindex.Event{Seq: e.evSeq, Load: &l})
 		}
 	})
 }

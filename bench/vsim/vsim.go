@@ -70,6 +70,23 @@ type Config struct {
 	Dispatch Dispatch
 	// Registry holds the strategies; nil: routing's built-ins.
 	Registry *routing.Registry
+	// Replicas is the number of scheduler replicas (default 1), each with
+	// its own KV index, pool and strategies, request i decided by replica
+	// i mod Replicas; every engine's cache events and load reports reach
+	// every replica's index, as each replica's watch of the engines does.
+	Replicas int
+	// ShareLag is how long what one replica learns takes to reach the
+	// others' indexes: its committed decisions (scheduler.ReplicasConfig's
+	// sharing, applied as kvindex.Index.Shared) and, with
+	// ShareCorrections, each request's time to first token beside its
+	// estimate (kvindex.Index.SharedTTFT), which the scheduler does not
+	// share: every replica then corrects its estimates alike, and at a
+	// lag of zero the replicas route request for request as one scheduler
+	// does, but at a millisecond or more they place a burst's requests
+	// alike as well, on the same workers (bench/RESULTS.md §13).
+	// Negative: replicas share nothing.
+	ShareLag         time.Duration
+	ShareCorrections bool
 
 	// dispatchOf, set by tests, replaces Dispatch's draws: request i's
 	// delay.
@@ -136,6 +153,9 @@ func (d Dispatch) sampler(seed uint64) func() float64 {
 }
 
 func (c Config) withDefaults() Config {
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
 	if c.Model == "" {
 		c.Model = "llama-3.1-8b"
 	}
@@ -213,6 +233,38 @@ func Run(ctx context.Context, cfg Config, w *workload.Workload) (*Result, error)
 // epoch is the virtual clock's origin, for the KV index's timestamps.
 var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 
+// view is one scheduler replica: what it knows of the fleet and how it
+// routes.
+type view struct {
+	strategy routing.Strategy // the prefill strategy when disaggregated
+	decode   routing.Strategy // generating workers' strategy when disaggregated
+	index    *kvindex.Index
+	pool     *pool.Pool // generating workers: both or decode
+	prefill  *pool.Pool // prefill workers (empty: colocated)
+}
+
+// apply gives ev of the engine name to every replica's index.
+func (s *Sim) apply(name string, ev kvindex.Event) {
+	for _, v := range s.views {
+		v.index.Apply(name, ev)
+	}
+}
+
+// share schedules apply of what replica from learned (a decision, a time
+// to first token) on the other replicas' indexes, ShareLag later.
+func (s *Sim) share(from int, apply func(*kvindex.Index)) {
+	if s.cfg.ShareLag < 0 {
+		return
+	}
+	s.at(s.now+s.cfg.ShareLag.Seconds(), func(float64) {
+		for i, v := range s.views {
+			if i != from {
+				apply(v.index)
+			}
+		}
+	})
+}
+
 // Sim is one run's state.
 type Sim struct {
 	cfg        Config
@@ -220,13 +272,9 @@ type Sim struct {
 	events     eventHeap
 	seq        uint64
 	processed  int64
-	strategy   routing.Strategy // the prefill strategy when disaggregated
-	decode     routing.Strategy // generating workers' strategy when disaggregated
+	views      []*view // the scheduler replicas
 	usesKeys   bool
-	index      *kvindex.Index
-	pool       *pool.Pool // generating workers: both or decode
-	prefill    *pool.Pool // prefill workers (empty: colocated)
-	engines    map[*pool.Worker]*engine
+	engines    map[*pool.Worker]*engine // every replica's workers
 	figures    cost.Figures
 	kvPerBlock float64
 	linkBW     float64
@@ -241,6 +289,9 @@ func newSim(cfg Config) (*Sim, error) {
 	if cfg.Prefill > 0 && cfg.Decode == 0 || cfg.Prefill == 0 && cfg.Decode > 0 || cfg.Prefill > 0 && cfg.Workers > 0 {
 		return nil, fmt.Errorf("fleet: %d colocated, %d prefill, %d decode workers: either colocated workers or both prefill and decode ones", cfg.Workers, cfg.Prefill, cfg.Decode)
 	}
+	if cfg.Replicas < 1 {
+		return nil, fmt.Errorf("replicas: %d is not positive", cfg.Replicas)
+	}
 	if err := cfg.Dispatch.Validate(); err != nil {
 		return nil, err
 	}
@@ -251,21 +302,37 @@ func newSim(cfg Config) (*Sim, error) {
 	}
 	s := &Sim{cfg: cfg, engines: map[*pool.Worker]*engine{}, prefixLen: cfg.PrefixLength, seed: cfg.Seed,
 		dispatch: cfg.Dispatch.sampler(cfg.Seed)}
-	s.index = kvindex.New(kvindex.Config{Now: func() time.Time {
-		return epoch.Add(time.Duration(s.now * float64(time.Second)))
-	}})
 	params := routing.Params{ConcurrencyThreshold: cfg.ConcurrencyThreshold}
-	deps := routing.Deps{Rand: routing.SeededRand(cfg.Seed), Index: s.index}
-	var err error
-	if s.strategy, err = reg.New(cfg.Strategy, params, deps); err != nil {
-		return nil, err
-	}
-	if cfg.Disaggregated() {
-		if s.decode, err = reg.New(cfg.DecodeStrategy, params, deps); err != nil {
-			return nil, fmt.Errorf("decode %w", err)
+	for r := range cfg.Replicas {
+		v := &view{}
+		icfg := kvindex.Config{Now: func() time.Time {
+			return epoch.Add(time.Duration(s.now * float64(time.Second)))
+		}}
+		if cfg.Replicas > 1 {
+			icfg.OnPredict = func(p kvindex.Prediction) {
+				p.Keys = append([]uint64(nil), p.Keys...)
+				s.share(r, func(x *kvindex.Index) { x.Shared(p) })
+			}
+			if cfg.ShareCorrections {
+				icfg.OnObserve = func(o kvindex.Observation) { s.share(r, func(x *kvindex.Index) { x.SharedTTFT(o) }) }
+			}
 		}
+		v.index = kvindex.New(icfg)
+		// Replica 0 draws as a lone scheduler does.
+		deps := routing.Deps{Rand: routing.SeededRand(cfg.Seed + uint64(r)), Index: v.index}
+		var err error
+		if v.strategy, err = reg.New(cfg.Strategy, params, deps); err != nil {
+			return nil, err
+		}
+		if cfg.Disaggregated() {
+			if v.decode, err = reg.New(cfg.DecodeStrategy, params, deps); err != nil {
+				return nil, fmt.Errorf("decode %w", err)
+			}
+		}
+		s.views = append(s.views, v)
 	}
-	s.usesKeys = routing.UsesKeys(s.strategy) || s.decode != nil && routing.UsesKeys(s.decode)
+	v0 := s.views[0]
+	s.usesKeys = routing.UsesKeys(v0.strategy) || v0.decode != nil && routing.UsesKeys(v0.decode)
 
 	// One real engine, closed at once, gives the configuration with its
 	// defaults and the cost figures a worker reports.
@@ -285,16 +352,22 @@ func newSim(cfg Config) (*Sim, error) {
 	s.defaultMax = full.DefaultMaxTokens
 
 	pcfg := pool.Config{HealthInterval: time.Hour, HealthTimeout: time.Minute}
-	if s.pool, err = pool.New(pcfg); err != nil {
-		return nil, err
-	}
-	if s.prefill, err = pool.New(pcfg); err != nil {
-		s.pool.Close()
-		return nil, err
+	for _, v := range s.views {
+		if v.pool, err = pool.New(pcfg); err != nil {
+			s.close()
+			return nil, err
+		}
+		if v.prefill, err = pool.New(pcfg); err != nil {
+			v.pool.Close()
+			s.close()
+			return nil, err
+		}
 	}
 	phases := rand.New(rand.NewPCG(cfg.Seed, 0x10ad))
-	mk := func(role string, n int) []*pool.Worker {
-		var ws []*pool.Worker
+	// mk starts n engines of role and returns each replica's workers for
+	// them.
+	mk := func(role string, n int) [][]*pool.Worker {
+		ws := make([][]*pool.Worker, len(s.views))
 		for i := range n {
 			// Named as baton bench's fleets name them, so that prefix_aware's
 			// ring places prefixes on the same workers.
@@ -302,39 +375,53 @@ func newSim(cfg Config) (*Sim, error) {
 			if role == sim.RoleBoth {
 				name = fmt.Sprintf("sim-%d", i)
 			}
-			pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
 			// Each engine's load ticker has its own phase, as engines
 			// started at different moments do.
 			e := newEngine(s, name, full, cm, gpuCap, cpuCap, phases.Float64()*full.LoadInterval.Seconds())
 			if e.watched {
 				e.reported = e.load()
-				s.index.SetInfo(name, kvindex.Info{BlockTokens: sim.BlockTokens, Cost: s.figures, HasCost: true})
-				s.index.Apply(name, kvindex.Event{Seq: 1, Snapshot: &kvindex.Snapshot{Load: e.reported}})
+				for _, v := range s.views {
+					v.index.SetInfo(name, kvindex.Info{BlockTokens: sim.BlockTokens, Cost: s.figures, HasCost: true})
+				}
+				s.apply(name, kvindex.Event{Seq: 1, Snapshot: &kvindex.Snapshot{Load: e.reported}})
 				e.evSeq = 1
 			}
-			s.engines[pw] = e
-			ws = append(ws, pw)
+			for r := range s.views {
+				pw := &pool.Worker{Name: name, Addr: name, Client: client{}}
+				s.engines[pw] = e
+				ws[r] = append(ws[r], pw)
+			}
 		}
 		return ws
 	}
 	gen := mk(sim.RoleBoth, cfg.Workers)
 	if cfg.Disaggregated() {
 		gen = mk(sim.RoleDecode, cfg.Decode)
-		if err := s.prefill.Set(mk(sim.RolePrefill, cfg.Prefill)); err != nil {
+		for r, ws := range mk(sim.RolePrefill, cfg.Prefill) {
+			if err := s.views[r].prefill.Set(ws); err != nil {
+				s.close()
+				return nil, err
+			}
+		}
+	}
+	for r, ws := range gen {
+		if err := s.views[r].pool.Set(ws); err != nil {
 			s.close()
 			return nil, err
 		}
-	}
-	if err := s.pool.Set(gen); err != nil {
-		s.close()
-		return nil, err
 	}
 	return s, nil
 }
 
 func (s *Sim) close() {
-	s.pool.Close()
-	s.prefill.Close()
+	for _, v := range s.views {
+		if v.pool != nil {
+			v.pool.Close()
+		}
+		if v.prefill != nil {
+			v.prefill.Close()
+		}
+	}
 }
 
 // client stands in for an engine client: the pool only health-checks it.

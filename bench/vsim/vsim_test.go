@@ -232,11 +232,43 @@ func TestLoadReportsIdle(t *testing.T) {
 		t.Fatalf("request: %+v", r)
 	}
 	out := make([]kvindex.Match, 1)
-	s.index.Lookup(nil, []string{"sim-0"}, out)
+	s.views[0].index.Lookup(nil, []string{"sim-0"}, out)
 	if l := out[0].Load; l.Running != 0 || l.Waiting != 0 || l.WaitingPrefillTokens != 0 {
 		t.Errorf("load after the only request finished at %.3f s: %+v, want idle", r.Done, l)
 	}
-	if interval := s.engines[s.pool.Snapshot().Workers[0]].cfg.LoadInterval.Seconds(); s.now > r.Done+interval {
+	if interval := s.engines[s.views[0].pool.Snapshot().Workers[0]].cfg.LoadInterval.Seconds(); s.now > r.Done+interval {
 		t.Errorf("last event at %.3f s, more than a load interval (%.3f s) after the request finished at %.3f s", s.now, interval, r.Done)
+	}
+}
+
+// Scheduler replicas that share at once all they learn (decisions and the
+// observations that correct their estimates) route as one scheduler
+// does, request by request; sharing nothing, they do not.
+func TestReplicas(t *testing.T) {
+	w := excerpt(t, 120)
+	base := Config{Workers: 4, Strategy: "kv_aware", Seed: 3,
+		Dispatch: Dispatch{Median: 5 * time.Millisecond, P90: 16 * time.Millisecond, Spacing: 500 * time.Microsecond}}
+	one := run(t, base, w)
+	at := base
+	at.Replicas, at.ShareCorrections = 4, true
+	shared := run(t, at, w)
+	workers := func(r *Result) []string {
+		var ws []string
+		for _, q := range r.Requests {
+			ws = append(ws, q.Worker)
+		}
+		return ws
+	}
+	// The sharing's own events aside, the same run.
+	if !reflect.DeepEqual(one.Requests, shared.Requests) {
+		t.Errorf("4 replicas sharing at once routed otherwise than one:\n%v\n%v", workers(one), workers(shared))
+	}
+	alone := at
+	alone.ShareLag = -1
+	if r := run(t, alone, w); reflect.DeepEqual(workers(r), workers(one)) {
+		t.Error("4 replicas sharing nothing routed as one scheduler: the test shows nothing")
+	}
+	if _, err := Run(context.Background(), Config{Workers: 2, Replicas: -1}, w); err == nil || !strings.Contains(err.Error(), "replicas") {
+		t.Errorf("-1 replicas: %v, want an error naming replicas", err)
 	}
 }

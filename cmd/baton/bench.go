@@ -50,6 +50,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharedTierBytes := fs.Int64("shared-tier-bytes", 0, "capacity of the --shared-tier store in bytes of the simulator's scaled blocks (default 1 GiB)")
 	shareRedis := fs.String("share-redis", "", "Redis `host:port` the in-process replicas of --replicas share what they learn through (replicas.redis), each fleet on a stream of its own; empty: each replica learns alone")
 	replicasFlag := fs.String("replicas", "1", "comma-separated numbers of scheduler replicas each strategy runs with on each in-process fleet, one column each (e.g. 1,2,4): N schedulers configured alike in front of the same workers, request i sent to replica i mod N")
+	shareLag := fs.Duration("share-lag", 0, "with --virtual and --replicas: the modelled time from one replica's decision to its application on the others (what --share-redis's stream takes); negative: the replicas share nothing")
+	shareCorrections := fs.Bool("share-corrections", false, "with --virtual and --replicas: the replicas also share each request's time to first token beside its estimate, so that they correct their estimates alike (baton serve's replicas do not)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
 	dispatch := fs.String("dispatch", "", "with --virtual: `median,p90[,per-token[,spacing]]` of the modelled time from a request's arrival to its engine's queue (HTTP, hashing, gRPC, parsing, and the CPU they wait for), e.g. 5.1ms,16.4ms,77ns,0.51ms: simultaneous arrivals taken up spacing apart in a random order, per-token for each prompt token before the pick, then a log-normal draw per request (default: none)")
@@ -132,8 +134,11 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if !*quiet {
 		o.Progress = stderr
 	}
-	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "" || len(replicas) != 1 || replicas[0] != 1) {
-		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, behind one scheduler; drop --target, --concurrency, --shared-tier, --replicas and --share-redis")
+	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "") {
+		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, its replicas sharing as --share-lag says; drop --target, --concurrency, --shared-tier and --share-redis")
+	}
+	if (*shareLag != 0 || *shareCorrections) && !*virtual {
+		return errors.New("--share-lag, --share-corrections: model the replicas' sharing on the virtual clock; add --virtual (in real time, --share-redis)")
 	}
 	var disp vsim.Dispatch
 	if *dispatch != "" {
@@ -176,7 +181,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	var rep *bench.Report
 	if *virtual {
-		rep, err = virtualBench(ctx, o, w, disp)
+		rep, err = virtualBench(ctx, o, w, disp, *shareLag, *shareCorrections)
 	} else {
 		rep, err = bench.Run(ctx, o, w)
 	}
@@ -302,7 +307,7 @@ func parseDispatch(v string) (vsim.Dispatch, error) {
 
 // virtualBench is bench.Run on the virtual clock: each strategy and fleet
 // replayed by bench/vsim, summarized as the bench summarizes real runs.
-func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, disp vsim.Dispatch) (*bench.Report, error) {
+func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, disp vsim.Dispatch, shareLag time.Duration, shareCorrections bool) (*bench.Report, error) {
 	fleets := o.Fleets
 	if len(fleets) == 0 {
 		fleets = []bench.Fleet{{Workers: o.Workers}}
@@ -319,24 +324,40 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, di
 	if arr, err := bench.Arrivals(w, o.Rate, o.Seed); err == nil && len(arr) > 1 && arr[len(arr)-1] > 0 {
 		rep.OfferedRate = float64(len(arr)-1) / arr[len(arr)-1]
 	}
+	replicas := o.Replicas
+	if len(replicas) == 0 {
+		replicas = []int{1}
+	}
 	for _, s := range o.Strategies {
 		for _, f := range fleets {
-			c := vsim.Config{Model: o.Model, GPU: o.GPU, Workers: f.Workers, Prefill: f.Prefill, Decode: f.Decode,
-				Strategy: s, ConcurrencyThreshold: o.ConcurrencyThreshold, PrefixLength: o.PrefixLength,
-				KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed, Dispatch: disp}
-			if f.Disaggregated() {
-				c.Workers = 0
+			for _, n := range replicas {
+				c := vsim.Config{Model: o.Model, GPU: o.GPU, Workers: f.Workers, Prefill: f.Prefill, Decode: f.Decode,
+					Strategy: s, ConcurrencyThreshold: o.ConcurrencyThreshold, PrefixLength: o.PrefixLength,
+					KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed, Dispatch: disp,
+					Replicas: n, ShareLag: shareLag, ShareCorrections: shareCorrections}
+				if f.Disaggregated() {
+					c.Workers = 0
+				}
+				res, err := vsim.Run(ctx, c, w)
+				if err != nil {
+					return nil, err
+				}
+				sr := bench.Summarize(bench.ReplicasColumn(&o, s, f, n), res.Requests, max(c.Workers, c.Decode))
+				sr.Virtual = true
+				sr.Fleet = f.String()
+				switch {
+				case n > 1 && shareLag < 0:
+					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing nothing", n)
+				case n > 1 && shareCorrections:
+					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing each decision and time to first token %v after it", n, shareLag)
+				case n > 1:
+					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing each decision %v after it", n, shareLag)
+				}
+				if o.Progress != nil {
+					fmt.Fprintf(o.Progress, "baton bench: %s on the virtual clock: %d events, %.0f s modelled\n", sr.Strategy, res.Events, res.Duration)
+				}
+				rep.Strategies = append(rep.Strategies, *sr)
 			}
-			res, err := vsim.Run(ctx, c, w)
-			if err != nil {
-				return nil, err
-			}
-			sr := bench.Summarize(bench.Column(s, f), res.Requests, max(c.Workers, c.Decode))
-			sr.Virtual = true
-			if o.Progress != nil {
-				fmt.Fprintf(o.Progress, "baton bench: %s on the virtual clock: %d events, %.0f s modelled\n", sr.Strategy, res.Events, res.Duration)
-			}
-			rep.Strategies = append(rep.Strategies, *sr)
 		}
 	}
 	return rep, nil
