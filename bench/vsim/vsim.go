@@ -454,7 +454,7 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 	// Arrivals are fed one ahead, so the heap holds the engines' events
 	// and the next arrival only.
 	var next func(i int)
-	rank := burstRanks(arr, s.cfg.Seed)
+	rank := burstRanks(arr, s.cfg.Seed, len(s.views))
 	next = func(i int) {
 		if i >= len(w.Requests) {
 			return
@@ -501,18 +501,33 @@ func (s *Sim) run(ctx context.Context, w *workload.Workload) (*Result, error) {
 }
 
 // burstRanks returns each request's place among the requests that arrive
-// at the same instant as it, in a random order drawn from seed: 0 for the
-// first the front end takes up, and for a request that arrives alone.
-func burstRanks(arr []float64, seed uint64) []int {
+// at the same instant as it and go to the same one of replicas (request i
+// to replica i mod replicas), in a random order drawn from seed: 0 for
+// the first its replica's front end takes up, and for a request that
+// arrives alone. Replicas take up their shares of a burst side by side,
+// each one request after another.
+func burstRanks(arr []float64, seed uint64, replicas int) []int {
 	rank := make([]int, len(arr))
 	rng := rand.New(rand.NewPCG(seed, 0xb0257))
+	var next []int
 	for i := 0; i < len(arr); {
 		j := i + 1
 		for j < len(arr) && arr[j] == arr[i] {
 			j++
 		}
 		if j-i > 1 {
-			copy(rank[i:j], rng.Perm(j-i))
+			// One order for the whole burst, as one replica takes it up;
+			// each replica keeps its requests' order within it.
+			perm := rng.Perm(j - i)
+			order := make([]int, j-i)
+			for k, r := range perm {
+				order[r] = i + k
+			}
+			next = append(next[:0], make([]int, replicas)...)
+			for _, q := range order {
+				rank[q] = next[q%replicas]
+				next[q%replicas]++
+			}
 		}
 		i = j
 	}

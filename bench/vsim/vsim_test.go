@@ -4,6 +4,7 @@ import (
 	"context"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -246,8 +247,10 @@ func TestLoadReportsIdle(t *testing.T) {
 // does, request by request; sharing nothing, they do not.
 func TestReplicas(t *testing.T) {
 	w := excerpt(t, 120)
+	// Without a spacing, a burst's requests are taken up at its instant,
+	// one after another, by one front end as by four.
 	base := Config{Workers: 4, Strategy: "kv_aware", Seed: 3,
-		Dispatch: Dispatch{Median: 5 * time.Millisecond, P90: 16 * time.Millisecond, Spacing: 500 * time.Microsecond}}
+		Dispatch: Dispatch{Median: 5 * time.Millisecond, P90: 16 * time.Millisecond}}
 	one := run(t, base, w)
 	at := base
 	at.Replicas, at.ShareCorrections = 4, true
@@ -270,5 +273,30 @@ func TestReplicas(t *testing.T) {
 	}
 	if _, err := Run(context.Background(), Config{Workers: 2, Replicas: -1}, w); err == nil || !strings.Contains(err.Error(), "replicas") {
 		t.Errorf("-1 replicas: %v, want an error naming replicas", err)
+	}
+}
+
+// Each replica takes up its own share of a burst, one request after
+// another, beside the others.
+func TestBurstRanksPerReplica(t *testing.T) {
+	arr := []float64{0, 1, 1, 1, 1, 1, 1, 2}
+	for _, n := range []int{1, 2, 4} {
+		rank := burstRanks(arr, 9, n)
+		seen := map[[2]int]bool{}
+		for i := 1; i <= 6; i++ {
+			k := [2]int{i % n, rank[i]}
+			if seen[k] || rank[i] >= (6+n-1)/n {
+				t.Fatalf("%d replicas: ranks %v: replica %d's ranks not 0, 1, …", n, rank, i%n)
+			}
+			seen[k] = true
+		}
+		if rank[0] != 0 || rank[7] != 0 {
+			t.Errorf("%d replicas: a request alone ranked %d, %d", n, rank[0], rank[7])
+		}
+	}
+	one := burstRanks(arr, 9, 1)
+	s := slices.Sorted(slices.Values(one[1:7]))
+	if !reflect.DeepEqual(s, []int{0, 1, 2, 3, 4, 5}) {
+		t.Errorf("one replica: ranks %v, want a permutation of 0–5", one)
 	}
 }
