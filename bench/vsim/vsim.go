@@ -80,10 +80,9 @@ type Config struct {
 	// sharing, applied as kvindex.Index.Shared) and, with
 	// ShareCorrections, each request's time to first token beside its
 	// estimate (kvindex.Index.SharedTTFT), which the scheduler does not
-	// share: every replica then corrects its estimates alike, and at a
-	// lag of zero the replicas route request for request as one scheduler
-	// does, but at a millisecond or more they place a burst's requests
-	// alike as well, on the same workers (bench/RESULTS.md §13).
+	// share: replicas that correct their estimates alike rank workers
+	// alike, and place the requests of a burst they decide before hearing
+	// of each other's on the same workers (bench/RESULTS.md §13).
 	// Negative: replicas share nothing.
 	ShareLag         time.Duration
 	ShareCorrections bool
