@@ -147,11 +147,12 @@ type Config struct {
 	// with its other replicas, which record it with Shared. It must not
 	// block nor keep p.Keys.
 	OnPredict func(p Prediction)
-	// OnObserve, when set, hears each ObserveTTFT of a tracked worker,
-	// from ObserveTTFT's caller: the scheduler shares it with its other
-	// replicas, which record it with SharedTTFT, so that every replica
-	// corrects its estimates of a worker from all the requests the
-	// worker served, not from its own share of them. It must not block.
+	// OnObserve, when set, hears each valid ObserveTTFT of a tracked
+	// worker, from ObserveTTFT's caller, for another index to record with
+	// SharedTTFT: indexes that do correct their estimates of a worker
+	// alike, from all the requests it served. bench/vsim does so on
+	// request; the scheduler's replicas do not (docs/replica-sync.md).
+	// It must not block.
 	OnObserve func(o Observation)
 }
 
