@@ -80,6 +80,10 @@ type Options struct {
 	// (scheduler.ReplicasConfig), each fleet on a stream of its own.
 	// Empty: each replica learns alone.
 	ShareRedis string
+	// SharePeers has the replicas of each in-process fleet also send
+	// their decisions straight to each other (replicas.peers), each on a
+	// loopback port of its own.
+	SharePeers bool
 	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
 	// workloads naming adapters (lora), 0–1,024. 0: DefaultMaxLoRAs.
 	MaxLoRAs int
@@ -152,6 +156,9 @@ func (o Options) Validate() error {
 		if o.Target != "" {
 			return errors.New("--share-redis applies to in-process fleets, not --target (configure the target's replicas: with replicas.redis)")
 		}
+	}
+	if o.SharePeers && o.Target != "" {
+		return errors.New("--share-peers applies to in-process fleets, not --target (configure the target's replicas: with replicas.peers)")
 	}
 	if o.Target != "" && (len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1) {
 		return errors.New("--replicas applies to in-process fleets, not --target (put the target's replicas behind one URL)")

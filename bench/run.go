@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"os"
 	"slices"
@@ -207,12 +208,24 @@ func startFleet(o *Options, strategy string, shape Fleet, replicas int, adapters
 	}
 	spec.MaxLoRAs = lora.MaxLoRAs
 	spec.Replicas = replicas
-	if o.ShareRedis != "" && replicas > 1 {
+	if (o.ShareRedis != "" || o.SharePeers) && replicas > 1 {
 		// A stream of this fleet's own: no replica replays another run's.
 		spec.Scheduler.Replicas = scheduler.ReplicasConfig{
-			Redis:  kvstore.RedisConfig{Addr: o.ShareRedis},
 			Stream: fmt.Sprintf("baton:bench:%d:%d:%s:%d", os.Getpid(), time.Now().UnixNano(), strategy, replicas),
-			Replay: -1,
+		}
+		if o.ShareRedis != "" {
+			spec.Scheduler.Replicas.Redis = kvstore.RedisConfig{Addr: o.ShareRedis}
+			spec.Scheduler.Replicas.Replay = -1
+		}
+	}
+	if o.SharePeers && replicas > 1 {
+		addrs, err := freeLoopbackPorts(replicas)
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		spec.ReplicaConfig = func(i int, c *scheduler.Config) {
+			c.Replicas.Peers = scheduler.ReplicaPeersConfig{Listen: addrs[i], Addresses: addrs}
 		}
 	}
 	if shape.Disaggregated() {
@@ -393,7 +406,7 @@ var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total"
 	"baton_routing_decisions_total", "baton_prefix_copies_total",
 	"baton_adapter_loads_total", "baton_adapter_evictions_total", "baton_adapter_requests_total",
 	"baton_replica_sync_messages_total", "baton_replica_sync_entries_total", "baton_replica_sync_dropped_entries_total",
-	"baton_replica_sync_missed_messages_total"}
+	"baton_replica_sync_missed_messages_total", "baton_replica_sync_duplicate_entries_total"}
 
 // counters returns the explained counters of mfs by name{label=value,...}.
 func counters(mfs []*dto.MetricFamily) map[string]float64 {
@@ -621,8 +634,13 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 	rep.Fleet = shape.String()
 	if replicas > 1 {
 		rep.Fleet += fmt.Sprintf(", %d scheduler replicas", replicas)
-		if o.ShareRedis != "" {
+		switch {
+		case o.ShareRedis != "" && o.SharePeers:
+			rep.Fleet += " sharing through Redis and straight"
+		case o.ShareRedis != "":
 			rep.Fleet += " sharing through Redis"
+		case o.SharePeers:
+			rep.Fleet += " sharing straight, replica to replica"
 		}
 	}
 	if o.Target != "" {
@@ -719,4 +737,25 @@ func SimCPUBlocks(n int64) int64 {
 		return 0
 	}
 	return n
+}
+
+// freeLoopbackPorts returns n loopback addresses whose ports were free a
+// moment ago, for in-process replicas to listen on.
+func freeLoopbackPorts(n int) ([]string, error) {
+	var addrs []string
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+		addrs = append(addrs, l.Addr().String())
+	}
+	return addrs, nil
 }

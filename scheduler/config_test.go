@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/routing"
 )
 
@@ -36,6 +37,18 @@ func TestConfigValidate(t *testing.T) {
 		field string
 	}{
 		{"bad listen", func(c *Config) { c.Listen = "nope" }, "listen:"},
+		{"peers without listen", func(c *Config) { c.Replicas.Peers.Addresses = []string{"127.0.0.1:9401"} }, "replicas.peers.listen:"},
+		{"peers listen not host:port", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: "9401", Addresses: []string{"a:1"}} }, "replicas.peers.listen:"},
+		{"peers found no way", func(c *Config) { c.Replicas.Peers.Listen = ":9401" }, "replicas.peers.addresses:"},
+		{"peers found two ways", func(c *Config) {
+			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}, DNS: discovery.DNSConfig{Name: "x", Port: 9401}}
+		}, "replicas.peers.addresses:"},
+		{"peer address", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a"}} }, "replicas.peers.addresses[0]:"},
+		{"peers dns", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", DNS: discovery.DNSConfig{Name: "x"}} }, "replicas.peers.dns.port:"},
+		{"replay without redis", func(c *Config) {
+			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}}
+			c.Replicas.Replay = 5
+		}, "replicas.replay:"},
 		{"unknown strategy", func(c *Config) { c.Strategy = "fastest" }, "strategy:"},
 		{"bad log level", func(c *Config) { c.LogLevel = "loud" }, "log_level:"},
 		{"drain timeout negative", func(c *Config) { c.DrainTimeout = -time.Second }, "drain_timeout:"},

@@ -2,6 +2,7 @@ package scheduler_test
 
 import (
 	"fmt"
+	"net"
 	"testing"
 	"time"
 
@@ -115,4 +116,82 @@ func TestReplicaKilledNewOneCatchesUp(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// freeAddrs returns n loopback addresses whose ports were free a moment
+// ago.
+func freeAddrs(t *testing.T, n int) []string {
+	t.Helper()
+	var addrs []string
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addrs = append(addrs, l.Addr().String())
+		defer l.Close()
+	}
+	return addrs
+}
+
+// TestReplicasSharePeers: replicas that send their decisions straight to
+// each other (replicas.peers, no Redis) route as one, as through Redis;
+// with Redis too, each decision comes both ways and is applied once.
+func TestReplicasSharePeers(t *testing.T) {
+	for _, withRedis := range []bool{false, true} {
+		t.Run(fmt.Sprintf("redis=%v", withRedis), func(t *testing.T) {
+			srvs := llamaServers(t, 2)
+			addrs := freeAddrs(t, 2)
+			var rc kvstore.RedisConfig
+			if withRedis {
+				rc.Addr = redistest.Start(t).Addr()
+			}
+			replica := func(i int) (*scheduler.Scheduler, string) {
+				return llamaFleetWith(t, scheduler.Config{Strategy: "kv_aware", Replicas: scheduler.ReplicasConfig{
+					Redis: rc, Peers: scheduler.ReplicaPeersConfig{Listen: addrs[i], Addresses: addrs}}}, srvs)
+			}
+			a, aAddr := replica(0)
+			b, bAddr := replica(1)
+			hc := httpClient(t)
+			eventually(t, 10*time.Second, func() error {
+				for _, addr := range []string{aAddr, bAddr} {
+					if n, _ := metric(scrape(t, hc, addr), "baton_replica_sync_peers"); n != 1 {
+						return fmt.Errorf("%s sends to %g peers, want 1", addr, n)
+					}
+				}
+				return nil
+			})
+			home := askAll(t, oaClient(t, aAddr), srvs, 0)
+			eventually(t, 10*time.Second, func() error {
+				if na, nb := a.Index.Len(), b.Index.Len(); nb != na {
+					return fmt.Errorf("b's index holds %d blocks, a's %d", nb, na)
+				}
+				return nil
+			})
+			for d, s := range askAll(t, oaClient(t, bAddr), srvs, 1) {
+				if s.worker != home[d].worker || !s.hit() {
+					t.Errorf("document %d: b sent question 1 to %s (cached %d of %d), a sent question 0 to %s",
+						d, s.worker, s.cached, s.prompt, home[d].worker)
+				}
+			}
+			via := []string{`direction="received"`}
+			if !withRedis {
+				via = append(via, `via="peer"`) // with Redis, each comes by the way that is first
+			}
+			if got, _ := metric(scrape(t, hc, bAddr), "baton_replica_sync_entries_total", via...); got < docs {
+				t.Errorf("b received %g entries (%v), want at least %d", got, via, docs)
+			}
+			if withRedis {
+				eventually(t, 10*time.Second, func() error {
+					peer, _ := metric(scrape(t, hc, bAddr), "baton_replica_sync_entries_total", `direction="received"`)
+					dups, _ := metric(scrape(t, hc, bAddr), "baton_replica_sync_duplicate_entries_total")
+					sent, _ := metric(scrape(t, hc, aAddr), "baton_replica_sync_entries_total", `direction="sent"`, `via="redis"`)
+					if dups+peer != 2*sent || sent == 0 {
+						return fmt.Errorf("b applied %g entries and skipped %g second copies, of %g a sent each way", peer, dups, sent)
+					}
+					return nil
+				})
+			}
+		})
+	}
 }

@@ -25,6 +25,7 @@ func FuzzNew(f *testing.F) {
 		"strategy: kv_aware\nworkers: [{name: x/dp, address: 'http://127.0.0.1:1', kind: vllm, events: 'tcp://127.0.0.1:5557', events_replay: 'tcp://127.0.0.1:5600', data_parallel_size: 3}]\n",
 		"strategy: prefix_aware\nworkers: [{address: '127.0.0.1:1'}, {name: l, address: 'http://127.0.0.1:1', kind: llamacpp, cache_prompts: 2}]\n",
 		"workers: [{name: p, address: 'http://127.0.0.1:1', kind: vllm, role: prefill}, {name: d, address: 'http://127.0.0.1:1', kind: vllm, role: decode}]\n",
+		"strategy: kv_aware\nreplicas: {peers: {listen: '127.0.0.1:0', addresses: ['127.0.0.1:1', '127.0.0.1:0']}}\nworkers: [{address: '127.0.0.1:1'}]\n",
 		"adapters: [{name: sql}]\nworkers: [{name: h, address: 'http://127.0.0.1:1', kind: http, max_loras: 2}]\n",
 	} {
 		f.Add([]byte(seed))

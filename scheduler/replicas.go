@@ -4,12 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/internal/replica"
 	"github.com/batonllm/baton/scheduler/kvindex"
 	"github.com/batonllm/baton/transfer/kvstore"
@@ -18,80 +21,211 @@ import (
 // ReplicasConfig makes several scheduler replicas in front of one fleet
 // share what each learns: the blocks each replica's committed decisions
 // predict on a worker (on engines that publish no KV events, what the
-// learned index knows) reach the others through a Redis stream, within
-// milliseconds, and are applied as their own. Sharing never delays a
-// decision; while Redis is down each replica routes on what it knows.
+// learned index knows) reach the others, within milliseconds, and are
+// applied as their own: through a Redis stream (redis), straight from
+// replica to replica (peers), or both, each decision then applied once.
+// Sharing never delays a decision; while neither way works each replica
+// routes on what it knows.
 type ReplicasConfig struct {
 	// Redis is the server the replicas share through (the shared KV
-	// tier's will do). Default: none, and each replica learns alone.
+	// tier's will do): the stream keeps history, which a replica that
+	// starts replays. Default: none.
 	Redis kvstore.RedisConfig `yaml:"redis"`
-	// Stream is the Redis stream's key; replicas in front of different
-	// fleets that share a Redis need different ones. Default
-	// baton:replica:commits.
+	// Stream is the Redis stream's key, and the name the peers greet
+	// each other with; replicas in front of different fleets need
+	// different ones. Default baton:replica:commits.
 	Stream string `yaml:"stream"`
 	// Replay is how many of the newest messages a starting replica
-	// applies before it follows the stream. Default 1000; -1: none.
+	// applies before it follows the stream (with redis). Default 1000;
+	// -1: none.
 	Replay int64 `yaml:"replay"`
+	// Peers sends each decision straight to the other replicas as it
+	// commits: one hop instead of Redis's two. Default: none.
+	Peers ReplicaPeersConfig `yaml:"peers"`
+}
+
+// ReplicaPeersConfig is where a replica takes the others' decisions, and
+// where it finds the others: one of addresses, dns or kubernetes. A
+// replica's own address may be among those found; it is recognised.
+type ReplicaPeersConfig struct {
+	// Listen is the host:port this replica takes the others' decisions
+	// on, e.g. ":9401". Required with peers.
+	Listen string `yaml:"listen"`
+	// Addresses are the replicas' listen addresses (host:port each).
+	Addresses []string `yaml:"addresses"`
+	// DNS finds them by the records of a name: a headless Service of the
+	// scheduler's pods, with the listen port.
+	DNS discovery.DNSConfig `yaml:"dns"`
+	// Kubernetes finds them by the EndpointSlices of such a Service; the
+	// ServiceAccount needs get, list and watch on them.
+	Kubernetes discovery.KubernetesConfig `yaml:"kubernetes"`
+}
+
+// set reports whether anything of p is configured.
+func (p ReplicaPeersConfig) set() bool {
+	return p.Listen != "" || len(p.Addresses) > 0 || p.DNS != (discovery.DNSConfig{}) || p.Kubernetes != (discovery.KubernetesConfig{})
 }
 
 // enabled reports whether the replicas share.
-func (c ReplicasConfig) enabled() bool { return c.Redis.Addr != "" }
+func (c ReplicasConfig) enabled() bool { return c.Redis.Addr != "" || c.Peers.set() }
 
 // validate reports what is wrong with c, naming the field.
 func (c ReplicasConfig) validate() error {
 	if !c.enabled() {
 		if c.Stream != "" || c.Replay != 0 || c.Redis != (kvstore.RedisConfig{}) {
-			return errors.New("replicas.redis.addr: required when replicas is set")
+			return errors.New("replicas.redis.addr: required when replicas is set (or replicas.peers)")
 		}
 		return nil
 	}
-	if err := c.Redis.Validate(); err != nil {
-		return fmt.Errorf("replicas.redis.%w", err)
+	if c.Redis != (kvstore.RedisConfig{}) {
+		if err := c.Redis.Validate(); err != nil {
+			return fmt.Errorf("replicas.redis.%w", err)
+		}
+	} else if c.Replay != 0 {
+		return errors.New("replicas.replay: replays the Redis stream; set replicas.redis.addr")
 	}
 	if c.Replay < -1 {
 		return fmt.Errorf("replicas.replay: must be -1 (none) or more, got %d", c.Replay)
 	}
+	if c.Peers.set() {
+		if err := c.Peers.validate(); err != nil {
+			return fmt.Errorf("replicas.peers.%w", err)
+		}
+	}
 	return nil
+}
+
+func (p ReplicaPeersConfig) validate() error {
+	if p.Listen == "" {
+		return errors.New("listen: required, the host:port this replica takes the others' decisions on (e.g. :9401)")
+	}
+	if _, port, err := net.SplitHostPort(p.Listen); err != nil {
+		return fmt.Errorf("listen: want host:port: %v", err)
+	} else if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("listen: port must be 0–65535, got %q", port)
+	}
+	n := 0
+	if len(p.Addresses) > 0 {
+		n++
+	}
+	if p.DNS != (discovery.DNSConfig{}) {
+		n++
+	}
+	if p.Kubernetes != (discovery.KubernetesConfig{}) {
+		n++
+	}
+	if n != 1 {
+		return errors.New("addresses: give the other replicas by one of addresses, dns or kubernetes")
+	}
+	for i, a := range p.Addresses {
+		if _, port, err := net.SplitHostPort(a); err != nil || port == "" {
+			return fmt.Errorf("addresses[%d]: want host:port, got %q", i, a)
+		}
+	}
+	if p.DNS != (discovery.DNSConfig{}) {
+		if err := p.DNS.Validate(); err != nil {
+			return fmt.Errorf("dns.%w", err)
+		}
+	}
+	if p.Kubernetes != (discovery.KubernetesConfig{}) {
+		if err := p.Kubernetes.Validate(); err != nil {
+			return fmt.Errorf("kubernetes.%w", err)
+		}
+	}
+	return nil
+}
+
+// source returns the discovery source of the peers' addresses.
+func (p ReplicaPeersConfig) source(log *slog.Logger) (discovery.Source, error) {
+	switch {
+	case p.DNS != (discovery.DNSConfig{}):
+		return discovery.NewDNS(p.DNS, log)
+	case p.Kubernetes != (discovery.KubernetesConfig{}):
+		return discovery.NewKubernetes(p.Kubernetes, log)
+	}
+	ms := make([]discovery.Member, len(p.Addresses))
+	for i, a := range p.Addresses {
+		ms[i] = discovery.Member{Name: a, Address: a}
+	}
+	return discovery.NewStatic(ms), nil
 }
 
 // sharing is a replica's link to the others, closed with the scheduler.
 type sharing struct {
 	sharer *replica.Sharer
-	client *redis.Client
+	client *redis.Client // nil without redis
+	peers  discovery.Source
+	done   chan struct{} // closed once the peers' updates are all taken
 	early  *earlyEntries
 }
 
 func (s *sharing) close() {
+	if s.peers != nil {
+		s.peers.Close()
+		<-s.done
+	}
 	s.sharer.Close()
 	s.early.stop()
-	s.client.Close()
+	if s.client != nil {
+		s.client.Close()
+	}
 }
 
 // startSharing starts sharing idx's predictions with the other replicas,
 // and applying theirs to it.
 func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registerer, log *slog.Logger) (*sharing, error) {
-	client, err := kvstore.NewClient(c.Redis)
-	if err != nil {
-		return nil, fmt.Errorf("replicas.redis.%w", err)
+	sh := &sharing{}
+	if c.Redis.Addr != "" {
+		var err error
+		if sh.client, err = kvstore.NewClient(c.Redis); err != nil {
+			return nil, fmt.Errorf("replicas.redis.%w", err)
+		}
 	}
 	obs := newSyncMetrics(reg)
-	early := newEarlyEntries(idx, obs)
-	sh, err := replica.New(replica.Config{
-		Client: client, Stream: c.Stream, Replay: c.Replay,
+	sh.early = newEarlyEntries(idx, obs)
+	cfg := replica.Config{
+		Stream: c.Stream, Replay: c.Replay, Listen: c.Peers.Listen,
 		Apply: func(e replica.Entry) {
 			if !applyEntry(idx, e) {
-				early.keep(e)
+				sh.early.keep(e)
 			}
 		},
 		Logger: log, Observer: obs,
-	})
-	if err != nil {
-		early.stop()
-		client.Close()
-		return nil, err
 	}
-	log.Info("sharing with the other scheduler replicas", "redis", c.Redis.Addr, "replica", sh.ID())
-	return &sharing{sharer: sh, client: client, early: early}, nil
+	if sh.client != nil {
+		cfg.Client = sh.client
+	}
+	var err error
+	if sh.sharer, err = replica.New(cfg); err != nil {
+		sh.early.stop()
+		if sh.client != nil {
+			sh.client.Close()
+		}
+		return nil, fmt.Errorf("replicas: %w", err)
+	}
+	if c.Peers.set() {
+		if sh.peers, err = c.Peers.source(log); err != nil {
+			sh.sharer.Close()
+			sh.early.stop()
+			if sh.client != nil {
+				sh.client.Close()
+			}
+			return nil, fmt.Errorf("replicas.peers: %w", err)
+		}
+		sh.done = make(chan struct{})
+		go func() {
+			defer close(sh.done)
+			for ms := range sh.peers.Updates() {
+				addrs := make([]string, len(ms))
+				for i, m := range ms {
+					addrs[i] = m.Address
+				}
+				sh.sharer.SetPeers(addrs)
+			}
+		}()
+	}
+	log.Info("sharing with the other scheduler replicas", "redis", c.Redis.Addr, "peers_listen", sh.sharer.ListenAddr(), "replica", sh.sharer.ID())
+	return sh, nil
 }
 
 // applyEntry records another replica's decision in idx, and reports false
@@ -189,59 +323,67 @@ func (e *earlyEntries) stop() {
 type syncMetrics struct {
 	messages, entries, bytes *prometheus.CounterVec
 	dropped                  *prometheus.CounterVec
-	missed                   prometheus.Counter
-	up                       prometheus.Gauge
-	lag                      prometheus.Histogram
-	sent, received           [3]prometheus.Counter // messages, entries, bytes
+	missed, duplicates       prometheus.Counter
+	up, peers                prometheus.Gauge
+	lag                      *prometheus.HistogramVec
 }
 
 func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 	m := &syncMetrics{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_messages_total",
-			Help: "Messages of committed decisions this replica sent to the other scheduler replicas, or received and applied from them."}, []string{"direction"}),
+			Help: "Messages of committed decisions this replica sent to the other scheduler replicas, or received and applied from them, via the Redis stream or straight from replica to replica (peer)."}, []string{"direction", "via"}),
 		entries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_entries_total",
-			Help: "Committed decisions (a worker and the blocks it will hold) sent or received."}, []string{"direction"}),
+			Help: "Committed decisions (a worker and the blocks it will hold) sent, or received and applied (not counting a second copy)."}, []string{"direction", "via"}),
 		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_bytes_total",
-			Help: "Bytes of messages sent or received (their data, without Redis's framing)."}, []string{"direction"}),
+			Help: "Bytes of messages sent or received (their data, without Redis's framing)."}, []string{"direction", "via"}),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_dropped_entries_total",
-			Help: "Committed decisions not shared: queue_full (sharing fell behind) or redis_error."}, []string{"reason"}),
+			Help: "Committed decisions not shared: queue_full (sharing fell behind) or redis_error, through the stream; peer_error, to one peer."}, []string{"reason"}),
 		missed: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_missed_messages_total",
-			Help: "Messages of other replicas this one never applied, from the gaps in their sequence numbers."}),
+			Help: "Messages of other replicas this one never read from the stream, from the gaps in their sequence numbers."}),
+		duplicates: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_duplicate_entries_total",
+			Help: "Decisions that came a second way (the stream and a peer both) and were not applied again."}),
 		up: prometheus.NewGauge(prometheus.GaugeOpts{Name: "baton_replica_sync_up",
-			Help: "1 while the replicas' Redis answers, else 0."}),
-		lag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
-			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message): how long this replica routed without knowing of it.",
-			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}),
+			Help: "1 while the replicas' Redis answers (or none is configured), else 0."}),
+		peers: prometheus.NewGauge(prometheus.GaugeOpts{Name: "baton_replica_sync_peers",
+			Help: "Other replicas this one sends its decisions to straight, now."}),
+		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
+			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message), by the way that brought it first: how long this replica routed without knowing of it.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}, []string{"via"}),
 	}
-	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.missed, m.up, m.lag)
+	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.missed, m.duplicates, m.up, m.peers, m.lag)
 	m.up.Set(1)
-	for i, vec := range []*prometheus.CounterVec{m.messages, m.entries, m.bytes} {
-		m.sent[i] = vec.WithLabelValues("sent")
-		m.received[i] = vec.WithLabelValues("received")
+	for _, via := range []string{replica.ViaRedis, replica.ViaPeer} {
+		for _, vec := range []*prometheus.CounterVec{m.messages, m.entries, m.bytes} {
+			vec.WithLabelValues("sent", via)
+			vec.WithLabelValues("received", via)
+		}
+		m.lag.WithLabelValues(via)
 	}
-	for _, r := range []string{"queue_full", "redis_error", "unknown_worker"} {
+	for _, r := range []string{"queue_full", "redis_error", "peer_error", "unknown_worker"} {
 		m.dropped.WithLabelValues(r)
 	}
 	return m
 }
 
-func (m *syncMetrics) Sent(entries, bytes int) {
-	m.sent[0].Inc()
-	m.sent[1].Add(float64(entries))
-	m.sent[2].Add(float64(bytes))
+func (m *syncMetrics) Sent(via string, entries, bytes int) {
+	m.messages.WithLabelValues("sent", via).Inc()
+	m.entries.WithLabelValues("sent", via).Add(float64(entries))
+	m.bytes.WithLabelValues("sent", via).Add(float64(bytes))
 }
 
-func (m *syncMetrics) Received(entries, bytes int, lag time.Duration) {
-	m.received[0].Inc()
-	m.received[1].Add(float64(entries))
-	m.received[2].Add(float64(bytes))
-	m.lag.Observe(max(lag, 0).Seconds())
+func (m *syncMetrics) Received(via string, entries, bytes int, lag time.Duration) {
+	m.messages.WithLabelValues("received", via).Inc()
+	m.entries.WithLabelValues("received", via).Add(float64(entries))
+	m.bytes.WithLabelValues("received", via).Add(float64(bytes))
+	m.lag.WithLabelValues(via).Observe(max(lag, 0).Seconds())
 }
 
 func (m *syncMetrics) Dropped(reason string, n int) {
 	m.dropped.WithLabelValues(reason).Add(float64(n))
 }
-func (m *syncMetrics) Gap(n int) { m.missed.Add(float64(n)) }
+func (m *syncMetrics) Gap(n int)        { m.missed.Add(float64(n)) }
+func (m *syncMetrics) Duplicates(n int) { m.duplicates.Add(float64(n)) }
+func (m *syncMetrics) Peers(n int)      { m.peers.Set(float64(n)) }
 
 func (m *syncMetrics) Up(up bool) {
 	if up {

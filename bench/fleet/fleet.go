@@ -61,6 +61,10 @@ type Spec struct {
 	// workers, each configured alike and serving on its own port, as
 	// replicas of baton serve behind a load balancer; 0 means 1.
 	Replicas int
+	// ReplicaConfig, when set, edits replica i's copy of the scheduler's
+	// configuration before it starts (what differs between replicas: the
+	// address each takes its peers' decisions on).
+	ReplicaConfig func(i int, cfg *scheduler.Config)
 	// ReadyTimeout bounds Start's wait until /readyz answers 200 (at least
 	// one worker available); 0: DefaultReadyTimeout; negative: Start does
 	// not wait, for tests whose workers are down on purpose.
@@ -141,7 +145,11 @@ func (f *Fleet) start(spec Spec) error {
 		reg = &routing.Registry{}
 		routing.RegisterBuiltins(reg)
 	}
-	for range max(spec.Replicas, 1) {
+	for i := range max(spec.Replicas, 1) {
+		cfg := cfg
+		if spec.ReplicaConfig != nil {
+			spec.ReplicaConfig(i, &cfg)
+		}
 		s, err := scheduler.New(cfg, reg, spec.Log)
 		if err != nil {
 			return fmt.Errorf("scheduler: %w", err)

@@ -84,7 +84,7 @@ type countObserver struct {
 	sent, bytes *atomic.Int64
 }
 
-func (c *countObserver) Sent(_, bytes int) {
+func (c *countObserver) Sent(_ string, _, bytes int) {
 	c.sent.Add(1)
 	c.bytes.Add(int64(bytes))
 }
@@ -119,7 +119,7 @@ type lagObserver struct {
 	lags []time.Duration
 }
 
-func (l *lagObserver) Received(_, _ int, lag time.Duration) {
+func (l *lagObserver) Received(_ string, _, _ int, lag time.Duration) {
 	l.mu.Lock()
 	l.lags = append(l.lags, lag)
 	l.mu.Unlock()
@@ -219,6 +219,6 @@ type fleetObserver struct {
 	lags *lagObserver
 }
 
-func (f fleetObserver) Received(entries, bytes int, lag time.Duration) {
-	f.lags.Received(entries, bytes, lag)
+func (f fleetObserver) Received(via string, entries, bytes int, lag time.Duration) {
+	f.lags.Received(via, entries, bytes, lag)
 }

@@ -26,14 +26,13 @@ type follower struct {
 	auth []string // AUTH's arguments, or none
 	db   int
 
-	mu      sync.Mutex // guards what follows, and reading the connection
-	conn    *net.TCPConn
-	rc      syscall.RawConn
-	buf     []byte
-	last    string
-	origins map[string]*origin
-	err     error // the connection broke
-	cmd     []byte
+	mu   sync.Mutex // guards what follows, and reading the connection
+	conn *net.TCPConn
+	rc   syscall.RawConn
+	buf  []byte
+	last string
+	err  error // the connection broke
+	cmd  []byte
 }
 
 // newFollower returns a follower of the stream on client's server, or
@@ -59,8 +58,8 @@ func newFollower(s *Sharer, client redis.UniversalClient) *follower {
 
 // follow reads the stream after last until the connection breaks or the
 // Sharer closes; it returns the id of the newest message applied.
-func (f *follower) follow(origins map[string]*origin, last string) (string, error) {
-	conn, rc, err := f.dial(origins, last)
+func (f *follower) follow(last string) (string, error) {
+	conn, rc, err := f.dial(last)
 	if err != nil {
 		return last, err
 	}
@@ -97,7 +96,7 @@ func (f *follower) poll() {
 
 // dial connects to Redis, authenticates and selects the database, and
 // sends the first XREAD.
-func (f *follower) dial(origins map[string]*origin, last string) (*net.TCPConn, syscall.RawConn, error) {
+func (f *follower) dial(last string) (*net.TCPConn, syscall.RawConn, error) {
 	conn, err := dialRedis(f.s.ctx, f.addr, f.auth, f.db)
 	if err != nil {
 		return nil, nil, err
@@ -109,7 +108,7 @@ func (f *follower) dial(origins map[string]*origin, last string) (*net.TCPConn, 
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.conn, f.rc, f.buf, f.last, f.origins, f.err = conn, rc, f.buf[:0], last, origins, nil
+	f.conn, f.rc, f.buf, f.last, f.err = conn, rc, f.buf[:0], last, nil
 	if err := f.request(); err != nil {
 		conn.Close()
 		f.conn, f.rc = nil, nil
@@ -226,7 +225,7 @@ func (f *follower) replies() {
 						f.err = errRESP
 						break
 					}
-					var from, seq, at string
+					var from, sq, t string
 					var data []byte
 					fields := m.items[1].items
 					for i := 0; i+1 < len(fields); i += 2 {
@@ -234,15 +233,17 @@ func (f *follower) replies() {
 						case "r":
 							from = string(v)
 						case "s":
-							seq = string(v)
+							sq = string(v)
 						case "t":
-							at = string(v)
+							t = string(v)
 						case "d":
 							data = v
 						}
 					}
 					f.last = string(m.items[0].str)
-					f.s.applyFields(f.last, from, seq, at, data, f.origins, true)
+					seq, _ := strconv.ParseUint(sq, 10, 64)
+					published, _ := strconv.ParseInt(t, 10, 64)
+					f.s.applyMessage(ViaRedis, f.last, from, seq, published, data, true)
 				}
 			}
 		default:

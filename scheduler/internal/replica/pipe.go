@@ -178,7 +178,7 @@ func (s *Sharer) answers(conn *net.TCPConn, inFlight chan sent) {
 					s.cfg.Observer.Dropped("redis_error", msg.entries)
 					s.setUp(false, reply)
 				} else {
-					s.cfg.Observer.Sent(msg.entries, msg.bytes)
+					s.cfg.Observer.Sent(ViaRedis, msg.entries, msg.bytes)
 					s.setUp(true, nil)
 				}
 				continue

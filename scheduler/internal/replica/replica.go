@@ -22,6 +22,7 @@ import (
 	"math"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -39,14 +40,27 @@ type Entry struct {
 	// At is when the decision was made, in Unix nanoseconds on the
 	// deciding replica's clock; 0 with Pending unknown.
 	At int64
+	// Seq numbers the deciding replica's entries from 1, as Publish sets
+	// it: an entry that reaches a replica both straight from its sender
+	// and through the stream is applied once. 0 in messages of the
+	// formats before formatSeq.
+	Seq uint64
 }
 
-// Config configures a Sharer. The zero value of every field but Client and
-// Apply means its default.
+// Config configures a Sharer. The zero value of every field but Apply, and
+// Client or Listen, means its default.
 type Config struct {
 	// Client is the Redis the replicas share (the shared KV tier's server
-	// will do). Required. The Sharer does not close it.
+	// will do): a stream every replica adds its decisions to and follows,
+	// from which a replica that starts replays the newest. Required
+	// unless Listen is set. The Sharer does not close it.
 	Client redis.UniversalClient
+	// Listen, when set, is the host:port where the Sharer takes the
+	// other replicas' decisions straight from them (peers.go), one hop
+	// instead of two; SetPeers says where the others listen. With Client
+	// too, every decision goes both ways and is applied once, whichever
+	// comes first.
+	Listen string
 	// Stream is the Redis stream's key. Default "baton:replica:commits".
 	// Replicas in front of different fleets need different streams.
 	Stream string
@@ -88,21 +102,34 @@ type Config struct {
 // Sharer's goroutines and from Publish's caller; they must not block.
 type Observer interface {
 	// Sent: a message of n entries and the given bytes was added to the
-	// stream.
-	Sent(entries, bytes int)
-	// Received: a message of another replica's, of n entries and bytes,
-	// was applied lag after the first of its entries was published: how
-	// long the others routed without knowing of that decision.
-	Received(entries, bytes int, lag time.Duration)
+	// stream (via ViaRedis) or written to a peer (ViaPeer).
+	Sent(via string, entries, bytes int)
+	// Received: a message of another replica's, of n entries not applied
+	// before and the given bytes, came via ViaRedis or ViaPeer and was
+	// applied lag after the first of its entries was published: how long
+	// this replica routed without knowing of that decision.
+	Received(via string, entries, bytes int, lag time.Duration)
 	// Dropped: n entries were not shared, for reason "queue_full" or
-	// "redis_error".
+	// "redis_error" (through the stream), or "peer_error" (to one peer).
 	Dropped(reason string, n int)
 	// Gap: n messages of another replica's were missed (lost before
 	// Redis, or trimmed from the stream before they were read).
 	Gap(n int)
 	// Up: Redis became reachable (true) or unreachable (false).
 	Up(up bool)
+	// Peers: n other replicas take this one's decisions straight from
+	// it now.
+	Peers(n int)
+	// Duplicates: n entries came a second way and were not applied
+	// again.
+	Duplicates(n int)
 }
+
+// The ways a message comes, for Observer.
+const (
+	ViaRedis = "redis"
+	ViaPeer  = "peer"
+)
 
 const (
 	defaultStream   = "baton:replica:commits"
@@ -177,19 +204,35 @@ type Sharer struct {
 
 	f    *follower // nil: the stream is followed through Client
 	pipe pipe      // with f, the sender's connection
+
+	entrySeq  atomic.Uint64 // the last Entry.Seq given
+	originsMu sync.Mutex
+	origins   map[string]*origin // what is known of each other replica's messages
+
+	peers *peers // nil without Listen
 }
 
 // New starts a Sharer.
 func New(cfg Config) (*Sharer, error) {
-	if cfg.Client == nil {
-		return nil, errors.New("replica: a Redis client is required")
+	if cfg.Client == nil && cfg.Listen == "" {
+		return nil, errors.New("replica: a Redis client or a peer listener is required")
 	}
 	if cfg.Apply == nil {
 		return nil, errors.New("replica: Apply is required")
 	}
 	cfg = cfg.withDefaults()
-	s := &Sharer{cfg: cfg, queue: make(chan queued, cfg.Queue), up: true}
+	s := &Sharer{cfg: cfg, queue: make(chan queued, cfg.Queue), up: true, origins: make(map[string]*origin)}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if cfg.Listen != "" {
+		var err error
+		if s.peers, err = listenPeers(s); err != nil {
+			s.cancel()
+			return nil, err
+		}
+	}
+	if cfg.Client == nil {
+		return s, nil
+	}
 	if !cfg.throughClient {
 		s.f = newFollower(s, cfg.Client)
 	}
@@ -215,7 +258,14 @@ func (s *Sharer) Publish(e Entry) {
 	if len(e.Keys) == 0 || e.Worker == "" {
 		return
 	}
+	e.Seq = s.entrySeq.Add(1)
 	now := time.Now().UnixNano()
+	if s.peers != nil {
+		s.peers.publish(e, now)
+	}
+	if s.cfg.Client == nil {
+		return
+	}
 	if s.f != nil && len(s.queue) == 0 && s.pipe.mu.TryLock() {
 		// Written now, on the decision's goroutine: the sender's would
 		// wait to be scheduled, which in a burst takes milliseconds.
@@ -245,11 +295,37 @@ func (s *Sharer) Poll() {
 	if s.f != nil {
 		s.f.poll()
 	}
+	if s.peers != nil {
+		s.peers.poll()
+	}
+}
+
+// SetPeers says where the other replicas listen (host:port each; this
+// replica's own address may be among them, and is recognised): the
+// Sharer sends each of its decisions to each of them as it commits,
+// reconnecting to one that goes away, and stops sending to those no
+// longer listed. Without Listen it does nothing.
+func (s *Sharer) SetPeers(addrs []string) {
+	if s.peers != nil {
+		s.peers.set(addrs)
+	}
+}
+
+// ListenAddr is the address the Sharer takes the others' decisions on
+// (Listen's, with the port chosen if it was 0), or "" without Listen.
+func (s *Sharer) ListenAddr() string {
+	if s.peers == nil {
+		return ""
+	}
+	return s.peers.ln.Addr().String()
 }
 
 // Close stops sharing; entries still queued are dropped. It is idempotent.
 func (s *Sharer) Close() error {
 	s.cancel()
+	if s.peers != nil {
+		s.peers.close()
+	}
 	s.wg.Wait()
 	return nil
 }
@@ -293,7 +369,7 @@ func (s *Sharer) send() {
 		cancel()
 		switch {
 		case err == nil:
-			s.cfg.Observer.Sent(len(batch), len(buf))
+			s.cfg.Observer.Sent(ViaRedis, len(batch), len(buf))
 			s.setUp(true, nil)
 		case s.ctx.Err() != nil:
 		default:
@@ -330,28 +406,60 @@ func (s *Sharer) fill(batch []Entry) []Entry {
 	return batch
 }
 
-// origin is what the reader knows of another replica's messages.
+// origin is what is known of another replica's messages and entries.
 type origin struct {
-	seq  uint64
+	seq  uint64 // the newest message read from the stream
 	seen time.Time
+	// hi is the newest entry applied; bit (n mod dedupWindow) of applied
+	// says whether entry n, for hi-n < dedupWindow, was.
+	hi      uint64
+	applied [dedupWindow / 64]uint64
+}
+
+// dedupWindow is how many of a replica's newest entries are remembered as
+// applied: an entry that comes a second way later than that is taken for
+// one already applied.
+const dedupWindow = 4096
+
+// fresh reports whether entry n has not been applied yet, and marks it
+// applied. Entries without a number (earlier formats) are always fresh.
+func (o *origin) fresh(n uint64) bool {
+	if n == 0 {
+		return true
+	}
+	if n > o.hi {
+		if n-o.hi >= dedupWindow {
+			clear(o.applied[:])
+		} else {
+			for m := o.hi + 1; m < n; m++ {
+				o.applied[m%dedupWindow/64] &^= 1 << (m % 64)
+			}
+		}
+		o.hi = n
+	} else if o.hi-n >= dedupWindow {
+		return false
+	} else if o.applied[n%dedupWindow/64]&(1<<(n%64)) != 0 {
+		return false
+	}
+	o.applied[n%dedupWindow/64] |= 1 << (n % 64)
+	return true
 }
 
 // read applies the other replicas' messages: first the newest Replay of
 // them, then each as it comes.
 func (s *Sharer) read() {
 	defer s.wg.Done()
-	origins := make(map[string]*origin)
 	last := ""
 	backoff := retryMin
 	for s.ctx.Err() == nil {
 		var err error
 		switch {
 		case last == "":
-			last, err = s.replay(origins)
+			last, err = s.replay()
 		case s.f != nil:
-			last, err = s.f.follow(origins, last)
+			last, err = s.f.follow(last)
 		default:
-			last, err = s.follow(origins, last)
+			last, err = s.follow(last)
 		}
 		if err == nil {
 			backoff = retryMin
@@ -372,7 +480,7 @@ func (s *Sharer) read() {
 
 // replay applies the newest Replay messages and returns the id to follow
 // the stream from.
-func (s *Sharer) replay(origins map[string]*origin) (string, error) {
+func (s *Sharer) replay() (string, error) {
 	if s.cfg.Replay < 0 {
 		return "$", nil
 	}
@@ -385,14 +493,14 @@ func (s *Sharer) replay(origins map[string]*origin) (string, error) {
 		return "0-0", nil
 	}
 	for i := len(msgs) - 1; i >= 0; i-- {
-		s.apply(msgs[i], origins, false)
+		s.apply(msgs[i], false)
 	}
 	return msgs[0].ID, nil
 }
 
 // follow waits for the messages after last, applies them and returns the
 // id of the newest.
-func (s *Sharer) follow(origins map[string]*origin, last string) (string, error) {
+func (s *Sharer) follow(last string) (string, error) {
 	res, err := s.cfg.Client.XRead(s.ctx, &redis.XReadArgs{
 		Streams: []string{s.cfg.Stream, last}, Count: 512, Block: readBlock,
 	}).Result()
@@ -406,7 +514,7 @@ func (s *Sharer) follow(origins map[string]*origin, last string) (string, error)
 	s.setUp(true, nil)
 	for _, st := range res {
 		for _, m := range st.Messages {
-			s.apply(m, origins, true)
+			s.apply(m, true)
 			last = m.ID
 		}
 	}
@@ -415,42 +523,61 @@ func (s *Sharer) follow(origins map[string]*origin, last string) (string, error)
 
 // apply applies m unless this replica sent it, counting gaps in its
 // sender's sequence when gaps is true.
-func (s *Sharer) apply(m redis.XMessage, origins map[string]*origin, gaps bool) {
+func (s *Sharer) apply(m redis.XMessage, gaps bool) {
 	from, _ := m.Values["r"].(string)
-	s.applyFields(m.ID, from, str(m.Values["s"]), str(m.Values["t"]), []byte(str(m.Values["d"])), origins, gaps)
+	seq, _ := strconv.ParseUint(str(m.Values["s"]), 10, 64)
+	published, _ := strconv.ParseInt(str(m.Values["t"]), 10, 64)
+	s.applyMessage(ViaRedis, m.ID, from, seq, published, []byte(str(m.Values["d"])), gaps)
 }
 
-// applyFields is apply of a message's fields: its sender, sequence
-// number, first commit's time and data, which it does not keep.
-func (s *Sharer) applyFields(id, from, sq, t string, data []byte, origins map[string]*origin, gaps bool) {
+// applyMessage applies the entries of a message that came via the stream
+// or a peer and were not applied yet: its id in the stream, sender,
+// sequence number in the stream (0 from a peer), first commit's time and
+// data, which it does not keep. With gaps, a jump in the stream's
+// sequence numbers counts the messages skipped.
+func (s *Sharer) applyMessage(via, id, from string, seq uint64, published int64, data []byte, gaps bool) {
 	if from == s.cfg.ID || from == "" {
 		return
 	}
-	seq, _ := strconv.ParseUint(sq, 10, 64)
-	published, _ := strconv.ParseInt(t, 10, 64)
 	now := time.Now()
-	o := origins[from]
-	switch {
-	case o == nil:
-		if len(origins) >= maxOrigins {
-			forgetOldest(origins)
+	s.originsMu.Lock()
+	o := s.origins[from]
+	if o == nil {
+		if len(s.origins) >= maxOrigins {
+			forgetOldest(s.origins)
 		}
-		origins[from] = &origin{seq: seq, seen: now}
-	default:
-		if gaps && seq > o.seq+1 {
+		o = &origin{seq: seq}
+		s.origins[from] = o
+	} else if seq > 0 {
+		if gaps && o.seq > 0 && seq > o.seq+1 {
 			s.cfg.Observer.Gap(int(seq - o.seq - 1))
 		}
-		if seq > o.seq {
-			o.seq = seq
-		}
-		o.seen = now
+		o.seq = max(o.seq, seq)
 	}
-	n, err := decode(data, s.cfg.Apply)
+	o.seen = now
+	s.originsMu.Unlock()
+	applied, dups := 0, 0
+	_, err := decode(data, func(e Entry) {
+		s.originsMu.Lock()
+		fresh := o.fresh(e.Seq)
+		s.originsMu.Unlock()
+		if !fresh {
+			dups++
+			return
+		}
+		applied++
+		s.cfg.Apply(e)
+	})
+	if dups > 0 {
+		s.cfg.Observer.Duplicates(dups)
+	}
 	if err != nil {
 		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", id, "from", from, "err", err)
 		return
 	}
-	s.cfg.Observer.Received(n, len(data), now.Sub(time.Unix(0, published)))
+	if applied > 0 {
+		s.cfg.Observer.Received(via, applied, len(data), now.Sub(time.Unix(0, published)))
+	}
 }
 
 func forgetOldest(origins map[string]*origin) {
@@ -478,19 +605,22 @@ func str(v any) string {
 
 // The first byte of every message's data: formatKeys's entries carry a
 // worker and its keys; formatPending's, also the request's prefill and the
-// decision's time. encode writes formatPending; decode reads both.
+// decision's time; formatSeq's, also the entry's number (Entry.Seq).
+// encode writes formatSeq; decode reads all three.
 const (
 	formatKeys    = 1
 	formatPending = 2
+	formatSeq     = 3
 )
 
 // encode appends the entries to b: a version byte, then per entry the
 // worker's name (uvarint length, bytes), its keys (uvarint count, 8 bytes
 // each, little endian: block keys are uniform 64-bit hashes, which
 // varints would lengthen), its pending blocks plus one (uvarint; 0:
-// unknown) and the decision's time (uvarint Unix nanoseconds).
+// unknown), the decision's time (uvarint Unix nanoseconds) and the
+// entry's number (uvarint).
 func encode(b []byte, entries []Entry) []byte {
-	b = append(b, formatPending)
+	b = append(b, formatSeq)
 	for _, e := range entries {
 		b = binary.AppendUvarint(b, uint64(len(e.Worker)))
 		b = append(b, e.Worker...)
@@ -500,6 +630,7 @@ func encode(b []byte, entries []Entry) []byte {
 		}
 		b = binary.AppendUvarint(b, uint64(max(e.Pending+1, 0)))
 		b = binary.AppendUvarint(b, uint64(max(e.At, 0)))
+		b = binary.AppendUvarint(b, e.Seq)
 	}
 	return b
 }
@@ -512,10 +643,10 @@ const maxKeys = 1 << 20
 // were. A malformed message is an error; the entries before the fault
 // were applied.
 func decode(b []byte, apply func(Entry)) (int, error) {
-	if len(b) == 0 || b[0] != formatKeys && b[0] != formatPending {
+	if len(b) == 0 || b[0] < formatKeys || b[0] > formatSeq {
 		return 0, errors.New("unknown format")
 	}
-	pending := b[0] == formatPending
+	format := b[0]
 	b = b[1:]
 	n := 0
 	// uvarint reads one uvarint of at most limit off b.
@@ -544,7 +675,7 @@ func decode(b []byte, apply func(Entry)) (int, error) {
 		}
 		b = b[8*c:]
 		e := Entry{Worker: worker, Keys: keys, Pending: -1}
-		if pending {
+		if format >= formatPending {
 			p, ok1 := uvarint(c + 1)
 			at, ok2 := uvarint(math.MaxInt64)
 			if !ok1 || !ok2 {
@@ -552,6 +683,11 @@ func decode(b []byte, apply func(Entry)) (int, error) {
 			}
 			if p > 0 {
 				e.Pending, e.At = int(p)-1, int64(at)
+			}
+		}
+		if format >= formatSeq {
+			if e.Seq, ok = uvarint(math.MaxUint64); !ok {
+				return n, errors.New("bad entry number")
 			}
 		}
 		apply(e)
@@ -562,8 +698,10 @@ func decode(b []byte, apply func(Entry)) (int, error) {
 
 type nopObserver struct{}
 
-func (nopObserver) Sent(int, int)                    {}
-func (nopObserver) Received(int, int, time.Duration) {}
-func (nopObserver) Dropped(string, int)              {}
-func (nopObserver) Gap(int)                          {}
-func (nopObserver) Up(bool)                          {}
+func (nopObserver) Sent(string, int, int)                    {}
+func (nopObserver) Received(string, int, int, time.Duration) {}
+func (nopObserver) Dropped(string, int)                      {}
+func (nopObserver) Gap(int)                                  {}
+func (nopObserver) Up(bool)                                  {}
+func (nopObserver) Peers(int)                                {}
+func (nopObserver) Duplicates(int)                           {}

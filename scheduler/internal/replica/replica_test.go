@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 
@@ -16,6 +17,9 @@ import (
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("github.com/redis/go-redis/v9/internal/pool.(*ConnPool).reaper"))
 }
+
+// ignoreSeq compares entries as published, before Publish numbers them.
+var ignoreSeq = cmpopts.IgnoreFields(Entry{}, "Seq")
 
 // peer is a Sharer with what it applied and observed.
 type peer struct {
@@ -27,8 +31,10 @@ type peer struct {
 	ups     []bool
 }
 
-func (p *peer) Sent(int, int)                    {}
-func (p *peer) Received(int, int, time.Duration) {}
+func (p *peer) Sent(string, int, int)                    {}
+func (p *peer) Received(string, int, int, time.Duration) {}
+func (p *peer) Peers(int)                                {}
+func (p *peer) Duplicates(int)                           {}
 func (p *peer) Dropped(reason string, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -85,7 +91,7 @@ func (p *peer) expect(t *testing.T, want ...Entry) {
 				if got.Worker == "marker" && w.Worker != "marker" {
 					continue // an earlier none's, seen by every peer
 				}
-				if diff := cmp.Diff(w, got); diff != "" {
+				if diff := cmp.Diff(w, got, ignoreSeq); diff != "" {
 					t.Fatalf("%s's entry %d (-want +got):\n%s", p.ID(), i, diff)
 				}
 				done = true
@@ -151,10 +157,10 @@ func TestShare(t *testing.T) {
 	// c hears each sender's entries in order; a's second may go after
 	// b's, in a message of its own.
 	fromA, fromB := c.take(t, 3, func(e Entry) bool { return e.Worker != "w1" })
-	if diff := cmp.Diff([]Entry{e1, {Worker: "w2", Keys: []uint64{7, 8}}}, fromA); diff != "" {
+	if diff := cmp.Diff([]Entry{e1, {Worker: "w2", Keys: []uint64{7, 8}}}, fromA, ignoreSeq); diff != "" {
 		t.Errorf("c's entries from a (-want +got):\n%s", diff)
 	}
-	if diff := cmp.Diff([]Entry{e2}, fromB); diff != "" {
+	if diff := cmp.Diff([]Entry{e2}, fromB, ignoreSeq); diff != "" {
 		t.Errorf("c's entries from b (-want +got):\n%s", diff)
 	}
 	a.none(t, b)
@@ -205,7 +211,7 @@ func TestRedisLost(t *testing.T) {
 		a.Publish(e)
 		select {
 		case got := <-b.applied:
-			return cmp.Equal(got, e)
+			return cmp.Equal(got, e, ignoreSeq)
 		case <-time.After(100 * time.Millisecond):
 			return false
 		}
@@ -256,8 +262,8 @@ func TestConfigRequired(t *testing.T) {
 
 func TestCodec(t *testing.T) {
 	in := []Entry{
-		{Worker: "a", Keys: []uint64{0, 1<<64 - 1}, Pending: 2, At: 1_700_000_000_123_456_789},
-		{Worker: "prefill/dp3", Keys: []uint64{5}, Pending: 0, At: 1},
+		{Worker: "a", Keys: []uint64{0, 1<<64 - 1}, Pending: 2, At: 1_700_000_000_123_456_789, Seq: 1},
+		{Worker: "prefill/dp3", Keys: []uint64{5}, Pending: 0, At: 1, Seq: 1<<64 - 1},
 		{Worker: "b", Keys: []uint64{7, 8}, Pending: -1}, // pending unknown
 		{Worker: "", Keys: nil, Pending: -1},
 	}
@@ -270,8 +276,8 @@ func TestCodec(t *testing.T) {
 		t.Errorf("round trip (-in +out):\n%s", diff)
 	}
 	// Per entry: name length, name, key count, 8 bytes a key, pending plus
-	// one, the time (a uvarint of 1 here).
-	if got, want := len(encode(nil, []Entry{{Worker: "a", Keys: []uint64{1, 2}, Pending: 1, At: 1}})), 1+1+1+1+16+1+1; got != want {
+	// one, the time (a uvarint of 1 here), the number (one byte here).
+	if got, want := len(encode(nil, []Entry{{Worker: "a", Keys: []uint64{1, 2}, Pending: 1, At: 1, Seq: 7}})), 1+1+1+1+16+1+1+1; got != want {
 		t.Errorf("encoded size %d, want %d", got, want)
 	}
 }
@@ -294,13 +300,38 @@ func TestDecodeFirstFormat(t *testing.T) {
 		t.Errorf("(-want +got):\n%s", diff)
 	}
 	// An unknown format is an error, not a guess.
-	if _, err := decode([]byte{3, 1, 'w', 0}, func(Entry) {}); err == nil {
-		t.Error("format 3 decoded")
+	if _, err := decode([]byte{4, 1, 'w', 0}, func(Entry) {}); err == nil {
+		t.Error("format 4 decoded")
 	}
 	// Pending beyond the keys is malformed.
 	b = append([]byte{formatPending, 1, 'w', 1}, make([]byte, 8)...)
 	if _, err := decode(append(b, 3, 0), func(Entry) {}); err == nil {
 		t.Error("2 pending blocks of 1 key decoded")
+	}
+}
+
+// A message of the second format (a decision's prefill and time, no
+// number) decodes with Seq 0, which is never taken for a duplicate.
+func TestDecodeSecondFormat(t *testing.T) {
+	b := []byte{formatPending, 1, 'w', 1}
+	b = binary.LittleEndian.AppendUint64(b, 10)
+	b = append(b, 2, 5)      // pending 1, at 5
+	b = append(b, 1, 'v', 0) // no keys
+	b = append(b, 0, 9)      // pending unknown
+	var out []Entry
+	n, err := decode(b, func(e Entry) { out = append(out, e) })
+	if err != nil || n != 2 {
+		t.Fatalf("decode: %d, %v", n, err)
+	}
+	want := []Entry{{Worker: "w", Keys: []uint64{10}, Pending: 1, At: 5}, {Worker: "v", Keys: []uint64{}, Pending: -1}}
+	if diff := cmp.Diff(want, out); diff != "" {
+		t.Errorf("(-want +got):\n%s", diff)
+	}
+	o := &origin{}
+	for range 2 {
+		if !o.fresh(0) {
+			t.Error("an entry without a number taken for a duplicate")
+		}
 	}
 }
 
@@ -311,6 +342,8 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte{formatPending, 1, 'w', 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, 0})
 	f.Add([]byte{formatKeys, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Add([]byte{formatKeys, 1, 'w', 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{formatPending, 1, 'w', 0, 1, 7})
+	f.Add([]byte{formatSeq, 1, 'w', 0, 1, 7, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		n, err := decode(b, func(e Entry) {
 			if len(e.Keys) > maxKeys {

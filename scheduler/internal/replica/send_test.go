@@ -86,7 +86,7 @@ type lags struct {
 	got []time.Duration
 }
 
-func (l *lags) Received(_, _ int, lag time.Duration) {
+func (l *lags) Received(_ string, _, _ int, lag time.Duration) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.got = append(l.got, lag)
@@ -140,7 +140,7 @@ func TestSendWithoutWaiting(t *testing.T) {
 			t.Errorf("messages added at (-want +got):\n%s", diff)
 		}
 		mu.Lock()
-		if diff := cmp.Diff([]Entry{e1, e2, e3}, applied); diff != "" {
+		if diff := cmp.Diff([]Entry{e1, e2, e3}, applied, ignoreSeq); diff != "" {
 			t.Errorf("b applied (-want +got):\n%s", diff)
 		}
 		mu.Unlock()

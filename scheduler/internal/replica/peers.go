@@ -1,0 +1,564 @@
+package replica
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Straight from replica to replica: with Config.Listen, each replica also
+// sends every decision it commits to every other replica over a TCP
+// connection of its own, as the decision commits and on its goroutine,
+// and reads the others' on the connections they opened to it, polled
+// before each decision as the stream's follower is. One hop (sender to
+// receiver) instead of two (sender to Redis, Redis to receiver), and no
+// request/reply on the way: a decision reaches the others as soon as
+// their next decision polls. Beside the stream it is loss-tolerant as the
+// stream is (a write that would wait drops the entry for that peer,
+// counted; a connection that breaks is dialled again); the stream keeps
+// the history a replica that starts replays, and each entry comes both
+// ways and is applied once (Entry.Seq).
+//
+// The wire: the dialler sends peerMagic, then its id and the stream's
+// name (uvarint length, bytes, each); the listener answers the same of
+// its own, and from then on only the dialler writes, frames of a uvarint
+// length, then the uvarint Unix nanoseconds of the entry's publication
+// and a message's data (encode). A replica that finds its own id at the
+// other end (its own address among the peers, as DNS gives it) stops
+// dialling it; one with another stream's name is not sent to: it serves
+// another fleet.
+
+const (
+	peerMagic = "BATONRS\x01"
+	// maxFrame bounds one frame: a message of one decision of maxKeys
+	// keys is 8 MB.
+	maxFrame = 16 << 20
+	// maxName bounds an id or a stream's name in a greeting.
+	maxName = 1024
+	// greetTimeout bounds the exchange of greetings.
+	greetTimeout = 2 * time.Second
+)
+
+// peers is a Sharer's connections to and from the other replicas.
+type peers struct {
+	s  *Sharer
+	ln net.Listener
+	wg sync.WaitGroup
+
+	mu  sync.Mutex          // guards out
+	out map[string]*outPeer // by address
+	// outList is out's values, for publish to read without a lock.
+	outList   atomic.Pointer[[]*outPeer]
+	connected int // out's connected peers; under mu
+
+	inMu   sync.Mutex
+	in     map[*inPeer]struct{}
+	inList atomic.Pointer[[]*inPeer]
+
+	bufs sync.Pool // *[]byte frames
+}
+
+// outPeer is the connection to one other replica, which a goroutine
+// (dial) keeps open.
+type outPeer struct {
+	addr   string
+	cancel context.CancelFunc
+
+	mu   sync.Mutex
+	conn *net.TCPConn // nil while not connected
+	up   int          // 0 not yet known, 1 up, -1 down: for one log line per change
+}
+
+// inPeer is a connection another replica opened to this one.
+type inPeer struct {
+	from string
+	rc   syscall.RawConn
+	conn *net.TCPConn
+
+	mu  sync.Mutex // guards what follows, and reading the connection
+	buf []byte
+	err error
+}
+
+// listenPeers opens s's peer listener and starts accepting.
+func listenPeers(s *Sharer) (*peers, error) {
+	ln, err := net.Listen("tcp", s.cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("replica: peer listener: %w", err)
+	}
+	p := &peers{s: s, ln: ln, out: make(map[string]*outPeer), in: make(map[*inPeer]struct{})}
+	p.bufs.New = func() any { b := make([]byte, 0, 4096); return &b }
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+// close stops listening and waits for every connection's goroutine; s's
+// context is done.
+func (p *peers) close() {
+	p.ln.Close()
+	p.mu.Lock()
+	for _, op := range p.out {
+		op.cancel()
+	}
+	p.mu.Unlock()
+	p.inMu.Lock()
+	for in := range p.in {
+		in.conn.Close()
+	}
+	p.inMu.Unlock()
+	p.wg.Wait()
+}
+
+// set makes addrs the peers sent to.
+func (p *peers) set(addrs []string) {
+	want := make(map[string]bool, len(addrs))
+	for _, a := range addrs {
+		want[a] = true
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.s.ctx.Err() != nil {
+		return
+	}
+	for a, op := range p.out {
+		if !want[a] {
+			op.cancel()
+			delete(p.out, a)
+		}
+	}
+	for a := range want {
+		if p.out[a] != nil {
+			continue
+		}
+		ctx, cancel := context.WithCancel(p.s.ctx)
+		op := &outPeer{addr: a, cancel: cancel}
+		p.out[a] = op
+		p.wg.Add(1)
+		go p.dial(ctx, op)
+	}
+	list := make([]*outPeer, 0, len(p.out))
+	for _, op := range p.out {
+		list = append(list, op)
+	}
+	p.outList.Store(&list)
+}
+
+// publish writes e, published at now, to every connected peer, on the
+// caller's goroutine; a write that has not started within publishWait
+// drops e for that peer (counted), and one cut short closes the
+// connection, which dial then opens again.
+func (p *peers) publish(e Entry, now int64) {
+	list := p.outList.Load()
+	if list == nil || len(*list) == 0 {
+		return
+	}
+	bp := p.bufs.Get().(*[]byte)
+	defer p.bufs.Put(bp)
+	// The frame's length goes in front once the rest is written.
+	const room = binary.MaxVarintLen64
+	b := append((*bp)[:0], make([]byte, room)...)
+	b = binary.AppendUvarint(b, uint64(now))
+	one := [1]Entry{e}
+	b = encode(b, one[:])
+	var hdr [binary.MaxVarintLen64]byte
+	h := binary.PutUvarint(hdr[:], uint64(len(b)-room))
+	frame := b[room-h:]
+	copy(frame, hdr[:h])
+	*bp = b
+	for _, op := range *list {
+		op.write(p.s, frame)
+	}
+}
+
+// write writes one frame to op's connection, if it has one.
+func (op *outPeer) write(s *Sharer, frame []byte) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.conn == nil {
+		return
+	}
+	op.conn.SetWriteDeadline(time.Now().Add(s.cfg.publishWait))
+	n, err := op.conn.Write(frame)
+	switch {
+	case err == nil:
+		s.cfg.Observer.Sent(ViaPeer, 1, len(frame))
+	case n == 0 && errors.Is(err, net.ErrClosed):
+	default:
+		s.cfg.Observer.Dropped("peer_error", 1)
+		if n > 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+			// Cut short: what the peer reads next would not be a frame.
+			op.conn.Close()
+			op.conn = nil
+		}
+	}
+}
+
+// dial keeps a connection to op's peer open until ctx is done, or until
+// the peer turns out to be this replica.
+func (p *peers) dial(ctx context.Context, op *outPeer) {
+	defer p.wg.Done()
+	backoff := retryMin
+	for ctx.Err() == nil {
+		conn, self, err := p.greet(ctx, op.addr)
+		if self {
+			p.s.cfg.Logger.Debug("replica sharing: peer address is this replica's own", "peer", op.addr)
+			return
+		}
+		if err == nil {
+			backoff = retryMin
+			op.mu.Lock()
+			op.conn = conn
+			op.mu.Unlock()
+			p.changed(op, true, nil)
+			// The peer writes nothing more: a read returns when the
+			// connection ends (or publish closed it).
+			stop := context.AfterFunc(ctx, func() { conn.Close() })
+			var b [1]byte
+			_, err = conn.Read(b[:])
+			if err == nil {
+				err = errors.New("peer wrote after its greeting")
+			}
+			stop()
+			op.mu.Lock()
+			if op.conn == conn {
+				op.conn = nil
+			}
+			op.mu.Unlock()
+			conn.Close()
+			if ctx.Err() != nil {
+				p.changed(op, false, nil)
+				return
+			}
+		}
+		p.changed(op, false, err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, retryMax)
+	}
+}
+
+// changed records that op's connection is up or down, logging a change
+// and reporting the count of connected peers.
+func (p *peers) changed(op *outPeer, up bool, err error) {
+	state := -1
+	if up {
+		state = 1
+	}
+	p.mu.Lock()
+	was := op.up
+	op.up = state
+	switch {
+	case was != 1 && up:
+		p.connected++
+	case was == 1 && !up:
+		p.connected--
+	}
+	n := p.connected
+	p.mu.Unlock()
+	if was == state {
+		return
+	}
+	p.s.cfg.Observer.Peers(n)
+	switch {
+	case up:
+		p.s.cfg.Logger.Info("replica sharing: sending to peer", "peer", op.addr, "peers", n)
+	case err != nil:
+		p.s.cfg.Logger.Warn("replica sharing: peer unreachable; it hears of this replica's decisions through Redis if shared, or not at all", "peer", op.addr, "err", err, "peers", n)
+	}
+}
+
+// greet connects to addr and exchanges greetings; self reports that the
+// replica there is this one.
+func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self bool, err error) {
+	d := net.Dialer{Timeout: callTimeout}
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, false, err
+	}
+	conn = c.(*net.TCPConn)
+	conn.SetDeadline(time.Now().Add(greetTimeout))
+	if _, err := conn.Write(appendGreeting(nil, p.s.cfg.ID, p.s.cfg.Stream)); err != nil {
+		conn.Close()
+		return nil, false, err
+	}
+	var buf []byte
+	id, stream, err := readGreeting(conn, &buf)
+	switch {
+	case err != nil:
+	case id == p.s.cfg.ID:
+		conn.Close()
+		return nil, true, nil
+	case stream != p.s.cfg.Stream:
+		err = fmt.Errorf("the replica there shares stream %q, not %q: it serves another fleet", stream, p.s.cfg.Stream)
+	}
+	if err != nil {
+		conn.Close()
+		return nil, false, err
+	}
+	conn.SetDeadline(time.Time{})
+	return conn, false, nil
+}
+
+// appendGreeting appends a greeting of id and stream to b.
+func appendGreeting(b []byte, id, stream string) []byte {
+	b = append(b, peerMagic...)
+	for _, s := range []string{id, stream} {
+		b = binary.AppendUvarint(b, uint64(len(s)))
+		b = append(b, s...)
+	}
+	return b
+}
+
+var errGreeting = errors.New("not a baton replica's greeting")
+
+// parseGreeting parses a greeting off the front of b; n is 0 while b
+// holds only part of one.
+func parseGreeting(b []byte) (id, stream string, n int, err error) {
+	if len(b) < len(peerMagic) {
+		if string(b) != peerMagic[:len(b)] {
+			return "", "", 0, errGreeting
+		}
+		return "", "", 0, nil
+	}
+	if string(b[:len(peerMagic)]) != peerMagic {
+		return "", "", 0, errGreeting
+	}
+	n = len(peerMagic)
+	var out [2]string
+	for i := range out {
+		l, k := binary.Uvarint(b[n:])
+		switch {
+		case k == 0:
+			return "", "", 0, nil
+		case k < 0 || l > maxName:
+			return "", "", 0, errGreeting
+		case uint64(len(b)-n-k) < l:
+			return "", "", 0, nil
+		}
+		out[i] = string(b[n+k : n+k+int(l)])
+		n += k + int(l)
+	}
+	return out[0], out[1], n, nil
+}
+
+// readGreeting reads a greeting from r into *buf, leaving in *buf what
+// came after it.
+func readGreeting(r io.Reader, buf *[]byte) (id, stream string, err error) {
+	b := (*buf)[:0]
+	var chunk [512]byte
+	for {
+		id, stream, n, err := parseGreeting(b)
+		if err != nil {
+			return "", "", err
+		}
+		if n > 0 {
+			*buf = append(b[:0], b[n:]...)
+			return id, stream, nil
+		}
+		k, err := r.Read(chunk[:])
+		if k > 0 {
+			b = append(b, chunk[:k]...)
+			continue
+		}
+		if err == nil {
+			err = io.ErrNoProgress
+		}
+		return "", "", err
+	}
+}
+
+// accept takes the other replicas' connections.
+func (p *peers) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) || p.s.ctx.Err() != nil {
+				return
+			}
+			p.s.cfg.Logger.Debug("replica sharing: accept", "err", err)
+			select {
+			case <-p.s.ctx.Done():
+				return
+			case <-time.After(retryMin):
+			}
+			continue
+		}
+		p.wg.Add(1)
+		go p.serve(c.(*net.TCPConn))
+	}
+}
+
+// serve reads another replica's frames from conn until it ends.
+func (p *peers) serve(conn *net.TCPConn) {
+	defer p.wg.Done()
+	defer conn.Close()
+	stop := context.AfterFunc(p.s.ctx, func() { conn.Close() })
+	defer stop()
+	conn.SetDeadline(time.Now().Add(greetTimeout))
+	var buf []byte
+	from, stream, err := readGreeting(conn, &buf)
+	if err != nil {
+		p.s.cfg.Logger.Debug("replica sharing: peer's greeting", "remote", conn.RemoteAddr(), "err", err)
+		return
+	}
+	if _, err := conn.Write(appendGreeting(nil, p.s.cfg.ID, p.s.cfg.Stream)); err != nil || from == p.s.cfg.ID || stream != p.s.cfg.Stream || from == "" {
+		return
+	}
+	conn.SetDeadline(time.Time{})
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return
+	}
+	in := &inPeer{from: from, rc: rc, conn: conn, buf: buf}
+	p.inMu.Lock()
+	if p.s.ctx.Err() != nil {
+		p.inMu.Unlock()
+		return
+	}
+	p.in[in] = struct{}{}
+	p.storeIn()
+	p.inMu.Unlock()
+	defer func() {
+		p.inMu.Lock()
+		delete(p.in, in)
+		p.storeIn()
+		p.inMu.Unlock()
+	}()
+	in.mu.Lock()
+	in.frames(p.s)
+	in.mu.Unlock()
+	if ownConnections {
+		rc.Read(func(fd uintptr) bool {
+			in.mu.Lock()
+			defer in.mu.Unlock()
+			return in.pump(p.s, fd, true)
+		})
+	} else {
+		var chunk [64 << 10]byte
+		for {
+			n, err := conn.Read(chunk[:])
+			in.mu.Lock()
+			in.buf = append(in.buf, chunk[:n]...)
+			if err != nil {
+				in.err = err
+			}
+			in.frames(p.s)
+			done := in.err != nil
+			in.mu.Unlock()
+			if done {
+				break
+			}
+		}
+	}
+	in.mu.Lock()
+	if in.err != nil && !errors.Is(in.err, net.ErrClosed) && p.s.ctx.Err() == nil {
+		p.s.cfg.Logger.Debug("replica sharing: peer's connection ended", "peer", from, "err", in.err)
+	}
+	in.mu.Unlock()
+}
+
+// storeIn publishes in's members for poll. p.inMu is held.
+func (p *peers) storeIn() {
+	list := make([]*inPeer, 0, len(p.in))
+	for in := range p.in {
+		list = append(list, in)
+	}
+	p.inList.Store(&list)
+}
+
+// poll applies, on the calling goroutine, the frames that have reached
+// the connections from the other replicas, without waiting.
+func (p *peers) poll() {
+	if !ownConnections {
+		return
+	}
+	list := p.inList.Load()
+	if list == nil {
+		return
+	}
+	for _, in := range *list {
+		if !in.mu.TryLock() {
+			continue
+		}
+		if in.err == nil {
+			in.rc.Control(func(fd uintptr) { in.pump(p.s, fd, false) })
+		}
+		in.mu.Unlock()
+	}
+}
+
+// pump reads what the socket holds (all of it when all, else one read)
+// and applies the whole frames; it reports whether the connection is
+// done with. in.mu is held.
+func (in *inPeer) pump(s *Sharer, fd uintptr, all bool) (done bool) {
+	for in.err == nil {
+		if len(in.buf) == cap(in.buf) {
+			in.buf = append(in.buf, make([]byte, max(64<<10, cap(in.buf)))...)[:len(in.buf)]
+		}
+		n, err := readFD(fd, in.buf[len(in.buf):cap(in.buf)])
+		switch {
+		case errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR):
+			return false
+		case err != nil:
+			in.err = err
+		case n == 0:
+			in.err = io.EOF
+		default:
+			in.buf = in.buf[:len(in.buf)+n]
+			in.frames(s)
+		}
+		if !all {
+			break
+		}
+	}
+	return in.err != nil
+}
+
+// frames applies the whole frames in.buf holds. in.mu is held.
+func (in *inPeer) frames(s *Sharer) {
+	for in.err == nil {
+		at, data, n, err := parseFrame(in.buf)
+		if err != nil {
+			in.err = err
+			return
+		}
+		if n == 0 {
+			return
+		}
+		s.applyMessage(ViaPeer, "", in.from, 0, at, data, false)
+		in.buf = in.buf[:copy(in.buf, in.buf[n:])]
+	}
+}
+
+// parseFrame parses a frame off the front of b: its publication time and
+// data; n is 0 while b holds only part of one.
+func parseFrame(b []byte) (at int64, data []byte, n int, err error) {
+	l, k := binary.Uvarint(b)
+	switch {
+	case k == 0:
+		return 0, nil, 0, nil
+	case k < 0 || l > maxFrame:
+		return 0, nil, 0, errors.New("bad frame length")
+	case uint64(len(b)-k) < l:
+		return 0, nil, 0, nil
+	}
+	frame := b[k : k+int(l)]
+	t, j := binary.Uvarint(frame)
+	if j <= 0 || t > 1<<63-1 {
+		return 0, nil, 0, errors.New("bad frame time")
+	}
+	return int64(t), frame[j:], k + int(l), nil
+}

@@ -1,0 +1,299 @@
+package replica
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/batonllm/baton/transfer/kvstore/redistest"
+)
+
+// peerObs counts what a Sharer sees of its peers.
+type peerObs struct {
+	*peer
+	mu        sync.Mutex
+	peers     int
+	reports   int // calls of Peers
+	dups      int
+	received  map[string]int // entries, by via
+	sentPeers int
+}
+
+func (o *peerObs) Peers(n int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.peers = n
+	o.reports++
+}
+
+func (o *peerObs) Duplicates(n int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.dups += n
+}
+
+func (o *peerObs) Received(via string, entries, _ int, _ time.Duration) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.received[via] += entries
+}
+
+func (o *peerObs) Sent(via string, entries, _ int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if via == ViaPeer {
+		o.sentPeers += entries
+	}
+}
+
+func (o *peerObs) get() (peers, dups int, received map[string]int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	r := make(map[string]int, len(o.received))
+	for k, v := range o.received {
+		r[k] = v
+	}
+	return o.peers, o.dups, r
+}
+
+// newListening is newPeer with a peer listener on a free loopback port,
+// and Redis at redisAddr ("" for none).
+func newListening(t *testing.T, redisAddr, id string, edit func(*Config)) (*peer, *peerObs) {
+	t.Helper()
+	var obs *peerObs
+	p := newPeer(t, redisAddr, id, func(c *Config) {
+		obs = &peerObs{peer: c.Observer.(*peer), received: map[string]int{}}
+		c.Observer = obs
+		c.Listen = "127.0.0.1:0"
+		c.Stream = "test:" + t.Name()
+		if redisAddr == "" {
+			c.Client = nil
+		}
+		if edit != nil {
+			edit(c)
+		}
+	})
+	return p, obs
+}
+
+// connect gives every sharer every sharer's address, its own included,
+// and waits until each sends to all the others.
+func connect(t *testing.T, ps []*peer, obs []*peerObs) {
+	t.Helper()
+	var addrs []string
+	for _, p := range ps {
+		addrs = append(addrs, p.ListenAddr())
+	}
+	for _, p := range ps {
+		p.SetPeers(addrs)
+	}
+	for i, o := range obs {
+		waitFor(t, fmt.Sprintf("%s to reach its peers", ps[i].ID()), func() bool { n, _, _ := o.get(); return n == len(ps)-1 })
+	}
+}
+
+// Three replicas without Redis: each decision reaches the two others
+// straight from its sender, once, and not itself; a replica that finds its
+// own address among the peers does not count it.
+func TestPeersShare(t *testing.T) {
+	a, ao := newListening(t, "", "a", nil)
+	b, bo := newListening(t, "", "b", nil)
+	c, co := newListening(t, "", "c", nil)
+	connect(t, []*peer{a, b, c}, []*peerObs{ao, bo, co})
+	e1 := Entry{Worker: "w1", Keys: []uint64{1, 2, 3}, Pending: 2, At: 42}
+	e2 := Entry{Worker: "w2", Keys: []uint64{4}, Pending: -1}
+	a.Publish(e1)
+	b.Publish(e2)
+	a.expect(t, e2)
+	b.expect(t, e1)
+	// From two senders, in either order.
+	if w1, w2 := c.take(t, 2, func(e Entry) bool { return e.Worker == "w1" }); len(w1) != 1 || len(w2) != 1 {
+		t.Errorf("c applied %v and %v, want e1 and e2", w1, w2)
+	}
+	a.none(t, c)
+	b.none(t, c)
+	_, _, r := co.get()
+	if r[ViaPeer] != 2 || r[ViaRedis] != 0 {
+		t.Errorf("c received %v, want 2 via peer", r)
+	}
+}
+
+// With Redis and peers both, each entry comes both ways and is applied
+// once; the second copy is counted as a duplicate.
+func TestPeersAndStreamApplyOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	a, ao := newListening(t, srv.Addr(), "a", nil)
+	b, bo := newListening(t, srv.Addr(), "b", nil)
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	const n = 300
+	var want []Entry
+	for i := range n {
+		e := Entry{Worker: fmt.Sprintf("w%d", i%7), Keys: []uint64{uint64(i), uint64(i) + 1}, Pending: 1, At: int64(i + 1)}
+		want = append(want, e)
+		a.Publish(e)
+	}
+	b.expect(t, want...)
+	waitFor(t, "every entry's second copy", func() bool { _, d, _ := bo.get(); return d == n })
+	b.none(t, a) // the marker, applied once too
+	_, dups, r := bo.get()
+	if r[ViaPeer]+r[ViaRedis] != n+1 {
+		t.Errorf("received %v, want %d in all", r, n+1)
+	}
+	if dups < n {
+		t.Errorf("%d duplicates, want %d", dups, n)
+	}
+}
+
+// Redis unreachable: the peers still carry every decision, and the
+// stream's loss is counted.
+func TestPeersWithoutRedis(t *testing.T) {
+	dead := "127.0.0.1:1"
+	a, ao := newListening(t, dead, "a", nil)
+	b, bo := newListening(t, dead, "b", nil)
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	e := Entry{Worker: "w", Keys: []uint64{9}}
+	a.Publish(e)
+	b.expect(t, e)
+	waitFor(t, "the stream's loss counted", func() bool { d, _, _ := a.stats(); return d["redis_error"] > 0 })
+}
+
+// A peer that goes away and comes back at its address is sent to again;
+// meanwhile the stream carries what the sender commits.
+func TestPeerComesBack(t *testing.T) {
+	srv := redistest.Start(t)
+	a, ao := newListening(t, srv.Addr(), "a", nil)
+	b, bo := newListening(t, srv.Addr(), "b", nil)
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	addr := b.ListenAddr()
+	b.Close()
+	waitFor(t, "a to see b gone", func() bool { n, _, _ := ao.get(); return n == 0 })
+	b2, b2o := newListening(t, srv.Addr(), "b2", func(c *Config) { c.Listen = addr })
+	b2.SetPeers([]string{a.ListenAddr()})
+	waitFor(t, "a to reach b again", func() bool { n, _, _ := ao.get(); return n == 1 })
+	e := Entry{Worker: "w", Keys: []uint64{5, 6}}
+	a.Publish(e)
+	b2.expect(t, e)
+	waitFor(t, "the second copy", func() bool { _, d, r := b2o.get(); return d == 1 && r[ViaPeer]+r[ViaRedis] == 1 })
+}
+
+// A peer of another stream (another fleet's replica) is not sent to, nor
+// is a connection that does not greet as a replica read from.
+func TestPeerOtherStreamAndGarbage(t *testing.T) {
+	a, ao := newListening(t, "", "a", nil)
+	b, bo := newListening(t, "", "b", func(c *Config) { c.Stream = "other" })
+	a.SetPeers([]string{b.ListenAddr()})
+	b.SetPeers([]string{a.ListenAddr()})
+	c, co := newListening(t, "", "c", nil)
+	c.SetPeers([]string{a.ListenAddr()})
+	waitFor(t, "c to reach a", func() bool { n, _, _ := co.get(); return n == 1 })
+	conn, err := net.Dial("tcp", a.ListenAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.Write([]byte("GET / HTTP/1.1\r\n\r\n"))
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := conn.Read(make([]byte, 64)); err == nil {
+		t.Errorf("a answered %d bytes to a stranger", n)
+	}
+	// a's dial to b has failed once (and been reported) by then.
+	waitFor(t, "a's attempt to reach b", func() bool { ao.mu.Lock(); defer ao.mu.Unlock(); return ao.reports > 0 })
+	e := Entry{Worker: "w", Keys: []uint64{1}}
+	a.Publish(e)
+	c.Publish(e)
+	a.expect(t, e)
+	select {
+	case got := <-b.applied:
+		t.Errorf("b, of another stream, applied %v", got)
+	default:
+	}
+	if n, _, _ := ao.get(); n != 0 {
+		t.Errorf("a sends to %d peers, want none (b shares another stream)", n)
+	}
+	if n, _, _ := bo.get(); n != 0 {
+		t.Errorf("b sends to %d peers, want none", n)
+	}
+}
+
+// A frame torn in any place is applied once whole, and a peer's
+// connection reads frames back to back.
+func TestFramesInPieces(t *testing.T) {
+	var stream []byte
+	var want []Entry
+	for i := range 5 {
+		e := Entry{Worker: fmt.Sprintf("w%d", i), Keys: []uint64{uint64(i)}, Pending: 0, At: int64(i + 1), Seq: uint64(i + 1)}
+		want = append(want, e)
+		body := binary.AppendUvarint(nil, uint64(100+i))
+		body = encode(body, []Entry{e})
+		stream = binary.AppendUvarint(stream, uint64(len(body)))
+		stream = append(stream, body...)
+	}
+	for cut := range len(stream) {
+		var got []Entry
+		s := &Sharer{cfg: Config{ID: "me", Apply: func(e Entry) { got = append(got, e) }}.withDefaults(), origins: map[string]*origin{}}
+		in := &inPeer{from: "them"}
+		for _, part := range [][]byte{stream[:cut], stream[cut:]} {
+			in.buf = append(in.buf, part...)
+			in.frames(s)
+		}
+		if in.err != nil || len(got) != len(want) || len(in.buf) != 0 {
+			t.Fatalf("cut at %d: %d entries, err %v, %d bytes left", cut, len(got), in.err, len(in.buf))
+		}
+	}
+}
+
+func TestFresh(t *testing.T) {
+	var o origin
+	for _, c := range []struct {
+		n     uint64
+		fresh bool
+	}{
+		{5, true}, {5, false}, {3, true}, {4, true}, {3, false}, {6, true},
+		{6 + dedupWindow - 1, true}, {7, true}, {6, false}, // 6 is now out of the window: taken as applied
+		{100_000, true}, {100_000 - dedupWindow + 1, true}, {100_000 - dedupWindow + 1, false},
+	} {
+		if got := o.fresh(c.n); got != c.fresh {
+			t.Fatalf("fresh(%d) = %v, want %v", c.n, got, c.fresh)
+		}
+	}
+}
+
+func FuzzParseGreeting(f *testing.F) {
+	f.Add(appendGreeting(nil, "a", "baton:replica:commits"))
+	f.Add([]byte(peerMagic))
+	f.Add(append([]byte(peerMagic), 0xff, 0xff, 0xff, 0xff, 0x0f))
+	f.Add([]byte("BATON"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		id, stream, n, err := parseGreeting(b)
+		if err == nil && n > 0 {
+			if n > len(b) || len(id) > maxName || len(stream) > maxName {
+				t.Fatalf("%q: n %d, id %d bytes, stream %d", b, n, len(id), len(stream))
+			}
+			again := appendGreeting(nil, id, stream)
+			if id2, stream2, n2, err := parseGreeting(again); err != nil || id2 != id || stream2 != stream || n2 != len(again) {
+				t.Fatalf("%q parsed to %q %q, which greet as %q, parsed to %q %q (%v)", b, id, stream, again, id2, stream2, err)
+			}
+		}
+	})
+}
+
+func FuzzParseFrame(f *testing.F) {
+	body := binary.AppendUvarint(nil, 77)
+	body = encode(body, []Entry{{Worker: "w", Keys: []uint64{1}, Seq: 3}})
+	f.Add(append(binary.AppendUvarint(nil, uint64(len(body))), body...))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01})
+	f.Add([]byte{1, 0x80})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		at, data, n, err := parseFrame(b)
+		if err != nil || n == 0 {
+			return
+		}
+		if n > len(b) || at < 0 || len(data) > n {
+			t.Fatalf("%x: n %d at %d data %d", b, n, at, len(data))
+		}
+		decode(data, func(Entry) {})
+	})
+}
