@@ -44,7 +44,9 @@ func TestConfigValidate(t *testing.T) {
 			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}, DNS: discovery.DNSConfig{Name: "x", Port: 9401}}
 		}, "replicas.peers.addresses:"},
 		{"peer address", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a"}} }, "replicas.peers.addresses[0]:"},
-		{"peers dns", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", DNS: discovery.DNSConfig{Name: "x"}} }, "replicas.peers.dns.port:"},
+		{"peers dns", func(c *Config) {
+			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", DNS: discovery.DNSConfig{Name: "x"}}
+		}, "replicas.peers.dns.port:"},
 		{"replay without redis", func(c *Config) {
 			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}}
 			c.Replicas.Replay = 5
