@@ -536,6 +536,7 @@ func TestSchedulerConfig(t *testing.T) {
 			} else if !o.hasService(a) {
 				t.Errorf("%s: replicas.redis.addr %s: no Service of that name and port in the build", where, a)
 			}
+			checkPeers(t, o, where, cfg, c)
 			if cfg.Discovery.Mode == scheduler.DiscoveryKubernetes {
 				checkDiscovery(t, o, where, cfg, c)
 			} else {
@@ -545,6 +546,50 @@ func TestSchedulerConfig(t *testing.T) {
 		if n == 0 {
 			t.Errorf("%s: no container runs baton serve", o.dir)
 		}
+	}
+}
+
+// checkPeers checks that the scheduler's replicas send their decisions
+// to each other: replicas.peers listens on a port of c, and its DNS name
+// is a headless Service of the build selecting c's pods, ready or not, on
+// that port.
+func checkPeers(t *testing.T, o *objects, where string, cfg scheduler.Config, c container) {
+	t.Helper()
+	p := cfg.Replicas.Peers
+	if p.Listen == "" {
+		t.Errorf("%s: replicas.peers: not set; the replicas would hear of each other's decisions only through Redis", where)
+		return
+	}
+	_, port, _ := net.SplitHostPort(p.Listen)
+	lp, _ := strconv.Atoi(port)
+	if !hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, intstr.FromInt32(int32(lp))) {
+		t.Errorf("%s: replicas.peers.listen %q: not a port of %s", where, p.Listen, c)
+	}
+	if p.DNS.Name == "" {
+		t.Errorf("%s: replicas.peers: want dns, the name of a headless Service of the scheduler's pods", where)
+		return
+	}
+	if p.DNS.Port != lp {
+		t.Errorf("%s: replicas.peers.dns.port %d, but the replicas listen on %d", where, p.DNS.Port, lp)
+	}
+	svc, ns, _ := strings.Cut(strings.TrimSuffix(p.DNS.Name, ".svc.cluster.local"), ".")
+	i := slices.IndexFunc(o.services, func(s *corev1.Service) bool { return s.Name == svc && s.Namespace == ns })
+	if i < 0 {
+		t.Errorf("%s: replicas.peers.dns.name %s: no Service %s in namespace %s", where, p.DNS.Name, svc, ns)
+		return
+	}
+	s := o.services[i]
+	switch {
+	case s.Spec.ClusterIP != corev1.ClusterIPNone:
+		t.Errorf("%s: Service %s is not headless: its name resolves to one address, not each replica's", where, svc)
+	case !s.Spec.PublishNotReadyAddresses:
+		t.Errorf("%s: Service %s leaves out replicas not yet ready, which then hear no decision until they are", where, svc)
+	case !labels.SelectorFromSet(s.Spec.Selector).Matches(labels.Set(c.w.pod.Labels)) || len(s.Spec.Selector) == 0:
+		t.Errorf("%s: Service %s does not select the scheduler's pods", where, svc)
+	case !slices.ContainsFunc(s.Spec.Ports, func(sp corev1.ServicePort) bool {
+		return int(sp.Port) == lp && (sp.TargetPort.IntValue() == lp || hasPort(&corev1.PodSpec{Containers: []corev1.Container{*c.Container}}, sp.TargetPort))
+	}):
+		t.Errorf("%s: Service %s has no port %d reaching the replicas' peers port", where, svc, lp)
 	}
 }
 

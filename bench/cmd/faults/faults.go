@@ -187,18 +187,18 @@ func allFaults(prefill, decode int) []fault {
 				return "", nil
 			},
 			recover: func(ctx context.Context, h *harness) error { return h.f.startScheduler(ctx, 1) }},
-		{name: "replica-kill", what: "serve replica 1 SIGKILLed while the replicas share through Redis, down for the window, then restarted (it replays what replica 0 shared); clients retry connection errors on the other replica",
+		{name: "replica-kill", what: "serve replica 1 SIGKILLed while the replicas share through Redis and straight, down for the window, then restarted (it replays what replica 0 shared); clients retry connection errors on the other replica",
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.scheds[1].kill()
 				return "", nil
 			},
 			recover: func(ctx context.Context, h *harness) error { return h.f.startScheduler(ctx, 1) }},
-		{name: "replica-partition", what: "serve replica 1 cut off from what the replicas share (its connections to Redis closed and refused) while both serve; then the link restored",
+		{name: "replica-partition", what: "serve replica 1 cut off from what the replicas share (its connections to Redis and to and from the other replica closed and refused) while both serve; then the links restored",
 			inject: func(_ context.Context, h *harness) (string, error) {
-				h.f.sharePx[1].setDown(true)
+				h.f.partition(1, true)
 				return "", nil
 			},
-			recover: func(_ context.Context, h *harness) error { h.f.sharePx[1].setDown(false); return nil }},
+			recover: func(_ context.Context, h *harness) error { h.f.partition(1, false); return nil }},
 		{name: "cut-500", what: "500 clients each close their stream after its first token",
 			inject: func(context.Context, *harness) (string, error) { return "", nil }, recover: noop, side: cutClients(500)},
 		{name: "cut-200-then-400", what: "200 streams opened at once, each closed by its client after its first token; then 400 ordinary requests, 32 at a time",

@@ -36,6 +36,10 @@ type fleet struct {
 	// each through the workers' proxy: cutting one partitions a replica
 	// from the others.
 	sharePx []*delayProxy
+	// peerPx[i][j] is replica i's way to replica j's peer listener
+	// (replicas.peers; nil for i == j): cutting replica 1's, both ways,
+	// partitions it from the others.
+	peerPx [][]*delayProxy
 }
 
 // Scheduler settings of the fleet: a worker's capacity and the queue are
@@ -86,6 +90,7 @@ disaggregation:
   transfer_timeout: 2s
 replicas:
   redis: {addr: "SHARE_REDIS"}
+  peers: SHARE_PEERS
 workers:
 `, maxInFlight, maxQueue)
 	for i := range prefill + decode {
@@ -117,7 +122,37 @@ workers:
 			return nil, err
 		}
 	}
+	peerListen := make([]string, replicas)
+	for i := range peerListen {
+		port, err := freePort()
+		if err != nil {
+			f.close()
+			return nil, err
+		}
+		peerListen[i] = loopback(port)
+	}
+	f.peerPx = make([][]*delayProxy, replicas)
 	for i := range replicas {
+		f.peerPx[i] = make([]*delayProxy, replicas)
+		for j := range replicas {
+			if i == j {
+				continue
+			}
+			px, err := newDelayProxy(peerListen[j])
+			if err != nil {
+				f.close()
+				return nil, err
+			}
+			f.peerPx[i][j] = px
+		}
+	}
+	for i := range replicas {
+		var peers []string
+		for _, px := range f.peerPx[i] {
+			if px != nil {
+				peers = append(peers, strconv.Quote(px.addr()))
+			}
+		}
 		px, err := newDelayProxy(f.redisPx.addr())
 		if err != nil {
 			f.close()
@@ -125,7 +160,8 @@ workers:
 		}
 		f.sharePx = append(f.sharePx, px)
 		config := filepath.Join(dir, fmt.Sprintf("baton-%d.yaml", i))
-		if err := os.WriteFile(config, []byte(strings.Replace(yaml.String(), "SHARE_REDIS", px.addr(), 1)), 0o644); err != nil {
+		if err := os.WriteFile(config, []byte(strings.NewReplacer("SHARE_REDIS", px.addr(),
+			"SHARE_PEERS", fmt.Sprintf("{listen: %q, addresses: [%s]}", peerListen[i], strings.Join(peers, ", "))).Replace(yaml.String())), 0o644); err != nil {
 			f.close()
 			return nil, err
 		}
@@ -144,6 +180,20 @@ workers:
 		}
 	}
 	return f, nil
+}
+
+// partition cuts replica i off from what the replicas share (down), or
+// restores its links: its way to Redis and its peer links both ways.
+func (f *fleet) partition(i int, down bool) {
+	f.sharePx[i].setDown(down)
+	for j := range f.peerPx {
+		if px := f.peerPx[i][j]; px != nil {
+			px.setDown(down)
+		}
+		if px := f.peerPx[j][i]; px != nil {
+			px.setDown(down)
+		}
+	}
 }
 
 func (f *fleet) workerProc(name, role string, timeScale float64) *proc {
@@ -221,6 +271,13 @@ func (f *fleet) close() {
 	}
 	for _, px := range f.sharePx {
 		px.close()
+	}
+	for _, row := range f.peerPx {
+		for _, px := range row {
+			if px != nil {
+				px.close()
+			}
+		}
 	}
 	if f.redisPx != nil {
 		f.redisPx.close()

@@ -144,10 +144,21 @@ func (l *lagObserver) report(b *testing.B) {
 // sent to Redis, bytes and messages a decision, the lag at which the
 // other three applied each message (p50, p99), the entries every replica
 // applied, the heap the four Sharers hold once done (a replica's share of
-// it) and the stream's size in Redis.
+// it) and the stream's size in Redis. Sub-benchmarks: through Redis
+// alone, straight from replica to replica alone (peers, no Redis), and
+// both ways (each decision applied once): what is sent counts both.
 func BenchmarkShareFleet(b *testing.B) {
+	for _, way := range []string{"redis", "peers", "both"} {
+		b.Run(way, func(b *testing.B) { benchShareFleet(b, way != "peers", way != "redis") })
+	}
+}
+
+func benchShareFleet(b *testing.B, viaRedis, viaPeers bool) {
 	const replicas, rate, workers = 4, 1000, 64
-	srv := redistest.Start(b)
+	var srv *redistest.Server
+	if viaRedis {
+		srv = redistest.Start(b)
+	}
 	var sent, bytes, applied atomic.Int64
 	obs := &lagObserver{}
 	counting := &countObserver{sent: &sent, bytes: &bytes}
@@ -156,16 +167,37 @@ func BenchmarkShareFleet(b *testing.B) {
 	runtime.ReadMemStats(&ms)
 	heapBefore := ms.HeapAlloc
 	sharers := make([]*Sharer, replicas)
+	var connected atomic.Int64
+	var addrs []string
 	for i := range sharers {
-		client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
-		b.Cleanup(func() { client.Close() })
-		s, err := New(Config{Client: client, ID: fmt.Sprintf("replica-%d", i),
-			Apply: func(Entry) { applied.Add(1) }, Observer: fleetObserver{counting, obs}})
+		cfg := Config{ID: fmt.Sprintf("replica-%d", i),
+			Apply: func(Entry) { applied.Add(1) }, Observer: fleetObserver{counting, obs, &connected}}
+		if viaRedis {
+			client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+			b.Cleanup(func() { client.Close() })
+			cfg.Client = client
+		}
+		if viaPeers {
+			cfg.Listen = "127.0.0.1:0"
+		}
+		s, err := New(cfg)
 		if err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { s.Close() })
 		sharers[i] = s
+		addrs = append(addrs, s.ListenAddr())
+	}
+	if viaPeers {
+		for _, s := range sharers {
+			s.SetPeers(addrs)
+		}
+		for deadline := time.Now().Add(10 * time.Second); connected.Load() < replicas*(replicas-1); {
+			if time.Now().After(deadline) {
+				b.Fatalf("%d peer connections of %d", connected.Load(), replicas*(replicas-1))
+			}
+			time.Sleep(time.Millisecond)
+		}
 	}
 	ks := benchKeys(500)
 	time.Sleep(50 * time.Millisecond) // every follower's first read waits
@@ -199,9 +231,12 @@ func BenchmarkShareFleet(b *testing.B) {
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&ms)
-	streamBytes, err := redis.NewClient(&redis.Options{Addr: srv.Addr()}).MemoryUsage(context.Background(), defaultStream).Result()
-	if err != nil {
-		b.Fatal(err)
+	var streamBytes int64
+	if viaRedis {
+		var err error
+		if streamBytes, err = redis.NewClient(&redis.Options{Addr: srv.Addr()}).MemoryUsage(context.Background(), defaultStream).Result(); err != nil {
+			b.Fatal(err)
+		}
 	}
 	b.ReportMetric(float64(sent.Load())/elapsed.Seconds(), "msgs/s")
 	b.ReportMetric(float64(bytes.Load())/elapsed.Seconds(), "bytes/s")
@@ -213,11 +248,17 @@ func BenchmarkShareFleet(b *testing.B) {
 	obs.report(b)
 }
 
-// fleetObserver counts what is sent and keeps the lags of what is received.
+// fleetObserver counts what is sent and keeps the lags of what is received;
+// connected sums the replicas' peers.
 type fleetObserver struct {
 	*countObserver
-	lags *lagObserver
+	lags      *lagObserver
+	connected *atomic.Int64
 }
+
+// Peers counts connections as they come: every replica's reach n at most
+// once each in the benchmark's run.
+func (f fleetObserver) Peers(n int) { f.connected.Add(1) }
 
 func (f fleetObserver) Received(via string, entries, bytes int, lag time.Duration) {
 	f.lags.Received(via, entries, bytes, lag)

@@ -74,7 +74,11 @@ type outPeer struct {
 
 	mu   sync.Mutex
 	conn *net.TCPConn // nil while not connected
-	up   int          // 0 not yet known, 1 up, -1 down: for one log line per change
+	up   int          // 0 not yet known, 1 up, -1 down: for one log line per change; under peers.mu
+	// down: the peer could not be reached, or its connection broke, and
+	// it has not been reached again; what is published meanwhile is
+	// counted as dropped for it.
+	down atomic.Bool
 }
 
 // inPeer is a connection another replica opened to this one.
@@ -184,6 +188,9 @@ func (op *outPeer) write(s *Sharer, frame []byte) {
 	op.mu.Lock()
 	defer op.mu.Unlock()
 	if op.conn == nil {
+		if op.down.Load() {
+			s.cfg.Observer.Dropped("peer_error", 1)
+		}
 		return
 	}
 	op.conn.SetWriteDeadline(time.Now().Add(s.cfg.publishWait))
@@ -256,6 +263,7 @@ func (p *peers) changed(op *outPeer, up bool, err error) {
 	if up {
 		state = 1
 	}
+	op.down.Store(!up && err != nil)
 	p.mu.Lock()
 	was := op.up
 	op.up = state

@@ -170,13 +170,21 @@ func TestPeerComesBack(t *testing.T) {
 	addr := b.ListenAddr()
 	b.Close()
 	waitFor(t, "a to see b gone", func() bool { n, _, _ := ao.get(); return n == 0 })
+	a.Publish(Entry{Worker: "w", Keys: []uint64{4}}) // not sent to b, and counted
+	if d, _, _ := a.stats(); d["peer_error"] != 1 {
+		t.Errorf("a dropped %v for its peer that went away, want peer_error 1", d)
+	}
 	b2, b2o := newListening(t, srv.Addr(), "b2", func(c *Config) { c.Listen = addr })
 	b2.SetPeers([]string{a.ListenAddr()})
 	waitFor(t, "a to reach b again", func() bool { n, _, _ := ao.get(); return n == 1 })
 	e := Entry{Worker: "w", Keys: []uint64{5, 6}}
 	a.Publish(e)
-	b2.expect(t, e)
-	waitFor(t, "the second copy", func() bool { _, d, r := b2o.get(); return d == 1 && r[ViaPeer]+r[ViaRedis] == 1 })
+	// b2 replays the stream, which holds what b missed, and hears e
+	// both ways.
+	if es, missed := b2.take(t, 2, func(x Entry) bool { return len(x.Keys) == 2 }); len(es) != 1 || len(missed) != 1 || missed[0].Keys[0] != 4 {
+		t.Errorf("b2 applied %v and %v; want e, and what b missed", es, missed)
+	}
+	waitFor(t, "the second copy", func() bool { _, d, r := b2o.get(); return d == 1 && r[ViaPeer]+r[ViaRedis] == 2 })
 }
 
 // A peer of another stream (another fleet's replica) is not sent to, nor
