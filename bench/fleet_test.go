@@ -206,74 +206,51 @@ func TestBenchSeededRandomRepeats(t *testing.T) {
 }
 
 // With --share-redis the replicas of a fleet share their decisions through
-// a real Redis: each receives what the other sent, every request
-// completes, and the report gives how late the decisions arrived.
+// a real Redis, with --share-peers straight to each other: each receives
+// what the other sent, every request completes, and the report gives how
+// late the decisions arrived.
 func TestBenchReplicasShare(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts fleets and redis-server")
 	}
-	srv := redistest.Start(t)
 	w, err := workload.LongContext(workload.DefaultLongContext(3), 12, 7)
 	if err != nil {
 		t.Fatal(err)
 	}
-	o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7, Replicas: []int{2}, ShareRedis: srv.Addr()}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	rep, err := Run(ctx, o, w)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := rep.Strategies[0]
-	if s.OK != 12 || s.Errors != 0 {
-		t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
-	}
-	if !strings.Contains(s.Fleet, "2 scheduler replicas sharing through Redis") {
-		t.Errorf("fleet %q does not say its replicas share", s.Fleet)
-	}
-	sent, received := s.Counters["replica_sync_entries_total{direction=sent,via=redis}"], s.Counters["replica_sync_entries_total{direction=received,via=redis}"]
-	if sent == 0 || received == 0 {
-		t.Errorf("entries sent %v, received %v over the replicas; want both above 0 (%v)", sent, received, s.Counters)
-	}
-	if s.SyncLagMs[1] <= 0 || s.SyncLagMs[0] > s.SyncLagMs[1] {
-		t.Errorf("sharing lag p50 / p99 %v ms; want both measured, p50 at most p99", s.SyncLagMs)
-	}
-	var md strings.Builder
-	rep.Markdown(&md)
-	if !strings.Contains(md.String(), "Replica sharing lag ("+s.Strategy+")") {
-		t.Errorf("the report does not give the sharing lag:\n%s", md.String())
-	}
-}
-
-// With --share-peers alone the replicas send their decisions straight to
-// each other, no Redis: each receives what the other sent.
-func TestBenchReplicasSharePeers(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts fleets")
-	}
-	w, err := workload.LongContext(workload.DefaultLongContext(3), 12, 7)
-	if err != nil {
-		t.Fatal(err)
-	}
-	o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7, Replicas: []int{2}, SharePeers: true}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	rep, err := Run(ctx, o, w)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := rep.Strategies[0]
-	if s.OK != 12 || s.Errors != 0 {
-		t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
-	}
-	if !strings.Contains(s.Fleet, "2 scheduler replicas sharing straight") {
-		t.Errorf("fleet %q does not say how its replicas share", s.Fleet)
-	}
-	sent, received := s.Counters["replica_sync_entries_total{direction=sent,via=peer}"], s.Counters["replica_sync_entries_total{direction=received,via=peer}"]
-	if sent == 0 || received == 0 || received > sent {
-		t.Errorf("entries sent %v, received %v straight over the replicas; want both above 0, received at most sent (%v)", sent, received, s.Counters)
-	}
-	if s.SyncLagMs[1] <= 0 || s.SyncLagMs[0] > s.SyncLagMs[1] {
-		t.Errorf("sharing lag p50 / p99 %v ms; want both measured, p50 at most p99", s.SyncLagMs)
+	for _, via := range []string{"redis", "peer"} {
+		t.Run(via, func(t *testing.T) {
+			o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 2, Seed: 7, Replicas: []int{2}}
+			fleet := "2 scheduler replicas sharing straight"
+			if via == "redis" {
+				o.ShareRedis, fleet = redistest.Start(t).Addr(), "2 scheduler replicas sharing through Redis"
+			} else {
+				o.SharePeers = true
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			rep, err := Run(ctx, o, w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := rep.Strategies[0]
+			if s.OK != 12 || s.Errors != 0 {
+				t.Errorf("%s: %d ok, %d errors (%s)", s.Strategy, s.OK, s.Errors, s.ErrorSample)
+			}
+			if !strings.Contains(s.Fleet, fleet) {
+				t.Errorf("fleet %q does not say how its replicas share", s.Fleet)
+			}
+			sent, received := s.Counters["replica_sync_entries_total{direction=sent,via="+via+"}"], s.Counters["replica_sync_entries_total{direction=received,via="+via+"}"]
+			if sent == 0 || received == 0 {
+				t.Errorf("entries sent %v, received %v over the replicas; want both above 0 (%v)", sent, received, s.Counters)
+			}
+			if s.SyncLagMs[1] <= 0 || s.SyncLagMs[0] > s.SyncLagMs[1] {
+				t.Errorf("sharing lag p50 / p99 %v ms; want both measured, p50 at most p99", s.SyncLagMs)
+			}
+			var md strings.Builder
+			rep.Markdown(&md)
+			if !strings.Contains(md.String(), "Replica sharing lag ("+s.Strategy+")") {
+				t.Errorf("the report does not give the sharing lag:\n%s", md.String())
+			}
+		})
 	}
 }

@@ -47,9 +47,9 @@ func TestConfigValidate(t *testing.T) {
 		{"peers dns", func(c *Config) {
 			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", DNS: discovery.DNSConfig{Name: "x"}}
 		}, "replicas.peers.dns.port:"},
-		{"replay without redis", func(c *Config) {
+		{"replay below -1", func(c *Config) {
 			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}}
-			c.Replicas.Replay = 5
+			c.Replicas.Replay = -2
 		}, "replicas.replay:"},
 		{"unknown strategy", func(c *Config) { c.Strategy = "fastest" }, "strategy:"},
 		{"bad log level", func(c *Config) { c.LogLevel = "loud" }, "log_level:"},

@@ -136,12 +136,13 @@ func freeAddrs(t *testing.T, n int) []string {
 
 // TestReplicasSharePeers: replicas that send their decisions straight to
 // each other (replicas.peers, no Redis) route as one, as through Redis;
-// with Redis too, each decision comes both ways and is applied once.
+// with Redis too, each decision comes both ways and is applied once; a
+// replica that joins later learns what the others decided before it.
 func TestReplicasSharePeers(t *testing.T) {
 	for _, withRedis := range []bool{false, true} {
 		t.Run(fmt.Sprintf("redis=%v", withRedis), func(t *testing.T) {
 			srvs := llamaServers(t, 2)
-			addrs := freeAddrs(t, 2)
+			addrs := freeAddrs(t, 3) // the third joins later
 			var rc kvstore.RedisConfig
 			if withRedis {
 				rc.Addr = redistest.Start(t).Addr()
@@ -192,6 +193,14 @@ func TestReplicasSharePeers(t *testing.T) {
 					return nil
 				})
 			}
+			learned := a.Index.Len()
+			c, _ := replica(2)
+			eventually(t, 20*time.Second, func() error {
+				if n := c.Index.Len(); n < learned {
+					return fmt.Errorf("the replica that joined holds %d blocks, a had learned %d", n, learned)
+				}
+				return nil
+			})
 		})
 	}
 }

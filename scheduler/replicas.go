@@ -36,8 +36,10 @@ type ReplicasConfig struct {
 	// different ones. Default baton:replica:commits.
 	Stream string `yaml:"stream"`
 	// Replay is how many of the newest messages a starting replica
-	// applies before it follows the stream (with redis). Default 1000;
-	// -1: none.
+	// applies before it follows the stream, and how many of its own
+	// newest decisions a replica sends each peer it connects to, so that
+	// one that starts learns what was decided before. Default 1000; -1:
+	// none.
 	Replay int64 `yaml:"replay"`
 	// Peers sends each decision straight to the other replicas as it
 	// commits: one hop instead of Redis's two. Default: none.
@@ -81,8 +83,6 @@ func (c ReplicasConfig) validate() error {
 		if err := c.Redis.Validate(); err != nil {
 			return fmt.Errorf("replicas.redis.%w", err)
 		}
-	} else if c.Replay != 0 {
-		return errors.New("replicas.replay: replays the Redis stream; set replicas.redis.addr")
 	}
 	if c.Replay < -1 {
 		return fmt.Errorf("replicas.replay: must be -1 (none) or more, got %d", c.Replay)

@@ -23,9 +23,11 @@ import (
 // request/reply on the way: a decision reaches the others as soon as
 // their next decision polls. Beside the stream it is loss-tolerant as the
 // stream is (a write that would wait drops the entry for that peer,
-// counted; a connection that breaks is dialled again); the stream keeps
-// the history a replica that starts replays, and each entry comes both
-// ways and is applied once (Entry.Seq).
+// counted; a connection that breaks is dialled again); each entry comes
+// both ways and is applied once (Entry.Seq). A replica that connects to
+// another first sends it its own newest Replay decisions, so that a
+// replica that starts learns what the others decided before it, without
+// Redis too.
 //
 // The wire: the dialler sends peerMagic, then its id and the stream's
 // name (uvarint length, bytes, each); the listener answers the same of
@@ -64,6 +66,10 @@ type peers struct {
 	inList atomic.Pointer[[]*inPeer]
 
 	bufs sync.Pool // *[]byte frames
+
+	histMu sync.Mutex
+	hist   [][]byte // the newest Replay frames published, a ring
+	next   int      // where the next goes in hist
 }
 
 // outPeer is the connection to one other replica, which a goroutine
@@ -99,6 +105,9 @@ func listenPeers(s *Sharer) (*peers, error) {
 		return nil, fmt.Errorf("replica: peer listener: %w", err)
 	}
 	p := &peers{s: s, ln: ln, out: make(map[string]*outPeer), in: make(map[*inPeer]struct{})}
+	if s.cfg.Replay > 0 {
+		p.hist = make([][]byte, 0, s.cfg.Replay)
+	}
 	p.bufs.New = func() any { b := make([]byte, 0, 4096); return &b }
 	p.wg.Add(1)
 	go p.accept()
@@ -178,9 +187,36 @@ func (p *peers) publish(e Entry, now int64) {
 	frame := b[room-h:]
 	copy(frame, hdr[:h])
 	*bp = b
+	p.remember(frame)
 	for _, op := range *list {
 		op.write(p.s, frame)
 	}
+}
+
+// remember keeps a copy of frame among the newest Replay.
+func (p *peers) remember(frame []byte) {
+	if cap(p.hist) == 0 {
+		return
+	}
+	p.histMu.Lock()
+	defer p.histMu.Unlock()
+	if len(p.hist) < cap(p.hist) {
+		p.hist = append(p.hist, append([]byte(nil), frame...))
+		return
+	}
+	p.hist[p.next] = append(p.hist[p.next][:0], frame...)
+	p.next = (p.next + 1) % len(p.hist)
+}
+
+// history returns copies of the frames remembered, oldest first.
+func (p *peers) history() [][]byte {
+	p.histMu.Lock()
+	defer p.histMu.Unlock()
+	out := make([][]byte, 0, len(p.hist))
+	for i := range p.hist {
+		out = append(out, append([]byte(nil), p.hist[(p.next+i)%len(p.hist)]...))
+	}
+	return out
 }
 
 // write writes one frame to op's connection, if it has one.
@@ -209,6 +245,21 @@ func (op *outPeer) write(s *Sharer, frame []byte) {
 	}
 }
 
+// replay writes one frame of the history to op's connection, if it has
+// one, allowing it callTimeout.
+func (op *outPeer) replay(frame []byte) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.conn == nil {
+		return
+	}
+	op.conn.SetWriteDeadline(time.Now().Add(callTimeout))
+	if _, err := op.conn.Write(frame); err != nil {
+		op.conn.Close()
+		op.conn = nil
+	}
+}
+
 // dial keeps a connection to op's peer open until ctx is done, or until
 // the peer turns out to be this replica.
 func (p *peers) dial(ctx context.Context, op *outPeer) {
@@ -222,10 +273,17 @@ func (p *peers) dial(ctx context.Context, op *outPeer) {
 		}
 		if err == nil {
 			backoff = retryMin
+			// What is published from now on goes to conn, whole frames
+			// between those of the history, which the receiver applies
+			// in any order and once.
 			op.mu.Lock()
 			op.conn = conn
+			hist := p.history()
 			op.mu.Unlock()
 			p.changed(op, true, nil)
+			for _, f := range hist {
+				op.replay(f)
+			}
 			// The peer writes nothing more: a read returns when the
 			// connection ends (or publish closed it).
 			stop := context.AfterFunc(ctx, func() { conn.Close() })

@@ -305,3 +305,33 @@ func FuzzParseFrame(f *testing.F) {
 		decode(data, func(Entry) {})
 	})
 }
+
+// A replica that joins later learns, from each peer that connects to it,
+// that peer's newest decisions, without Redis; a peer connecting again
+// resends them, and they are applied once.
+func TestPeersCatchUp(t *testing.T) {
+	a, ao := newListening(t, "", "a", func(c *Config) { c.Replay = 3 })
+	b, bo := newListening(t, "", "b", nil)
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	var sent []Entry
+	for i := range 5 {
+		e := Entry{Worker: "w", Keys: []uint64{uint64(i)}, Pending: -1}
+		sent = append(sent, e)
+		a.Publish(e)
+	}
+	b.expect(t, sent...)
+	c, co := newListening(t, "", "c", nil)
+	addrs := []string{a.ListenAddr(), b.ListenAddr(), c.ListenAddr()}
+	a.SetPeers(addrs)
+	c.expect(t, sent[2:]...) // a's newest three, oldest first
+	c.SetPeers(addrs)
+	b.SetPeers(addrs)
+	waitFor(t, "c to reach both", func() bool { n, _, _ := co.get(); return n == 2 })
+	// b, reconnected to by c only, got nothing again; a's history went to
+	// c alone (b's connection from a stayed).
+	b.none(t, c)
+	c.none(t, b)
+	if _, d, _ := bo.get(); d != 0 {
+		t.Errorf("b skipped %d second copies, want none", d)
+	}
+}

@@ -72,7 +72,10 @@ type Config struct {
 	// history.
 	MaxLen int64
 	// Replay is how many of the newest messages a replica applies when
-	// it starts. Default 1,000; negative: none.
+	// it starts and, with Listen, how many of its own newest decisions it
+	// sends a peer as it connects to it (which then learns what was
+	// decided before it started, without Redis too). Default 1,000;
+	// negative: none.
 	Replay int64
 	// MaxBatch is the most entries one message carries. Default 256.
 	MaxBatch int
