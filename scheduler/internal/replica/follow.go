@@ -174,27 +174,7 @@ func (f *follower) request() error {
 // applies each whole reply's messages and asks for the next; it reports
 // whether the connection is done with (broken). f.mu is held.
 func (f *follower) pump(fd uintptr, all bool) (done bool) {
-	for f.err == nil {
-		if len(f.buf) == cap(f.buf) {
-			f.buf = append(f.buf, make([]byte, max(64<<10, cap(f.buf)))...)[:len(f.buf)]
-		}
-		n, err := readFD(fd, f.buf[len(f.buf):cap(f.buf)])
-		switch {
-		case errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR):
-			return false
-		case err != nil:
-			f.err = err
-		case n == 0:
-			f.err = errors.New("redis closed the connection")
-		default:
-			f.buf = f.buf[:len(f.buf)+n]
-			f.replies()
-		}
-		if !all {
-			break
-		}
-	}
-	return f.err != nil
+	return readSocket(fd, &f.buf, &f.err, all, errors.New("redis closed the connection"), f.replies)
 }
 
 // replies applies the whole replies f.buf holds. f.mu is held.

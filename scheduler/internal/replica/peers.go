@@ -570,27 +570,38 @@ func (p *peers) poll() {
 // and applies the whole frames; it reports whether the connection is
 // done with. in.mu is held.
 func (in *inPeer) pump(s *Sharer, fd uintptr, all bool) (done bool) {
-	for in.err == nil {
-		if len(in.buf) == cap(in.buf) {
-			in.buf = append(in.buf, make([]byte, max(64<<10, cap(in.buf)))...)[:len(in.buf)]
+	return readSocket(fd, &in.buf, &in.err, all, io.EOF, func() { in.frames(s) })
+}
+
+// readSocket reads from fd, a non-blocking socket, into *buf (all it
+// holds when all, else one read), calling parse after each read; a read
+// error or the end of the stream (as eof) goes to *errp. It reports
+// whether the connection is done with.
+func readSocket(fd uintptr, buf *[]byte, errp *error, all bool, eof error, parse func()) (done bool) {
+	for *errp == nil {
+		b := *buf
+		if len(b) == cap(b) {
+			b = append(b, make([]byte, max(64<<10, cap(b)))...)[:len(b)]
 		}
-		n, err := readFD(fd, in.buf[len(in.buf):cap(in.buf)])
+		n, err := readFD(fd, b[len(b):cap(b)])
 		switch {
 		case errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR):
+			*buf = b
 			return false
 		case err != nil:
-			in.err = err
+			*errp = err
 		case n == 0:
-			in.err = io.EOF
-		default:
-			in.buf = in.buf[:len(in.buf)+n]
-			in.frames(s)
+			*errp = eof
+		}
+		*buf = b[:len(b)+max(n, 0)]
+		if n > 0 {
+			parse()
 		}
 		if !all {
 			break
 		}
 	}
-	return in.err != nil
+	return *errp != nil
 }
 
 // frames applies the whole frames in.buf holds. in.mu is held.
