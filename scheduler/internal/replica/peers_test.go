@@ -179,12 +179,14 @@ func TestPeerComesBack(t *testing.T) {
 	waitFor(t, "a to reach b again", func() bool { n, _, _ := ao.get(); return n == 1 })
 	e := Entry{Worker: "w", Keys: []uint64{5, 6}}
 	a.Publish(e)
-	// b2 replays the stream, which holds what b missed, and hears e
-	// both ways.
+	// b2 replays the stream, which holds what b missed, and a's history
+	// holds it too; b2 hears e both ways.
 	if es, missed := b2.take(t, 2, func(x Entry) bool { return len(x.Keys) == 2 }); len(es) != 1 || len(missed) != 1 || missed[0].Keys[0] != 4 {
 		t.Errorf("b2 applied %v and %v; want e, and what b missed", es, missed)
 	}
-	waitFor(t, "the second copy", func() bool { _, d, r := b2o.get(); return d == 1 && r[ViaPeer]+r[ViaRedis] == 2 })
+	// Each came twice: what b missed from the stream's replay and from
+	// a's history as it connected, e from a and from the stream.
+	waitFor(t, "the second copies", func() bool { _, d, r := b2o.get(); return d == 2 && r[ViaPeer]+r[ViaRedis] == 2 })
 }
 
 // A peer of another stream (another fleet's replica) is not sent to, nor
