@@ -67,8 +67,9 @@ type peers struct {
 
 	bufs sync.Pool // *[]byte frames
 
+	keep   int // Replay, or 0: how many frames hist holds at most
 	histMu sync.Mutex
-	hist   [][]byte // the newest Replay frames published, a ring
+	hist   [][]byte // the newest keep frames published, a ring
 	next   int      // where the next goes in hist
 }
 
@@ -106,7 +107,7 @@ func listenPeers(s *Sharer) (*peers, error) {
 	}
 	p := &peers{s: s, ln: ln, out: make(map[string]*outPeer), in: make(map[*inPeer]struct{})}
 	if s.cfg.Replay > 0 {
-		p.hist = make([][]byte, 0, s.cfg.Replay)
+		p.keep = int(s.cfg.Replay)
 	}
 	p.bufs.New = func() any { b := make([]byte, 0, 4096); return &b }
 	p.wg.Add(1)
@@ -195,12 +196,12 @@ func (p *peers) publish(e Entry, now int64) {
 
 // remember keeps a copy of frame among the newest Replay.
 func (p *peers) remember(frame []byte) {
-	if cap(p.hist) == 0 {
+	if p.keep == 0 {
 		return
 	}
 	p.histMu.Lock()
 	defer p.histMu.Unlock()
-	if len(p.hist) < cap(p.hist) {
+	if len(p.hist) < p.keep {
 		p.hist = append(p.hist, append([]byte(nil), frame...))
 		return
 	}

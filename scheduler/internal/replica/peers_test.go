@@ -337,3 +337,31 @@ func TestPeersCatchUp(t *testing.T) {
 		t.Errorf("b skipped %d second copies, want none", d)
 	}
 }
+
+// Decisions committed on many goroutines at once each reach the peer
+// once (run with -race: Publish's frames, history and connections are
+// shared).
+func TestPeersConcurrentPublish(t *testing.T) {
+	a, ao := newListening(t, "", "a", func(c *Config) { c.Replay = 100 })
+	b, bo := newListening(t, "", "b", nil)
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	const goroutines, each = 8, 50
+	var wg sync.WaitGroup
+	for g := range goroutines {
+		wg.Go(func() {
+			for i := range each {
+				a.Publish(Entry{Worker: fmt.Sprintf("w%d", g), Keys: []uint64{uint64(g*each + i)}})
+			}
+		})
+	}
+	wg.Wait()
+	seen := map[uint64]bool{}
+	yes, _ := b.take(t, goroutines*each, func(Entry) bool { return true })
+	for _, e := range yes {
+		if seen[e.Keys[0]] {
+			t.Fatalf("entry %d applied twice", e.Keys[0])
+		}
+		seen[e.Keys[0]] = true
+	}
+	b.none(t, a)
+}
