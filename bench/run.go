@@ -406,7 +406,7 @@ var explained = []string{"baton_disagg_decisions_total", "baton_fallbacks_total"
 	"baton_routing_decisions_total", "baton_prefix_copies_total",
 	"baton_adapter_loads_total", "baton_adapter_evictions_total", "baton_adapter_requests_total",
 	"baton_replica_sync_messages_total", "baton_replica_sync_entries_total", "baton_replica_sync_dropped_entries_total",
-	"baton_replica_sync_missed_messages_total", "baton_replica_sync_duplicate_entries_total"}
+	"baton_replica_sync_missed_messages_total", "baton_replica_sync_lost_entries_total", "baton_replica_sync_duplicate_entries_total"}
 
 // counters returns the explained counters of mfs by name{label=value,...}.
 func counters(mfs []*dto.MetricFamily) map[string]float64 {

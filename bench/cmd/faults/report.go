@@ -171,12 +171,13 @@ func shareDetails(w *window) string {
 		received = w.r1End.sum("baton_replica_sync_entries_total", map[string]string{"direction": "received"})
 	}
 	missed, dropped := delta("baton_replica_sync_missed_messages_total"), delta("baton_replica_sync_dropped_entries_total")
+	lost := delta("baton_replica_sync_lost_entries_total")
 	name := w.f.name
-	if missed == 0 && dropped == 0 && !strings.HasPrefix(name, "replica-") && !strings.HasPrefix(name, "redis-") {
+	if missed == 0 && dropped == 0 && lost == 0 && !strings.HasPrefix(name, "replica-") && !strings.HasPrefix(name, "redis-") {
 		return ""
 	}
-	return fmt.Sprintf("replica 1's sharing over the window: %.0f entries received from the others, %.0f messages missed, %.0f entries dropped (since its start, by reason: %s); sync up at the end: %.0f",
-		received, missed, dropped, formatByLabel(w.r1End.byLabels("baton_replica_sync_dropped_entries_total", "reason")),
+	return fmt.Sprintf("replica 1's sharing over the window: %.0f entries received from the others, %.0f messages missed from the stream, %.0f entries lost both ways, %.0f entries dropped (since its start, by reason: %s); sync up at the end: %.0f",
+		received, missed, lost, dropped, formatByLabel(w.r1End.byLabels("baton_replica_sync_dropped_entries_total", "reason")),
 		w.r1End.sum("baton_replica_sync_up", nil))
 }
 

@@ -3,6 +3,7 @@ package replica
 import (
 	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"sync"
 	"testing"
@@ -255,18 +256,128 @@ func TestFramesInPieces(t *testing.T) {
 	}
 }
 
+// TestLostOnlyWhatNeitherWayBrought: messages the stream missed but a
+// peer brought count as the stream's gap, not as lost; the decisions
+// neither brought are lost once the window has passed them.
+func TestLostOnlyWhatNeitherWayBrought(t *testing.T) {
+	obs := &peer{dropped: map[string]int{}}
+	applied := 0
+	s := &Sharer{cfg: Config{ID: "me", Observer: obs, Apply: func(Entry) { applied++ }}.withDefaults(), origins: map[string]*origin{}}
+	const n = 3 * dedupWindow
+	neither := map[uint64]bool{100: true, 101: true, 2000: true}
+	streamSeq := uint64(0)
+	for i := uint64(1); i <= n; i++ {
+		data := encode(nil, []Entry{{Worker: "w", Keys: []uint64{i}, At: 1, Seq: i}})
+		if neither[i] {
+			streamSeq++ // added to the stream, trimmed before it was read
+			continue
+		}
+		streamSeq++
+		if i%10 != 0 { // every tenth, the stream misses and a peer brings
+			s.applyMessage(ViaRedis, "", "them", streamSeq, 1, data, true)
+		}
+		if i%2 == 0 {
+			s.applyMessage(ViaPeer, "", "them", 0, 1, data, false)
+		}
+	}
+	wantGaps := n/10 + 1 // the tenths, and 101
+	if applied != n-len(neither) || obs.lost != len(neither) || obs.gaps != wantGaps {
+		t.Fatalf("applied %d, lost %d, stream gaps %d; want %d, %d, %d", applied, obs.lost, obs.gaps, n-len(neither), len(neither), wantGaps)
+	}
+}
+
 func TestFresh(t *testing.T) {
 	var o origin
 	for _, c := range []struct {
 		n     uint64
 		fresh bool
+		lost  int
 	}{
-		{5, true}, {5, false}, {3, true}, {4, true}, {3, false}, {6, true},
-		{6 + dedupWindow - 1, true}, {7, true}, {6, false}, // 6 is now out of the window: taken as applied
-		{100_000, true}, {100_000 - dedupWindow + 1, true}, {100_000 - dedupWindow + 1, false},
+		{5, true, 0}, {5, false, 0}, {3, true, 0}, {4, true, 0}, {3, false, 0}, {6, true, 0},
+		// 7 and 8 never come: lost once the window has moved past them.
+		{9, true, 0}, {6 + dedupWindow - 1, true, 0}, {6 + dedupWindow, true, 0}, {7 + dedupWindow, true, 1},
+		{6, false, 0}, // out of the window: taken as applied
+		// A jump past the window: of what it held, 8 and 10 …
+		// 6+dedupWindow-2 never came; all between it and the new window
+		// never did.
+		{100_000, true, 1 + (6 + dedupWindow - 2 - 10 + 1) + (100_000 - dedupWindow - (7 + dedupWindow))},
+		{100_000 - dedupWindow + 1, true, 0}, {100_000 - dedupWindow + 1, false, 0},
 	} {
-		if got := o.fresh(c.n); got != c.fresh {
-			t.Fatalf("fresh(%d) = %v, want %v", c.n, got, c.fresh)
+		if fresh, lost := o.fresh(c.n); fresh != c.fresh || lost != c.lost {
+			t.Fatalf("fresh(%d) = %v, %d lost, want %v, %d", c.n, fresh, lost, c.fresh, c.lost)
+		}
+	}
+}
+
+// refOrigin is origin's bookkeeping with a map: what fresh must report.
+type refOrigin struct {
+	lo, hi  uint64
+	applied map[uint64]bool
+}
+
+func (r *refOrigin) fresh(n uint64) (bool, int) {
+	lost := 0
+	switch {
+	case r.hi == 0:
+		r.lo, r.hi = n, n
+	case n > r.hi:
+		for m := r.hi + 1; m <= n; m++ { // entry m-dedupWindow leaves the window
+			if m > dedupWindow && m-dedupWindow >= r.lo && !r.applied[m-dedupWindow] {
+				lost++
+			}
+		}
+		r.hi = n
+	case r.hi-n >= dedupWindow || r.applied[n]:
+		return false, 0
+	}
+	r.lo = min(r.lo, n)
+	r.applied[n] = true
+	return true, lost
+}
+
+// TestFreshAgainstMap feeds origin and refOrigin the same numbers, as two
+// ways bring them: each entry by one way or both or neither, late or in
+// order, now and then a stretch gone.
+func TestFreshAgainstMap(t *testing.T) {
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 1))
+		var o origin
+		ref := refOrigin{applied: map[uint64]bool{}}
+		next := uint64(1 + rng.IntN(5000))
+		var late []uint64
+		total := 0
+		for range 30_000 {
+			var n uint64
+			switch r := rng.IntN(100); {
+			case r < 3 && len(late) > 0:
+				i := rng.IntN(len(late))
+				n, late[i] = late[i], late[len(late)-1]
+				late = late[:len(late)-1]
+			case r < 5:
+				late = append(late, next)
+				next++
+				continue
+			case r < 7:
+				next++ // lost on both ways
+				continue
+			case r == 7:
+				next += uint64(rng.IntN(3 * dedupWindow)) // a replica cut off a while
+				continue
+			case r < 20 && next > 1:
+				n = next - 1 - uint64(rng.IntN(int(min(next-1, 2*dedupWindow)))) // a second copy
+			default:
+				n = next
+				next++
+			}
+			f1, l1 := o.fresh(n)
+			f2, l2 := ref.fresh(n)
+			if f1 != f2 || l1 != l2 {
+				t.Fatalf("seed %d: fresh(%d) = %v, %d lost; the map says %v, %d", seed, n, f1, l1, f2, l2)
+			}
+			total += l1
+		}
+		if total == 0 {
+			t.Fatalf("seed %d: nothing lost", seed)
 		}
 	}
 }

@@ -115,8 +115,9 @@ type Observer interface {
 	// Dropped: n entries were not shared, for reason "queue_full" or
 	// "redis_error" (through the stream), or "peer_error" (to one peer).
 	Dropped(reason string, n int)
-	// Gap: n messages of another replica's were missed (lost before
-	// Redis, or trimmed from the stream before they were read).
+	// Gap: n messages of another replica's were missed from the stream
+	// (lost before Redis, or trimmed before they were read); their
+	// entries may have come straight from it, which Lost tells.
 	Gap(n int)
 	// Up: Redis became reachable (true) or unreachable (false).
 	Up(up bool)
@@ -126,6 +127,11 @@ type Observer interface {
 	// Duplicates: n entries came a second way and were not applied
 	// again.
 	Duplicates(n int)
+	// Lost: n decisions of another replica's came neither way (through
+	// the stream nor straight), found once 4,096 newer decisions of the
+	// same replica have: what Gap counts of the stream alone, less what
+	// the peers brought.
+	Lost(n int)
 }
 
 // The ways a message comes, for Observer.
@@ -413,40 +419,61 @@ func (s *Sharer) fill(batch []Entry) []Entry {
 type origin struct {
 	seq  uint64 // the newest message read from the stream
 	seen time.Time
-	// hi is the newest entry applied; bit (n mod dedupWindow) of applied
-	// says whether entry n, for hi-n < dedupWindow, was.
-	hi      uint64
+	// lo is the oldest entry applied and hi the newest (0: none yet); bit
+	// (n mod dedupWindow) of applied says whether entry n, for
+	// hi-n < dedupWindow, was.
+	lo, hi  uint64
 	applied [dedupWindow / 64]uint64
 }
 
 // dedupWindow is how many of a replica's newest entries are remembered as
 // applied: an entry that comes a second way later than that is taken for
-// one already applied.
+// one already applied, and one from lo on that has come neither way by
+// then is counted lost.
 const dedupWindow = 4096
 
 // fresh reports whether entry n has not been applied yet, and marks it
 // applied. Entries without a number (earlier formats) are always fresh.
-func (o *origin) fresh(n uint64) bool {
+// lost is how many entries, from the oldest applied on, the window moved
+// past without their having come either way.
+func (o *origin) fresh(n uint64) (fresh bool, lost int) {
 	if n == 0 {
-		return true
+		return true, 0
 	}
-	if n > o.hi {
+	switch {
+	case o.hi == 0:
+		o.lo, o.hi = n, n
+	case n > o.hi:
 		if n-o.hi >= dedupWindow {
+			// The whole window leaves, and the entries between it and
+			// n's window were never seen.
+			for m := max(o.lo, o.hi-min(o.hi, dedupWindow-1)); m <= o.hi; m++ {
+				if !o.has(m) {
+					lost++
+				}
+			}
+			lost += int(n - dedupWindow - o.hi)
 			clear(o.applied[:])
 		} else {
-			for m := o.hi + 1; m < n; m++ {
+			// Each slot taken over held the entry dedupWindow before.
+			for m := o.hi + 1; m <= n; m++ {
+				if m > dedupWindow && m-dedupWindow >= o.lo && !o.has(m) {
+					lost++
+				}
 				o.applied[m%dedupWindow/64] &^= 1 << (m % 64)
 			}
 		}
 		o.hi = n
-	} else if o.hi-n >= dedupWindow {
-		return false
-	} else if o.applied[n%dedupWindow/64]&(1<<(n%64)) != 0 {
-		return false
+	case o.hi-n >= dedupWindow, o.has(n):
+		return false, 0
 	}
+	o.lo = min(o.lo, n)
 	o.applied[n%dedupWindow/64] |= 1 << (n % 64)
-	return true
+	return true, lost
 }
+
+// has reports whether entry n's bit is set (n within the window).
+func (o *origin) has(n uint64) bool { return o.applied[n%dedupWindow/64]&(1<<(n%64)) != 0 }
 
 // read applies the other replicas' messages: first the newest Replay of
 // them, then each as it comes.
@@ -559,11 +586,12 @@ func (s *Sharer) applyMessage(via, id, from string, seq uint64, published int64,
 	}
 	o.seen = now
 	s.originsMu.Unlock()
-	applied, dups := 0, 0
+	applied, dups, lost := 0, 0, 0
 	_, err := decode(data, func(e Entry) {
 		s.originsMu.Lock()
-		fresh := o.fresh(e.Seq)
+		fresh, l := o.fresh(e.Seq)
 		s.originsMu.Unlock()
+		lost += l
 		if !fresh {
 			dups++
 			return
@@ -573,6 +601,9 @@ func (s *Sharer) applyMessage(via, id, from string, seq uint64, published int64,
 	})
 	if dups > 0 {
 		s.cfg.Observer.Duplicates(dups)
+	}
+	if lost > 0 {
+		s.cfg.Observer.Lost(lost)
 	}
 	if err != nil {
 		s.cfg.Logger.Debug("replica sharing: bad message skipped", "id", id, "from", from, "err", err)
@@ -708,3 +739,4 @@ func (nopObserver) Gap(int)                                  {}
 func (nopObserver) Up(bool)                                  {}
 func (nopObserver) Peers(int)                                {}
 func (nopObserver) Duplicates(int)                           {}
+func (nopObserver) Lost(int)                                 {}

@@ -28,6 +28,7 @@ type peer struct {
 	mu      sync.Mutex
 	dropped map[string]int
 	gaps    int
+	lost    int
 	ups     []bool
 }
 
@@ -39,6 +40,11 @@ func (p *peer) Dropped(reason string, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.dropped[reason] += n
+}
+func (p *peer) Lost(n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.lost += n
 }
 func (p *peer) Gap(n int) {
 	p.mu.Lock()
@@ -329,7 +335,7 @@ func TestDecodeSecondFormat(t *testing.T) {
 	}
 	o := &origin{}
 	for range 2 {
-		if !o.fresh(0) {
+		if fresh, _ := o.fresh(0); !fresh {
 			t.Error("an entry without a number taken for a duplicate")
 		}
 	}
