@@ -3,7 +3,10 @@ package bench
 import (
 	"context"
 	"maps"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -252,5 +255,42 @@ func TestBenchReplicasShare(t *testing.T) {
 				t.Errorf("the report does not give the sharing lag:\n%s", md.String())
 			}
 		})
+	}
+}
+
+// TestBenchReplicasFirst: with ReplicasFirst every request goes to the
+// first target, without it they take turns.
+func TestBenchReplicasFirst(t *testing.T) {
+	w, err := workload.LongContext(workload.DefaultLongContext(2), 6, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, first := range []bool{false, true} {
+		var got [2]atomic.Int64
+		var urls []string
+		for i := range got {
+			srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+				if r.Method == http.MethodPost {
+					got[i].Add(1)
+				}
+				http.Error(rw, `{"error":{"message":"no","type":"server_error"}}`, http.StatusServiceUnavailable)
+			}))
+			t.Cleanup(srv.Close)
+			urls = append(urls, srv.URL)
+		}
+		o := Options{Strategies: []string{"kv_aware"}, Workers: 2, Speedup: 20, Rate: 20, Seed: 1,
+			Target: strings.Join(urls, ","), ReplicasFirst: first}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := Run(ctx, o, w); err != nil {
+			t.Fatal(err)
+		}
+		want := [2]int64{3, 3}
+		if first {
+			want = [2]int64{6, 0}
+		}
+		if a, b := got[0].Load(), got[1].Load(); a != want[0] || b != want[1] {
+			t.Errorf("first %v: requests %d and %d, want %v", first, a, b, want)
+		}
 	}
 }

@@ -84,6 +84,11 @@ type Options struct {
 	// their decisions straight to each other (replicas.peers), each on a
 	// loopback port of its own.
 	SharePeers bool
+	// ReplicasFirst sends every request to the first replica (the first
+	// --target URL): the others run beside it, following the engines and
+	// sharing, and decide nothing. A control: what N schedulers cost the
+	// machine, apart from splitting the decisions between them.
+	ReplicasFirst bool
 	// MaxLoRAs is each in-process worker's LoRA adapter slots, for
 	// workloads naming adapters (lora), 0–1,024. 0: DefaultMaxLoRAs.
 	MaxLoRAs int

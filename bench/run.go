@@ -506,6 +506,9 @@ func ReplicasColumn(o *Options, strategy string, shape Fleet, replicas int) stri
 	l := Column(strategy, shape)
 	if len(o.Replicas) > 1 || len(o.Replicas) == 1 && o.Replicas[0] != 1 {
 		l += fmt.Sprintf("/replicas:%d", replicas)
+		if o.ReplicasFirst && replicas > 1 {
+			l += ":first"
+		}
 	}
 	return l
 }
@@ -531,6 +534,10 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		}
 	}
 	before, _ := gatherAll(f, bases)
+	sendTo := bases
+	if o.ReplicasFirst {
+		sendTo = bases[:1]
+	}
 	var cpu *cpuWatch
 	if f != nil {
 		cpu = watchCPU(f.Workers)
@@ -607,7 +614,7 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 			r := &results[i]
 			r.Index = i
 			r.Lag = max(lag.Seconds(), 0)
-			send(ctx, hc, bases[i%len(bases)], o.Model, &w.Requests[i], r)
+			send(ctx, hc, sendTo[i%len(sendTo)], o.Model, &w.Requests[i], r)
 			r.Done = time.Since(start).Seconds()
 			inflight.Add(-1)
 			done.Add(1)

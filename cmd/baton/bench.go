@@ -51,6 +51,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	shareRedis := fs.String("share-redis", "", "Redis `host:port` the in-process replicas of --replicas share what they learn through (replicas.redis), each fleet on a stream of its own; empty: each replica learns alone")
 	replicasFlag := fs.String("replicas", "1", "comma-separated numbers of scheduler replicas each strategy runs with on each in-process fleet, one column each (e.g. 1,2,4): N schedulers configured alike in front of the same workers, request i sent to replica i mod N")
 	sharePeers := fs.Bool("share-peers", false, "the in-process replicas of --replicas also send their decisions straight to each other (replicas.peers), each on a loopback port of its own; alone, or beside --share-redis")
+	replicasFirst := fs.Bool("replicas-first", false, "send every request to the first of the --replicas (or the first --target URL): the others run beside it, following the engines and sharing, and decide nothing; a control for what N schedulers cost the machine apart from splitting the decisions")
 	shareLag := fs.Duration("share-lag", 0, "with --virtual and --replicas: the modelled time from one replica's decision to its application on the others (what --share-redis's stream takes); negative: the replicas share nothing")
 	shareCorrections := fs.Bool("share-corrections", false, "with --virtual and --replicas: the replicas also share each request's time to first token beside its estimate, so that they correct their estimates alike (baton serve's replicas do not)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
@@ -113,7 +114,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	o := bench.Options{Strategies: strats, Replicas: replicas, Target: *target, Workers: *workers, Model: *model, GPU: *gpu,
 		KVBlocks: *kvBlocks, CPUBlocks: *cpuBlocks, ConcurrencyThreshold: *threshold, PrefixLength: *prefixLen,
 		Speedup: *speedup, Rate: *rate, Concurrency: *conc, Seed: *seed, Fleets: fleets,
-		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs, ShareRedis: *shareRedis, SharePeers: *sharePeers, Virtual: *virtual}
+		SharedTier: *sharedTier, SharedTierBytes: *sharedTierBytes, MaxLoRAs: *maxLoRAs, ShareRedis: *shareRedis, SharePeers: *sharePeers, ReplicasFirst: *replicasFirst, Virtual: *virtual}
 	if err := o.Validate(); err != nil {
 		return err
 	}
@@ -135,8 +136,8 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if !*quiet {
 		o.Progress = stderr
 	}
-	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "" || *sharePeers) {
-		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, its replicas sharing as --share-lag says; drop --target, --concurrency, --shared-tier, --share-redis and --share-peers")
+	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "" || *sharePeers || *replicasFirst) {
+		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, its replicas sharing as --share-lag says; drop --target, --concurrency, --shared-tier, --share-redis, --share-peers and --replicas-first")
 	}
 	if (*shareLag != 0 || *shareCorrections) && !*virtual {
 		return errors.New("--share-lag, --share-corrections: model the replicas' sharing on the virtual clock; add --virtual (in real time, --share-redis)")
