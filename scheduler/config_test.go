@@ -31,12 +31,21 @@ func TestConfigValidate(t *testing.T) {
 	if err := llama.Validate(registry()); err != nil {
 		t.Fatalf("valid config with a llamacpp worker: %v", err)
 	}
+	short := filepath.Join(t.TempDir(), "short")
+	os.WriteFile(short, []byte("  fifteen bytes!\n"), 0o600)
 	cases := []struct {
 		name  string
 		edit  func(*Config)
 		field string
 	}{
 		{"bad listen", func(c *Config) { c.Listen = "nope" }, "listen:"},
+		{"peers secret file missing", func(c *Config) {
+			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}, SecretFile: filepath.Join(t.TempDir(), "none")}
+		}, "replicas.peers.secret_file:"},
+		{"peers secret short", func(c *Config) {
+			c.Replicas.Peers = ReplicaPeersConfig{Listen: ":9401", Addresses: []string{"a:1"}, SecretFile: short}
+		}, "replicas.peers.secret_file:"},
+		{"peers secret without listen", func(c *Config) { c.Replicas.Peers.SecretFile = short }, "replicas.peers.listen:"},
 		{"peers without listen", func(c *Config) { c.Replicas.Peers.Addresses = []string{"127.0.0.1:9401"} }, "replicas.peers.listen:"},
 		{"peers listen not host:port", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: "9401", Addresses: []string{"a:1"}} }, "replicas.peers.listen:"},
 		{"peers found no way", func(c *Config) { c.Replicas.Peers.Listen = ":9401" }, "replicas.peers.addresses:"},

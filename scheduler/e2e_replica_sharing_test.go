@@ -3,6 +3,8 @@ package scheduler_test
 import (
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -138,18 +140,25 @@ func freeAddrs(t *testing.T, n int) []string {
 // each other (replicas.peers, no Redis) route as one, as through Redis;
 // with Redis too, each decision comes both ways and is applied once; a
 // replica that joins later learns what the others decided before it.
+// Without Redis the replicas hold a shared secret (secret_file).
 func TestReplicasSharePeers(t *testing.T) {
 	for _, withRedis := range []bool{false, true} {
 		t.Run(fmt.Sprintf("redis=%v", withRedis), func(t *testing.T) {
 			srvs := llamaServers(t, 2)
 			addrs := freeAddrs(t, 3) // the third joins later
 			var rc kvstore.RedisConfig
+			var secret string
 			if withRedis {
 				rc.Addr = redistest.Start(t).Addr()
+			} else {
+				secret = filepath.Join(t.TempDir(), "peers-secret")
+				if err := os.WriteFile(secret, []byte("the replicas' shared secret\n"), 0o600); err != nil {
+					t.Fatal(err)
+				}
 			}
 			replica := func(i int) (*scheduler.Scheduler, string) {
 				return llamaFleetWith(t, scheduler.Config{Strategy: "kv_aware", Replicas: scheduler.ReplicasConfig{
-					Redis: rc, Peers: scheduler.ReplicaPeersConfig{Listen: addrs[i], Addresses: addrs}}}, srvs)
+					Redis: rc, Peers: scheduler.ReplicaPeersConfig{Listen: addrs[i], Addresses: addrs, SecretFile: secret}}}, srvs)
 			}
 			a, aAddr := replica(0)
 			b, bAddr := replica(1)

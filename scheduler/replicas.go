@@ -1,10 +1,12 @@
 package scheduler
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -61,11 +63,34 @@ type ReplicaPeersConfig struct {
 	// Kubernetes finds them by the EndpointSlices of such a Service; the
 	// ServiceAccount needs get, list and watch on them.
 	Kubernetes discovery.KubernetesConfig `yaml:"kubernetes"`
+	// SecretFile is a file holding a secret every replica must hold to
+	// send or take decisions straight (at least 16 bytes; surrounding
+	// whitespace is not part of it), read at start: each end of a
+	// connection proves it holds it before any decision crosses. Without
+	// it any replica that reaches listen and names the same stream is
+	// taken at its word.
+	SecretFile string `yaml:"secret_file"`
+}
+
+// minSecret is the shortest secret_file's secret.
+const minSecret = 16
+
+// readSecret returns the secret of file, checked.
+func readSecret(file string) ([]byte, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return nil, fmt.Errorf("secret_file: %w", err)
+	}
+	b = bytes.TrimSpace(b)
+	if len(b) < minSecret {
+		return nil, fmt.Errorf("secret_file: %s holds %d bytes, want at least %d", file, len(b), minSecret)
+	}
+	return b, nil
 }
 
 // set reports whether anything of p is configured.
 func (p ReplicaPeersConfig) set() bool {
-	return p.Listen != "" || len(p.Addresses) > 0 || p.DNS != (discovery.DNSConfig{}) || p.Kubernetes != (discovery.KubernetesConfig{})
+	return p.Listen != "" || p.SecretFile != "" || len(p.Addresses) > 0 || p.DNS != (discovery.DNSConfig{}) || p.Kubernetes != (discovery.KubernetesConfig{})
 }
 
 // enabled reports whether the replicas share.
@@ -116,6 +141,11 @@ func (p ReplicaPeersConfig) validate() error {
 	}
 	if n != 1 {
 		return errors.New("addresses: give the other replicas by one of addresses, dns or kubernetes")
+	}
+	if p.SecretFile != "" {
+		if _, err := readSecret(p.SecretFile); err != nil {
+			return err
+		}
 	}
 	for i, a := range p.Addresses {
 		if _, port, err := net.SplitHostPort(a); err != nil || port == "" {
@@ -194,6 +224,16 @@ func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registere
 	}
 	if sh.client != nil {
 		cfg.Client = sh.client
+	}
+	if c.Peers.SecretFile != "" {
+		var err error
+		if cfg.Secret, err = readSecret(c.Peers.SecretFile); err != nil {
+			sh.early.stop()
+			if sh.client != nil {
+				sh.client.Close()
+			}
+			return nil, fmt.Errorf("replicas.peers.%w", err)
+		}
 	}
 	var err error
 	if sh.sharer, err = replica.New(cfg); err != nil {

@@ -2,12 +2,16 @@ package replica
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -37,9 +41,21 @@ import (
 // other end (its own address among the peers, as DNS gives it) stops
 // dialling it; one with another stream's name is not sent to: it serves
 // another fleet.
+//
+// With a shared secret (Config.Secret) the greetings begin with
+// peerMagicSecret and carry a random nonce each; the listener follows its
+// greeting with proof that it holds the secret (an HMAC-SHA256 over both
+// nonces, both ids and the stream), the dialler checks it and sends its
+// own proof before its first frame, and the listener checks that before
+// it applies anything. A replica without the secret, or with another,
+// neither sends to nor takes from one with it.
 
 const (
-	peerMagic = "BATONRS\x01"
+	peerMagic       = "BATONRS\x01"
+	peerMagicSecret = "BATONRS\x02"
+	// nonceLen is the bytes of a greeting's nonce, proofLen of a proof.
+	nonceLen = 16
+	proofLen = sha256.Size
 	// maxFrame bounds one frame: a message of one decision of maxKeys
 	// keys is 8 MB.
 	maxFrame = 16 << 20
@@ -356,19 +372,36 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 	}
 	conn = c.(*net.TCPConn)
 	conn.SetDeadline(time.Now().Add(greetTimeout))
-	if _, err := conn.Write(appendGreeting(nil, p.s.cfg.ID, p.s.cfg.Stream)); err != nil {
+	mine := greeting{id: p.s.cfg.ID, stream: p.s.cfg.Stream}
+	if p.s.cfg.Secret != nil {
+		mine.nonce = newNonce()
+	}
+	if _, err := conn.Write(appendGreeting(nil, mine)); err != nil {
 		conn.Close()
 		return nil, false, err
 	}
 	var buf []byte
-	id, stream, err := readGreeting(conn, &buf)
+	g, err := readGreeting(conn, &buf)
 	switch {
 	case err != nil:
-	case id == p.s.cfg.ID:
+	case g.id == p.s.cfg.ID:
 		conn.Close()
 		return nil, true, nil
-	case stream != p.s.cfg.Stream:
-		err = fmt.Errorf("the replica there shares stream %q, not %q: it serves another fleet", stream, p.s.cfg.Stream)
+	case g.stream != p.s.cfg.Stream:
+		err = fmt.Errorf("the replica there shares stream %q, not %q: it serves another fleet", g.stream, p.s.cfg.Stream)
+	case p.s.cfg.Secret == nil && g.nonce != "":
+		err = errors.New("the replica there requires a shared secret (replicas.peers.secret_file), which this one has none of")
+	case p.s.cfg.Secret != nil && g.nonce == "":
+		err = errors.New("the replica there holds no shared secret (replicas.peers.secret_file), which this one requires")
+	case p.s.cfg.Secret != nil:
+		var proof []byte
+		if proof, err = readN(conn, &buf, proofLen); err == nil {
+			if !hmac.Equal(proof, p.proof("listener", mine, g)) {
+				err = errors.New("the replica there holds another shared secret (replicas.peers.secret_file)")
+			} else {
+				_, err = conn.Write(p.proof("dialler", mine, g))
+			}
+		}
 	}
 	if err != nil {
 		conn.Close()
@@ -378,10 +411,40 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 	return conn, false, nil
 }
 
-// appendGreeting appends a greeting of id and stream to b.
-func appendGreeting(b []byte, id, stream string) []byte {
-	b = append(b, peerMagic...)
-	for _, s := range []string{id, stream} {
+// proof is the HMAC-SHA256 under the shared secret that side ("dialler"
+// or "listener") sends of the greetings d (the dialler's) and l.
+func (p *peers) proof(side string, d, l greeting) []byte {
+	m := hmac.New(sha256.New, p.s.cfg.Secret)
+	var b []byte
+	for _, s := range []string{side, d.nonce, l.nonce, d.id, l.id, d.stream} {
+		b = binary.AppendUvarint(b, uint64(len(s)))
+		b = append(b, s...)
+	}
+	m.Write(b)
+	return m.Sum(nil)
+}
+
+func newNonce() string {
+	var b [nonceLen]byte
+	rand.Read(b[:])
+	return string(b[:])
+}
+
+// greeting is what each end of a peer connection first says: its id, the
+// stream's name, and with a shared secret a nonce.
+type greeting struct{ id, stream, nonce string }
+
+// appendGreeting appends g to b: peerMagic and two fields, or with a
+// nonce peerMagicSecret and three.
+func appendGreeting(b []byte, g greeting) []byte {
+	fields := []string{g.id, g.stream}
+	if g.nonce != "" {
+		b = append(b, peerMagicSecret...)
+		fields = append(fields, g.nonce)
+	} else {
+		b = append(b, peerMagic...)
+	}
+	for _, s := range fields {
 		b = binary.AppendUvarint(b, uint64(len(s)))
 		b = append(b, s...)
 	}
@@ -392,47 +455,60 @@ var errGreeting = errors.New("not a baton replica's greeting")
 
 // parseGreeting parses a greeting off the front of b; n is 0 while b
 // holds only part of one.
-func parseGreeting(b []byte) (id, stream string, n int, err error) {
-	if len(b) < len(peerMagic) {
-		if string(b) != peerMagic[:len(b)] {
-			return "", "", 0, errGreeting
+func parseGreeting(b []byte) (g greeting, n int, err error) {
+	magic := peerMagic
+	if len(b) >= len(peerMagicSecret) && string(b[:len(peerMagicSecret)]) == peerMagicSecret {
+		magic = peerMagicSecret
+	}
+	if len(b) < len(magic) {
+		if string(b) != magic[:len(b)] {
+			return greeting{}, 0, errGreeting
 		}
-		return "", "", 0, nil
+		return greeting{}, 0, nil
 	}
-	if string(b[:len(peerMagic)]) != peerMagic {
-		return "", "", 0, errGreeting
+	if string(b[:len(magic)]) != magic {
+		return greeting{}, 0, errGreeting
 	}
-	n = len(peerMagic)
-	var out [2]string
+	n = len(magic)
+	out := make([]string, 2, 3)
+	if magic == peerMagicSecret {
+		out = out[:3]
+	}
 	for i := range out {
 		l, k := binary.Uvarint(b[n:])
 		switch {
 		case k == 0:
-			return "", "", 0, nil
+			return greeting{}, 0, nil
 		case k < 0 || l > maxName:
-			return "", "", 0, errGreeting
+			return greeting{}, 0, errGreeting
 		case uint64(len(b)-n-k) < l:
-			return "", "", 0, nil
+			return greeting{}, 0, nil
 		}
 		out[i] = string(b[n+k : n+k+int(l)])
 		n += k + int(l)
 	}
-	return out[0], out[1], n, nil
+	g = greeting{id: out[0], stream: out[1]}
+	if len(out) == 3 {
+		if g.nonce = out[2]; len(g.nonce) != nonceLen {
+			return greeting{}, 0, errGreeting
+		}
+	}
+	return g, n, nil
 }
 
 // readGreeting reads a greeting from r into *buf, leaving in *buf what
 // came after it.
-func readGreeting(r io.Reader, buf *[]byte) (id, stream string, err error) {
+func readGreeting(r io.Reader, buf *[]byte) (g greeting, err error) {
 	b := (*buf)[:0]
 	var chunk [512]byte
 	for {
-		id, stream, n, err := parseGreeting(b)
+		g, n, err := parseGreeting(b)
 		if err != nil {
-			return "", "", err
+			return greeting{}, err
 		}
 		if n > 0 {
 			*buf = append(b[:0], b[n:]...)
-			return id, stream, nil
+			return g, nil
 		}
 		k, err := r.Read(chunk[:])
 		if k > 0 {
@@ -442,8 +518,22 @@ func readGreeting(r io.Reader, buf *[]byte) (id, stream string, err error) {
 		if err == nil {
 			err = io.ErrNoProgress
 		}
-		return "", "", err
+		return greeting{}, err
 	}
+}
+
+// readN returns the first n bytes of *buf, reading from r what it lacks,
+// and leaves in *buf what came after them.
+func readN(r io.Reader, buf *[]byte, n int) ([]byte, error) {
+	if k := len(*buf); k < n {
+		*buf = append(*buf, make([]byte, n-k)...)
+		if _, err := io.ReadFull(r, (*buf)[k:]); err != nil {
+			return nil, err
+		}
+	}
+	out := slices.Clone((*buf)[:n])
+	*buf = append((*buf)[:0], (*buf)[n:]...)
+	return out, nil
 }
 
 // accept takes the other replicas' connections.
@@ -476,13 +566,31 @@ func (p *peers) serve(conn *net.TCPConn) {
 	defer stop()
 	conn.SetDeadline(time.Now().Add(greetTimeout))
 	var buf []byte
-	from, stream, err := readGreeting(conn, &buf)
+	g, err := readGreeting(conn, &buf)
 	if err != nil {
 		p.s.cfg.Logger.Debug("replica sharing: peer's greeting", "remote", conn.RemoteAddr(), "err", err)
 		return
 	}
-	if _, err := conn.Write(appendGreeting(nil, p.s.cfg.ID, p.s.cfg.Stream)); err != nil || from == p.s.cfg.ID || stream != p.s.cfg.Stream || from == "" {
+	from := g.id
+	mine := greeting{id: p.s.cfg.ID, stream: p.s.cfg.Stream}
+	if p.s.cfg.Secret != nil {
+		mine.nonce = newNonce()
+	}
+	answer := appendGreeting(nil, mine)
+	if p.s.cfg.Secret != nil && g.nonce != "" {
+		answer = append(answer, p.proof("listener", g, mine)...)
+	}
+	if _, err := conn.Write(answer); err != nil || from == p.s.cfg.ID || g.stream != p.s.cfg.Stream || from == "" {
 		return
+	}
+	if p.s.cfg.Secret != nil {
+		// Nothing is taken from a replica that has not shown it holds
+		// the secret.
+		proof, err := readN(conn, &buf, proofLen)
+		if err != nil || g.nonce == "" || !hmac.Equal(proof, p.proof("dialler", g, mine)) {
+			p.s.cfg.Logger.Debug("replica sharing: a replica without the shared secret refused", "remote", conn.RemoteAddr(), "peer", from)
+			return
+		}
 	}
 	conn.SetDeadline(time.Time{})
 	rc, err := conn.SyscallConn()

@@ -2,9 +2,12 @@ package replica
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -383,22 +386,115 @@ func TestFreshAgainstMap(t *testing.T) {
 }
 
 func FuzzParseGreeting(f *testing.F) {
-	f.Add(appendGreeting(nil, "a", "baton:replica:commits"))
+	f.Add(appendGreeting(nil, greeting{id: "a", stream: "baton:replica:commits"}))
+	f.Add(appendGreeting(nil, greeting{id: "a", stream: "s", nonce: "0123456789abcdef"}))
 	f.Add([]byte(peerMagic))
+	f.Add([]byte(peerMagicSecret))
 	f.Add(append([]byte(peerMagic), 0xff, 0xff, 0xff, 0xff, 0x0f))
+	f.Add(append([]byte(peerMagicSecret), 1, 'a', 1, 's', 3, 'a', 'b', 'c'))
 	f.Add([]byte("BATON"))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		id, stream, n, err := parseGreeting(b)
+		g, n, err := parseGreeting(b)
 		if err == nil && n > 0 {
-			if n > len(b) || len(id) > maxName || len(stream) > maxName {
-				t.Fatalf("%q: n %d, id %d bytes, stream %d", b, n, len(id), len(stream))
+			if n > len(b) || len(g.id) > maxName || len(g.stream) > maxName || g.nonce != "" && len(g.nonce) != nonceLen {
+				t.Fatalf("%q: n %d, id %d bytes, stream %d, nonce %d", b, n, len(g.id), len(g.stream), len(g.nonce))
 			}
-			again := appendGreeting(nil, id, stream)
-			if id2, stream2, n2, err := parseGreeting(again); err != nil || id2 != id || stream2 != stream || n2 != len(again) {
-				t.Fatalf("%q parsed to %q %q, which greet as %q, parsed to %q %q (%v)", b, id, stream, again, id2, stream2, err)
+			again := appendGreeting(nil, g)
+			if g2, n2, err := parseGreeting(again); err != nil || g2 != g || n2 != len(again) {
+				t.Fatalf("%q parsed to %+v, which greets as %q, parsed to %+v (%v)", b, g, again, g2, err)
 			}
 		}
 	})
+}
+
+// With a shared secret, the replicas that hold it share; one with another
+// secret, or none, is neither sent to nor read from, either way round.
+func TestPeersSecret(t *testing.T) {
+	secret := func(s string) func(*Config) {
+		return func(c *Config) {
+			if s != "" {
+				c.Secret = []byte(s)
+			}
+		}
+	}
+	a, ao := newListening(t, "", "a", secret("first secret"))
+	b, bo := newListening(t, "", "b", secret("first secret"))
+	c, co := newListening(t, "", "c", secret("second secret"))
+	d, do := newListening(t, "", "d", secret(""))
+	ps, obs := []*peer{a, b, c, d}, []*peerObs{ao, bo, co, do}
+	var addrs []string
+	for _, p := range ps {
+		addrs = append(addrs, p.ListenAddr())
+	}
+	for _, p := range ps {
+		p.SetPeers(addrs)
+	}
+	waitFor(t, "a and b to reach each other", func() bool {
+		na, _, _ := ao.get()
+		nb, _, _ := bo.get()
+		return na == 1 && nb == 1
+	})
+	// c and d have each tried every other (reported down) and reach none.
+	for i, o := range obs[2:] {
+		waitFor(t, ps[2+i].ID()+"'s attempts", func() bool { o.mu.Lock(); defer o.mu.Unlock(); return o.reports > 0 })
+		if n, _, _ := o.get(); n != 0 {
+			t.Errorf("%s sends to %d peers, want none", ps[2+i].ID(), n)
+		}
+	}
+	e := Entry{Worker: "w", Keys: []uint64{1}}
+	c.Publish(Entry{Worker: "from-c", Keys: []uint64{2}})
+	d.Publish(Entry{Worker: "from-d", Keys: []uint64{3}})
+	a.Publish(e)
+	b.expect(t, e)
+	a.none(t, b)
+	for _, p := range ps {
+		select {
+		case got := <-p.applied:
+			t.Errorf("%s applied %v", p.ID(), got)
+		default:
+		}
+	}
+}
+
+// A connection that greets with a nonce but cannot prove the secret has
+// nothing it sends applied.
+func TestPeersSecretForged(t *testing.T) {
+	a, _ := newListening(t, "", "a", func(c *Config) { c.Secret = []byte("s") })
+	for _, forged := range []struct {
+		name  string
+		nonce string
+		proof []byte
+	}{
+		{"no secret", "", nil},
+		{"wrong proof", "0123456789abcdef", make([]byte, proofLen)},
+	} {
+		t.Run(forged.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", a.ListenAddr())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			conn.Write(appendGreeting(nil, greeting{id: "mallory", stream: "test:" + t.Name()[:len("TestPeersSecretForged")], nonce: forged.nonce}))
+			var buf []byte
+			if g, err := readGreeting(conn, &buf); err != nil || g.nonce == "" {
+				t.Fatalf("a's greeting %+v (%v), want one with a nonce", g, err)
+			}
+			body := binary.AppendUvarint(nil, 1)
+			body = encode(body, []Entry{{Worker: "forged", Keys: []uint64{9}, Seq: 1}})
+			msg := append(forged.proof, binary.AppendUvarint(nil, uint64(len(body)))...)
+			conn.Write(append(msg, body...))
+			// Closed (EOF, or reset over the unread frame), not timed out.
+			if _, err := io.ReadAll(conn); errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("a did not close the connection: %v", err)
+			}
+			select {
+			case got := <-a.applied:
+				t.Errorf("a applied %v from a replica without the secret", got)
+			default:
+			}
+		})
+	}
 }
 
 func FuzzParseFrame(f *testing.F) {
@@ -475,4 +571,36 @@ func TestPeersConcurrentPublish(t *testing.T) {
 		seen[e.Keys[0]] = true
 	}
 	b.none(t, a)
+}
+
+// A replica with the secret sends nothing, not even its own proof, to a
+// listener that cannot prove it holds the secret too.
+func TestPeersSecretImpostor(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	a, ao := newListening(t, "", "a", func(c *Config) { c.Secret = []byte("s") })
+	a.SetPeers([]string{ln.Addr().String()})
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	var buf []byte
+	g, err := readGreeting(conn, &buf)
+	if err != nil || g.nonce == "" {
+		t.Fatalf("a's greeting %+v (%v), want one with a nonce", g, err)
+	}
+	conn.Write(append(appendGreeting(nil, greeting{id: "mallory", stream: g.stream, nonce: "0123456789abcdef"}), make([]byte, proofLen)...))
+	a.Publish(Entry{Worker: "w", Keys: []uint64{1}})
+	rest, err := io.ReadAll(conn)
+	if errors.Is(err, os.ErrDeadlineExceeded) || len(buf)+len(rest) > 0 {
+		t.Errorf("a wrote %d bytes after its greeting to a listener without the secret (%v)", len(buf)+len(rest), err)
+	}
+	if n, _, _ := ao.get(); n != 0 {
+		t.Errorf("a sends to %d peers, want none", n)
+	}
 }

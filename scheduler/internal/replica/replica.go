@@ -61,6 +61,11 @@ type Config struct {
 	// too, every decision goes both ways and is applied once, whichever
 	// comes first.
 	Listen string
+	// Secret, when set, is what the replicas must all hold to send each
+	// other decisions straight: a replica that cannot prove it holds it
+	// is neither sent to nor read from (peers.go). Nil: any replica that
+	// reaches Listen and names the same stream is taken at its word.
+	Secret []byte
 	// Stream is the Redis stream's key. Default "baton:replica:commits".
 	// Replicas in front of different fleets need different streams.
 	Stream string
