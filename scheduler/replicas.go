@@ -362,7 +362,7 @@ func (e *earlyEntries) stop() {
 // syncMetrics are the baton_replica_sync_* metrics.
 type syncMetrics struct {
 	messages, entries, bytes *prometheus.CounterVec
-	dropped                  *prometheus.CounterVec
+	dropped, refused         *prometheus.CounterVec
 	missed, duplicates, lost prometheus.Counter
 	up, peers                prometheus.Gauge
 	lag                      *prometheus.HistogramVec
@@ -380,6 +380,8 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 			Help: "Committed decisions not shared: queue_full (sharing fell behind) or redis_error, through the stream; peer_error, to one peer."}, []string{"reason"}),
 		missed: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_missed_messages_total",
 			Help: "Messages of other replicas this one never read from the stream, from the gaps in their sequence numbers (their decisions may have come straight from the replica: see lost_entries)."}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_peer_refused_total",
+			Help: "Connections to this replica's peers listener closed before anything they sent was applied: greeting (not a replica's, or none in time), stream (a replica of another fleet), secret (no proof of replicas.peers.secret_file's secret)."}, []string{"reason"}),
 		lost: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_lost_entries_total",
 			Help: "Decisions of other replicas that reached this one neither through the stream nor straight, counted once 4,096 newer decisions of the same replica have."}),
 		duplicates: prometheus.NewCounter(prometheus.CounterOpts{Name: "baton_replica_sync_duplicate_entries_total",
@@ -392,7 +394,7 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message), by the way that brought it first: how long this replica routed without knowing of it.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}, []string{"via"}),
 	}
-	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag)
+	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.refused, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag)
 	m.up.Set(1)
 	for _, via := range []string{replica.ViaRedis, replica.ViaPeer} {
 		for _, vec := range []*prometheus.CounterVec{m.messages, m.entries, m.bytes} {
@@ -403,6 +405,9 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 	}
 	for _, r := range []string{"queue_full", "redis_error", "peer_error", "unknown_worker"} {
 		m.dropped.WithLabelValues(r)
+	}
+	for _, r := range []string{replica.RefusedGreeting, replica.RefusedStream, replica.RefusedSecret} {
+		m.refused.WithLabelValues(r)
 	}
 	return m
 }
@@ -426,7 +431,10 @@ func (m *syncMetrics) Dropped(reason string, n int) {
 func (m *syncMetrics) Gap(n int)        { m.missed.Add(float64(n)) }
 func (m *syncMetrics) Duplicates(n int) { m.duplicates.Add(float64(n)) }
 func (m *syncMetrics) Lost(n int)       { m.lost.Add(float64(n)) }
-func (m *syncMetrics) Peers(n int)      { m.peers.Set(float64(n)) }
+func (m *syncMetrics) Refused(reason string) {
+	m.refused.WithLabelValues(reason).Inc()
+}
+func (m *syncMetrics) Peers(n int) { m.peers.Set(float64(n)) }
 
 func (m *syncMetrics) Up(up bool) {
 	if up {

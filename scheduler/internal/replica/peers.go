@@ -569,6 +569,7 @@ func (p *peers) serve(conn *net.TCPConn) {
 	g, err := readGreeting(conn, &buf)
 	if err != nil {
 		p.s.cfg.Logger.Debug("replica sharing: peer's greeting", "remote", conn.RemoteAddr(), "err", err)
+		p.s.cfg.Observer.Refused(RefusedGreeting)
 		return
 	}
 	from := g.id
@@ -580,7 +581,11 @@ func (p *peers) serve(conn *net.TCPConn) {
 	if p.s.cfg.Secret != nil && g.nonce != "" {
 		answer = append(answer, p.proof("listener", g, mine)...)
 	}
-	if _, err := conn.Write(answer); err != nil || from == p.s.cfg.ID || g.stream != p.s.cfg.Stream || from == "" {
+	if _, err := conn.Write(answer); err != nil || from == p.s.cfg.ID || from == "" {
+		return
+	}
+	if g.stream != p.s.cfg.Stream {
+		p.s.cfg.Observer.Refused(RefusedStream)
 		return
 	}
 	if p.s.cfg.Secret != nil {
@@ -589,6 +594,7 @@ func (p *peers) serve(conn *net.TCPConn) {
 		proof, err := readN(conn, &buf, proofLen)
 		if err != nil || g.nonce == "" || !hmac.Equal(proof, p.proof("dialler", g, mine)) {
 			p.s.cfg.Logger.Debug("replica sharing: a replica without the shared secret refused", "remote", conn.RemoteAddr(), "peer", from)
+			p.s.cfg.Observer.Refused(RefusedSecret)
 			return
 		}
 	}

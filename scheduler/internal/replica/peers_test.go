@@ -33,6 +33,13 @@ func (o *peerObs) Peers(n int) {
 	o.reports++
 }
 
+// refused is how many connections o's Sharer refused for reason.
+func (o *peerObs) refused(reason string) int {
+	o.peer.mu.Lock()
+	defer o.peer.mu.Unlock()
+	return o.peer.dropped["refused:"+reason]
+}
+
 func (o *peerObs) Duplicates(n int) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -227,6 +234,9 @@ func TestPeerOtherStreamAndGarbage(t *testing.T) {
 	if n, _, _ := ao.get(); n != 0 {
 		t.Errorf("a sends to %d peers, want none (b shares another stream)", n)
 	}
+	waitFor(t, "a to count the stranger's and b's connections refused", func() bool {
+		return ao.refused(RefusedGreeting) > 0 && ao.refused(RefusedStream) > 0
+	})
 	if n, _, _ := bo.get(); n != 0 {
 		t.Errorf("b sends to %d peers, want none", n)
 	}
@@ -454,13 +464,18 @@ func TestPeersSecret(t *testing.T) {
 		default:
 		}
 	}
+	for i, o := range obs[:3] {
+		if o.refused(RefusedSecret) == 0 {
+			t.Errorf("%s counted no connection refused for want of the secret", ps[i].ID())
+		}
+	}
 }
 
 // A connection that greets with a nonce but cannot prove the secret has
 // nothing it sends applied.
 func TestPeersSecretForged(t *testing.T) {
-	a, _ := newListening(t, "", "a", func(c *Config) { c.Secret = []byte("s") })
-	for _, forged := range []struct {
+	a, ao := newListening(t, "", "a", func(c *Config) { c.Secret = []byte("s") })
+	for i, forged := range []struct {
 		name  string
 		nonce string
 		proof []byte
@@ -492,6 +507,9 @@ func TestPeersSecretForged(t *testing.T) {
 			case got := <-a.applied:
 				t.Errorf("a applied %v from a replica without the secret", got)
 			default:
+			}
+			if n := ao.refused(RefusedSecret); n != i+1 {
+				t.Errorf("a counted %d connections refused for want of the secret, want %d", n, i+1)
 			}
 		})
 	}

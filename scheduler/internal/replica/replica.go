@@ -132,12 +132,23 @@ type Observer interface {
 	// Duplicates: n entries came a second way and were not applied
 	// again.
 	Duplicates(n int)
+	// Refused: a connection to Listen was closed before anything it
+	// sent was applied, for reason RefusedGreeting, RefusedStream or
+	// RefusedSecret.
+	Refused(reason string)
 	// Lost: n decisions of another replica's came neither way (through
 	// the stream nor straight), found once 4,096 newer decisions of the
 	// same replica have: what Gap counts of the stream alone, less what
 	// the peers brought.
 	Lost(n int)
 }
+
+// Why a connection to Listen was refused, for Observer.
+const (
+	RefusedGreeting = "greeting" // not a replica's greeting, or none in time
+	RefusedStream   = "stream"   // a replica of another fleet (stream)
+	RefusedSecret   = "secret"   // no proof of the shared secret
+)
 
 // The ways a message comes, for Observer.
 const (
@@ -745,3 +756,4 @@ func (nopObserver) Up(bool)                                  {}
 func (nopObserver) Peers(int)                                {}
 func (nopObserver) Duplicates(int)                           {}
 func (nopObserver) Lost(int)                                 {}
+func (nopObserver) Refused(string)                           {}

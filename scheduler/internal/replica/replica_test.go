@@ -41,6 +41,11 @@ func (p *peer) Dropped(reason string, n int) {
 	defer p.mu.Unlock()
 	p.dropped[reason] += n
 }
+func (p *peer) Refused(reason string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropped["refused:"+reason]++
+}
 func (p *peer) Lost(n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
