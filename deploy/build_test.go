@@ -18,6 +18,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv2 "k8s.io/api/autoscaling/v2"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -187,7 +188,7 @@ func (o *scaledObject) DeepCopyObject() runtime.Object {
 // errors too, so a new kind needs a decision here.
 var decoder = sync.OnceValue(func() runtime.Decoder {
 	s := runtime.NewScheme()
-	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme, networkingv1.AddToScheme} {
 		if err := add(s); err != nil {
 			panic(err)
 		}
@@ -208,6 +209,7 @@ type objects struct {
 	deployments     []*appsv1.Deployment
 	statefulSets    []*appsv1.StatefulSet
 	pdbs            []*policyv1.PodDisruptionBudget
+	netPolicies     []*networkingv1.NetworkPolicy
 	roles           []*rbacv1.Role
 	roleBindings    []*rbacv1.RoleBinding
 	serviceMonitors []*serviceMonitor
@@ -243,6 +245,8 @@ func decode(dir string, ms []manifest) (*objects, error) {
 			o.statefulSets = append(o.statefulSets, obj)
 		case *policyv1.PodDisruptionBudget:
 			o.pdbs = append(o.pdbs, obj)
+		case *networkingv1.NetworkPolicy:
+			o.netPolicies = append(o.netPolicies, obj)
 		case *rbacv1.Role:
 			o.roles = append(o.roles, obj)
 		case *rbacv1.RoleBinding:

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"cmp"
 	"fmt"
 	"net"
 	"net/url"
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -591,6 +593,114 @@ func checkPeers(t *testing.T, o *objects, where string, cfg scheduler.Config, c 
 	}):
 		t.Errorf("%s: Service %s has no port %d reaching the replicas' peers port", where, svc, lp)
 	}
+}
+
+// TestPeersPolicy: the replicas' peers port is reachable from the
+// scheduler's pods alone, and every other port of theirs stays reachable.
+func TestPeersPolicy(t *testing.T) {
+	for _, o := range built(t) {
+		checkPeersPolicy(t, o)
+	}
+}
+
+// checkPeersPolicy checks that a NetworkPolicy selects each scheduler's
+// pods, leaves every port of theirs reachable, and admits to the
+// replicas' peers port the scheduler's pods alone: a pod that could
+// reach it could otherwise steer routing.
+func checkPeersPolicy(r reporter, o *objects) {
+	r.Helper()
+	for _, s := range servedConfigs(r, o) {
+		c := s.c
+		where := fmt.Sprintf("%s: %s", o.dir, c)
+		_, port, _ := net.SplitHostPort(s.cfg.Replicas.Peers.Listen)
+		lp, _ := strconv.Atoi(port)
+		pod := labels.Set(c.w.pod.Labels)
+		var rules []networkingv1.NetworkPolicyIngressRule
+		selected := false
+		for _, np := range o.netPolicies {
+			sel, err := metav1.LabelSelectorAsSelector(&np.Spec.PodSelector)
+			if err != nil {
+				r.Errorf("%s: NetworkPolicy %s: %v", o.dir, np.Name, err)
+				continue
+			}
+			ingress := len(np.Spec.PolicyTypes) == 0 || slices.Contains(np.Spec.PolicyTypes, networkingv1.PolicyTypeIngress)
+			if np.Namespace == c.w.namespace && ingress && sel.Matches(pod) {
+				selected = true
+				rules = append(rules, np.Spec.Ingress...)
+			}
+		}
+		if !selected {
+			r.Errorf("%s: no NetworkPolicy selects the scheduler's pods: any pod that reaches the peers port %d could send decisions", where, lp)
+			continue
+		}
+		var peers corev1.ContainerPort
+		for _, pc := range c.w.pod.Spec.Containers {
+			for _, cp := range pc.Ports {
+				if !slices.ContainsFunc(rules, func(ru networkingv1.NetworkPolicyIngressRule) bool { return admits(ru, cp) }) {
+					r.Errorf("%s: port %s (%d) is closed by the NetworkPolicies that select its pods", where, cp.Name, cp.ContainerPort)
+				}
+				if int(cp.ContainerPort) == lp {
+					peers = cp
+				}
+			}
+		}
+		if peers.ContainerPort == 0 {
+			continue // checkPeers reports it
+		}
+		for _, ru := range rules {
+			if !admits(ru, peers) {
+				continue
+			}
+			if len(ru.From) == 0 {
+				r.Errorf("%s: a NetworkPolicy admits anyone to the peers port %d", where, lp)
+			}
+			for _, f := range ru.From {
+				if f.IPBlock != nil || f.NamespaceSelector != nil || f.PodSelector == nil {
+					r.Errorf("%s: a NetworkPolicy admits more than the scheduler's pods to the peers port %d", where, lp)
+					continue
+				}
+				sel, err := metav1.LabelSelectorAsSelector(f.PodSelector)
+				if err != nil {
+					r.Errorf("%s: %v", where, err)
+					continue
+				}
+				for _, w := range o.workloads() {
+					if w.name != c.w.name && sel.Matches(labels.Set(w.pod.Labels)) {
+						r.Errorf("%s: the NetworkPolicy rule for the peers port %d also admits %s's pods", where, lp, w)
+					}
+				}
+			}
+		}
+	}
+}
+
+// admits reports whether rule ru lets traffic reach container port cp
+// (from whichever peers it names).
+func admits(ru networkingv1.NetworkPolicyIngressRule, cp corev1.ContainerPort) bool {
+	if len(ru.Ports) == 0 {
+		return true
+	}
+	proto := cmp.Or(cp.Protocol, corev1.ProtocolTCP)
+	for _, p := range ru.Ports {
+		if p.Protocol != nil && *p.Protocol != proto {
+			continue
+		}
+		switch {
+		case p.Port == nil:
+			return true
+		case p.Port.Type == intstr.String:
+			if p.Port.StrVal == cp.Name {
+				return true
+			}
+		case p.EndPort != nil:
+			if cp.ContainerPort >= p.Port.IntVal && cp.ContainerPort <= *p.EndPort {
+				return true
+			}
+		case p.Port.IntVal == cp.ContainerPort:
+			return true
+		}
+	}
+	return false
 }
 
 // checkWorkers checks cfg's workers against the StatefulSets of o, and

@@ -11,6 +11,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 
@@ -30,6 +31,22 @@ func (r *recorder) Errorf(format string, args ...any) {
 // TestSchedulerConfig does.
 func checkSchedulerDiscovery(r reporter, o *objects) {
 	r.Helper()
+	for _, s := range servedConfigs(r, o) {
+		checkDiscovery(r, o, o.dir, s.cfg, s.c)
+	}
+}
+
+// served is a scheduler container and its configuration.
+type served struct {
+	c   container
+	cfg scheduler.Config
+}
+
+// servedConfigs returns o's scheduler containers with their
+// configurations, loaded as baton serve loads them, defaults applied.
+func servedConfigs(r reporter, o *objects) []served {
+	r.Helper()
+	var out []served
 	for _, c := range o.containers() {
 		if c.command() != "serve" {
 			continue
@@ -37,7 +54,7 @@ func checkSchedulerDiscovery(r reporter, o *objects) {
 		_, data, err := o.schedulerConfig(c)
 		if err != nil {
 			r.Errorf("%v", err)
-			return
+			continue
 		}
 		f, err := os.CreateTemp(tmpDir, "config-*.yaml")
 		if err == nil {
@@ -46,15 +63,16 @@ func checkSchedulerDiscovery(r reporter, o *objects) {
 		}
 		if err != nil {
 			r.Errorf("%v", err)
-			return
+			continue
 		}
 		cfg, err := scheduler.LoadConfig(f.Name())
 		if err != nil {
 			r.Errorf("%v", err)
-			return
+			continue
 		}
-		checkDiscovery(r, o, o.dir, cfg.WithDefaults(), c)
+		out = append(out, served{c, cfg.WithDefaults()})
 	}
+	return out
 }
 
 func cmpErr(a, b error) error {
@@ -114,6 +132,7 @@ func TestChecksCatchMistakes(t *testing.T) {
 		"scaled objects":     scaledObjects,
 		"engine drain":       checkEngineDrain,
 		"discovery":          checkSchedulerDiscovery,
+		"peers policy":       checkPeersPolicy,
 	}
 	for name, check := range checks {
 		r := &recorder{}
@@ -196,6 +215,19 @@ func TestChecksCatchMistakes(t *testing.T) {
 			}
 			sts(o, "vllm-decode").Spec.ServiceName = "vllm-decoders"
 		}, "discovery", "StatefulSet vllm-decode: a worker pool outside the StatefulSets"},
+		{"no policy for the scheduler", func(o *objects) { o.netPolicies = nil }, "peers policy", "no NetworkPolicy selects the scheduler's pods"},
+		{"the peers port open to anyone", func(o *objects) {
+			o.netPolicies[0].Spec.Ingress[1].From = nil
+		}, "peers policy", "admits anyone to the peers port 9401"},
+		{"the peers port open to the workers too", func(o *objects) {
+			delete(o.netPolicies[0].Spec.Ingress[1].From[0].PodSelector.MatchLabels, "app.kubernetes.io/component")
+		}, "peers policy", "also admits Deployment baton-redis's pods"},
+		{"the peers port open to another namespace", func(o *objects) {
+			o.netPolicies[0].Spec.Ingress[1].From[0].NamespaceSelector = &metav1.LabelSelector{}
+		}, "peers policy", "admits more than the scheduler's pods"},
+		{"the http port closed", func(o *objects) {
+			o.netPolicies[0].Spec.Ingress = o.netPolicies[0].Spec.Ingress[1:]
+		}, "peers policy", "port http (8080) is closed"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := fresh(t)
