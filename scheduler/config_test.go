@@ -201,6 +201,7 @@ func FuzzLoadConfig(f *testing.F) {
 	f.Add([]byte("strategy: prefix_aware\nworkers: [{address: '127.0.0.1:1'}]\n"))
 	f.Add([]byte("pool: {health_interval: 1s, health_timeout: 2s}\nworkers: [{address: 'http://x:1', kind: http, role: prefill}]\n"))
 	f.Add([]byte("disaggregation: {min_remote_prefill_tokens: -4}\nmax_queue: -1\n"))
+	f.Add([]byte("replicas: {peers: {listen: ':9401', addresses: ['a:1'], secret_file: /nonexistent}}\nworkers: [{address: '127.0.0.1:1'}]\n"))
 	f.Add([]byte("strategy: two\nprofiles: [{name: two, filters: [available, model], scorers: [{name: a, type: prefix, options: {concurrency_threshold: 2}}, {name: b, type: prefix, weight: 0.5}], picker: {type: max}}]\nworkers: [{address: '127.0.0.1:1'}]\n"))
 	reg := registry()
 	dir := f.TempDir()
