@@ -415,13 +415,17 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 // or "listener") sends of the greetings d (the dialler's) and l.
 func (p *peers) proof(side string, d, l greeting) []byte {
 	m := hmac.New(sha256.New, p.s.cfg.Secret)
-	var b []byte
-	for _, s := range []string{side, d.nonce, l.nonce, d.id, l.id, d.stream} {
+	m.Write(appendFields(nil, side, d.nonce, l.nonce, d.id, l.id, d.stream))
+	return m.Sum(nil)
+}
+
+// appendFields appends each field to b as a uvarint length and its bytes.
+func appendFields(b []byte, fields ...string) []byte {
+	for _, s := range fields {
 		b = binary.AppendUvarint(b, uint64(len(s)))
 		b = append(b, s...)
 	}
-	m.Write(b)
-	return m.Sum(nil)
+	return b
 }
 
 func newNonce() string {
@@ -437,18 +441,10 @@ type greeting struct{ id, stream, nonce string }
 // appendGreeting appends g to b: peerMagic and two fields, or with a
 // nonce peerMagicSecret and three.
 func appendGreeting(b []byte, g greeting) []byte {
-	fields := []string{g.id, g.stream}
 	if g.nonce != "" {
-		b = append(b, peerMagicSecret...)
-		fields = append(fields, g.nonce)
-	} else {
-		b = append(b, peerMagic...)
+		return appendFields(append(b, peerMagicSecret...), g.id, g.stream, g.nonce)
 	}
-	for _, s := range fields {
-		b = binary.AppendUvarint(b, uint64(len(s)))
-		b = append(b, s...)
-	}
-	return b
+	return appendFields(append(b, peerMagic...), g.id, g.stream)
 }
 
 var errGreeting = errors.New("not a baton replica's greeting")
@@ -470,11 +466,12 @@ func parseGreeting(b []byte) (g greeting, n int, err error) {
 		return greeting{}, 0, errGreeting
 	}
 	n = len(magic)
-	out := make([]string, 2, 3)
+	var out [3]string
+	fields := 2
 	if magic == peerMagicSecret {
-		out = out[:3]
+		fields = 3
 	}
-	for i := range out {
+	for i := range fields {
 		l, k := binary.Uvarint(b[n:])
 		switch {
 		case k == 0:
@@ -487,11 +484,9 @@ func parseGreeting(b []byte) (g greeting, n int, err error) {
 		out[i] = string(b[n+k : n+k+int(l)])
 		n += k + int(l)
 	}
-	g = greeting{id: out[0], stream: out[1]}
-	if len(out) == 3 {
-		if g.nonce = out[2]; len(g.nonce) != nonceLen {
-			return greeting{}, 0, errGreeting
-		}
+	g = greeting{id: out[0], stream: out[1], nonce: out[2]}
+	if fields == 3 && len(g.nonce) != nonceLen {
+		return greeting{}, 0, errGreeting
 	}
 	return g, n, nil
 }
