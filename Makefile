@@ -22,7 +22,8 @@ build:
 # simulated engine are all concurrent). Tests start the servers they need
 # themselves, on loopback ports: redis-server too, for the shared KV tier
 # (transfer/kvstore/redistest: BATON_REDIS_SERVER or PATH's, else Debian's
-# package installed when run as root). BATON_TEST_REDIS_ADDR=host:port
+# package installed when run as root), and HAProxy, in front of scheduler
+# replicas (bench/haproxy, the same way). BATON_TEST_REDIS_ADDR=host:port
 # lends them a running Redis for the tests that do not stop it (.ci/run
 # does); it must be a throwaway one. Allocation counts mean nothing under
 # -race (sync.Pool drops items), so the tests that count them run again

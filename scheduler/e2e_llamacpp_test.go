@@ -58,16 +58,29 @@ func llamaFleet(t *testing.T, strategy string, srvs []*llamatest.Server) (*sched
 // and pool.
 func llamaFleetWith(t *testing.T, cfg scheduler.Config, srvs []*llamatest.Server) (*scheduler.Scheduler, string) {
 	t.Helper()
+	cfg.Workers, cfg.Pool = llamaWorkers(srvs), fastPool()
+	s, addr := startScheduler(t, cfg)
+	waitSlots(t, s, cfg.Workers)
+	return s, addr
+}
+
+// llamaWorkers are srvs as llamacpp workers l0, l1….
+func llamaWorkers(srvs []*llamatest.Server) []scheduler.WorkerConfig {
 	var workers []scheduler.WorkerConfig
-	var names []string
 	for i, srv := range srvs {
-		name := fmt.Sprintf("l%d", i)
-		names = append(names, name)
-		workers = append(workers, scheduler.WorkerConfig{Name: name, Kind: scheduler.KindLlamaCPP, Address: srv.URL,
+		workers = append(workers, scheduler.WorkerConfig{Name: fmt.Sprintf("l%d", i), Kind: scheduler.KindLlamaCPP, Address: srv.URL,
 			EngineConfig: scheduler.EngineConfig{MetricsInterval: 20 * time.Millisecond}})
 	}
-	cfg.Workers, cfg.Pool = workers, fastPool()
-	s, addr := startScheduler(t, cfg)
+	return workers
+}
+
+// waitSlots waits until s's index has read the slots of each of workers.
+func waitSlots(t *testing.T, s *scheduler.Scheduler, workers []scheduler.WorkerConfig) {
+	t.Helper()
+	names := make([]string, len(workers))
+	for i, w := range workers {
+		names[i] = w.Name
+	}
 	eventually(t, 10*time.Second, func() error {
 		ms := make([]kvindex.Match, len(names))
 		s.Index.Lookup(nil, names, ms)
@@ -78,7 +91,6 @@ func llamaFleetWith(t *testing.T, cfg scheduler.Config, srvs []*llamatest.Server
 		}
 		return nil
 	})
-	return s, addr
 }
 
 // served is what the engine did with one question.

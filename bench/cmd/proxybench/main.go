@@ -43,6 +43,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/batonllm/baton/bench/haproxy"
 	"github.com/batonllm/baton/scheduler"
 	"github.com/batonllm/baton/scheduler/routing"
 	"github.com/batonllm/baton/workers/httpengine"
@@ -122,18 +123,18 @@ func run() error {
 	pids := map[string]int{} // the process of each path that runs in its own
 	var haproxyVersion string
 	if slices.Contains(paths, pathHAProxy) {
-		bin, err := findHAProxy(*haproxyBin)
+		bin, err := haproxy.Binary(*haproxyBin)
 		if err != nil {
 			return err
 		}
-		hp, err := startHAProxy(bin, w.HTTPAddr)
+		hp, err := haproxy.Start(bin, func(bind string) string { return fmt.Sprintf(haproxyConfig, bind, w.HTTPAddr) })
 		if err != nil {
 			return err
 		}
-		defer hp.stop()
-		urls[pathHAProxy] = "http://" + hp.addr
-		pids[pathHAProxy] = hp.cmd.Process.Pid
-		haproxyVersion = hp.version
+		defer hp.Stop()
+		urls[pathHAProxy] = "http://" + hp.Addr
+		pids[pathHAProxy] = hp.Pid()
+		haproxyVersion = hp.Version
 	}
 	var bs *batonServe
 	if slices.Contains(paths, pathBaton) {
@@ -637,20 +638,6 @@ func serveMinimalProxy(addr, engine string) error {
 	return http.ListenAndServe(addr, http.HandlerFunc(h))
 }
 
-// findHAProxy returns the HAProxy binary to run.
-func findHAProxy(bin string) (string, error) {
-	if bin != "" {
-		return bin, nil
-	}
-	if p, err := exec.LookPath("haproxy"); err == nil {
-		return p, nil
-	}
-	if _, err := os.Stat("/usr/sbin/haproxy"); err == nil { // Debian's, off a user's PATH
-		return "/usr/sbin/haproxy", nil
-	}
-	return "", errors.New("haproxy is missing: run  sudo apt-get install -y haproxy")
-}
-
 // haproxyConfig proxies plain HTTP to one server, reusing server
 // connections, without logging.
 const haproxyConfig = `global
@@ -671,60 +658,6 @@ frontend fe
 backend engine
 	server engine %s
 `
-
-type haproxy struct {
-	cmd     *exec.Cmd
-	dir     string
-	addr    string
-	version string
-	exited  chan struct{}
-}
-
-// startHAProxy runs bin in the foreground in front of engine (host:port)
-// and returns once it accepts connections.
-func startHAProxy(bin, engine string) (*haproxy, error) {
-	out, err := exec.Command(bin, "-v").Output()
-	if err != nil {
-		return nil, fmt.Errorf("%s -v: %w", bin, err)
-	}
-	version, _, _ := strings.Cut(string(out), " - ")
-	version = strings.TrimSpace(strings.TrimPrefix(version, "HAProxy version "))
-	version = "HAProxy " + strings.Fields(version + " ?")[0]
-
-	addr, err := freeAddr()
-	if err != nil {
-		return nil, err
-	}
-	dir, err := os.MkdirTemp("", "proxybench-haproxy")
-	if err != nil {
-		return nil, err
-	}
-	cfgPath := filepath.Join(dir, "haproxy.cfg")
-	if err := os.WriteFile(cfgPath, fmt.Appendf(nil, haproxyConfig, addr, engine), 0o644); err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	h := &haproxy{dir: dir, addr: addr, version: version, exited: make(chan struct{})}
-	// -db: stay in the foreground; -W is not needed for a single process.
-	h.cmd = exec.Command(bin, "-db", "-f", cfgPath)
-	h.cmd.Stdout, h.cmd.Stderr = os.Stderr, os.Stderr
-	if err := h.cmd.Start(); err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("starting haproxy: %w", err)
-	}
-	go func() { h.cmd.Wait(); close(h.exited) }()
-	if err := waitListening(addr, h.exited); err != nil {
-		h.stop()
-		return nil, fmt.Errorf("haproxy: %w", err)
-	}
-	return h, nil
-}
-
-func (h *haproxy) stop() {
-	h.cmd.Process.Kill()
-	<-h.exited
-	os.RemoveAll(h.dir)
-}
 
 // freeAddr returns a loopback address no one listens on (HAProxy binds
 // it itself).
