@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,32 +15,6 @@ import (
 	"github.com/batonllm/baton/workers/llamacpp/llamatest"
 )
 
-// lbConfig is HAProxy in front of baton serve replicas, as an operator
-// would put it: round robin per request, /readyz checked every 100 ms
-// (a draining replica answers 503 there first), a connection refused
-// tried again on another replica, never a request already sent.
-const lbConfig = `global
-	maxconn 1024
-
-defaults
-	mode http
-	timeout connect 1s
-	timeout client 60s
-	timeout server 60s
-	timeout http-keep-alive 60s
-	retries 3
-	option redispatch 1
-
-frontend fe
-	bind %s
-	default_backend baton
-
-backend baton
-	balance roundrobin
-	option httpchk GET /readyz
-	default-server inter 100ms fall 1 rise 1
-%s`
-
 // startLB starts HAProxy in front of the replicas at addrs.
 func startLB(t *testing.T, addrs ...string) *haproxy.Proxy {
 	t.Helper()
@@ -49,11 +22,7 @@ func startLB(t *testing.T, addrs ...string) *haproxy.Proxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var servers strings.Builder
-	for i, a := range addrs {
-		fmt.Fprintf(&servers, "\tserver r%d %s check\n", i, a)
-	}
-	p, err := haproxy.Start(bin, func(bind string) string { return fmt.Sprintf(lbConfig, bind, servers.String()) })
+	p, err := haproxy.Start(bin, func(bind string) string { return haproxy.Replicas(bind, addrs) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +68,7 @@ func TestReplicasBehindHAProxy(t *testing.T) {
 	srvs := llamaServers(t, 2)
 	peers := freeAddrs(t, 2)
 	cfg := func(i int) scheduler.Config {
-		return scheduler.Config{Strategy: "kv_aware", DrainDelay: 300 * time.Millisecond, DrainTimeout: 10 * time.Second,
+		return scheduler.Config{Strategy: "kv_aware", DrainDelay: 3 * haproxy.CheckInterval, DrainTimeout: 10 * time.Second,
 			Replicas: scheduler.ReplicasConfig{Peers: scheduler.ReplicaPeersConfig{Listen: peers[i], Addresses: peers}}}
 	}
 	a, aAddr := llamaFleetWith(t, cfg(0), srvs)

@@ -179,3 +179,43 @@ func (p *Proxy) Stop() {
 	<-p.exited
 	os.RemoveAll(p.dir)
 }
+
+// Replicas returns a configuration of HAProxy in front of baton serve
+// replicas (host:port each) as an operator would put it: bound to bind,
+// round robin per request, each replica's /readyz checked every
+// CheckInterval (a draining replica answers 503 there before it stops
+// accepting: its drain_delay should cover a few checks), and a refused
+// connection tried again on another replica, never a request already
+// sent.
+func Replicas(bind string, servers []string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `global
+	maxconn 4096
+
+defaults
+	mode http
+	timeout connect 1s
+	timeout client 60s
+	timeout server 60s
+	timeout http-keep-alive 60s
+	retries 3
+	option redispatch 1
+
+frontend fe
+	bind %s
+	default_backend baton
+
+backend baton
+	balance roundrobin
+	option httpchk GET /readyz
+	default-server inter %dms fall 1 rise 1
+`, bind, CheckInterval.Milliseconds())
+	for i, s := range servers {
+		fmt.Fprintf(&b, "\tserver r%d %s check\n", i, s)
+	}
+	return b.String()
+}
+
+// CheckInterval is how often Replicas's configuration checks each
+// replica's /readyz.
+const CheckInterval = 100 * time.Millisecond

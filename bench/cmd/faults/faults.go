@@ -63,7 +63,7 @@ func noop(context.Context, *harness) error { return nil }
 // closing its stream after the first token.
 func cutClients(n int) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
-		c := newClient(h.f.bases, h.model, h.deadline, 64, h.rec)
+		c := newClient(h.f.clients, h.model, h.deadline, 64, h.rec)
 		defer c.close()
 		var wg sync.WaitGroup
 		gap := h.during / time.Duration(n) / 2 // over the window's first half
@@ -89,7 +89,7 @@ func cutClients(n int) func(context.Context, *harness) {
 // fleet whole for those that follow.
 func cutThenServe(cut, after int) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
-		c := newClient(h.f.bases, h.model, h.deadline, cut, h.rec)
+		c := newClient(h.f.clients, h.model, h.deadline, cut, h.rec)
 		defer c.close()
 		var wg sync.WaitGroup
 		for i := range cut {
@@ -127,7 +127,7 @@ func together(sides ...func(context.Context, *harness)) func(context.Context, *h
 // burst runs n looping clients while the window lasts.
 func burst(n int) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
-		c := newClient(h.f.bases, h.model, h.deadline, n, h.rec)
+		c := newClient(h.f.clients, h.model, h.deadline, n, h.rec)
 		defer c.close()
 		var wg sync.WaitGroup
 		for i := range n {
@@ -137,6 +137,14 @@ func burst(n int) func(context.Context, *harness) {
 		wg.Wait()
 	}
 }
+
+// What the clients do when a replica goes away, as the faults say it:
+// clientsRetry of the clients that alternate between the replicas,
+// lbRetries of HAProxy in front of them (-lb).
+const (
+	clientsRetry = "; clients retry connection errors on the other replica"
+	lbRetries    = "; HAProxy takes it out at its first failed /readyz check and tries a refused connection again on the other"
+)
 
 func allFaults(prefill, decode int) []fault {
 	capacity := decode * maxInFlight
@@ -181,13 +189,13 @@ func allFaults(prefill, decode int) []fault {
 			recover: func(_ context.Context, h *harness) error { h.f.redisPx.setDelay(0); return nil }},
 		corruptTransfer(4),
 		watchGap(2*time.Second, 2),
-		{name: "scheduler-restart", what: "serve replica 1 SIGTERMed (drain), down for the window, then restarted; clients retry connection errors on the other replica",
+		{name: "scheduler-restart", what: "serve replica 1 SIGTERMed (drain), down for the window, then restarted" + clientsRetry,
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.scheds[1].stop(15 * time.Second)
 				return "", nil
 			},
 			recover: func(ctx context.Context, h *harness) error { return h.f.startScheduler(ctx, 1) }},
-		{name: "replica-kill", what: "serve replica 1 SIGKILLed while the replicas share through Redis and straight, down for the window, then restarted (it replays what replica 0 shared); clients retry connection errors on the other replica",
+		{name: "replica-kill", what: "serve replica 1 SIGKILLed while the replicas share through Redis and straight, down for the window, then restarted (it replays what replica 0 shared)" + clientsRetry,
 			inject: func(_ context.Context, h *harness) (string, error) {
 				h.f.scheds[1].kill()
 				return "", nil

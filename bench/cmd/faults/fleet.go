@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/batonllm/baton/bench/haproxy"
 )
 
 // fleet is the disaggregated fleet under test: a redis-server behind a
@@ -32,6 +34,10 @@ type fleet struct {
 
 	scheds []*proc
 	bases  []string // http://host:port of each replica
+	// clients are the URLs the clients send to: bases, or HAProxy's
+	// alone in front of them (lb).
+	clients []string
+	lb      *haproxy.Proxy
 	// sharePx are the replicas' own ways to Redis for what they share,
 	// each through the workers' proxy: cutting one partitions a replica
 	// from the others.
@@ -49,7 +55,9 @@ const (
 	maxQueue    = 32
 )
 
-func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas int, timeScale float64) (*fleet, error) {
+// With lb (an HAProxy binary) the clients send to an HAProxy in front of
+// the replicas, which drain for lbDrainDelay before they stop accepting.
+func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas int, timeScale float64, lb string) (*fleet, error) {
 	f := &fleet{dir: dir, bin: bin, timeScale: timeScale, workers: map[string]*proc{}, addrs: map[string]string{},
 		links: map[string]*linkProxy{}, metrics: map[string]string{}, started: map[string]time.Time{}}
 	rbin, err := redisServer()
@@ -78,6 +86,7 @@ func startFleet(ctx context.Context, dir, bin string, prefill, decode, replicas 
 	fmt.Fprintf(&yaml, `strategy: kv_aware
 log_level: warn
 drain_timeout: 5s
+drain_delay: DRAIN_DELAY
 request_timeout: 30s
 max_in_flight: %d
 max_queue: %d
@@ -160,7 +169,11 @@ workers:
 		}
 		f.sharePx = append(f.sharePx, px)
 		config := filepath.Join(dir, fmt.Sprintf("baton-%d.yaml", i))
-		if err := os.WriteFile(config, []byte(strings.NewReplacer("SHARE_REDIS", px.addr(),
+		drainDelay := "0s"
+		if lb != "" {
+			drainDelay = lbDrainDelay.String()
+		}
+		if err := os.WriteFile(config, []byte(strings.NewReplacer("SHARE_REDIS", px.addr(), "DRAIN_DELAY", drainDelay,
 			"SHARE_PEERS", fmt.Sprintf("{listen: %q, addresses: [%s]}", peerListen[i], strings.Join(peers, ", "))).Replace(yaml.String())), 0o644); err != nil {
 			f.close()
 			return nil, err
@@ -179,8 +192,25 @@ workers:
 			return nil, err
 		}
 	}
+	f.clients = f.bases
+	if lb != "" {
+		var servers []string
+		for _, base := range f.bases {
+			servers = append(servers, strings.TrimPrefix(base, "http://"))
+		}
+		if f.lb, err = haproxy.Start(lb, func(bind string) string { return haproxy.Replicas(bind, servers) }); err != nil {
+			f.close()
+			return nil, err
+		}
+		f.clients = []string{"http://" + f.lb.Addr}
+	}
 	return f, nil
 }
+
+// lbDrainDelay is the replicas' drain_delay behind HAProxy: three of its
+// /readyz checks, so that it has taken a draining replica out before the
+// replica stops accepting.
+const lbDrainDelay = 3 * haproxy.CheckInterval
 
 // partition cuts replica i off from what the replicas share (down), or
 // restores its links: its way to Redis and its peer links both ways.
@@ -260,6 +290,9 @@ func (f *fleet) scrapeWorkers(ctx context.Context) map[string]metrics {
 }
 
 func (f *fleet) close() {
+	if f.lb != nil {
+		f.lb.Stop()
+	}
 	for _, p := range f.scheds {
 		p.stop(10 * time.Second)
 	}

@@ -120,7 +120,7 @@ type freshLog struct {
 // those that succeeded, with their text, for replayFresh.
 func freshClients(n int, keep bool) func(context.Context, *harness) {
 	return func(ctx context.Context, h *harness) {
-		c := newClient(h.f.bases, h.model, h.deadline, n, h.rec)
+		c := newClient(h.f.clients, h.model, h.deadline, n, h.rec)
 		c.keepText = true
 		defer c.close()
 		var wg sync.WaitGroup
@@ -153,7 +153,7 @@ func (h *harness) replayFresh(ctx context.Context) {
 	reqs := h.fresh.reqs
 	h.fresh.reqs = nil
 	h.fresh.mu.Unlock()
-	c := newClient(h.f.bases, h.model, h.deadline, 8, h.rec)
+	c := newClient(h.f.clients, h.model, h.deadline, 8, h.rec)
 	defer c.close()
 	var (
 		wg  sync.WaitGroup

@@ -67,7 +67,8 @@ func (r *recorder) snapshot() []result {
 
 // client sends chat completions to the replicas in turn, moving to the
 // next on a connection error (nothing answered): what a client behind a
-// load balancer sees.
+// load balancer sees. A client of one URL (a load balancer's) tries each
+// request once.
 type client struct {
 	hc       *http.Client
 	bases    []string
@@ -182,7 +183,11 @@ func clip(s string, n int) string {
 func (c *client) send(ctx context.Context, body []byte, stream, cut, keep bool, res *result) {
 	var resp *http.Response
 	first := c.next.Add(1)
-	for try := range 2 * len(c.bases) {
+	tries := 2 * len(c.bases)
+	if len(c.bases) == 1 {
+		tries = 1
+	}
+	for try := range tries {
 		res.tries = try + 1
 		base := c.bases[(int(first)+try)%len(c.bases)]
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))

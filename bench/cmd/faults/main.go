@@ -30,6 +30,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/batonllm/baton/bench/haproxy"
 )
 
 const model = "llama-3.1-8b"
@@ -52,6 +54,8 @@ type options struct {
 	timeScale             float64
 	out                   string
 	keep                  bool
+	lb                    bool   // the clients send to HAProxy in front of the replicas
+	lbVersion             string // its version, once started
 	soak                  soakOptions
 }
 
@@ -70,6 +74,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.StringVar(&o.out, "out", "", "also write the Markdown report to this `file`")
 	fs.BoolVar(&o.keep, "keep", false, "keep the run's directory (processes' logs, config)")
 	soak := fs.Bool("soak", false, "run the soak instead of the fault matrix")
+	fs.BoolVar(&o.lb, "lb", false, "the clients send to an HAProxy in front of the replicas (round robin, /readyz checks; Debian's haproxy, installed when run as root) instead of to each replica in turn")
 	o.soak.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -159,7 +164,18 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 	load0 := loadAvg()
 	started := time.Now()
 	log.Info("starting the fleet", "prefill", prefill, "decode", decode, "replicas", 2, "dir", dir)
-	f, err := startFleet(ctx, dir, o.bin, prefill, decode, 2, o.timeScale)
+	var lb string
+	if o.lb {
+		var err error
+		if lb, err = haproxy.Binary(""); err != nil {
+			return "", err
+		}
+		o.lbVersion = haproxy.Version(lb)
+		for i := range faults {
+			faults[i].what = strings.ReplaceAll(faults[i].what, clientsRetry, lbRetries)
+		}
+	}
+	f, err := startFleet(ctx, dir, o.bin, prefill, decode, 2, o.timeScale, lb)
 	if err != nil {
 		return "", err
 	}
@@ -172,7 +188,7 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	var loadWG sync.WaitGroup
-	steady := newClient(f.bases, model, o.deadline, o.clients, h.rec)
+	steady := newClient(f.clients, model, o.deadline, o.clients, h.rec)
 	defer steady.close()
 	for i := range o.clients {
 		loadWG.Add(1)

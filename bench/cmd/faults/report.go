@@ -8,6 +8,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/batonllm/baton/bench/haproxy"
 )
 
 // p99 of the latencies of the ok steady requests that started in [from, to).
@@ -76,8 +78,12 @@ func matrixReport(o options, wins []*window, rec *recorder, idle0, idle1 metrics
 	var b strings.Builder
 	fmt.Fprintf(&b, "Fleet: baton's simulated workers (`baton worker`, %s preset, H100, --time-scale %g), 2 prefill (p0, p1) + 2 decode (d0, d1), each behind a link proxy that every connection to it passes through (the replicas' calls and Watch streams, the KV blocks pushed to it), forwarding HTTP/2 frames unchanged unless a fault says; shared KV tier on a throwaway redis-server behind a delaying proxy; two `baton serve` replicas (kv_aware, so each follows every worker's Watch stream; max_in_flight %d, max_queue %d, queue_timeout 2s); loopback.\n\n",
 		model, o.timeScale, maxInFlight, maxQueue)
-	fmt.Fprintf(&b, "Load: %d steady clients, one request after another, half streamed, each a 2,400-character document of 16 plus a question of its own, max_tokens 16–64, alternating between the replicas and retrying connection errors on the other; client deadline %s. Windows: %s before, %s of fault, %s after the fleet is whole again. Run took %s; %s; load average %s at the start, %s at the end.\n\n",
-		o.clients, o.deadline, o.before, o.during, o.after, took.Round(time.Second), cpus(), load0, load1)
+	to := "alternating between the replicas and retrying connection errors on the other"
+	if o.lb {
+		to = fmt.Sprintf("sent to %s in front of the replicas (round robin per request, each replica's /readyz checked every %s, a refused connection tried again on the other replica; the replicas' drain_delay %s), each request once", o.lbVersion, haproxy.CheckInterval, lbDrainDelay)
+	}
+	fmt.Fprintf(&b, "Load: %d steady clients, one request after another, half streamed, each a 2,400-character document of 16 plus a question of its own, max_tokens 16–64, %s; client deadline %s. Windows: %s before, %s of fault, %s after the fleet is whole again. Run took %s; %s; load average %s at the start, %s at the end.\n\n",
+		o.clients, to, o.deadline, o.before, o.during, o.after, took.Round(time.Second), cpus(), load0, load1)
 	b.WriteString("| fault | injection | sent | ok | cut (by the client) | 429 | 503 | error events | truncated | hangs | other | resent to the other replica | p99 s before / during / after | breaker transitions (replica 0) | Redis-tier breaker transitions (workers) | goroutines before → after | RSS MiB before → after | back whole in |\n")
 	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|\n")
 	var notes []string
