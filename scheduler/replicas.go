@@ -66,9 +66,11 @@ type ReplicaPeersConfig struct {
 	// SecretFile is a file holding a secret every replica must hold to
 	// send or take decisions straight (at least 16 bytes; surrounding
 	// whitespace is not part of it), read at start: each end of a
-	// connection proves it holds it before any decision crosses. Without
-	// it any replica that reaches listen and names the same stream is
-	// taken at its word.
+	// connection proves it holds it before any decision crosses, and the
+	// decisions cross encrypted and authenticated under a key of the
+	// connection's own. Without it any replica that reaches listen and
+	// names the same stream is taken at its word, and the decisions
+	// cross in the clear.
 	SecretFile string `yaml:"secret_file"`
 }
 

@@ -2,6 +2,9 @@ package replica
 
 import (
 	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
@@ -48,11 +51,17 @@ import (
 // nonces, both ids and the stream), the dialler checks it and sends its
 // own proof before its first frame, and the listener checks that before
 // it applies anything. A replica without the secret, or with another,
-// neither sends to nor takes from one with it.
+// neither sends to nor takes from one with it. Each frame's contents (all
+// after its length) are then sealed with AES-256-GCM under a key of the
+// connection's own (HKDF-SHA256 of the secret over both greetings), the
+// nonce the frame's number on the connection, so that they travel
+// encrypted, and a frame altered, dropped, repeated or moved in transit
+// does not open: the listener closes the connection. (BATONRS\x02, a
+// secret without sealing, is no longer spoken.)
 
 const (
 	peerMagic       = "BATONRS\x01"
-	peerMagicSecret = "BATONRS\x02"
+	peerMagicSecret = "BATONRS\x03"
 	// nonceLen is the bytes of a greeting's nonce, proofLen of a proof.
 	nonceLen = 16
 	proofLen = sha256.Size
@@ -97,6 +106,8 @@ type outPeer struct {
 
 	mu   sync.Mutex
 	conn *net.TCPConn // nil while not connected
+	seal *sealer      // conn's, with a shared secret
+	out  []byte       // a sealed frame, reused
 	up   int          // 0 not yet known, 1 up, -1 down: for one log line per change; under peers.mu
 	// down: the peer could not be reached, or its connection broke, and
 	// it has not been reached again; what is published meanwhile is
@@ -110,9 +121,11 @@ type inPeer struct {
 	rc   syscall.RawConn
 	conn *net.TCPConn
 
-	mu  sync.Mutex // guards what follows, and reading the connection
-	buf []byte
-	err error
+	mu    sync.Mutex // guards what follows, and reading the connection
+	buf   []byte
+	err   error
+	open  *sealer // with a shared secret: opens each frame's contents
+	plain []byte  // an opened frame's contents, reused
 }
 
 // listenPeers opens s's peer listener and starts accepting.
@@ -246,8 +259,7 @@ func (op *outPeer) write(s *Sharer, frame []byte) {
 		}
 		return
 	}
-	op.conn.SetWriteDeadline(time.Now().Add(s.cfg.publishWait))
-	n, err := op.conn.Write(frame)
+	n, err := op.send(frame, time.Now().Add(s.cfg.publishWait))
 	switch {
 	case err == nil:
 		s.cfg.Observer.Sent(ViaPeer, 1, len(frame))
@@ -270,11 +282,30 @@ func (op *outPeer) replay(frame []byte) {
 	if op.conn == nil {
 		return
 	}
-	op.conn.SetWriteDeadline(time.Now().Add(callTimeout))
-	if _, err := op.conn.Write(frame); err != nil {
+	if _, err := op.send(frame, time.Now().Add(callTimeout)); err != nil {
 		op.conn.Close()
 		op.conn = nil
 	}
+}
+
+// send writes frame to op's connection by deadline, its contents sealed
+// with a shared secret. A frame not written at all leaves the sealer's
+// count as it was, so that the next is the one the peer expects. op.mu
+// is held, and op.conn is not nil.
+func (op *outPeer) send(frame []byte, deadline time.Time) (int, error) {
+	op.conn.SetWriteDeadline(deadline)
+	if op.seal == nil {
+		return op.conn.Write(frame)
+	}
+	_, k := binary.Uvarint(frame)
+	body := frame[k:]
+	op.out = binary.AppendUvarint(op.out[:0], uint64(len(body)+sealOverhead))
+	op.out = op.seal.seal(op.out, body)
+	n, err := op.conn.Write(op.out)
+	if n == 0 && err != nil {
+		op.seal.n--
+	}
+	return n, err
 }
 
 // dial keeps a connection to op's peer open until ctx is done, or until
@@ -283,7 +314,7 @@ func (p *peers) dial(ctx context.Context, op *outPeer) {
 	defer p.wg.Done()
 	backoff := retryMin
 	for ctx.Err() == nil {
-		conn, self, err := p.greet(ctx, op.addr)
+		conn, seal, self, err := p.greet(ctx, op.addr)
 		if self {
 			p.s.cfg.Logger.Debug("replica sharing: peer address is this replica's own", "peer", op.addr)
 			return
@@ -294,7 +325,7 @@ func (p *peers) dial(ctx context.Context, op *outPeer) {
 			// between those of the history, which the receiver applies
 			// in any order and once.
 			op.mu.Lock()
-			op.conn = conn
+			op.conn, op.seal = conn, seal
 			hist := p.history()
 			op.mu.Unlock()
 			p.changed(op, true, nil)
@@ -312,7 +343,7 @@ func (p *peers) dial(ctx context.Context, op *outPeer) {
 			stop()
 			op.mu.Lock()
 			if op.conn == conn {
-				op.conn = nil
+				op.conn, op.seal = nil, nil
 			}
 			op.mu.Unlock()
 			conn.Close()
@@ -363,12 +394,13 @@ func (p *peers) changed(op *outPeer, up bool, err error) {
 }
 
 // greet connects to addr and exchanges greetings; self reports that the
-// replica there is this one.
-func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self bool, err error) {
+// replica there is this one. With a shared secret, seal seals the frames
+// for the connection.
+func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, seal *sealer, self bool, err error) {
 	d := net.Dialer{Timeout: callTimeout}
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return nil, false, err
+		return nil, nil, false, err
 	}
 	conn = c.(*net.TCPConn)
 	conn.SetDeadline(time.Now().Add(greetTimeout))
@@ -378,7 +410,7 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 	}
 	if _, err := conn.Write(appendGreeting(nil, mine)); err != nil {
 		conn.Close()
-		return nil, false, err
+		return nil, nil, false, err
 	}
 	var buf []byte
 	g, err := readGreeting(conn, &buf)
@@ -386,7 +418,7 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 	case err != nil:
 	case g.id == p.s.cfg.ID:
 		conn.Close()
-		return nil, true, nil
+		return nil, nil, true, nil
 	case g.stream != p.s.cfg.Stream:
 		err = fmt.Errorf("the replica there shares stream %q, not %q: it serves another fleet", g.stream, p.s.cfg.Stream)
 	case p.s.cfg.Secret == nil && g.nonce != "":
@@ -398,17 +430,60 @@ func (p *peers) greet(ctx context.Context, addr string) (conn *net.TCPConn, self
 		if proof, err = readN(conn, &buf, proofLen); err == nil {
 			if !hmac.Equal(proof, p.proof("listener", mine, g)) {
 				err = errors.New("the replica there holds another shared secret (replicas.peers.secret_file)")
-			} else {
-				_, err = conn.Write(p.proof("dialler", mine, g))
+			} else if _, err = conn.Write(p.proof("dialler", mine, g)); err == nil {
+				seal, err = p.sealer(mine, g)
 			}
 		}
 	}
 	if err != nil {
 		conn.Close()
-		return nil, false, err
+		return nil, nil, false, err
 	}
 	conn.SetDeadline(time.Time{})
-	return conn, false, nil
+	return conn, seal, false, nil
+}
+
+// sealer returns the sealer of the frames the dialler of greeting d sends
+// the listener of greeting l, under the shared secret.
+func (p *peers) sealer(d, l greeting) (*sealer, error) {
+	key, err := hkdf.Key(sha256.New, p.s.cfg.Secret, nil, string(appendFields(nil, "frames", d.nonce, l.nonce, d.id, l.id, d.stream)), 32)
+	if err != nil {
+		return nil, err
+	}
+	block, err := aes.NewCipher(key)
+	if err != nil {
+		return nil, err
+	}
+	aead, err := cipher.NewGCM(block)
+	if err != nil {
+		return nil, err
+	}
+	return &sealer{aead: aead}, nil
+}
+
+// sealOverhead is what sealing adds to a frame's contents: GCM's tag.
+const sealOverhead = 16
+
+// sealer seals, or opens, one connection's frames in order: the n-th
+// with n as its nonce, which neither end sends.
+type sealer struct {
+	aead  cipher.AEAD
+	n     uint64
+	nonce [12]byte
+}
+
+func (s *sealer) next() []byte {
+	binary.BigEndian.PutUint64(s.nonce[4:], s.n)
+	s.n++
+	return s.nonce[:]
+}
+
+// seal appends the next frame's contents, body, sealed, to dst.
+func (s *sealer) seal(dst, body []byte) []byte { return s.aead.Seal(dst, s.next(), body, nil) }
+
+// open appends the next frame's contents, sealed, opened, to dst.
+func (s *sealer) open(dst, sealed []byte) ([]byte, error) {
+	return s.aead.Open(dst, s.next(), sealed, nil)
 }
 
 // proof is the HMAC-SHA256 under the shared secret that side ("dialler"
@@ -583,6 +658,7 @@ func (p *peers) serve(conn *net.TCPConn) {
 		p.s.cfg.Observer.Refused(RefusedStream)
 		return
 	}
+	var open *sealer
 	if p.s.cfg.Secret != nil {
 		// Nothing is taken from a replica that has not shown it holds
 		// the secret.
@@ -592,13 +668,16 @@ func (p *peers) serve(conn *net.TCPConn) {
 			p.s.cfg.Observer.Refused(RefusedSecret)
 			return
 		}
+		if open, err = p.sealer(g, mine); err != nil {
+			return
+		}
 	}
 	conn.SetDeadline(time.Time{})
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return
 	}
-	in := &inPeer{from: from, rc: rc, conn: conn, buf: buf}
+	in := &inPeer{from: from, rc: rc, conn: conn, buf: buf, open: open}
 	p.inMu.Lock()
 	if p.s.ctx.Err() != nil {
 		p.inMu.Unlock()
@@ -714,10 +793,24 @@ func readSocket(fd uintptr, buf *[]byte, errp *error, all bool, eof error, parse
 	return *errp != nil
 }
 
+// errSealed: a frame's contents did not open under the shared secret.
+var errSealed = errors.New("a frame that does not open under the shared secret: altered, or not the next one sent")
+
 // frames applies the whole frames in.buf holds. in.mu is held.
 func (in *inPeer) frames(s *Sharer) {
 	for in.err == nil {
-		at, data, n, err := parseFrame(in.buf)
+		body, n, err := cutFrame(in.buf)
+		if err == nil && n > 0 && in.open != nil {
+			if in.plain, err = in.open.open(in.plain[:0], body); err != nil {
+				err = errSealed
+			}
+			body = in.plain
+		}
+		var at int64
+		var data []byte
+		if err == nil && n > 0 {
+			at, data, err = parseBody(body)
+		}
 		if err != nil {
 			in.err = err
 			return
@@ -733,19 +826,37 @@ func (in *inPeer) frames(s *Sharer) {
 // parseFrame parses a frame off the front of b: its publication time and
 // data; n is 0 while b holds only part of one.
 func parseFrame(b []byte) (at int64, data []byte, n int, err error) {
+	body, n, err := cutFrame(b)
+	if err != nil || n == 0 {
+		return 0, nil, 0, err
+	}
+	at, data, err = parseBody(body)
+	if err != nil {
+		return 0, nil, 0, err
+	}
+	return at, data, n, nil
+}
+
+// cutFrame returns the contents of the frame at the front of b and the
+// frame's length; n is 0 while b holds only part of one.
+func cutFrame(b []byte) (body []byte, n int, err error) {
 	l, k := binary.Uvarint(b)
 	switch {
 	case k == 0:
-		return 0, nil, 0, nil
+		return nil, 0, nil
 	case k < 0 || l > maxFrame:
-		return 0, nil, 0, errors.New("bad frame length")
+		return nil, 0, errors.New("bad frame length")
 	case uint64(len(b)-k) < l:
-		return 0, nil, 0, nil
+		return nil, 0, nil
 	}
-	frame := b[k : k+int(l)]
-	t, j := binary.Uvarint(frame)
+	return b[k : k+int(l)], k + int(l), nil
+}
+
+// parseBody parses a frame's contents: its publication time and data.
+func parseBody(body []byte) (at int64, data []byte, err error) {
+	t, j := binary.Uvarint(body)
 	if j <= 0 || t > 1<<63-1 {
-		return 0, nil, 0, errors.New("bad frame time")
+		return 0, nil, errors.New("bad frame time")
 	}
-	return int64(t), frame[j:], k + int(l), nil
+	return int64(t), body[j:], nil
 }

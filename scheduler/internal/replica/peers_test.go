@@ -1,6 +1,7 @@
 package replica
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -403,6 +405,7 @@ func FuzzParseGreeting(f *testing.F) {
 	f.Add(append([]byte(peerMagic), 0xff, 0xff, 0xff, 0xff, 0x0f))
 	f.Add(append([]byte(peerMagicSecret), 1, 'a', 1, 's', 3, 'a', 'b', 'c'))
 	f.Add([]byte("BATON"))
+	f.Add([]byte("BATONRS\x02\x01a\x01s\x100123456789abcdef")) // a secret without sealing: no longer spoken
 	f.Fuzz(func(t *testing.T, b []byte) {
 		g, n, err := parseGreeting(b)
 		if err == nil && n > 0 {
@@ -620,5 +623,177 @@ func TestPeersSecretImpostor(t *testing.T) {
 	}
 	if n, _, _ := ao.get(); n != 0 {
 		t.Errorf("a sends to %d peers, want none", n)
+	}
+}
+
+// recordingProxy forwards connections to target, keeping what the
+// dialling side sent.
+type recordingProxy struct {
+	ln   net.Listener
+	mu   sync.Mutex
+	sent []byte
+}
+
+func startRecordingProxy(t *testing.T, target string) *recordingProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := &recordingProxy{ln: ln}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			t.Cleanup(func() { c.Close(); u.Close() })
+			go io.Copy(c, u)
+			go func() {
+				var b [4096]byte
+				for {
+					n, err := c.Read(b[:])
+					px.mu.Lock()
+					px.sent = append(px.sent, b[:n]...)
+					px.mu.Unlock()
+					if _, werr := u.Write(b[:n]); err != nil || werr != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return px
+}
+
+func (px *recordingProxy) seen() []byte {
+	px.mu.Lock()
+	defer px.mu.Unlock()
+	return slices.Clone(px.sent)
+}
+
+// With a shared secret the decisions travel sealed: what crosses the
+// wire holds neither the worker's name nor the block keys, and the
+// receiver applies them as without. Without a secret both are there to
+// read (so the check can fail).
+func TestPeersSecretSeals(t *testing.T) {
+	const name = "worker-whose-name-must-not-show"
+	key := uint64(0x0123456789abcdef)
+	for _, secret := range []string{"", "the test's shared secret"} {
+		t.Run(fmt.Sprintf("secret=%v", secret != ""), func(t *testing.T) {
+			edit := func(c *Config) {
+				if secret != "" {
+					c.Secret = []byte(secret)
+				}
+			}
+			a, _ := newListening(t, "", "a", edit)
+			b, bo := newListening(t, "", "b", edit)
+			px := startRecordingProxy(t, a.ListenAddr())
+			b.SetPeers([]string{px.ln.Addr().String()})
+			waitFor(t, "b to reach a", func() bool { n, _, _ := bo.get(); return n == 1 })
+			e := Entry{Worker: name, Keys: []uint64{key, key + 1}, Pending: -1}
+			for range 3 {
+				b.Publish(e)
+				a.expect(t, e)
+			}
+			wire := px.seen()
+			var k [8]byte
+			binary.LittleEndian.PutUint64(k[:], key)
+			plain := bytes.Contains(wire, []byte(name)) || bytes.Contains(wire, k[:]) ||
+				bytes.Contains(wire, binary.BigEndian.AppendUint64(nil, key))
+			if secret != "" && plain {
+				t.Errorf("with a secret, the %d bytes sent hold the worker's name or a key in the clear", len(wire))
+			}
+			if secret == "" && !bytes.Contains(wire, []byte(name)) {
+				t.Errorf("without a secret, the %d bytes sent do not hold the worker's name", len(wire))
+			}
+		})
+	}
+}
+
+// A frame altered, or sent again, in transit does not open: the listener
+// applies nothing of it, nor anything after it, and closes the
+// connection. The dialler here is the test, holding the secret.
+func TestPeersSecretTampered(t *testing.T) {
+	secret := []byte("the test's shared secret")
+	for _, fault := range []string{"flipped", "repeated"} {
+		t.Run(fault, func(t *testing.T) {
+			a, _ := newListening(t, "", "a", func(c *Config) { c.Secret = secret })
+			conn, err := net.Dial("tcp", a.ListenAddr())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(10 * time.Second))
+			mine := greeting{id: "mallory", stream: "test:" + t.Name(), nonce: newNonce()}
+			conn.Write(appendGreeting(nil, mine))
+			var buf []byte
+			g, err := readGreeting(conn, &buf)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := readN(conn, &buf, proofLen); err != nil {
+				t.Fatal(err)
+			}
+			me := &peers{s: &Sharer{cfg: Config{Secret: secret}}}
+			seal, err := me.sealer(mine, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			frame := func(e Entry) []byte {
+				body := encode(binary.AppendUvarint(nil, 1), []Entry{e})
+				return seal.seal(binary.AppendUvarint(nil, uint64(len(body)+sealOverhead)), body)
+			}
+			good := Entry{Worker: "w", Keys: []uint64{1}, Seq: 1, Pending: -1}
+			first := frame(good)
+			conn.Write(append(me.proof("dialler", mine, g), first...))
+			a.expect(t, good)
+			var bad []byte
+			switch fault {
+			case "flipped":
+				bad = frame(Entry{Worker: "w", Keys: []uint64{2}, Seq: 2, Pending: -1})
+				bad[len(bad)/2] ^= 1
+			case "repeated":
+				bad = first
+			}
+			after := frame(Entry{Worker: "w", Keys: []uint64{3}, Seq: 3, Pending: -1})
+			conn.Write(append(bad, after...))
+			if _, err := io.ReadAll(conn); errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("a did not close the connection: %v", err)
+			}
+			select {
+			case got := <-a.applied:
+				t.Errorf("a applied %v after a frame %s in transit", got, fault)
+			default:
+			}
+		})
+	}
+}
+
+// BenchmarkSealFrame: what a shared secret adds to a decision on its
+// goroutine, for each peer: sealing an 8,000-token prompt's frame.
+func BenchmarkSealFrame(b *testing.B) {
+	me := &peers{s: &Sharer{cfg: Config{Secret: []byte("a benchmark's shared secret")}}}
+	d := greeting{id: "d", stream: "s", nonce: newNonce()}
+	l := greeting{id: "l", stream: "s", nonce: newNonce()}
+	seal, err := me.sealer(d, l)
+	if err != nil {
+		b.Fatal(err)
+	}
+	keys := make([]uint64, 500)
+	for i := range keys {
+		keys[i] = rand.Uint64()
+	}
+	body := encode(binary.AppendUvarint(nil, 1), []Entry{{Worker: "worker-17", Keys: keys, Pending: 100, At: 1, Seq: 1}})
+	var out []byte
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		out = seal.seal(out[:0], body)
 	}
 }
