@@ -125,7 +125,7 @@ func New(cfg Config, strategies *routing.Registry, log *slog.Logger) (*Scheduler
 	s := &Scheduler{log: log, Index: idx}
 	s.base, s.cancelBase = context.WithCancelCause(context.Background())
 	s.Metrics = metrics.New(s.snapshot(&s.Pool), s.snapshot(&s.PrefillPool))
-	s.deps = routing.Deps{Rand: cfg.Rand, Index: idx, Shared: cfg.Replicas.enabled(), PartTimer: func(profile, part string) func(time.Duration) {
+	s.deps = routing.Deps{Rand: cfg.Rand, Index: idx, PartTimer: func(profile, part string) func(time.Duration) {
 		h := s.Metrics.RoutingPart.WithLabelValues(profile, part)
 		return func(d time.Duration) { h.Observe(d.Seconds()) }
 	}}

@@ -86,10 +86,6 @@ type Config struct {
 	// Negative: replicas share nothing.
 	ShareLag         time.Duration
 	ShareCorrections bool
-	// Shared builds the strategies as a replica's that shares its
-	// decisions (routing.Deps.Shared), also with one replica; several
-	// replicas that share are built so anyway.
-	Shared bool
 
 	// dispatchOf, set by tests, replaces Dispatch's draws: request i's
 	// delay.
@@ -322,8 +318,7 @@ func newSim(cfg Config) (*Sim, error) {
 		}
 		v.index = kvindex.New(icfg)
 		// Replica 0 draws as a lone scheduler does.
-		deps := routing.Deps{Rand: routing.SeededRand(cfg.Seed + uint64(r)), Index: v.index,
-			Shared: cfg.Shared || cfg.Replicas > 1 && cfg.ShareLag >= 0}
+		deps := routing.Deps{Rand: routing.SeededRand(cfg.Seed + uint64(r)), Index: v.index}
 		var err error
 		if v.strategy, err = reg.New(cfg.Strategy, params, deps); err != nil {
 			return nil, err

@@ -244,17 +244,14 @@ func TestLoadReportsIdle(t *testing.T) {
 
 // Scheduler replicas that share at once all they learn (decisions and the
 // observations that correct their estimates) route as one scheduler
-// built as a replica (Shared: its ties as narrow) does, request by
-// request; sharing nothing, they do not.
+// does, request by request; sharing nothing, they do not.
 func TestReplicas(t *testing.T) {
 	w := excerpt(t, 120)
 	// Without a spacing, a burst's requests are taken up at its instant,
 	// one after another, by one front end as by four.
 	base := Config{Workers: 4, Strategy: "kv_aware", Seed: 3,
 		Dispatch: Dispatch{Median: 5 * time.Millisecond, P90: 16 * time.Millisecond}}
-	asReplica := base
-	asReplica.Shared = true
-	one := run(t, asReplica, w)
+	one := run(t, base, w)
 	at := base
 	at.Replicas, at.ShareCorrections = 4, true
 	shared := run(t, at, w)

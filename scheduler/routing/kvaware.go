@@ -24,26 +24,6 @@ var errNoIndex = errors.New("needs the scheduler's KV index (Deps.Index)")
 // are not finer than that.
 const tieTolerance = 0.03
 
-// tieToleranceShared is tieTolerance for a replica that shares its
-// decisions with others (Deps.Shared). Replicas that take up a burst's
-// requests side by side each choose before hearing of the others'
-// choices; the wider ties, walked on the ring from each prompt's own key,
-// then scatter a burst over workers that one scheduler, seeing each
-// choice before the next, would not have ranked alike. On the virtual
-// clock (bench/RESULTS.md §13) narrower ties take four replicas' Mooncake
-// mean from +9.8% to +6.2% of one scheduler's and leave long-context and
-// agentic as they were; one scheduler alone keeps tieTolerance, which
-// suits it better (its mean 2% slower at 0.01).
-const tieToleranceShared = 0.01
-
-// tieOf returns the tie tolerance of a kv_aware picker built with d.
-func tieOf(d Deps) float64 {
-	if d.Shared {
-		return tieToleranceShared
-	}
-	return tieTolerance
-}
-
 // homeTolerance is how much slower than the best a prompt's home on the
 // ring may be estimated and still take a prompt no worker holds. Load
 // the engines report (queues, long decodes) moves estimates by more, and
@@ -104,7 +84,7 @@ func NewKVAware(p Params, d Deps) (Strategy, error) {
 		name:      KVAware,
 		filters:   kvAwareFilters,
 		scorers:   []weighted{{Scorer: kv, weight: 1}},
-		picker:    kvAwarePicker{threshold: p.ConcurrencyThreshold, replicate: true, tie: tieOf(d)},
+		picker:    kvAwarePicker{threshold: p.ConcurrencyThreshold, replicate: true},
 		rand:      d.Rand,
 		threshold: p.ConcurrencyThreshold,
 		base:      ReasonKVAware,
@@ -198,7 +178,7 @@ type choice struct {
 // choose alike. Both choices are made in the same two passes over es;
 // the ring is walked only when candidates tie, and only as far as the
 // first of them.
-func choose(c *Cycle, es []candidate, key uint64, threshold int, tie float64) (all, under candidate) {
+func choose(c *Cycle, es []candidate, key uint64, threshold int) (all, under candidate) {
 	a, u := choice{best: -1}, choice{best: -1}
 	for i := range es {
 		e := &es[i]
@@ -212,9 +192,9 @@ func choose(c *Cycle, es []candidate, key uint64, threshold int, tie float64) (a
 	if a.best < 0 {
 		return candidate{i: -1}, candidate{i: -1}
 	}
-	a.limit = es[a.best].score * (1 + tie)
+	a.limit = es[a.best].score * (1 + tieTolerance)
 	if u.best >= 0 {
-		u.limit = es[u.best].score * (1 + tie)
+		u.limit = es[u.best].score * (1 + tieTolerance)
 	}
 	for i := range es {
 		e := &es[i]
@@ -307,7 +287,6 @@ func (s *kvScorer) Score(c *Cycle, scores []float64) {
 type kvAwarePicker struct {
 	threshold int
 	replicate bool
-	tie       float64 // tieTolerance, or tieToleranceShared
 }
 
 // kvAwareOptions are the kv_aware picker's options in a profile.
@@ -322,8 +301,8 @@ type kvAwareOptions struct {
 
 func (o *kvAwareOptions) Validate() error { return validThreshold(o.ConcurrencyThreshold, true) }
 
-func newKVAwarePicker(o kvAwareOptions, p Params, d Deps) (Picker, error) {
-	k := kvAwarePicker{threshold: o.ConcurrencyThreshold, replicate: o.Replicate == nil || *o.Replicate, tie: tieOf(d)}
+func newKVAwarePicker(o kvAwareOptions, p Params, _ Deps) (Picker, error) {
+	k := kvAwarePicker{threshold: o.ConcurrencyThreshold, replicate: o.Replicate == nil || *o.Replicate}
 	if k.threshold == 0 {
 		k.threshold = p.ConcurrencyThreshold
 	}
@@ -357,7 +336,7 @@ func (k kvAwarePicker) Pick(c *Cycle, totals []float64) int {
 		}
 	}
 	key, threshold := notes.key, k.threshold
-	bestAny, best := choose(c, es, key, threshold, k.tie)
+	bestAny, best := choose(c, es, key, threshold)
 	idle := candidate{i: -1}
 	minRaw := math.Inf(1) // the least uncorrected estimate under the threshold
 	for i := range es {

@@ -926,38 +926,3 @@ func TestDeadBand(t *testing.T) {
 		}
 	}
 }
-
-// A replica that shares its decisions (Deps.Shared) ties candidates
-// within tieToleranceShared, not tieTolerance: two workers 2% apart tie
-// for a scheduler alone (the one holding more of the prompt wins) and do
-// not for a replica (the faster wins); kv_aware built either way, and its
-// picker from a profile, carry the tolerance.
-func TestKVAwareSharedTiesNarrower(t *testing.T) {
-	es := []candidate{
-		{i: 0, score: 1.00, cached: 0},
-		{i: 1, score: 1.02, cached: 512},
-	}
-	for _, tt := range []struct {
-		shared bool
-		want   int
-	}{{false, 1}, {true, 0}} {
-		tie := tieOf(Deps{Shared: tt.shared})
-		if all, _ := choose(&Cycle{}, es, 0, 100, tie); all.i != tt.want {
-			t.Errorf("shared %t (tie %g): chose candidate %d, want %d", tt.shared, tie, all.i, tt.want)
-		}
-		s, err := NewKVAware(Params{}, Deps{Index: kvindex.New(kvindex.Config{}), Shared: tt.shared})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := s.(*Profile).picker.(kvAwarePicker).tie; got != tie {
-			t.Errorf("shared %t: kv_aware's picker ties within %g, want %g", tt.shared, got, tie)
-		}
-		p, err := newKVAwarePicker(kvAwareOptions{}, Params{}.withDefaults(), Deps{Shared: tt.shared})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := p.(kvAwarePicker).tie; got != tie {
-			t.Errorf("shared %t: a profile's kv_aware picker ties within %g, want %g", tt.shared, got, tie)
-		}
-	}
-}

@@ -301,10 +301,6 @@ type Deps struct {
 	// use and not allocate. The scheduler records them as
 	// baton_routing_part_seconds.
 	PartTimer func(profile, part string) func(time.Duration)
-	// Shared: the scheduler is one of several replicas that share their
-	// decisions (replicas in its configuration); kv_aware's ties are then
-	// narrower (see tieToleranceShared).
-	Shared bool
 }
 
 // withDefaults returns d with its nil Rand set to math/rand/v2's.
