@@ -800,41 +800,25 @@ var errSealed = errors.New("a frame that does not open under the shared secret: 
 func (in *inPeer) frames(s *Sharer) {
 	for in.err == nil {
 		body, n, err := cutFrame(in.buf)
-		if err == nil && n > 0 && in.open != nil {
-			if in.plain, err = in.open.open(in.plain[:0], body); err != nil {
-				err = errSealed
-			}
-			body = in.plain
-		}
-		var at int64
-		var data []byte
-		if err == nil && n > 0 {
-			at, data, err = parseBody(body)
-		}
-		if err != nil {
+		if err != nil || n == 0 {
 			in.err = err
 			return
 		}
-		if n == 0 {
+		if in.open != nil {
+			if in.plain, err = in.open.open(in.plain[:0], body); err != nil {
+				in.err = errSealed
+				return
+			}
+			body = in.plain
+		}
+		at, data, err := parseBody(body)
+		if err != nil {
+			in.err = err
 			return
 		}
 		s.applyMessage(ViaPeer, "", in.from, 0, at, data, false)
 		in.buf = in.buf[:copy(in.buf, in.buf[n:])]
 	}
-}
-
-// parseFrame parses a frame off the front of b: its publication time and
-// data; n is 0 while b holds only part of one.
-func parseFrame(b []byte) (at int64, data []byte, n int, err error) {
-	body, n, err := cutFrame(b)
-	if err != nil || n == 0 {
-		return 0, nil, 0, err
-	}
-	at, data, err = parseBody(body)
-	if err != nil {
-		return 0, nil, 0, err
-	}
-	return at, data, n, nil
 }
 
 // cutFrame returns the contents of the frame at the front of b and the

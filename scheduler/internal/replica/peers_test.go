@@ -525,8 +525,12 @@ func FuzzParseFrame(f *testing.F) {
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01})
 	f.Add([]byte{1, 0x80})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		at, data, n, err := parseFrame(b)
+		body, n, err := cutFrame(b)
 		if err != nil || n == 0 {
+			return
+		}
+		at, data, err := parseBody(body)
+		if err != nil {
 			return
 		}
 		if n > len(b) || at < 0 || len(data) > n {
