@@ -170,7 +170,6 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 		if lb, err = haproxy.Binary(""); err != nil {
 			return "", err
 		}
-		o.lbVersion = haproxy.Version(lb)
 		for i := range faults {
 			faults[i].what = strings.ReplaceAll(faults[i].what, clientsRetry, lbRetries)
 		}
@@ -180,6 +179,9 @@ func runMatrix(ctx context.Context, dir string, o options, log *slog.Logger) (st
 		return "", err
 	}
 	defer f.close()
+	if f.lb != nil {
+		o.lbVersion = f.lb.Version // what Start read of the binary
+	}
 	h := &harness{f: f, rec: &recorder{}, model: model, deadline: o.deadline, during: o.during}
 	idle0, err := scrape(ctx, f.bases[0])
 	if err != nil {
