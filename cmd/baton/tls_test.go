@@ -131,9 +131,9 @@ func TestWorkerRedisCredentials(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--redis", "redis://:wrong-one@" + plain.Addr()}, "--redis: redis refused the credentials: password: WRONGPASS"},
-		{[]string{"--redis", "redis://" + plain.Addr()}, "--redis: redis refused the credentials: password: NOAUTH"},
-		{[]string{"--redis", "rediss://:" + password + "@" + secure.Addr(), "--redis-ca-file", other.File}, "--redis: redis refused the credentials: tls:"},
+		{[]string{"--redis", "redis://:wrong-one@" + plain.Addr()}, "--redis: redis refused the client: password: WRONGPASS"},
+		{[]string{"--redis", "redis://" + plain.Addr()}, "--redis: redis refused the client: password: NOAUTH"},
+		{[]string{"--redis", "rediss://:" + password + "@" + secure.Addr(), "--redis-ca-file", other.File}, "--redis: redis refused the client: tls:"},
 		{[]string{"--redis", "redis://" + plain.Addr(), "--redis-ca-file", ca.File}, "--redis-ca-file: set without redis.tls"},
 		{[]string{"--redis-ca-file", ca.File}, "--redis-ca-file, --redis-cert-file, --redis-key-file: set without --redis"},
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -171,5 +172,65 @@ func TestRedisTLSConfigErrors(t *testing.T) {
 				t.Fatalf("Validate: %v, want an error starting %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// deniedReply is what redis-server 7.0 in protected mode (no password,
+// its default) writes to a client on another host than loopback, before
+// it closes the connection without reading.
+const deniedReply = "-DENIED Redis is running in protected mode because protected mode is enabled and no password is set for the default user. In this mode connections are only accepted from the loopback interface.\r\n"
+
+// protectedRedis answers every connection as a Redis in protected mode
+// answers one from another host. A real redis-server does that only to a
+// client on a non-loopback address, which a test cannot have on demand.
+func protectedRedis(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte(deniedReply))
+			c.Close()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// TestRedisProtectedMode: a Redis that turns the connection away is
+// refused with its reason, not reported as an EOF of a server that did
+// not answer (which the breaker would keep retrying).
+func TestRedisProtectedMode(t *testing.T) {
+	addr := protectedRedis(t)
+	_, err := openURL(t, "redis://"+addr, nil)
+	if !errors.Is(err, kvstore.ErrRefused) || !strings.Contains(err.Error(), "DENIED Redis is running in protected mode") {
+		t.Fatalf("Check: %v, want ErrRefused with the server's reason", err)
+	}
+	if why := kvstore.TurnedAway(t.Context(), addr); why == nil || !strings.HasPrefix(why.Error(), "DENIED") {
+		t.Errorf("TurnedAway: %v, want the DENIED reply", why)
+	}
+}
+
+// TestTurnedAwayAnswered: a server that answers, one that asks for a
+// password, and none at all turn nothing away.
+func TestTurnedAwayAnswered(t *testing.T) {
+	plain := redistest.Start(t)
+	locked := redistest.StartWith(t, redistest.Options{Password: "s3cret-pass"})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close()
+	for _, addr := range []string{plain.Addr(), locked.Addr(), closed} {
+		if why := kvstore.TurnedAway(t.Context(), addr); why != nil {
+			t.Errorf("TurnedAway(%s): %v, want nil", addr, why)
+		}
 	}
 }

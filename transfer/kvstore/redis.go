@@ -1,15 +1,18 @@
 package kvstore
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -93,13 +96,15 @@ func NewClient(cfg RedisConfig) (*redis.Client, error) {
 }
 
 // ErrRefused is returned (wrapped) by Check when the server refused the
-// client's credentials: its password (WRONGPASS, NOAUTH) or its TLS
-// certificates. Unlike an unreachable server, that will not mend itself.
-var ErrRefused = errors.New("redis refused the credentials")
+// client: its password (WRONGPASS, NOAUTH), its TLS certificates, or the
+// connection itself (a Redis in protected mode reached from another host).
+// Unlike an unreachable server, that will not mend itself.
+var ErrRefused = errors.New("redis refused the client")
 
-// Check sends one PING. An error wrapping ErrRefused means the password
-// or the TLS settings are wrong; any other error means the server did
-// not answer. A worker checks once at start.
+// Check sends one PING. An error wrapping ErrRefused means the password,
+// the TLS settings or the server's own settings turn the client away;
+// any other error means the server did not answer. A worker checks once
+// at start.
 func (r *Redis) Check(ctx context.Context) error {
 	err := r.client.Ping(ctx).Err()
 	if err == nil {
@@ -121,7 +126,51 @@ func (r *Redis) Check(ctx context.Context) error {
 		errors.As(err, &remote) && strings.Contains(remote.Err.Error(), "remote error: tls"):
 		return fmt.Errorf("%w: tls: %v", ErrRefused, err)
 	}
-	return fmt.Errorf("redis at %s: %w", r.client.Options().Addr, err)
+	o := r.client.Options()
+	if o.TLSConfig == nil && Closed(err) {
+		if why := TurnedAway(ctx, o.Addr); why != nil {
+			return fmt.Errorf("%w: connection: %v", ErrRefused, why)
+		}
+	}
+	return fmt.Errorf("redis at %s: %w", o.Addr, err)
+}
+
+// Closed reports whether err is a connection the server closed (EOF, a
+// reset, a broken pipe): what go-redis reports of a server that said why
+// it turned the connection away and closed it, since its handshake goes
+// on past the reason.
+func Closed(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+}
+
+// TurnedAway connects to the Redis at addr over plain TCP, sends a PING
+// and returns the error reply the server sends before closing the
+// connection, as the reason it turns clients away: DENIED from a Redis in
+// protected mode (no password set, the default) to a client on another
+// host, "ERR max number of clients reached". Nil when the server answers
+// the PING, asks for a password (which Check reports itself), cannot be
+// reached, or says nothing before ctx's deadline or a second.
+func TurnedAway(ctx context.Context, addr string) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil
+	}
+	defer c.Close()
+	deadline, _ := ctx.Deadline()
+	c.SetDeadline(deadline)
+	// The server may have closed already: its reason is read after a
+	// failed write too.
+	c.Write([]byte("*1\r\n$4\r\nPING\r\n"))
+	line, _ := bufio.NewReaderSize(c, 1024).ReadString('\n')
+	line = strings.TrimRight(line, "\r\n")
+	if !strings.HasPrefix(line, "-") || strings.HasPrefix(line, "-NOAUTH") {
+		return nil
+	}
+	return errors.New(line[1:])
 }
 
 // Put writes blocks with one pipelined SET … EX per block, in one round

@@ -118,7 +118,10 @@ func (f *follower) dial(last string) (*net.TCPConn, syscall.RawConn, error) {
 }
 
 // dialRedis connects to the Redis at addr, authenticates with auth's
-// command (none when nil) and selects db.
+// command (none when nil), selects db and pings it: a server that turns
+// the connection away (a Redis in protected mode, reached from another
+// host, answers with its reason and closes) is an error that says why,
+// here, rather than a broken pipe on the first message.
 func dialRedis(ctx context.Context, addr string, auth []string, db int) (*net.TCPConn, error) {
 	d := net.Dialer{Timeout: callTimeout}
 	c, err := d.DialContext(ctx, "tcp", addr)
@@ -127,7 +130,7 @@ func dialRedis(ctx context.Context, addr string, auth []string, db int) (*net.TC
 	}
 	conn := c.(*net.TCPConn)
 	var cmd []byte
-	n := 0
+	n := 1
 	if auth != nil {
 		cmd = appendCommand(cmd, auth...)
 		n++
@@ -136,14 +139,11 @@ func dialRedis(ctx context.Context, addr string, auth []string, db int) (*net.TC
 		cmd = appendCommand(cmd, "SELECT", strconv.Itoa(db))
 		n++
 	}
-	if n == 0 {
-		return conn, nil
-	}
+	cmd = appendCommand(cmd, "PING")
 	conn.SetDeadline(time.Now().Add(callTimeout))
-	if _, err := conn.Write(cmd); err != nil {
-		conn.Close()
-		return nil, err
-	}
+	_, werr := conn.Write(cmd)
+	// A server that closed at once may have said why before the write
+	// failed: its answer is read either way.
 	var buf []byte
 	for range n {
 		reply, err := readReply(conn, &buf)
@@ -152,6 +152,9 @@ func dialRedis(ctx context.Context, addr string, auth []string, db int) (*net.TC
 		}
 		if err != nil {
 			conn.Close()
+			if werr != nil && reply == nil {
+				err = werr
+			}
 			return nil, err
 		}
 	}

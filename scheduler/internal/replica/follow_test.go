@@ -3,6 +3,9 @@ package replica
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -139,4 +142,97 @@ func TestPublishLateKeepsConnection(t *testing.T) {
 	if len(dropped) != 0 {
 		t.Errorf("a dropped %v, want nothing", dropped)
 	}
+}
+
+// protectedMode is what a Redis in protected mode (no password, the
+// default since 3.2) answers a connection from another host, before it
+// closes it (redis-server 7.0).
+const protectedMode = "-DENIED Redis is running in protected mode because protected mode is enabled and no password is set for the default user. In this mode connections are only accepted from the loopback interface.\r\n"
+
+// refusingRedis listens on loopback and answers every connection as a
+// Redis in protected mode answers one from another host: its reason, then
+// close, without reading. A real redis-server does so only to a client on
+// another address than loopback, which a test cannot make on demand.
+func refusingRedis(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte(protectedMode))
+			c.Close()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// TestDialSaysWhyRedisRefused: a Redis that turns the connection away
+// is an error at the dial that carries its reason, whether the server
+// closed before or after the client's first write; not a connection
+// that breaks on the first message with a broken pipe.
+func TestDialSaysWhyRedisRefused(t *testing.T) {
+	addr := refusingRedis(t)
+	for i := range 50 {
+		conn, err := dialRedis(t.Context(), addr, nil, 0)
+		if err == nil {
+			conn.Close()
+			t.Fatalf("dial %d: connected to a Redis that refuses", i)
+		}
+		if !strings.Contains(err.Error(), "DENIED Redis is running in protected mode") {
+			t.Fatalf("dial %d: %v, want Redis's reason", i, err)
+		}
+	}
+}
+
+// TestSharerLogsWhyRedisRefused: the one line a Sharer logs when Redis is
+// unreachable names Redis's reason.
+func TestSharerLogsWhyRedisRefused(t *testing.T) {
+	if !ownConnections {
+		t.Skip("the go-redis client's own handshake reports the reason")
+	}
+	addr := refusingRedis(t)
+	logs := make(chan string, 16)
+	client := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
+	t.Cleanup(func() { client.Close() })
+	s, err := New(Config{Client: client, ID: "a", Stream: "test:" + t.Name(),
+		Logger: slog.New(&lineHandler{lines: logs}), Apply: func(Entry) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	s.Publish(Entry{Worker: "w", Keys: []uint64{1}})
+	select {
+	case line := <-logs:
+		if !strings.Contains(line, "redis unreachable") || !strings.Contains(line, "protected mode") {
+			t.Errorf("logged %q, want Redis unreachable and its reason", line)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing logged of a Redis that refuses")
+	}
+}
+
+// lineHandler sends each record, with its attributes, as a line.
+type lineHandler struct{ lines chan string }
+
+func (h *lineHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *lineHandler) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *lineHandler) WithGroup(string) slog.Handler            { return h }
+func (h *lineHandler) Handle(_ context.Context, r slog.Record) error {
+	line := r.Message
+	r.Attrs(func(a slog.Attr) bool {
+		line += " " + a.String()
+		return true
+	})
+	select {
+	case h.lines <- line:
+	default:
+	}
+	return nil
 }

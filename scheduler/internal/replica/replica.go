@@ -26,6 +26,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/batonllm/baton/transfer/kvstore"
 )
 
 // Entry is one committed decision: Worker will hold the blocks Keys
@@ -502,6 +504,13 @@ func (s *Sharer) read() {
 		switch {
 		case last == "":
 			last, err = s.replay()
+			if err != nil && s.f != nil && kvstore.Closed(err) {
+				// go-redis's handshake goes on past a server's reason
+				// for turning it away, and reports the close.
+				if why := kvstore.TurnedAway(s.ctx, s.f.addr); why != nil {
+					err = fmt.Errorf("%w; the server said: %v", err, why)
+				}
+			}
 		case s.f != nil:
 			last, err = s.f.follow(last)
 		default:
