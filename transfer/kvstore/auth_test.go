@@ -175,39 +175,11 @@ func TestRedisTLSConfigErrors(t *testing.T) {
 	}
 }
 
-// deniedReply is what redis-server 7.0 in protected mode (no password,
-// its default) writes to a client on another host than loopback, before
-// it closes the connection without reading.
-const deniedReply = "-DENIED Redis is running in protected mode because protected mode is enabled and no password is set for the default user. In this mode connections are only accepted from the loopback interface.\r\n"
-
-// protectedRedis answers every connection as a Redis in protected mode
-// answers one from another host. A real redis-server does that only to a
-// client on a non-loopback address, which a test cannot have on demand.
-func protectedRedis(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			c.Write([]byte(deniedReply))
-			c.Close()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // TestRedisProtectedMode: a Redis that turns the connection away is
 // refused with its reason, not reported as an EOF of a server that did
 // not answer (which the breaker would keep retrying).
 func TestRedisProtectedMode(t *testing.T) {
-	addr := protectedRedis(t)
+	addr := redistest.ProtectedMode(t)
 	_, err := openURL(t, "redis://"+addr, nil)
 	if !errors.Is(err, kvstore.ErrRefused) || !strings.Contains(err.Error(), "DENIED Redis is running in protected mode") {
 		t.Fatalf("Check: %v, want ErrRefused with the server's reason", err)

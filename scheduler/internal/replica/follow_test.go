@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -144,41 +143,12 @@ func TestPublishLateKeepsConnection(t *testing.T) {
 	}
 }
 
-// protectedMode is what a Redis in protected mode (no password, the
-// default since 3.2) answers a connection from another host, before it
-// closes it (redis-server 7.0).
-const protectedMode = "-DENIED Redis is running in protected mode because protected mode is enabled and no password is set for the default user. In this mode connections are only accepted from the loopback interface.\r\n"
-
-// refusingRedis listens on loopback and answers every connection as a
-// Redis in protected mode answers one from another host: its reason, then
-// close, without reading. A real redis-server does so only to a client on
-// another address than loopback, which a test cannot make on demand.
-func refusingRedis(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			c.Write([]byte(protectedMode))
-			c.Close()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // TestDialSaysWhyRedisRefused: a Redis that turns the connection away
 // is an error at the dial that carries its reason, whether the server
 // closed before or after the client's first write; not a connection
 // that breaks on the first message with a broken pipe.
 func TestDialSaysWhyRedisRefused(t *testing.T) {
-	addr := refusingRedis(t)
+	addr := redistest.ProtectedMode(t)
 	for i := range 50 {
 		conn, err := dialRedis(t.Context(), addr, nil, 0)
 		if err == nil {
@@ -197,7 +167,7 @@ func TestSharerLogsWhyRedisRefused(t *testing.T) {
 	if !ownConnections {
 		t.Skip("the go-redis client's own handshake reports the reason")
 	}
-	addr := refusingRedis(t)
+	addr := redistest.ProtectedMode(t)
 	logs := make(chan string, 16)
 	client := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 	t.Cleanup(func() { client.Close() })

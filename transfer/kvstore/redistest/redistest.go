@@ -377,3 +377,33 @@ func pingWith(addr string, timeout time.Duration, password string, tc *tls.Confi
 	}
 	return nil
 }
+
+// ProtectedModeReply is what redis-server 7.0 in protected mode (no
+// password, its default) writes to a client on another host than
+// loopback, before it closes the connection without reading.
+const ProtectedModeReply = "-DENIED Redis is running in protected mode because protected mode is enabled and no password is set for the default user. In this mode connections are only accepted from the loopback interface.\r\n"
+
+// ProtectedMode listens on loopback, answers every connection as a Redis
+// in protected mode answers one from another host (ProtectedModeReply,
+// then close) and returns its address. A real redis-server does so only
+// to a client on a non-loopback address, which a test cannot have on
+// demand.
+func ProtectedMode(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte(ProtectedModeReply))
+			c.Close()
+		}
+	}()
+	return ln.Addr().String()
+}
