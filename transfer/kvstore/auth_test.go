@@ -189,6 +189,16 @@ func TestRedisProtectedMode(t *testing.T) {
 	}
 }
 
+// TestRedisMaxClients: a Redis at its maxclients turns the client away
+// for a while: Check says so, without ErrRefused, which would stop a
+// worker at start for what passes.
+func TestRedisMaxClients(t *testing.T) {
+	_, err := openURL(t, "redis://"+redistest.TurningAway(t, redistest.MaxClientsReply), nil)
+	if err == nil || errors.Is(err, kvstore.ErrRefused) || !strings.Contains(err.Error(), "max number of clients reached") {
+		t.Fatalf("Check: %v, want an error with the server's reason, not ErrRefused", err)
+	}
+}
+
 // TestTurnedAwayAnswered: a server that answers, one that asks for a
 // password, and none at all turn nothing away.
 func TestTurnedAwayAnswered(t *testing.T) {

@@ -102,8 +102,9 @@ func NewClient(cfg RedisConfig) (*redis.Client, error) {
 var ErrRefused = errors.New("redis refused the client")
 
 // Check sends one PING. An error wrapping ErrRefused means the password,
-// the TLS settings or the server's own settings turn the client away;
-// any other error means the server did not answer. A worker checks once
+// the TLS settings or the server's protected mode turn the client away;
+// any other error means the server did not answer, or turned the client
+// away for a while (its clients at maxclients), which the error says. A worker checks once
 // at start.
 func (r *Redis) Check(ctx context.Context) error {
 	err := r.client.Ping(ctx).Err()
@@ -128,8 +129,13 @@ func (r *Redis) Check(ctx context.Context) error {
 	}
 	o := r.client.Options()
 	if o.TLSConfig == nil && Closed(err) {
-		if why := TurnedAway(ctx, o.Addr); why != nil {
+		switch why := TurnedAway(ctx, o.Addr); {
+		case why != nil && strings.HasPrefix(why.Error(), "DENIED"):
+			// Protected mode: the server's settings, not its load.
 			return fmt.Errorf("%w: connection: %v", ErrRefused, why)
+		case why != nil:
+			// Its clients at maxclients, say: that passes.
+			return fmt.Errorf("redis at %s: %w; the server said: %v", o.Addr, err, why)
 		}
 	}
 	return fmt.Errorf("redis at %s: %w", o.Addr, err)

@@ -388,7 +388,16 @@ const ProtectedModeReply = "-DENIED Redis is running in protected mode because p
 // then close) and returns its address. A real redis-server does so only
 // to a client on a non-loopback address, which a test cannot have on
 // demand.
-func ProtectedMode(t testing.TB) string {
+func ProtectedMode(t testing.TB) string { return TurningAway(t, ProtectedModeReply) }
+
+// MaxClientsReply is what redis-server writes to a connection past its
+// maxclients, before it closes it.
+const MaxClientsReply = "-ERR max number of clients reached\r\n"
+
+// TurningAway listens on loopback, answers every connection with reply
+// without reading, closes it, and returns its address: a Redis that turns
+// clients away (ProtectedModeReply, MaxClientsReply).
+func TurningAway(t testing.TB, reply string) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -401,7 +410,7 @@ func ProtectedMode(t testing.TB) string {
 			if err != nil {
 				return
 			}
-			c.Write([]byte(ProtectedModeReply))
+			c.Write([]byte(reply))
 			c.Close()
 		}
 	}()
