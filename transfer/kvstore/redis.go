@@ -104,8 +104,8 @@ var ErrRefused = errors.New("redis refused the client")
 // Check sends one PING. An error wrapping ErrRefused means the password,
 // the TLS settings or the server's protected mode turn the client away;
 // any other error means the server did not answer, or turned the client
-// away for a while (its clients at maxclients), which the error says. A worker checks once
-// at start.
+// away for a while (its clients at maxclients), which the error says. A
+// worker checks once at start.
 func (r *Redis) Check(ctx context.Context) error {
 	err := r.client.Ping(ctx).Err()
 	if err == nil {

@@ -299,7 +299,7 @@ func (op *outPeer) send(frame []byte, deadline time.Time) (int, error) {
 	}
 	_, k := binary.Uvarint(frame)
 	body := frame[k:]
-	op.out = binary.AppendUvarint(op.out[:0], uint64(len(body)+sealOverhead))
+	op.out = binary.AppendUvarint(op.out[:0], uint64(len(body)+op.seal.aead.Overhead()))
 	op.out = op.seal.seal(op.out, body)
 	n, err := op.conn.Write(op.out)
 	if n == 0 && err != nil {
@@ -460,9 +460,6 @@ func (p *peers) sealer(d, l greeting) (*sealer, error) {
 	}
 	return &sealer{aead: aead}, nil
 }
-
-// sealOverhead is what sealing adds to a frame's contents: GCM's tag.
-const sealOverhead = 16
 
 // sealer seals, or opens, one connection's frames in order: the n-th
 // with n as its nonce, which neither end sends.

@@ -752,7 +752,7 @@ func TestPeersSecretTampered(t *testing.T) {
 			}
 			frame := func(e Entry) []byte {
 				body := encode(binary.AppendUvarint(nil, 1), []Entry{e})
-				return seal.seal(binary.AppendUvarint(nil, uint64(len(body)+sealOverhead)), body)
+				return seal.seal(binary.AppendUvarint(nil, uint64(len(body)+seal.aead.Overhead())), body)
 			}
 			good := Entry{Worker: "w", Keys: []uint64{1}, Seq: 1, Pending: -1}
 			first := frame(good)
