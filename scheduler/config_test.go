@@ -47,6 +47,7 @@ func TestConfigValidate(t *testing.T) {
 		}, "replicas.peers.secret_file:"},
 		{"peers secret without listen", func(c *Config) { c.Replicas.Peers.SecretFile = short }, "replicas.peers.listen:"},
 		{"peers without listen", func(c *Config) { c.Replicas.Peers.Addresses = []string{"127.0.0.1:9401"} }, "replicas.peers.listen:"},
+		{"share_load without peers", func(c *Config) { off := false; c.Replicas.Peers.ShareLoad = &off }, "replicas.peers.listen:"},
 		{"peers listen not host:port", func(c *Config) { c.Replicas.Peers = ReplicaPeersConfig{Listen: "9401", Addresses: []string{"a:1"}} }, "replicas.peers.listen:"},
 		{"peers found no way", func(c *Config) { c.Replicas.Peers.Listen = ":9401" }, "replicas.peers.addresses:"},
 		{"peers found two ways", func(c *Config) {

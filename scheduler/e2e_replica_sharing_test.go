@@ -213,3 +213,61 @@ func TestReplicasSharePeers(t *testing.T) {
 		})
 	}
 }
+
+// TestReplicasShareScrapes: three replicas sharing straight
+// (replicas.peers) relay their scrapes of llama-servers' metrics to each
+// other, so most of each replica's turns are skipped and the engines
+// serve about one replica's scrapes (each replica still reads every
+// engine's slots before it serves: llamaFleetWith waits for them). With
+// share_load false, each replica scrapes every engine itself.
+func TestReplicasShareScrapes(t *testing.T) {
+	for _, share := range []bool{true, false} {
+		t.Run(fmt.Sprintf("share_load=%v", share), func(t *testing.T) {
+			srvs := llamaServers(t, 2)
+			addrs := freeAddrs(t, 3)
+			hc := httpClient(t)
+			var reps []string
+			for i := range addrs {
+				_, addr := llamaFleetWith(t, scheduler.Config{Strategy: "kv_aware", Replicas: scheduler.ReplicasConfig{
+					Peers: scheduler.ReplicaPeersConfig{Listen: addrs[i], Addresses: addrs, ShareLoad: &share}}}, srvs)
+				reps = append(reps, addr)
+			}
+			// Past the replicas' start, when turns may collide, over
+			// some hundred turns of the workers' 20ms interval.
+			count := func() (ok, skipped, relayed float64) {
+				for _, addr := range reps {
+					text := scrape(t, hc, addr)
+					o, _ := metric(text, "baton_engine_scrapes_total", `outcome="ok"`)
+					s, _ := metric(text, "baton_engine_scrapes_total", `outcome="skipped"`)
+					r, _ := metric(text, "baton_engine_scrapes_total", `outcome="relayed"`)
+					ok, skipped, relayed = ok+o, skipped+s, relayed+r
+				}
+				return ok, skipped, relayed
+			}
+			eventually(t, 10*time.Second, func() error {
+				if ok, skipped, _ := count(); ok+skipped < 200 {
+					return fmt.Errorf("%g turns so far", ok+skipped)
+				}
+				return nil
+			})
+			ok0, skipped0, relayed0 := count()
+			eventually(t, 20*time.Second, func() error {
+				if ok, skipped, _ := count(); ok+skipped-ok0-skipped0 < 600 {
+					return fmt.Errorf("%g turns since", ok+skipped-ok0-skipped0)
+				}
+				return nil
+			})
+			ok, skipped, relayed := count()
+			ok, skipped, relayed = ok-ok0, skipped-skipped0, relayed-relayed0
+			t.Logf("three replicas, two engines: %g scrapes, %g turns skipped, %g reports relayed", ok, skipped, relayed)
+			switch {
+			case share && ok > (ok+skipped)/2:
+				t.Errorf("%g of %g turns scraped; want most skipped, each engine scraped by about one replica", ok, ok+skipped)
+			case share && relayed < ok:
+				t.Errorf("%g reports relayed of %g scrapes, each of which goes to two replicas", relayed, ok)
+			case !share && (skipped > 0 || relayed > 0):
+				t.Errorf("share_load false: %g turns skipped, %g reports relayed", skipped, relayed)
+			}
+		})
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -17,7 +18,9 @@ import (
 	"github.com/batonllm/baton/scheduler/discovery"
 	"github.com/batonllm/baton/scheduler/internal/replica"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/scheduler/watch"
 	"github.com/batonllm/baton/transfer/kvstore"
+	"github.com/batonllm/baton/workers/vllm"
 )
 
 // ReplicasConfig makes several scheduler replicas in front of one fleet
@@ -72,7 +75,18 @@ type ReplicaPeersConfig struct {
 	// names the same stream is taken at its word, and the decisions
 	// cross in the clear.
 	SecretFile string `yaml:"secret_file"`
+	// ShareLoad relays each scrape of a vllm, sglang or llamacpp worker's
+	// metrics to the other replicas, and skips a worker's scrape when
+	// another replica relayed its load within three quarters of
+	// metrics_interval: each engine serves about one replica's scrapes,
+	// not one per replica, and every replica still takes its load each
+	// interval. Default true; false: every replica scrapes every engine.
+	ShareLoad *bool `yaml:"share_load"`
 }
+
+// shareLoad reports whether the replicas relay the engines' load to each
+// other.
+func (p ReplicaPeersConfig) shareLoad() bool { return p.set() && (p.ShareLoad == nil || *p.ShareLoad) }
 
 // minSecret is the shortest secret_file's secret.
 const minSecret = 16
@@ -92,7 +106,7 @@ func readSecret(file string) ([]byte, error) {
 
 // set reports whether anything of p is configured.
 func (p ReplicaPeersConfig) set() bool {
-	return p.Listen != "" || p.SecretFile != "" || len(p.Addresses) > 0 || p.DNS != (discovery.DNSConfig{}) || p.Kubernetes != (discovery.KubernetesConfig{})
+	return p.Listen != "" || p.SecretFile != "" || p.ShareLoad != nil || len(p.Addresses) > 0 || p.DNS != (discovery.DNSConfig{}) || p.Kubernetes != (discovery.KubernetesConfig{})
 }
 
 // enabled reports whether the replicas share.
@@ -189,6 +203,20 @@ type sharing struct {
 	peers  discovery.Source
 	done   chan struct{} // closed once the peers' updates are all taken
 	early  *earlyEntries
+	// watcher takes the engines' load the other replicas relay, once the
+	// scheduler has built it.
+	watcher atomic.Pointer[watch.Watcher]
+}
+
+// relay returns the watch.Config.Relay of a scheduler sharing through sh
+// under c: nil unless the replicas share the engines' load.
+func (sh *sharing) relay(c ReplicasConfig) func(string, time.Time, vllm.Metrics) {
+	if sh == nil || !c.Peers.shareLoad() {
+		return nil
+	}
+	return func(worker string, at time.Time, m vllm.Metrics) {
+		sh.sharer.PublishLoad(replica.Load{Worker: worker, At: at.UnixNano(), Report: m})
+	}
 }
 
 func (s *sharing) close() {
@@ -220,6 +248,11 @@ func startSharing(c ReplicasConfig, idx *kvindex.Index, reg prometheus.Registere
 		Apply: func(e replica.Entry) {
 			if !applyEntry(idx, e) {
 				sh.early.keep(e)
+			}
+		},
+		ApplyLoad: func(l replica.Load) {
+			if w := sh.watcher.Load(); w != nil {
+				w.Relayed(l.Worker, l.Report)
 			}
 		},
 		Logger: log, Observer: obs,
@@ -364,7 +397,7 @@ func (e *earlyEntries) stop() {
 // syncMetrics are the baton_replica_sync_* metrics.
 type syncMetrics struct {
 	messages, entries, bytes *prometheus.CounterVec
-	dropped, refused         *prometheus.CounterVec
+	dropped, refused, loads  *prometheus.CounterVec
 	missed, duplicates, lost prometheus.Counter
 	up, peers                prometheus.Gauge
 	lag                      *prometheus.HistogramVec
@@ -392,11 +425,15 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 			Help: "1 while the replicas' Redis answers (or none is configured), else 0."}),
 		peers: prometheus.NewGauge(prometheus.GaugeOpts{Name: "baton_replica_sync_peers",
 			Help: "Other replicas this one sends its decisions to straight, now."}),
+		loads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_load_reports_total",
+			Help: "Scrapes of engines' metrics relayed to a peer (sent, once per peer) or taken from one (received) in place of this replica's own scrape (replicas.peers.share_load)."}, []string{"direction"}),
 		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
 			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message), by the way that brought it first: how long this replica routed without knowing of it.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}, []string{"via"}),
 	}
-	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.refused, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag)
+	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.refused, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag, m.loads)
+	m.loads.WithLabelValues("sent")
+	m.loads.WithLabelValues("received")
 	m.up.Set(1)
 	for _, via := range []string{replica.ViaRedis, replica.ViaPeer} {
 		for _, vec := range []*prometheus.CounterVec{m.messages, m.entries, m.bytes} {
@@ -437,6 +474,9 @@ func (m *syncMetrics) Refused(reason string) {
 	m.refused.WithLabelValues(reason).Inc()
 }
 func (m *syncMetrics) Peers(n int) { m.peers.Set(float64(n)) }
+func (m *syncMetrics) Loads(direction string, n, bytes int) {
+	m.loads.WithLabelValues(direction).Add(float64(n))
+}
 
 func (m *syncMetrics) Up(up bool) {
 	if up {

@@ -157,7 +157,10 @@ func (s *Scheduler) build(cfg Config, strategies *routing.Registry) error {
 		reason := watch.ResyncReason(err)
 		s.Metrics.IndexResyncs.WithLabelValues(worker, reason).Inc()
 		s.log.Info("kv index resync", "worker", worker, "reason", reason, "err", err)
-	}, OnAdapters: s.workerAdapters, ScrapesPerSecond: float64(cfg.ScrapesPerSecond)})
+	}, OnAdapters: s.workerAdapters, ScrapesPerSecond: float64(cfg.ScrapesPerSecond), Relay: s.sharing.relay(cfg.Replicas)})
+	if s.sharing != nil {
+		s.sharing.watcher.Store(s.watcher)
+	}
 	s.Metrics.CollectEngines(s.engineCounts)
 	d := cfg.Disaggregation.WithDefaults()
 	// Watching every worker costs the scheduler CPU on each of their cache
@@ -424,8 +427,9 @@ func (s *Scheduler) engineCounts() []metrics.EngineCounts {
 	var out []metrics.EngineCounts
 	for _, e := range s.watcher.Engines() {
 		c := metrics.EngineCounts{
-			Worker:  e.Worker,
-			Scrapes: map[string]uint64{"ok": e.Scrapes.OK, "failed": e.Scrapes.Failed, "garbage": e.Scrapes.Garbage},
+			Worker: e.Worker,
+			Scrapes: map[string]uint64{"ok": e.Scrapes.OK, "failed": e.Scrapes.Failed, "garbage": e.Scrapes.Garbage,
+				"skipped": e.Scrapes.Skipped, "relayed": e.Scrapes.Relayed},
 
 			ScrapeInterval: e.ScrapeInterval,
 		}

@@ -323,7 +323,7 @@ type EngineCounts struct {
 
 var (
 	engineScrapesDesc = prometheus.NewDesc("baton_engine_scrapes_total",
-		"Scrapes of vLLM and SGLang workers' metrics, by outcome: ok, failed (no answer, or not 200), garbage (text or values baton cannot use; what was usable still counts).",
+		"Scrapes of vLLM, SGLang and llama.cpp workers' metrics, by outcome: ok, failed (no answer, or not 200), garbage (text or values baton cannot use; what was usable still counts); and, with replicas.peers.share_load, skipped (another replica relayed the load within the interval) and relayed (reports taken from another replica).",
 		[]string{"worker", "outcome"}, nil)
 	kvEventsDesc = prometheus.NewDesc("baton_kv_events_total",
 		"KV cache events of vLLM and SGLang workers by outcome: blocks stored and removed in the index, AllBlocksCleared events (cleared), and the blocks or events dropped (unknown_parent, bad_stored, ...).",

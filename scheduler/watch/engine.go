@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -92,7 +93,10 @@ type EngineStats struct {
 	// Scrapes counts scrapes by outcome: OK, Failed (no answer, or not
 	// 200) and Garbage (metrics that did not parse or held values baton
 	// cannot use; what was usable still counts).
-	Scrapes struct{ OK, Failed, Garbage uint64 }
+	// Skipped counts turns not scraped because another replica relayed
+	// the engine's load within the interval (Config.Relay), and Relayed
+	// the reports taken from other replicas.
+	Scrapes struct{ OK, Failed, Garbage, Skipped, Relayed uint64 }
 	// ScrapeInterval is the interval between scrapes in use: the
 	// configured one, or longer when the Watcher's engines share its
 	// Config.ScrapesPerSecond.
@@ -107,6 +111,7 @@ type EngineStats struct {
 // engineState is what EngineStats reads of a running engine.
 type engineState struct {
 	ok, failed, garbage atomic.Uint64
+	skipped, relayed    atomic.Uint64
 	interval            atomic.Int64 // the scrape interval in use, in ns
 	sub                 *kvevents.Subscriber
 	tr                  atomic.Pointer[Translator]
@@ -115,6 +120,7 @@ type engineState struct {
 func (s *engineState) stats(name string) EngineStats {
 	st := EngineStats{Worker: name}
 	st.Scrapes.OK, st.Scrapes.Failed, st.Scrapes.Garbage = s.ok.Load(), s.failed.Load(), s.garbage.Load()
+	st.Scrapes.Skipped, st.Scrapes.Relayed = s.skipped.Load(), s.relayed.Load()
 	st.ScrapeInterval = time.Duration(s.interval.Load())
 	if s.sub != nil {
 		st.HasEvents = true
@@ -142,7 +148,8 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 		return ErrClosed
 	}
 	st := &engineState{}
-	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st, w: w, ready: make(chan struct{})}
+	// Only the latest scrape matters: a slow applier skips stale ones.
+	e := &engine{idx: w.idx, name: name, cfg: cfg, st: st, w: w, ready: make(chan struct{}), scrapes: make(chan vllm.Metrics, 1)}
 	if cfg.Events.Endpoint != "" {
 		if cfg.Events.Logger == nil {
 			cfg.Events.Logger = cfg.Logger
@@ -158,7 +165,7 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 		old.stop()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	wd := &watched{cancel: cancel, done: make(chan struct{}), stats: func() EngineStats { return st.stats(name) }}
+	wd := &watched{cancel: cancel, done: make(chan struct{}), stats: func() EngineStats { return st.stats(name) }, engine: e}
 	w.workers[name] = wd
 	go e.run(ctx, wd.done)
 	return nil
@@ -187,6 +194,12 @@ type engine struct {
 	st    *engineState
 	w     *Watcher
 	ready chan struct{} // closed once the index knows the worker
+	// scrapes holds the latest usable load, scraped here or relayed by
+	// another replica, until the engine's goroutine applies it.
+	scrapes chan vllm.Metrics
+	// relayedAt is when another replica's report of the engine's load
+	// last came (Unix nanoseconds; 0 never).
+	relayedAt atomic.Int64
 
 	mu        sync.Mutex
 	seq       uint64 // of the last event applied
@@ -199,8 +212,7 @@ type engine struct {
 
 func (e *engine) run(ctx context.Context, done chan<- struct{}) {
 	defer close(done)
-	// Only the latest scrape matters: a slow applier skips stale ones.
-	scrapes := make(chan vllm.Metrics, 1)
+	scrapes := e.scrapes
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -241,8 +253,23 @@ func (e *engine) handle(m kvevents.Message) {
 	e.mu.Unlock()
 }
 
+// relayFresh is the part of its interval within which another replica's
+// relayed report of an engine's load stands for this replica's own scrape
+// (Config.Relay); collided, the part within which two replicas'
+// scrapes of one turn are taken to have collided.
+const (
+	relayFresh = 0.75
+	collided   = 0.25
+)
+
 // scrape scrapes the engine every ScrapeInterval until ctx ends, sending
-// the usable results on out.
+// the usable results on out, and with Config.Relay handing them to it. A
+// turn at which another replica's report came within relayFresh of the
+// interval is skipped (the applier has that report). Replicas whose turns
+// fall within a relay's time of each other would each scrape at every
+// turn: one that sees another's report come just after its own scrape
+// waits up to half an interval more, at random, before its next turn,
+// and keeps that phase, so that one of the two turns comes first.
 //
 // With more engines than the Watcher's ScrapesPerSecond allows at their
 // intervals, the interval stretches (Watcher.scrapeInterval): it is
@@ -254,36 +281,24 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 	e.st.interval.Store(int64(every))
 	t := time.NewTicker(every)
 	defer t.Stop()
+	relay := e.w.cfg.Relay
 	var last string // the problem last logged
+	var mine int64  // when this replica last scraped, Unix nanoseconds
 	for {
-		sctx, cancel := context.WithTimeout(ctx, e.cfg.ScrapeTimeout)
-		m, err := e.cfg.Metrics.Scrape(sctx)
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		switch {
-		case err == nil:
-			e.st.ok.Add(1)
-			if last != "" {
-				e.cfg.Logger.Info("engine metrics usable again", "worker", e.name)
-				last = ""
+		start := time.Now()
+		if relay != nil && start.UnixNano()-e.relayedAt.Load() < int64(relayFresh*float64(every)) {
+			e.st.skipped.Add(1)
+		} else {
+			mine = start.UnixNano()
+			if m, ok := e.scrapeOnce(ctx, &last); ok {
+				offer(out, m)
+				if relay != nil {
+					relay(e.name, start, m)
+				}
 			}
-		case errors.Is(err, vllm.ErrGarbage):
-			e.st.garbage.Add(1)
-		default:
-			e.st.failed.Add(1)
-		}
-		if err != nil && err.Error() != last {
-			last = err.Error()
-			e.cfg.Logger.Warn("engine metrics unusable; keeping the last load", "worker", e.name, "err", err)
-		}
-		if err == nil || m.HasLoad || m.BlockSize > 0 {
-			select {
-			case <-out: // drop the stale one
-			default:
+			if ctx.Err() != nil {
+				return
 			}
-			out <- m // the only sender: room is left
 		}
 		if d := e.w.scrapeInterval(e.cfg.ScrapeInterval); d != every {
 			every = d
@@ -294,6 +309,65 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if r := e.relayedAt.Load(); relay != nil && r > mine && r-mine < int64(collided*float64(every)) {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(rand.N(max(every/2, 1))):
+			}
+			t.Reset(every)
+		}
+	}
+}
+
+// scrapeOnce scrapes the engine once, counting the outcome and logging a
+// new problem (last is the one logged before), and returns what may be
+// applied: the metrics when the scrape succeeded or read some of them.
+func (e *engine) scrapeOnce(ctx context.Context, last *string) (vllm.Metrics, bool) {
+	sctx, cancel := context.WithTimeout(ctx, e.cfg.ScrapeTimeout)
+	m, err := e.cfg.Metrics.Scrape(sctx)
+	cancel()
+	if ctx.Err() != nil {
+		return m, false
+	}
+	switch {
+	case err == nil:
+		e.st.ok.Add(1)
+		if *last != "" {
+			e.cfg.Logger.Info("engine metrics usable again", "worker", e.name)
+			*last = ""
+		}
+	case errors.Is(err, vllm.ErrGarbage):
+		e.st.garbage.Add(1)
+	default:
+		e.st.failed.Add(1)
+	}
+	if err != nil && err.Error() != *last {
+		*last = err.Error()
+		e.cfg.Logger.Warn("engine metrics unusable; keeping the last load", "worker", e.name, "err", err)
+	}
+	return m, err == nil || m.HasLoad || m.BlockSize > 0
+}
+
+// relayed takes another replica's report of the engine's load.
+func (e *engine) relayed(m vllm.Metrics) {
+	e.relayedAt.Store(time.Now().UnixNano())
+	e.st.relayed.Add(1)
+	offer(e.scrapes, m)
+}
+
+// offer leaves m in ch, a channel of one, in place of what it held.
+func offer(ch chan vllm.Metrics, m vllm.Metrics) {
+	for {
+		select {
+		case ch <- m:
+			return
+		default:
+		}
+		select {
+		case <-ch: // drop the stale one
+		default:
 		}
 	}
 }

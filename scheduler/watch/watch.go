@@ -14,6 +14,7 @@ import (
 
 	"github.com/batonllm/baton/proto/workerpb"
 	"github.com/batonllm/baton/scheduler/kvindex"
+	"github.com/batonllm/baton/workers/vllm"
 )
 
 // ErrClosed is returned by Add after Close.
@@ -104,6 +105,17 @@ type Config struct {
 	// stretches to engines/ScrapesPerSecond. Default
 	// DefaultScrapesPerSecond; negative: no bound.
 	ScrapesPerSecond float64
+	// Relay, if set, shares the engines' load with the other scheduler
+	// replicas in front of them: it is handed each usable scrape of an
+	// engine's metrics (with when the scrape began), for the others'
+	// Watchers (Relayed), and an engine whose load another replica
+	// relayed within three quarters of its interval is not scraped at its
+	// turn. With several replicas each engine is thus scraped by about one
+	// of them an interval, whichever's turn comes first, and the others
+	// take its report: the engines serve one replica's scrapes, not one
+	// per replica. It is called from the engine's scraping goroutine and
+	// must not block.
+	Relay func(worker string, at time.Time, m vllm.Metrics)
 }
 
 // DefaultScrapesPerSecond is Config.ScrapesPerSecond's default: 1,000
@@ -157,6 +169,23 @@ type watched struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	stats  func() EngineStats // engines only
+	engine *engine            // engines only
+}
+
+// Relayed applies an engine's load that another replica scraped and
+// relayed (Config.Relay) as if this Watcher had scraped it, and holds
+// back this Watcher's own next scrape of the engine if it comes within
+// three quarters of an interval. It reports false when no engine is
+// watched as worker.
+func (w *Watcher) Relayed(worker string, m vllm.Metrics) bool {
+	w.mu.Lock()
+	wd := w.workers[worker]
+	w.mu.Unlock()
+	if wd == nil || wd.engine == nil {
+		return false
+	}
+	wd.engine.relayed(m)
+	return true
 }
 
 // New returns a Watcher feeding idx, watching no worker yet.

@@ -206,21 +206,47 @@ func (p *peers) publish(e Entry, now int64) {
 	}
 	bp := p.bufs.Get().(*[]byte)
 	defer p.bufs.Put(bp)
+	one := [1]Entry{e}
+	frame := p.frame(bp, now, func(b []byte) []byte { return encode(b, one[:]) })
+	p.remember(frame)
+	for _, op := range *list {
+		op.write(p.s, frame)
+	}
+}
+
+// publishLoad writes a relayed load report, published at now, to every
+// connected peer, as publish writes a decision; a report not written is
+// not counted as a decision dropped, nor remembered for a peer that
+// connects later.
+func (p *peers) publishLoad(l Load, now int64) {
+	list := p.outList.Load()
+	if list == nil || len(*list) == 0 {
+		return
+	}
+	bp := p.bufs.Get().(*[]byte)
+	defer p.bufs.Put(bp)
+	frame := p.frame(bp, now, func(b []byte) []byte { return encodeLoad(b, l) })
+	for _, op := range *list {
+		if sent, _ := op.writeFrame(frame, time.Now().Add(p.s.cfg.publishWait)); sent {
+			p.s.cfg.Observer.Loads("sent", 1, len(frame))
+		}
+	}
+}
+
+// frame returns a frame in *bp: its length, the uvarint now, and the data
+// data appends.
+func (p *peers) frame(bp *[]byte, now int64, data func([]byte) []byte) []byte {
 	// The frame's length goes in front once the rest is written.
 	const room = binary.MaxVarintLen64
 	b := append((*bp)[:0], make([]byte, room)...)
 	b = binary.AppendUvarint(b, uint64(now))
-	one := [1]Entry{e}
-	b = encode(b, one[:])
+	b = data(b)
 	var hdr [binary.MaxVarintLen64]byte
 	h := binary.PutUvarint(hdr[:], uint64(len(b)-room))
 	frame := b[room-h:]
 	copy(frame, hdr[:h])
 	*bp = b
-	p.remember(frame)
-	for _, op := range *list {
-		op.write(p.s, frame)
-	}
+	return frame
 }
 
 // remember keeps a copy of frame among the newest Replay.
@@ -249,29 +275,40 @@ func (p *peers) history() [][]byte {
 	return out
 }
 
-// write writes one frame to op's connection, if it has one.
+// write writes one decision's frame to op's connection, if it has one,
+// counting it sent or dropped.
 func (op *outPeer) write(s *Sharer, frame []byte) {
+	switch sent, failed := op.writeFrame(frame, time.Now().Add(s.cfg.publishWait)); {
+	case sent:
+		s.cfg.Observer.Sent(ViaPeer, 1, len(frame))
+	case failed:
+		s.cfg.Observer.Dropped("peer_error", 1)
+	}
+}
+
+// writeFrame writes frame to op's connection, if it has one, by deadline,
+// and reports whether it was sent, or else failed: the write failed, or
+// the peer is down (not merely not connected yet, or closed under the
+// write). A write cut short closes the connection, which dial then opens
+// again.
+func (op *outPeer) writeFrame(frame []byte, deadline time.Time) (sent, failed bool) {
 	op.mu.Lock()
 	defer op.mu.Unlock()
 	if op.conn == nil {
-		if op.down.Load() {
-			s.cfg.Observer.Dropped("peer_error", 1)
-		}
-		return
+		return false, op.down.Load()
 	}
-	n, err := op.send(frame, time.Now().Add(s.cfg.publishWait))
+	n, err := op.send(frame, deadline)
 	switch {
 	case err == nil:
-		s.cfg.Observer.Sent(ViaPeer, 1, len(frame))
+		return true, false
 	case n == 0 && errors.Is(err, net.ErrClosed):
-	default:
-		s.cfg.Observer.Dropped("peer_error", 1)
-		if n > 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
-			// Cut short: what the peer reads next would not be a frame.
-			op.conn.Close()
-			op.conn = nil
-		}
+		return false, false
+	case n > 0 || !errors.Is(err, os.ErrDeadlineExceeded):
+		// Cut short: what the peer reads next would not be a frame.
+		op.conn.Close()
+		op.conn = nil
 	}
+	return false, true
 }
 
 // replay writes one frame of the history to op's connection, if it has
@@ -813,7 +850,11 @@ func (in *inPeer) frames(s *Sharer) {
 			in.err = err
 			return
 		}
-		s.applyMessage(ViaPeer, "", in.from, 0, at, data, false)
+		if len(data) > 0 && data[0] == formatLoad {
+			s.applyLoad(in.from, at, data)
+		} else {
+			s.applyMessage(ViaPeer, "", in.from, 0, at, data, false)
+		}
 		in.buf = in.buf[:copy(in.buf, in.buf[n:])]
 	}
 }

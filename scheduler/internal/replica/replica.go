@@ -93,6 +93,10 @@ type Config struct {
 	// from the Sharer's reading goroutine, one entry at a time, and must
 	// not block for long. Required.
 	Apply func(Entry)
+	// ApplyLoad, if set, applies an engine's load report another replica
+	// relayed (PublishLoad). It is called from the goroutine reading that
+	// replica's connection, or from Poll's caller, and must not block.
+	ApplyLoad func(Load)
 	// Logger hears one line each time Redis becomes unreachable or
 	// reachable again. Default: discarded.
 	Logger *slog.Logger
@@ -143,6 +147,9 @@ type Observer interface {
 	// same replica have: what Gap counts of the stream alone, less what
 	// the peers brought.
 	Lost(n int)
+	// Loads: a load report of the given bytes was relayed to a peer
+	// (direction "sent") or taken from one ("received").
+	Loads(direction string, n, bytes int)
 }
 
 // Why a connection to Listen was refused, for Observer.
@@ -766,3 +773,4 @@ func (nopObserver) Peers(int)                                {}
 func (nopObserver) Duplicates(int)                           {}
 func (nopObserver) Lost(int)                                 {}
 func (nopObserver) Refused(string)                           {}
+func (nopObserver) Loads(string, int, int)                   {}

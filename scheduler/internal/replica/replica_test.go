@@ -36,6 +36,7 @@ func (p *peer) Sent(string, int, int)                    {}
 func (p *peer) Received(string, int, int, time.Duration) {}
 func (p *peer) Peers(int)                                {}
 func (p *peer) Duplicates(int)                           {}
+func (p *peer) Loads(string, int, int)                   {}
 func (p *peer) Dropped(reason string, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

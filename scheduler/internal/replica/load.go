@@ -1,0 +1,164 @@
+package replica
+
+import (
+	"encoding/binary"
+	"errors"
+	"math"
+	"time"
+
+	"github.com/batonllm/baton/workers/engine"
+)
+
+// Load is one scrape of an engine's load (its metrics page), relayed to
+// the other replicas so that each engine is scraped by about one replica
+// at a time rather than by every one (scheduler/watch says who scrapes).
+type Load struct {
+	Worker string
+	// At is when the scrape started, in Unix nanoseconds on the scraping
+	// replica's clock.
+	At     int64
+	Report engine.Load
+}
+
+// formatLoad is the first byte of a relayed load report's data: a value
+// no decision's message starts with, so that a replica that reads only
+// decisions (before load reports were relayed) skips it as a message of
+// an unknown format and keeps scraping for itself.
+const formatLoad = 16
+
+// Flags of a relayed report: which of engine.Load's Has fields are set.
+const (
+	loadHasLoad = 1 << iota
+	loadHasKVUsage
+	loadHasLoRA
+)
+
+// maxAdapters bounds the adapters of one decoded report.
+const maxAdapters = 4096
+
+// encodeLoad appends l's data to b: formatLoad, the worker's name
+// (uvarint length, bytes), the scrape's start (uvarint Unix nanoseconds),
+// a byte of flags, running and waiting requests, the KV usage (8 bytes,
+// the float's bits, little endian), block size, GPU blocks, KV tokens,
+// slots and adapter slots (uvarints), then the adapters (uvarint count,
+// each a uvarint length and bytes).
+func encodeLoad(b []byte, l Load) []byte {
+	r := l.Report
+	b = append(b, formatLoad)
+	b = binary.AppendUvarint(b, uint64(len(l.Worker)))
+	b = append(b, l.Worker...)
+	b = binary.AppendUvarint(b, uint64(max(l.At, 0)))
+	var flags byte
+	if r.HasLoad {
+		flags |= loadHasLoad
+	}
+	if r.HasKVUsage {
+		flags |= loadHasKVUsage
+	}
+	if r.HasLoRA {
+		flags |= loadHasLoRA
+	}
+	b = append(b, flags)
+	for _, v := range []int64{int64(r.Running), int64(r.Waiting)} {
+		b = binary.AppendUvarint(b, uint64(max(v, 0)))
+	}
+	b = binary.LittleEndian.AppendUint64(b, math.Float64bits(r.KVUsage))
+	for _, v := range []int64{int64(r.BlockSize), r.GPUBlocks, r.KVTokens, int64(r.Slots), int64(r.MaxLoRAs)} {
+		b = binary.AppendUvarint(b, uint64(max(v, 0)))
+	}
+	b = binary.AppendUvarint(b, uint64(len(r.Adapters)))
+	for _, a := range r.Adapters {
+		b = binary.AppendUvarint(b, uint64(len(a)))
+		b = append(b, a...)
+	}
+	return b
+}
+
+var errBadLoad = errors.New("malformed load report")
+
+// decodeLoad parses a relayed load report's data, as encodeLoad writes
+// it.
+func decodeLoad(b []byte) (Load, error) {
+	if len(b) == 0 || b[0] != formatLoad {
+		return Load{}, errBadLoad
+	}
+	b = b[1:]
+	bad := false
+	uvarint := func(limit uint64) uint64 {
+		v, k := binary.Uvarint(b)
+		if k <= 0 || v > limit {
+			bad = true
+			return 0
+		}
+		b = b[k:]
+		return v
+	}
+	bytes := func(limit uint64) string {
+		n := uvarint(limit)
+		if bad || n > uint64(len(b)) {
+			bad = true
+			return ""
+		}
+		s := string(b[:n])
+		b = b[n:]
+		return s
+	}
+	var l Load
+	l.Worker = bytes(maxName)
+	l.At = int64(uvarint(math.MaxInt64))
+	if bad || len(b) < 1 {
+		return Load{}, errBadLoad
+	}
+	flags := b[0]
+	b = b[1:]
+	r := &l.Report
+	r.HasLoad, r.HasKVUsage, r.HasLoRA = flags&loadHasLoad != 0, flags&loadHasKVUsage != 0, flags&loadHasLoRA != 0
+	r.Running, r.Waiting = int(uvarint(math.MaxInt32)), int(uvarint(math.MaxInt32))
+	if bad || len(b) < 8 {
+		return Load{}, errBadLoad
+	}
+	r.KVUsage = math.Float64frombits(binary.LittleEndian.Uint64(b))
+	b = b[8:]
+	if math.IsNaN(r.KVUsage) || math.IsInf(r.KVUsage, 0) || r.KVUsage < 0 {
+		return Load{}, errBadLoad
+	}
+	r.BlockSize = int(uvarint(math.MaxInt32))
+	r.GPUBlocks, r.KVTokens = int64(uvarint(math.MaxInt64)), int64(uvarint(math.MaxInt64))
+	r.Slots, r.MaxLoRAs = int(uvarint(math.MaxInt32)), int(uvarint(math.MaxInt32))
+	n := uvarint(maxAdapters)
+	for i := uint64(0); i < n && !bad; i++ {
+		r.Adapters = append(r.Adapters, bytes(maxName))
+	}
+	if bad || len(b) != 0 || l.Worker == "" {
+		return Load{}, errBadLoad
+	}
+	return l, nil
+}
+
+// PublishLoad relays l, a scrape of l.Worker's metrics, to every peer
+// connected now, on the caller's goroutine; a write that would wait past
+// publishWait drops it for that peer. Not through Redis, and not kept for
+// a peer that connects later: a load report is stale within its
+// interval. Without Listen it does nothing.
+func (s *Sharer) PublishLoad(l Load) {
+	if s.peers == nil || l.Worker == "" {
+		return
+	}
+	s.peers.publishLoad(l, time.Now().UnixNano())
+}
+
+// applyLoad applies a load report another replica relayed.
+func (s *Sharer) applyLoad(from string, published int64, data []byte) {
+	if from == s.cfg.ID || from == "" {
+		return
+	}
+	l, err := decodeLoad(data)
+	if err != nil {
+		s.cfg.Logger.Debug("replica sharing: bad load report skipped", "from", from, "err", err)
+		return
+	}
+	s.cfg.Observer.Loads("received", 1, len(data))
+	if s.cfg.ApplyLoad != nil {
+		s.cfg.ApplyLoad(l)
+	}
+}
