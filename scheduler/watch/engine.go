@@ -350,10 +350,22 @@ func (e *engine) scrapeOnce(ctx context.Context, last *string) (vllm.Metrics, bo
 	return m, err == nil || m.HasLoad || m.BlockSize > 0
 }
 
-// relayed takes another replica's report of the engine's load.
+// relayed takes another replica's report of the engine's load: applied
+// on the caller's goroutine when the engine's lock is free (reports come
+// a batch at a time, and waking the engine's goroutine for each would
+// cost more than applying it), else left for the engine's goroutine.
 func (e *engine) relayed(m vllm.Metrics) {
 	e.relayedAt.Store(time.Now().UnixNano())
 	e.st.relayed.Add(1)
+	select {
+	case <-e.ready:
+		if e.mu.TryLock() {
+			e.scraped(m)
+			e.mu.Unlock()
+			return
+		}
+	default:
+	}
 	offer(e.scrapes, m)
 }
 

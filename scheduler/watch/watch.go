@@ -178,9 +178,11 @@ type watched struct {
 // three quarters of an interval. It reports false when no engine is
 // watched as worker.
 func (w *Watcher) Relayed(worker string, m vllm.Metrics) bool {
+	// Held while the report is applied, so that a worker being removed
+	// is not reported on after.
 	w.mu.Lock()
+	defer w.mu.Unlock()
 	wd := w.workers[worker]
-	w.mu.Unlock()
 	if wd == nil || wd.engine == nil {
 		return false
 	}

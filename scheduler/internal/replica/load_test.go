@@ -22,50 +22,52 @@ var loads = []Load{
 }
 
 func TestLoadRoundTrip(t *testing.T) {
-	for _, l := range loads {
-		got, err := decodeLoad(encodeLoad(nil, l))
-		if err != nil {
-			t.Fatalf("%s: %v", l.Worker, err)
+	for _, batch := range [][]Load{loads, loads[:1], loads[1:2]} {
+		var got []Load
+		n, err := decodeLoads(encodeLoads(nil, batch), func(l Load) { got = append(got, l) })
+		if err != nil || n != len(batch) {
+			t.Fatalf("%d reports: decoded %d, err %v", len(batch), n, err)
 		}
-		if diff := cmp.Diff(l, got, cmpopts.EquateEmpty()); diff != "" {
-			t.Errorf("%s (-sent +decoded):\n%s", l.Worker, diff)
+		if diff := cmp.Diff(batch, got, cmpopts.EquateEmpty()); diff != "" {
+			t.Errorf("(-sent +decoded):\n%s", diff)
 		}
 	}
 }
 
-// A replica that reads only decisions skips a load report as a message
-// of an unknown format, applying nothing.
+// A replica that reads only decisions skips a frame of load reports as a
+// message of an unknown format, applying nothing.
 func TestLoadIsNoDecision(t *testing.T) {
-	n, err := decode(encodeLoad(nil, loads[0]), func(e Entry) { t.Errorf("applied %v", e) })
+	n, err := decode(encodeLoads(nil, loads), func(e Entry) { t.Errorf("applied %v", e) })
 	if err == nil || n != 0 {
-		t.Errorf("decode of a load report: %d entries, err %v; want none and an error", n, err)
+		t.Errorf("decode of load reports: %d entries, err %v; want none and an error", n, err)
 	}
 }
 
-func FuzzDecodeLoad(f *testing.F) {
+func FuzzDecodeLoads(f *testing.F) {
+	f.Add(encodeLoads(nil, loads))
 	for _, l := range loads {
-		f.Add(encodeLoad(nil, l))
+		f.Add(encodeLoads(nil, []Load{l}))
 	}
 	f.Add([]byte{formatLoad})
 	f.Add([]byte{formatLoad, 1, 'w', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xf8, 0x7f})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		l, err := decodeLoad(b)
-		if err != nil {
+		var first []Load
+		if _, err := decodeLoads(b, func(l Load) { first = append(first, l) }); err != nil {
 			return
 		}
-		again, err := decodeLoad(encodeLoad(nil, l))
-		if err != nil {
-			t.Fatalf("%+v decoded, but not once encoded again: %v", l, err)
+		var again []Load
+		if _, err := decodeLoads(encodeLoads(nil, first), func(l Load) { again = append(again, l) }); err != nil {
+			t.Fatalf("%+v decoded, but not once encoded again: %v", first, err)
 		}
-		if diff := cmp.Diff(l, again, cmpopts.EquateEmpty()); diff != "" {
+		if diff := cmp.Diff(first, again, cmpopts.EquateEmpty()); diff != "" {
 			t.Fatalf("decoded, encoded and decoded again (-first +second):\n%s", diff)
 		}
 	})
 }
 
-// Three replicas: a load report one relays reaches the two others, not
-// itself, between decisions that still arrive; a replica without Listen
-// relays nothing and does not fail.
+// Three replicas: the load reports one relays reach the two others, in
+// order, not itself, and decisions still arrive beside them; a replica
+// without Listen relays nothing and does not fail.
 func TestPeersRelayLoad(t *testing.T) {
 	got := map[string]chan Load{}
 	edit := func(id string) func(*Config) {
@@ -78,19 +80,22 @@ func TestPeersRelayLoad(t *testing.T) {
 	connect(t, []*peer{a, b, c}, []*peerObs{ao, bo, co})
 	e := Entry{Worker: "w1", Keys: []uint64{1, 2}, Pending: 1, At: 42}
 	a.Publish(e)
-	a.PublishLoad(loads[0])
+	for _, l := range loads {
+		a.PublishLoad(l)
+	}
 	a.Publish(e)
 	for _, p := range []*peer{b, c} {
-		p.expect(t, e)
-		select {
-		case l := <-got[p.ID()]:
-			if diff := cmp.Diff(loads[0], l, cmpopts.EquateEmpty()); diff != "" {
-				t.Errorf("%s applied (-relayed +applied):\n%s", p.ID(), diff)
+		p.expect(t, e, e)
+		for i, want := range loads {
+			select {
+			case l := <-got[p.ID()]:
+				if diff := cmp.Diff(want, l, cmpopts.EquateEmpty()); diff != "" {
+					t.Errorf("%s's report %d (-relayed +applied):\n%s", p.ID(), i, diff)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: load report %d never applied", p.ID(), i)
 			}
-		case <-time.After(10 * time.Second):
-			t.Fatalf("%s: the load report never applied", p.ID())
 		}
-		p.expect(t, e)
 	}
 	select {
 	case l := <-got["a"]:

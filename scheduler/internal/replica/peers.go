@@ -92,6 +92,8 @@ type peers struct {
 
 	bufs sync.Pool // *[]byte frames
 
+	loads chan Load // relayed load reports waiting for relayLoads
+
 	keep   int // Replay, or 0: how many frames hist holds at most
 	histMu sync.Mutex
 	hist   [][]byte // the newest keep frames published, a ring
@@ -134,13 +136,14 @@ func listenPeers(s *Sharer) (*peers, error) {
 	if err != nil {
 		return nil, fmt.Errorf("replica: peer listener: %w", err)
 	}
-	p := &peers{s: s, ln: ln, out: make(map[string]*outPeer), in: make(map[*inPeer]struct{})}
+	p := &peers{s: s, ln: ln, out: make(map[string]*outPeer), in: make(map[*inPeer]struct{}), loads: make(chan Load, loadQueue)}
 	if s.cfg.Replay > 0 {
 		p.keep = int(s.cfg.Replay)
 	}
 	p.bufs.New = func() any { b := make([]byte, 0, 4096); return &b }
-	p.wg.Add(1)
+	p.wg.Add(2)
 	go p.accept()
+	go p.relayLoads()
 	return p, nil
 }
 
@@ -214,23 +217,22 @@ func (p *peers) publish(e Entry, now int64) {
 	}
 }
 
-// publishLoad writes a relayed load report, published at now, to every
-// connected peer, as publish writes a decision; a report not written is
-// not counted as a decision dropped, nor remembered for a peer that
-// connects later.
-func (p *peers) publishLoad(l Load, now int64) {
+// publishLoads writes a frame of relayed load reports, published at now,
+// to every connected peer, in buf (returned, to be reused), as publish
+// writes a decision; a frame not written is not counted as a decision
+// dropped, nor remembered for a peer that connects later.
+func (p *peers) publishLoads(buf []byte, ls []Load, now int64) []byte {
+	frame := p.frame(&buf, now, func(b []byte) []byte { return encodeLoads(b, ls) })
 	list := p.outList.Load()
-	if list == nil || len(*list) == 0 {
-		return
+	if list == nil {
+		return buf
 	}
-	bp := p.bufs.Get().(*[]byte)
-	defer p.bufs.Put(bp)
-	frame := p.frame(bp, now, func(b []byte) []byte { return encodeLoad(b, l) })
 	for _, op := range *list {
 		if sent, _ := op.writeFrame(frame, time.Now().Add(p.s.cfg.publishWait)); sent {
-			p.s.cfg.Observer.Loads("sent", 1, len(frame))
+			p.s.cfg.Observer.Loads("sent", len(ls), len(frame))
 		}
 	}
+	return buf
 }
 
 // frame returns a frame in *bp: its length, the uvarint now, and the data
@@ -851,7 +853,7 @@ func (in *inPeer) frames(s *Sharer) {
 			return
 		}
 		if len(data) > 0 && data[0] == formatLoad {
-			s.applyLoad(in.from, at, data)
+			s.applyLoads(in.from, data)
 		} else {
 			s.applyMessage(ViaPeer, "", in.from, 0, at, data, false)
 		}
