@@ -173,8 +173,8 @@ func (w *Watcher) AddEngine(name string, cfg EngineConfig) error {
 
 // Engines returns the counts of every engine followed.
 func (w *Watcher) Engines() []EngineStats {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.mu.RLock()
+	defer w.mu.RUnlock()
 	out := make([]EngineStats, 0, len(w.workers))
 	for _, wd := range w.workers {
 		if wd.stats != nil {

@@ -146,7 +146,7 @@ type Watcher struct {
 	idx *kvindex.Index
 	cfg Config
 
-	mu      sync.Mutex // serializes Add, Remove and Close; goroutines never take it
+	mu      sync.RWMutex // serializes Add, Remove and Close; Relayed and Engines read under it
 	workers map[string]*watched
 	closed  bool
 
@@ -180,8 +180,8 @@ type watched struct {
 func (w *Watcher) Relayed(worker string, m vllm.Metrics) bool {
 	// Held while the report is applied, so that a worker being removed
 	// is not reported on after.
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.mu.RLock()
+	defer w.mu.RUnlock()
 	wd := w.workers[worker]
 	if wd == nil || wd.engine == nil {
 		return false
