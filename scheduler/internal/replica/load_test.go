@@ -66,13 +66,19 @@ func FuzzDecodeLoads(f *testing.F) {
 }
 
 // Three replicas: the load reports one relays reach the two others, in
-// order, not itself, and decisions still arrive beside them; a replica
-// without Listen relays nothing and does not fail.
+// order, not itself, and decisions still arrive beside them, in the clear
+// and sealed under a shared secret; a replica without Listen relays
+// nothing and does not fail.
 func TestPeersRelayLoad(t *testing.T) {
+	t.Run("plain", func(t *testing.T) { testPeersRelayLoad(t, nil) })
+	t.Run("sealed", func(t *testing.T) { testPeersRelayLoad(t, []byte("the replicas' shared secret")) })
+}
+
+func testPeersRelayLoad(t *testing.T, secret []byte) {
 	got := map[string]chan Load{}
 	edit := func(id string) func(*Config) {
 		got[id] = make(chan Load, 16)
-		return func(c *Config) { c.ApplyLoad = func(l Load) { got[id] <- l } }
+		return func(c *Config) { c.ApplyLoad = func(l Load) { got[id] <- l }; c.Secret = secret }
 	}
 	a, ao := newListening(t, "", "a", edit("a"))
 	b, bo := newListening(t, "", "b", edit("b"))
