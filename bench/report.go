@@ -93,6 +93,12 @@ type StrategyReport struct {
 	// (baton_replica_sync_lag_seconds, interpolated within its buckets),
 	// wall milliseconds; zero when the replicas did not share.
 	SyncLagMs [2]float64 `json:"replica_sync_lag_ms,omitzero"`
+	// SyncUnseen is what the lag cost (baton_replica_sync_unseen_seconds):
+	// the share of the decisions the replicas received that reached one
+	// only after one of its picks that came after them, and the p50 and
+	// p99 of how long before that pick they were made, wall milliseconds;
+	// zero when none did.
+	SyncUnseen [3]float64 `json:"replica_sync_unseen,omitzero"`
 
 	// LagP99ms and LagMaxms are how late the load generator sent requests
 	// (wall milliseconds).
@@ -422,6 +428,10 @@ func (rep *Report) Markdown(w io.Writer) {
 		if s.SyncLagMs != [2]float64{} {
 			fmt.Fprintf(w, "\nReplica sharing lag (%s), from a decision's commit to its application on another replica, p50 / p99 ms: %.2f / %.2f.\n",
 				s.Strategy, s.SyncLagMs[0], s.SyncLagMs[1])
+		}
+		if s.SyncUnseen != [3]float64{} {
+			fmt.Fprintf(w, "\nReplica decisions unseen by a pick (%s): %.1f%% of the decisions received reached a replica only after one of its picks that came after them, made p50 / p99 ms before it: %.3f / %.3f.\n",
+				s.Strategy, 100*s.SyncUnseen[0], s.SyncUnseen[1], s.SyncUnseen[2])
 		}
 	}
 	for _, s := range rep.Strategies {

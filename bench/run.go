@@ -328,6 +328,20 @@ func histogramQuantiles(before, after []*dto.MetricFamily, name string) (p50, p9
 	return bucketQuantile(0.5, h1.bounds, h1.cum) * 1e6, bucketQuantile(0.99, h1.bounds, h1.cum) * 1e6
 }
 
+// histogramCount returns the observations of the histogram family name
+// (summed over its label sets) from before to after.
+func histogramCount(before, after []*dto.MetricFamily, name string) float64 {
+	h0, h1 := histograms(before, name, "")[""], histograms(after, name, "")[""]
+	if len(h1.cum) == 0 {
+		return 0
+	}
+	n := h1.cum[len(h1.cum)-1]
+	if len(h0.cum) > 0 {
+		n -= h0.cum[len(h0.cum)-1]
+	}
+	return n
+}
+
 // histogram is a histogram's bucket bounds and cumulative counts.
 type histogram struct{ bounds, cum []float64 }
 
@@ -678,6 +692,16 @@ func runOne(ctx context.Context, o *Options, w *workload.Workload, arrivals []fl
 		rep.PartsUs = partQuantiles(before, after)
 		if p50, p99 := histogramQuantiles(before, after, "baton_replica_sync_lag_seconds"); p99 > 0 {
 			rep.SyncLagMs = [2]float64{p50 / 1e3, p99 / 1e3}
+		}
+		if n := histogramCount(before, after, "baton_replica_sync_unseen_seconds"); n > 0 {
+			var received float64
+			for k, v := range rep.Counters {
+				if strings.HasPrefix(k, "replica_sync_entries_total{direction=received") {
+					received += v
+				}
+			}
+			p50, p99 := histogramQuantiles(before, after, "baton_replica_sync_unseen_seconds")
+			rep.SyncUnseen = [3]float64{n / max(received, n), p50 / 1e3, p99 / 1e3}
 		}
 	}
 	rep.checkHealth(o)

@@ -401,6 +401,7 @@ type syncMetrics struct {
 	missed, duplicates, lost prometheus.Counter
 	up, peers                prometheus.Gauge
 	lag                      *prometheus.HistogramVec
+	unseen                   prometheus.Histogram
 }
 
 func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
@@ -427,11 +428,14 @@ func newSyncMetrics(reg prometheus.Registerer) *syncMetrics {
 			Help: "Other replicas this one sends its decisions to straight, now."}),
 		loads: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "baton_replica_sync_load_reports_total",
 			Help: "Scrapes of engines' metrics relayed to a peer (sent, once per peer) or taken from one (received) in place of this replica's own scrape (replicas.peers.share_load)."}, []string{"direction"}),
+		unseen: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "baton_replica_sync_unseen_seconds",
+			Help:    "Decisions of other replicas that reached this one only after one of its picks that came after them, by how long before that pick they were made: what the lag cost (each counted once, at this replica's latest pick before it applied them).",
+			Buckets: prometheus.ExponentialBuckets(0.00001, 2, 20)}),
 		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "baton_replica_sync_lag_seconds",
 			Help:    "Time from another replica's commit of a decision to its application here (the oldest decision of each message), by the way that brought it first: how long this replica routed without knowing of it.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 17)}, []string{"via"}),
 	}
-	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.refused, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag, m.loads)
+	reg.MustRegister(m.messages, m.entries, m.bytes, m.dropped, m.refused, m.missed, m.duplicates, m.lost, m.up, m.peers, m.lag, m.loads, m.unseen)
 	m.loads.WithLabelValues("sent")
 	m.loads.WithLabelValues("received")
 	m.up.Set(1)
@@ -473,7 +477,8 @@ func (m *syncMetrics) Lost(n int)       { m.lost.Add(float64(n)) }
 func (m *syncMetrics) Refused(reason string) {
 	m.refused.WithLabelValues(reason).Inc()
 }
-func (m *syncMetrics) Peers(n int) { m.peers.Set(float64(n)) }
+func (m *syncMetrics) Peers(n int)            { m.peers.Set(float64(n)) }
+func (m *syncMetrics) Unseen(d time.Duration) { m.unseen.Observe(d.Seconds()) }
 func (m *syncMetrics) Loads(direction string, n, bytes int) {
 	m.loads.WithLabelValues(direction).Add(float64(n))
 }

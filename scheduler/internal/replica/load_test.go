@@ -114,3 +114,46 @@ func testPeersRelayLoad(t *testing.T, secret []byte) {
 	alone := newPeer(t, "", "alone", func(c *Config) { c.Client = nil; c.Listen = "127.0.0.1:0" })
 	alone.PublishLoad(loads[1])
 }
+
+// unseenObs records what Unseen hears.
+type unseenObs struct {
+	*peerObs
+	got chan time.Duration
+}
+
+func (u *unseenObs) Unseen(d time.Duration) { u.got <- d }
+
+// A decision made before the receiver's latest pick (its Poll) and
+// applied after it is counted unseen, by how long before that pick it
+// was made; one made after the pick is not.
+func TestUnseenByPick(t *testing.T) {
+	a, ao := newListening(t, "", "a", nil)
+	var u *unseenObs
+	b, bo := newListening(t, "", "b", func(c *Config) {
+		u = &unseenObs{peerObs: c.Observer.(*peerObs), got: make(chan time.Duration, 8)}
+		c.Observer = u
+	})
+	connect(t, []*peer{a, b}, []*peerObs{ao, bo})
+	before := Entry{Worker: "w1", Keys: []uint64{1}, Pending: 0, At: time.Now().Add(-time.Second).UnixNano()}
+	b.Poll()
+	polled := time.Now()
+	a.Publish(before)
+	b.expect(t, before)
+	select {
+	case d := <-u.got:
+		if d < time.Second || d > time.Second+time.Since(polled) {
+			t.Errorf("unseen by %v, want a second", d)
+		}
+	default:
+		t.Error("a decision made before b's pick and applied after it was not counted unseen")
+	}
+	b.Poll()
+	after := Entry{Worker: "w1", Keys: []uint64{2}, Pending: 0, At: time.Now().Add(time.Second).UnixNano()}
+	a.Publish(after)
+	b.expect(t, after)
+	select {
+	case d := <-u.got:
+		t.Errorf("a decision made after b's latest pick counted unseen by %v", d)
+	default:
+	}
+}

@@ -150,6 +150,10 @@ type Observer interface {
 	// Loads: a load report of the given bytes was relayed to a peer
 	// (direction "sent") or taken from one ("received").
 	Loads(direction string, n, bytes int)
+	// Unseen: a decision of another replica's, made before this
+	// replica's latest Poll (its latest pick), was applied after it: that
+	// pick decided without it, made by then d before.
+	Unseen(d time.Duration)
 }
 
 // Why a connection to Listen was refused, for Observer.
@@ -244,6 +248,11 @@ type Sharer struct {
 	origins   map[string]*origin // what is known of each other replica's messages
 
 	peers *peers // nil without Listen
+
+	// polled is when Poll last returned (Unix nanoseconds): a decision
+	// made elsewhere before it and applied after it was not known to the
+	// pick that followed (Observer.Unseen).
+	polled atomic.Int64
 }
 
 // New starts a Sharer.
@@ -332,6 +341,7 @@ func (s *Sharer) Poll() {
 	if s.peers != nil {
 		s.peers.poll()
 	}
+	s.polled.Store(time.Now().UnixNano())
 }
 
 // SetPeers says where the other replicas listen (host:port each; this
@@ -629,6 +639,9 @@ func (s *Sharer) applyMessage(via, id, from string, seq uint64, published int64,
 			return
 		}
 		applied++
+		if p := s.polled.Load(); e.At > 0 && p > e.At {
+			s.cfg.Observer.Unseen(time.Duration(p - e.At))
+		}
 		s.cfg.Apply(e)
 	})
 	if dups > 0 {
@@ -774,3 +787,4 @@ func (nopObserver) Duplicates(int)                           {}
 func (nopObserver) Lost(int)                                 {}
 func (nopObserver) Refused(string)                           {}
 func (nopObserver) Loads(string, int, int)                   {}
+func (nopObserver) Unseen(time.Duration)                     {}

@@ -37,6 +37,7 @@ func (p *peer) Received(string, int, int, time.Duration) {}
 func (p *peer) Peers(int)                                {}
 func (p *peer) Duplicates(int)                           {}
 func (p *peer) Loads(string, int, int)                   {}
+func (p *peer) Unseen(time.Duration)                     {}
 func (p *peer) Dropped(reason string, n int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
