@@ -86,6 +86,13 @@ type Config struct {
 	// Negative: replicas share nothing.
 	ShareLag         time.Duration
 	ShareCorrections bool
+	// ShareLate, between 0 and 1, is the part of what the replicas share
+	// that takes ShareLag, each drawn at random; the rest reaches the
+	// others at once. 0 means 1: all of it. In real time most decisions
+	// reach the others before their next pick and a few do not
+	// (baton_replica_sync_unseen_seconds counts those): ShareLate is that
+	// part, ShareLag their lag.
+	ShareLate float64
 
 	// dispatchOf, set by tests, replaces Dispatch's draws: request i's
 	// delay.
@@ -255,7 +262,11 @@ func (s *Sim) share(from int, apply func(*kvindex.Index)) {
 	if s.cfg.ShareLag < 0 {
 		return
 	}
-	s.at(s.now+s.cfg.ShareLag.Seconds(), func(float64) {
+	lag := s.cfg.ShareLag.Seconds()
+	if f := s.cfg.ShareLate; f > 0 && f < 1 && s.late.Float64() >= f {
+		lag = 0
+	}
+	s.at(s.now+lag, func(float64) {
 		for i, v := range s.views {
 			if i != from {
 				apply(v.index)
@@ -281,6 +292,7 @@ type Sim struct {
 	prefixLen  int
 	seed       uint64
 	dispatch   func() float64 // nil: no dispatch delay
+	late       *rand.Rand     // draws what is shared late (Config.ShareLate)
 }
 
 func newSim(cfg Config) (*Sim, error) {
@@ -291,6 +303,9 @@ func newSim(cfg Config) (*Sim, error) {
 	if cfg.Replicas < 1 {
 		return nil, fmt.Errorf("replicas: %d is not positive", cfg.Replicas)
 	}
+	if !(cfg.ShareLate >= 0 && cfg.ShareLate <= 1) {
+		return nil, fmt.Errorf("share late: %v is not a part between 0 and 1", cfg.ShareLate)
+	}
 	if err := cfg.Dispatch.Validate(); err != nil {
 		return nil, err
 	}
@@ -300,7 +315,7 @@ func newSim(cfg Config) (*Sim, error) {
 		routing.RegisterBuiltins(reg)
 	}
 	s := &Sim{cfg: cfg, engines: map[*pool.Worker]*engine{}, prefixLen: cfg.PrefixLength, seed: cfg.Seed,
-		dispatch: cfg.Dispatch.sampler(cfg.Seed)}
+		dispatch: cfg.Dispatch.sampler(cfg.Seed), late: rand.New(rand.NewPCG(cfg.Seed, 0x1a7e))}
 	params := routing.Params{ConcurrencyThreshold: cfg.ConcurrencyThreshold}
 	for r := range cfg.Replicas {
 		v := &view{}

@@ -300,3 +300,42 @@ func TestBurstRanksPerReplica(t *testing.T) {
 		t.Errorf("one replica: ranks %v, want a permutation of 0–5", one)
 	}
 }
+
+// ShareLate delays the sharing of that part of the decisions: almost
+// none is sharing at once, all of it is ShareLag for every decision, and
+// half lies between; a part outside 0–1 is refused.
+func TestShareLate(t *testing.T) {
+	w := excerpt(t, 120)
+	base := Config{Workers: 4, Strategy: "kv_aware", Seed: 3, Replicas: 4,
+		Dispatch: Dispatch{Median: 5 * time.Millisecond, P90: 16 * time.Millisecond}}
+	cfg := func(lag time.Duration, late float64) Config {
+		c := base
+		c.ShareLag, c.ShareLate = lag, late
+		return c
+	}
+	workers := func(r *Result) []string {
+		var ws []string
+		for _, q := range r.Requests {
+			ws = append(ws, q.Worker)
+		}
+		return ws
+	}
+	const lag = 20 * time.Millisecond
+	atOnce, late := run(t, cfg(0, 0), w), run(t, cfg(lag, 0), w)
+	if reflect.DeepEqual(workers(atOnce), workers(late)) {
+		t.Fatalf("sharing %v late routed as sharing at once: the test shows nothing", lag)
+	}
+	if r := run(t, cfg(lag, 1e-12), w); !reflect.DeepEqual(r.Requests, atOnce.Requests) {
+		t.Error("almost no decision shared late: not the run of sharing at once")
+	}
+	if r := run(t, cfg(lag, 1), w); !reflect.DeepEqual(r.Requests, late.Requests) {
+		t.Errorf("every decision shared late (ShareLate 1): not the run of ShareLag alone")
+	}
+	half := workers(run(t, cfg(lag, 0.5), w))
+	if reflect.DeepEqual(half, workers(atOnce)) || reflect.DeepEqual(half, workers(late)) {
+		t.Error("half the decisions shared late routed as all or none")
+	}
+	if _, err := Run(context.Background(), cfg(lag, 1.5), w); err == nil || !strings.Contains(err.Error(), "share late") {
+		t.Errorf("ShareLate 1.5: %v, want an error naming it", err)
+	}
+}

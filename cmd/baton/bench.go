@@ -53,6 +53,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sharePeers := fs.Bool("share-peers", false, "the in-process replicas of --replicas also send their decisions straight to each other (replicas.peers), each on a loopback port of its own; alone, or beside --share-redis")
 	replicasFirst := fs.Bool("replicas-first", false, "send every request to the first of the --replicas (or the first --target URL): the others run beside it, following the engines and sharing, and decide nothing; a control for what N schedulers cost the machine apart from splitting the decisions")
 	shareLag := fs.Duration("share-lag", 0, "with --virtual and --replicas: the modelled time from one replica's decision to its application on the others (what --share-redis's stream takes); negative: the replicas share nothing")
+	shareLate := fs.Float64("share-late", 1, "with --virtual and --share-lag: the part of the replicas' decisions, drawn at random, whose sharing takes --share-lag; the rest reach the others at once (in real time, what baton_replica_sync_unseen_seconds counts of the decisions received), 0–1")
 	shareCorrections := fs.Bool("share-corrections", false, "with --virtual and --replicas: the replicas also share each request's time to first token beside its estimate, so that they correct their estimates alike (baton serve's replicas do not)")
 	quiet := fs.Bool("quiet", false, "no progress lines on stderr")
 	virtual := fs.Bool("virtual", false, "replay on the virtual clock (bench/vsim: the scheduler's routing and the simulated engines' scheduling, no gRPC, no wall clock) instead of in-process fleets: the same report in seconds, without the network's milliseconds; --speedup and --concurrency do not apply")
@@ -139,8 +140,11 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *virtual && (*target != "" || *conc != 0 || *sharedTier || *shareRedis != "" || *sharePeers || *replicasFirst) {
 		return errors.New("--virtual: simulates in-process fleets in open loop without a shared tier, its replicas sharing as --share-lag says; drop --target, --concurrency, --shared-tier, --share-redis, --share-peers and --replicas-first")
 	}
-	if (*shareLag != 0 || *shareCorrections) && !*virtual {
-		return errors.New("--share-lag, --share-corrections: model the replicas' sharing on the virtual clock; add --virtual (in real time, --share-redis)")
+	if (*shareLag != 0 || *shareCorrections || set["share-late"]) && !*virtual {
+		return errors.New("--share-lag, --share-late, --share-corrections: model the replicas' sharing on the virtual clock; add --virtual (in real time, --share-redis)")
+	}
+	if !(*shareLate > 0 && *shareLate <= 1) {
+		return fmt.Errorf("--share-late: a part of the decisions, more than 0 and at most 1, got %v", *shareLate)
 	}
 	var disp vsim.Dispatch
 	if *dispatch != "" {
@@ -183,7 +187,7 @@ func benchCmd(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	var rep *bench.Report
 	if *virtual {
-		rep, err = virtualBench(ctx, o, w, disp, *shareLag, *shareCorrections)
+		rep, err = virtualBench(ctx, o, w, disp, vsimShare{lag: *shareLag, late: *shareLate, corrections: *shareCorrections})
 	} else {
 		rep, err = bench.Run(ctx, o, w)
 	}
@@ -309,7 +313,16 @@ func parseDispatch(v string) (vsim.Dispatch, error) {
 
 // virtualBench is bench.Run on the virtual clock: each strategy and fleet
 // replayed by bench/vsim, summarized as the bench summarizes real runs.
-func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, disp vsim.Dispatch, shareLag time.Duration, shareCorrections bool) (*bench.Report, error) {
+// vsimShare is how the virtual clock's replicas share (--share-lag,
+// --share-late, --share-corrections).
+type vsimShare struct {
+	lag         time.Duration
+	late        float64
+	corrections bool
+}
+
+func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, disp vsim.Dispatch, share vsimShare) (*bench.Report, error) {
+	shareLag, shareCorrections := share.lag, share.corrections
 	fleets := o.Fleets
 	if len(fleets) == 0 {
 		fleets = []bench.Fleet{{Workers: o.Workers}}
@@ -336,7 +349,7 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, di
 				c := vsim.Config{Model: o.Model, GPU: o.GPU, Workers: f.Workers, Prefill: f.Prefill, Decode: f.Decode,
 					Strategy: s, ConcurrencyThreshold: o.ConcurrencyThreshold, PrefixLength: o.PrefixLength,
 					KVBlocks: o.KVBlocks, CPUBlocks: o.CPUBlocks, Rate: o.Rate, Seed: o.Seed, Dispatch: disp,
-					Replicas: n, ShareLag: shareLag, ShareCorrections: shareCorrections}
+					Replicas: n, ShareLag: shareLag, ShareLate: share.late, ShareCorrections: shareCorrections}
 				if f.Disaggregated() {
 					c.Workers = 0
 				}
@@ -352,6 +365,8 @@ func virtualBench(ctx context.Context, o bench.Options, w *workload.Workload, di
 					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing nothing", n)
 				case n > 1 && shareCorrections:
 					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing each decision and time to first token %v after it", n, shareLag)
+				case n > 1 && share.late < 1:
+					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing %.3g of the decisions %v after them, the rest at once", n, share.late, shareLag)
 				case n > 1:
 					sr.Fleet += fmt.Sprintf(", %d scheduler replicas sharing each decision %v after it", n, shareLag)
 				}
