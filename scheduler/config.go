@@ -347,7 +347,10 @@ type Config struct {
 	// scrapes_per_second × metrics_interval workers, every worker's
 	// interval stretches to workers / scrapes_per_second (1,000 workers at
 	// the default 250ms, 2,000 at 500ms). A scrape of a vLLM page costs
-	// about 0.2 ms of CPU. Default 4000; -1: no bound.
+	// about 0.2 ms of CPU. With replicas.peers.share_load, the workers
+	// are counted in the share of the turns this replica scraped itself
+	// over the last second (the others' relayed reports cover the rest).
+	// Default 4000; -1: no bound.
 	ScrapesPerSecond int `yaml:"scrapes_per_second"`
 
 	routing.Params  `yaml:",inline"`

@@ -288,7 +288,9 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 		start := time.Now()
 		if relay != nil && start.UnixNano()-e.relayedAt.Load() < int64(relayFresh*float64(every)) {
 			e.st.skipped.Add(1)
+			e.w.turn(false)
 		} else {
+			e.w.turn(true)
 			mine = start.UnixNano()
 			if m, ok := e.scrapeOnce(ctx, &last); ok {
 				offer(out, m)

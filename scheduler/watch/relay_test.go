@@ -116,3 +116,80 @@ func TestReplicasShareScrapes(t *testing.T) {
 		})
 	}
 }
+
+// Past its ScrapesPerSecond, a Watcher stretches its engines' interval
+// by the scrapes it makes itself: four replicas relaying to each other,
+// each scraping about a quarter of the turns, keep the configured
+// interval where one replica, or four that do not relay, stretch it
+// twofold.
+func TestRelayedScrapesShareTheBudget(t *testing.T) {
+	const (
+		replicas = 4
+		engines  = 40
+		interval = 100 * time.Millisecond
+		perSec   = 200 // 40 engines every 100ms would take 400 a second
+	)
+	for _, relay := range []bool{true, false} {
+		t.Run(fmt.Sprintf("relay=%v", relay), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ws := make([]*watch.Watcher, replicas)
+				for i := range ws {
+					cfg := watch.Config{ScrapesPerSecond: perSec}
+					if relay {
+						cfg.Relay = func(worker string, _ time.Time, m vllm.Metrics) {
+							for j, o := range ws {
+								if j != i {
+									time.AfterFunc(time.Millisecond, func() { o.Relayed(worker, m) })
+								}
+							}
+						}
+					}
+					ws[i] = watch.New(kvindex.New(kvindex.Config{}), cfg)
+				}
+				srcs := make([]*numberedMetrics, engines)
+				for e := range srcs {
+					srcs[e] = &numberedMetrics{}
+				}
+				for _, w := range ws {
+					defer w.Close()
+					for e, src := range srcs {
+						if err := w.AddEngine(fmt.Sprintf("e%d", e), watch.EngineConfig{Metrics: src, ScrapeInterval: interval}); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+				// Past the first seconds' shares (the interval stretches
+				// until one is measured), over 10 s.
+				total := func() (n int64) {
+					for _, src := range srcs {
+						n += src.n.Load()
+					}
+					return n
+				}
+				time.Sleep(50 * time.Second)
+				synctest.Wait()
+				before := total()
+				time.Sleep(10 * time.Second)
+				synctest.Wait()
+				if relay {
+					// One scrape an engine a turn in all, as one replica
+					// would make.
+					if n, turns := total()-before, int64(engines*10*time.Second/interval); n < turns*9/10 || n > turns*13/10 {
+						t.Errorf("%d scrapes in 10 s, want about %d, one an engine a turn", n, turns)
+					}
+				}
+				want := interval
+				if !relay {
+					want = 2 * interval
+				}
+				for i, w := range ws {
+					for _, e := range w.Engines() {
+						if e.ScrapeInterval < want || e.ScrapeInterval > want*5/4 {
+							t.Fatalf("replica %d scrapes %s every %s, want %s", i, e.Worker, e.ScrapeInterval, want)
+						}
+					}
+				}
+			})
+		})
+	}
+}

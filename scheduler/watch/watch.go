@@ -102,7 +102,9 @@ type Config struct {
 	// ScrapesPerSecond bounds the engine metrics scrapes the Watcher
 	// starts a second, across all its engines: with more engines than
 	// their ScrapeInterval allows within it, each engine's interval
-	// stretches to engines/ScrapesPerSecond. Default
+	// stretches to engines/ScrapesPerSecond. With Relay, the engines are
+	// counted in the share of the turns this Watcher scraped itself over
+	// the last second. Default
 	// DefaultScrapesPerSecond; negative: no bound.
 	ScrapesPerSecond float64
 	// Relay, if set, shares the engines' load with the other scheduler
@@ -154,6 +156,37 @@ type Watcher struct {
 	wakes  map[string]chan struct{} // by worker: Retry's signal to its goroutine (cap 1)
 
 	scraping atomic.Int64 // engines whose scrape loops run
+
+	// With Config.Relay, the share of the turns this Watcher scraped
+	// itself (the rest another replica's report covered), which the
+	// ScrapesPerSecond budget counts: turns and scraped since
+	// shareFrom, share in millionths plus one (0: not measured yet),
+	// updated every shareEvery.
+	turns, scraped atomic.Int64
+	shareFrom      atomic.Int64 // Unix nanoseconds
+	share          atomic.Int64
+}
+
+// shareEvery is how often the share of turns scraped is taken anew.
+const shareEvery = time.Second
+
+// turn counts one turn of an engine's scrape loop, scraped or skipped.
+func (w *Watcher) turn(scraped bool) {
+	if w.cfg.Relay == nil {
+		return
+	}
+	w.turns.Add(1)
+	if scraped {
+		w.scraped.Add(1)
+	}
+	now := time.Now().UnixNano()
+	from := w.shareFrom.Load()
+	if now-from < int64(shareEvery) || !w.shareFrom.CompareAndSwap(from, now) {
+		return
+	}
+	if t := w.turns.Swap(0); t > 0 {
+		w.share.Store(w.scraped.Swap(0)*1e6/t + 1)
+	}
 }
 
 // scrapeInterval is the interval of an engine configured to scrape every
@@ -162,7 +195,15 @@ func (w *Watcher) scrapeInterval(d time.Duration) time.Duration {
 	if w.cfg.ScrapesPerSecond < 0 {
 		return d
 	}
-	return max(d, time.Duration(float64(w.scraping.Load())/w.cfg.ScrapesPerSecond*float64(time.Second)))
+	engines := float64(w.scraping.Load())
+	if w.cfg.Relay != nil {
+		// Only the turns this replica scrapes count: with the others'
+		// reports relayed, four replicas each scrape about a quarter.
+		if sh := w.share.Load(); sh > 0 {
+			engines *= float64(sh-1) / 1e6
+		}
+	}
+	return max(d, time.Duration(engines/w.cfg.ScrapesPerSecond*float64(time.Second)))
 }
 
 type watched struct {
