@@ -228,7 +228,7 @@ func (p *peers) publishLoads(buf []byte, ls []Load, now int64) []byte {
 		return buf
 	}
 	for _, op := range *list {
-		if sent, _ := op.writeFrame(frame, time.Now().Add(p.s.cfg.publishWait)); sent {
+		if sent, _ := op.writeFrame(frame, p.s.cfg.publishWait); sent {
 			p.s.cfg.Observer.Loads("sent", len(ls), len(frame))
 		}
 	}
@@ -280,7 +280,7 @@ func (p *peers) history() [][]byte {
 // write writes one decision's frame to op's connection, if it has one,
 // counting it sent or dropped.
 func (op *outPeer) write(s *Sharer, frame []byte) {
-	switch sent, failed := op.writeFrame(frame, time.Now().Add(s.cfg.publishWait)); {
+	switch sent, failed := op.writeFrame(frame, s.cfg.publishWait); {
 	case sent:
 		s.cfg.Observer.Sent(ViaPeer, 1, len(frame))
 	case failed:
@@ -288,18 +288,19 @@ func (op *outPeer) write(s *Sharer, frame []byte) {
 	}
 }
 
-// writeFrame writes frame to op's connection, if it has one, by deadline,
-// and reports whether it was sent, or else failed: the write failed, or
-// the peer is down (not merely not connected yet, or closed under the
-// write). A write cut short closes the connection, which dial then opens
-// again.
-func (op *outPeer) writeFrame(frame []byte, deadline time.Time) (sent, failed bool) {
+// writeFrame writes frame to op's connection, if it has one, allowing
+// the write wait from when it holds the connection (a write that has not
+// started by then is given up), and reports whether it was sent, or else
+// failed: the write failed, or the peer is down (not merely not connected
+// yet, or closed under the write). A write cut short closes the
+// connection, which dial then opens again.
+func (op *outPeer) writeFrame(frame []byte, wait time.Duration) (sent, failed bool) {
 	op.mu.Lock()
 	defer op.mu.Unlock()
 	if op.conn == nil {
 		return false, op.down.Load()
 	}
-	n, err := op.send(frame, deadline)
+	n, err := op.send(frame, time.Now().Add(wait))
 	switch {
 	case err == nil:
 		return true, false
