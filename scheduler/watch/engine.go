@@ -286,12 +286,13 @@ func (e *engine) scrape(ctx context.Context, out chan vllm.Metrics) {
 	var mine int64  // when this replica last scraped, Unix nanoseconds
 	for {
 		start := time.Now()
-		if relay != nil && start.UnixNano()-e.relayedAt.Load() < int64(relayFresh*float64(every)) {
+		now := start.UnixNano()
+		if relay != nil && now-e.relayedAt.Load() < int64(relayFresh*float64(every)) {
 			e.st.skipped.Add(1)
-			e.w.turn(false)
+			e.w.turn(now, false)
 		} else {
-			e.w.turn(true)
-			mine = start.UnixNano()
+			e.w.turn(now, true)
+			mine = now
 			if m, ok := e.scrapeOnce(ctx, &last); ok {
 				offer(out, m)
 				if relay != nil {

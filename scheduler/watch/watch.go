@@ -170,8 +170,9 @@ type Watcher struct {
 // shareEvery is how often the share of turns scraped is taken anew.
 const shareEvery = time.Second
 
-// turn counts one turn of an engine's scrape loop, scraped or skipped.
-func (w *Watcher) turn(scraped bool) {
+// turn counts one turn of an engine's scrape loop, taken at now (Unix
+// nanoseconds), scraped or skipped.
+func (w *Watcher) turn(now int64, scraped bool) {
 	if w.cfg.Relay == nil {
 		return
 	}
@@ -179,7 +180,6 @@ func (w *Watcher) turn(scraped bool) {
 	if scraped {
 		w.scraped.Add(1)
 	}
-	now := time.Now().UnixNano()
 	from := w.shareFrom.Load()
 	if now-from < int64(shareEvery) || !w.shareFrom.CompareAndSwap(from, now) {
 		return

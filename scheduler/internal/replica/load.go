@@ -119,7 +119,7 @@ func decodeLoad(b []byte) (Load, []byte, error) {
 		b = b[k:]
 		return v
 	}
-	bytes := func(limit uint64) string {
+	field := func(limit uint64) string {
 		n := uvarint(limit)
 		if bad || n > uint64(len(b)) {
 			bad = true
@@ -130,7 +130,7 @@ func decodeLoad(b []byte) (Load, []byte, error) {
 		return s
 	}
 	var l Load
-	l.Worker = bytes(maxName)
+	l.Worker = field(maxName)
 	l.At = int64(uvarint(math.MaxInt64))
 	if bad || len(b) < 1 || l.Worker == "" {
 		return Load{}, nil, errBadLoad
@@ -153,7 +153,7 @@ func decodeLoad(b []byte) (Load, []byte, error) {
 	r.Slots, r.MaxLoRAs = int(uvarint(math.MaxInt32)), int(uvarint(math.MaxInt32))
 	n := uvarint(maxAdapters)
 	for i := uint64(0); i < n && !bad; i++ {
-		r.Adapters = append(r.Adapters, bytes(maxName))
+		r.Adapters = append(r.Adapters, field(maxName))
 	}
 	if bad {
 		return Load{}, nil, errBadLoad

@@ -222,11 +222,11 @@ func (p *peers) publish(e Entry, now int64) {
 // writes a decision; a frame not written is not counted as a decision
 // dropped, nor remembered for a peer that connects later.
 func (p *peers) publishLoads(buf []byte, ls []Load, now int64) []byte {
-	frame := p.frame(&buf, now, func(b []byte) []byte { return encodeLoads(b, ls) })
 	list := p.outList.Load()
-	if list == nil {
+	if list == nil || len(*list) == 0 {
 		return buf
 	}
+	frame := p.frame(&buf, now, func(b []byte) []byte { return encodeLoads(b, ls) })
 	for _, op := range *list {
 		if sent, _ := op.writeFrame(frame, p.s.cfg.publishWait); sent {
 			p.s.cfg.Observer.Loads("sent", len(ls), len(frame))
